@@ -1,0 +1,1 @@
+"""LoongForge core."""

@@ -1,0 +1,43 @@
+"""User-facing errors.
+
+Every error a user can cause (bad recipe, missing plugin, impossible parallel plan, bad checkpoint) is a
+``LoongForgeError``. The CLI prints ``str(error)`` on one line and exits with code 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class LoongForgeError(Exception):
+    """An error caused by user input; printed as one line by the CLI (exit code 2)."""
+
+
+class RecipeError(LoongForgeError):
+    """A recipe is malformed. ``key`` is the dotted key path, ``file`` the recipe file (if known)."""
+
+    def __init__(self, message: str, *, key: str | None = None, file: str | None = None):
+        self.key = key
+        self.file = file
+        self.message = message
+        where = []
+        if file:
+            where.append(str(file))
+        if key:
+            where.append(f"key '{key}'")
+        prefix = ": ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class PluginError(LoongForgeError):
+    """A plugin (backend, accelerator, kernel provider, model) is missing or failed to load."""
+
+
+class ParallelPlanError(LoongForgeError):
+    """A parallel layout is impossible for the world size or the model; the message shows the arithmetic."""
+
+
+class CheckpointError(LoongForgeError):
+    """A checkpoint is missing, incomplete, or does not match the model."""
+
+
+class AdaptationError(LoongForgeError):
+    """A device adaptation no longer matches the library it patches (e.g. after an upgrade)."""

@@ -1,0 +1,71 @@
+"""Kernel providers: the contract between kernel packages, hardware plugins and backends.
+
+A provider (registered under the ``loongforge.kernels`` entry-point group) maps op names (``rms_norm``,
+``swiglu``, ``rope``, ``fused_linear_cross_entropy``, ...) to callables. Backends ask :func:`select_op`; an
+accelerator plugin may override some ops through ``Accelerator.kernel_overrides()``.
+
+Selection rule (as in Liger-Kernel): an explicitly requested provider that cannot serve an op raises;
+``auto`` walks the preference order and falls back to the next provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol
+
+from loongforge.errors import PluginError
+
+AUTO_ORDER = ("triton", "tilelang", "torch")
+
+
+class KernelProvider(Protocol):
+    """What a ``loongforge.kernels`` entry point must load to (a class; instantiated with no arguments)."""
+
+    name: ClassVar[str]
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        """None when usable for tensors on ``device_type``, else why not (one line)."""
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        """Op name -> implementation."""
+
+
+def _provider(name: str) -> KernelProvider:
+    from loongforge import registry
+
+    cls = registry.kernels.get(name)
+    return cls()
+
+
+def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", accelerator: Any = None) -> Callable[..., Any]:
+    """Return the implementation of ``op`` for ``device_type``.
+
+    ``provider`` is ``auto`` or a provider name. Accelerator overrides win over providers.
+    """
+    if accelerator is not None:
+        override = accelerator.kernel_overrides().get(op)
+        if override is not None:
+            return override
+    from loongforge import registry
+
+    if provider != "auto":
+        prov = _provider(provider)
+        reason = prov.unavailable_reason(device_type)
+        if reason:
+            raise PluginError(f"kernel provider '{provider}' cannot run on {device_type}: {reason}")
+        impl = prov.ops().get(op)
+        if impl is None:
+            raise PluginError(f"kernel provider '{provider}' has no op '{op}'")
+        return impl
+    reasons = []
+    for name in AUTO_ORDER:
+        if name not in registry.kernels:
+            continue
+        try:
+            prov = _provider(name)
+        except PluginError as exc:
+            reasons.append(str(exc))
+            continue
+        if prov.unavailable_reason(device_type) is None and op in prov.ops():
+            return prov.ops()[op]
+    raise PluginError(f"no kernel provider serves op '{op}' on {device_type} ({'; '.join(reasons) or 'none installed'})")

@@ -1,0 +1,1 @@
+"""loongforge_embodied."""
