@@ -1,0 +1,5 @@
+import sys
+
+from loongforge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""The public Python API: everything the CLI does, as documented calls.
+
+Example::
+
+    import loongforge
+
+    recipe = loongforge.load_recipe("recipes/quickstart/llama_tiny.yaml", ["train.steps=20"])
+    metrics = loongforge.train(recipe, output_dir="runs/nb")          # one process, in this process
+    job, runtime = loongforge.build_job(recipe, output_dir="runs/nb2")  # or drive it step by step
+    for _ in range(3):
+        print(job.step()["loss"])
+    job.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loongforge.backend import Job, get_backend
+from loongforge.errors import LoongForgeError
+from loongforge.launcher import LaunchConfig, launch
+from loongforge.recipe import Recipe, dump_recipe, load_recipe
+from loongforge.runtime import Runtime
+
+__all__ = ["build_job", "default_output_dir", "load_recipe", "run_in_process", "train", "write_run_recipe"]
+
+
+def default_output_dir(recipe_path: str | Path | None) -> Path:
+    stem = Path(recipe_path).stem if recipe_path else "run"
+    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_run_recipe(recipe: Recipe, output_dir: str | Path) -> Path:
+    """Write the fully resolved recipe to ``OUTPUT/recipe.yaml`` (atomically)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "recipe.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_recipe(recipe))
+    tmp.replace(path)
+    return path
+
+
+def build_job(recipe: Recipe, *, output_dir: str | Path) -> tuple[Job, Runtime]:
+    """Create this process's runtime and let the recipe's backend build the job (model, data, optimizer)."""
+    backend = get_backend(recipe.backend)
+    runtime = Runtime.create(recipe, output_dir)
+    backend.validate(recipe, world_size=runtime.world_size)
+    return backend.build(recipe, runtime), runtime
+
+
+def run_in_process(recipe: Recipe, *, output_dir: str | Path, write_recipe: bool = True) -> dict[str, Any]:
+    """Train ``recipe`` in this process (one rank of a launched job, or the whole job when world size is 1)."""
+    if write_recipe:
+        write_run_recipe(recipe, output_dir)
+    job, runtime = build_job(recipe, output_dir=output_dir)
+    try:
+        return job.run()
+    finally:
+        job.close()
+        if runtime.logger is not None:
+            runtime.logger.close()
+
+
+def train(
+    recipe: Recipe | str | Path,
+    *,
+    output_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    launch_config: LaunchConfig | None = None,
+) -> dict[str, Any]:
+    """Train a recipe (object or path). One process runs here; more go through the elastic launcher."""
+    path = None
+    if not isinstance(recipe, Recipe):
+        path = recipe
+        recipe = load_recipe(recipe, overrides)
+    elif overrides:
+        raise LoongForgeError("overrides apply to recipe files; pass a path or override the Recipe object")
+    out = Path(output_dir) if output_dir else default_output_dir(path)
+    config = launch_config or LaunchConfig(nproc=recipe.parallel.min_world_size())
+    world = config.nproc * (int(config.nnodes) if str(config.nnodes).isdigit() else 1)
+    get_backend(recipe.backend).validate(recipe, world_size=world)
+    if config.single_process:
+        return run_in_process(recipe, output_dir=out)
+    recipe_file = write_run_recipe(recipe, out)
+    code = launch(config, recipe_file=recipe_file, output_dir=out)
+    if code != 0:
+        raise LoongForgeError(f"training failed on one of {world} processes (exit code {code}); see the messages above")
+    return {"output_dir": str(out)}

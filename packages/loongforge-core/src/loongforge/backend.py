@@ -1,0 +1,76 @@
+"""The backend interface: ``validate(recipe)``, ``build(recipe, runtime) -> Job``, ``Job.run() -> metrics``.
+
+Backends are registered under the ``loongforge.backends`` entry-point group. Training stages (pretrain / cpt /
+sft / lora) are recipe values, not separate programs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
+
+from loongforge.errors import PluginError
+
+if TYPE_CHECKING:
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+
+class Job(ABC):
+    """A built training job. ``run`` trains to ``train.steps``; ``step`` runs one optimizer step."""
+
+    @abstractmethod
+    def step(self) -> dict[str, float]:
+        """Run one optimizer step and return its metrics (at least ``loss``)."""
+
+    @abstractmethod
+    def run(self) -> dict[str, Any]:
+        """Train until ``train.steps`` (resuming if a checkpoint exists) and return final metrics."""
+
+    def close(self) -> None:  # noqa: B027 - optional override
+        """Release process groups and other resources."""
+
+
+class Backend(ABC):
+    """Base of every backend. ``model_schema``/``data_schema`` validate the recipe's backend-owned sections."""
+
+    name: ClassVar[str] = "base"
+    model_schema: ClassVar[type[BaseModel] | None] = None
+    data_schema: ClassVar[type[BaseModel] | None] = None
+
+    @classmethod
+    def check_recipe(cls, recipe: Recipe) -> None:  # noqa: B027 - optional override
+        """Cross-section checks that need no process group (raise ``RecipeError``)."""
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        """Validate the recipe for ``world_size`` processes (parallel plan vs model shape)."""
+        recipe.parallel.plan(world_size)
+
+    @abstractmethod
+    def build(self, recipe: Recipe, runtime: Runtime) -> Job:
+        """Build the model, data and optimizer for this process."""
+
+    def prepare_data(self, recipe: Recipe, *, force: bool = False) -> Path:
+        """``loongforge data prepare RECIPE``: build the data the recipe's ``data`` section describes."""
+        raise PluginError(f"backend '{self.name}' has no data preparation step")
+
+    def convert(self, src: str, dst: str, *, to: str, **layout: Any) -> None:
+        """``loongforge convert SRC DST --to ...``: checkpoint conversion in this backend's layouts."""
+        raise PluginError(f"backend '{self.name}' has no checkpoint conversion")
+
+
+def get_backend_class(name: str) -> type[Backend]:
+    """The Backend class registered as ``name`` (``PluginError`` naming the package to install if absent)."""
+    from loongforge import registry
+
+    cls = registry.backends.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise PluginError(f"loongforge.backends '{name}' does not point to a loongforge.backend.Backend subclass")
+    return cls
+
+
+def get_backend(name: str) -> Backend:
+    return get_backend_class(name)()

@@ -1,0 +1,200 @@
+"""The ``loongforge`` command line. Every user error exits with code 2 and one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from loongforge.errors import LoongForgeError
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch (torchrun's flags)")
+    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                   help="processes per node (default: tp*pp*cp*dp of the recipe)")
+    g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs")
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    g.add_argument("--rdzv-backend", default="c10d")
+    g.add_argument("--rdzv-id", default=None)
+    g.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loongforge", description="Train LLMs, VLMs, diffusion and embodied models from YAML recipes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a recipe")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    p.add_argument("--output", "-o", default=None, help="run directory (default: runs/<recipe>-<time>)")
+    _add_launch_args(p)
+
+    p = sub.add_parser("validate", help="validate a recipe (and print it fully resolved with --show)")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--show", action="store_true", help="print the resolved recipe with every default")
+    p.add_argument("--world-size", type=int, default=None, help="check the parallel plan for this many processes")
+
+    p = sub.add_parser("recipes", help="list shipped recipes")
+    p.add_argument("--dir", default=None)
+
+    sub.add_parser("plugins", help="list installed backends, accelerators, kernel providers and models")
+
+    p = sub.add_parser("plot", help="write a PNG of a run's loss and throughput")
+    p.add_argument("run")
+    p.add_argument("--output", "-o", default=None)
+
+    p = sub.add_parser("data", help="data preparation")
+    dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    dp = dsub.add_parser("prepare", help="prepare the data a recipe's data section describes")
+    dp.add_argument("recipe")
+    dp.add_argument("overrides", nargs="*")
+    dp.add_argument("--force", action="store_true", help="rebuild even if the prepared data exists")
+
+    p = sub.add_parser("convert", help="convert checkpoints between HF and a backend's layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["megatron", "hf"])
+    p.add_argument("--backend", default="megatron")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
+    return parser
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from loongforge.api import default_output_dir, train
+    from loongforge.launcher import LaunchConfig
+    from loongforge.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    nproc = args.nproc or recipe.parallel.min_world_size()
+    config = LaunchConfig(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                          rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
+    out = Path(args.output) if args.output else default_output_dir(args.recipe)
+    train(recipe, output_dir=out, launch_config=config)
+    print(f"run directory: {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from loongforge.backend import get_backend
+    from loongforge.recipe import dump_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    world = args.world_size or recipe.parallel.min_world_size()
+    get_backend(recipe.backend).validate(recipe, world_size=world)
+    if args.show:
+        sys.stdout.write(dump_recipe(recipe))
+    else:
+        print(f"ok: {args.recipe} (backend {recipe.backend}, world size {world})")
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from loongforge.recipes_index import list_recipes, recipes_root
+
+    root = Path(args.dir) if args.dir else recipes_root()
+    rows = list_recipes(root)
+    if not rows:
+        print("no recipes found (set LOONGFORGE_RECIPES or run from a checkout)")
+        return 0
+    width = max(len(str(p.relative_to(root))) for p, _, _ in rows)
+    for path, backend, desc in rows:
+        print(f"{str(path.relative_to(root)):<{width}}  [{backend}]  {desc}")
+    return 0
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from loongforge import registry
+
+    for group, reg in registry.REGISTRIES.items():
+        print(group)
+        entries = reg.entries()
+        if not entries:
+            print("  (none)")
+        for e in entries:
+            status = "ok"
+            if e.error:
+                status = f"failed to load: {e.error}"
+            elif group == "loongforge.accelerators":
+                try:
+                    reason = e.obj.unavailable_reason()
+                except Exception as exc:  # a plugin's probe must not crash the listing
+                    reason = f"{type(exc).__name__}: {exc}"
+                status = f"unavailable: {reason}" if reason else "available"
+            print(f"  {e.key:<12} {e.distribution:<22} {e.value}  [{status}]")
+        for key, dists in reg.duplicates().items():
+            print(f"  {key:<12} DUPLICATE: registered by {' and '.join(dists)}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from loongforge.plot import plot_run
+
+    print(plot_run(args.run, args.output))
+    return 0
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    if args.data_command != "prepare":
+        raise LoongForgeError("usage: loongforge data prepare RECIPE [overrides]")
+    from loongforge.backend import get_backend
+    from loongforge.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    path = get_backend(recipe.backend).prepare_data(recipe, force=args.force)
+    print(f"prepared: {path}")
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from loongforge.backend import get_backend
+
+    get_backend(args.backend).convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                                      ep=args.ep, etp=args.etp, force=args.force)
+    print(f"wrote {args.dst}")
+    return 0
+
+
+COMMANDS = {
+    "train": _cmd_train,
+    "validate": _cmd_validate,
+    "recipes": _cmd_recipes,
+    "plugins": _cmd_plugins,
+    "plot": _cmd_plot,
+    "data": _cmd_data,
+    "convert": _cmd_convert,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; user errors print ``error: ...`` on one line and return 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except LoongForgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("LOONGFORGE_DEBUG"):
+            raise
+        print(f"internal error: {type(exc).__name__}: {exc} (set LOONGFORGE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Run a recipe: in this process for one process, through torch.distributed's elastic launcher otherwise.
+
+NOTE: no home-made launcher. For N > 1 (or several nodes) we exec ``python -m torch.distributed.run`` — the
+same program as ``torchrun``, with the flags PyTorch users know (rendezvous, restarts) — on
+``python -m loongforge.worker``, which loads the already-resolved ``RUN/recipe.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from loongforge.errors import LoongForgeError
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """torchrun's options. ``nproc`` is processes per node."""
+
+    nproc: int = 1
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.5
+
+    @property
+    def single_process(self) -> bool:
+        return self.nproc == 1 and str(self.nnodes) == "1"
+
+
+def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``config``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc}", f"--nnodes={config.nnodes}"]
+    if config.rdzv_endpoint:
+        cmd += [
+            f"--node-rank={config.node_rank}",
+            f"--rdzv-backend={config.rdzv_backend}",
+            f"--rdzv-endpoint={config.rdzv_endpoint}",
+        ]
+        if config.rdzv_id:
+            cmd.append(f"--rdzv-id={config.rdzv_id}")
+    elif str(config.nnodes) == "1":
+        cmd.append("--standalone")
+    else:
+        raise LoongForgeError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT")
+    cmd += [f"--max-restarts={config.max_restarts}", f"--monitor-interval={config.monitor_interval}"]
+    cmd += ["-m", "loongforge.worker", "--recipe", str(recipe_file), "--output", str(output_dir)]
+    return cmd
+
+
+def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
+    """Run the elastic launcher and return its exit code (a failing worker's one-line error is on stderr)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, config.nproc))))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["LOONGFORGE_LAUNCHED"] = "1"
+    proc = subprocess.run(torchrun_command(config, recipe_file=recipe_file, output_dir=output_dir), env=env)
+    return proc.returncode

@@ -1,0 +1,126 @@
+"""Run metrics: JSONL + TensorBoard in the run directory and a progress line on the console (rank 0 only).
+
+``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss`` — tools and tests
+rely on this contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_rate(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.1f}"
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class MetricsLogger:
+    """Writes metrics of logged steps. Disabled (a no-op) on non-zero ranks."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True, config: Any = None, total_steps: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.interval = getattr(config, "interval", 1)
+        self.console = getattr(config, "console", True)
+        self.total_steps = total_steps
+        self._jsonl = None
+        self._tb = None
+        self._start: float | None = None
+        self._start_step = 0
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if getattr(config, "jsonl", True):
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if getattr(config, "tensorboard", True):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except Exception as exc:  # tensorboard missing or broken: keep training, say so once
+                self.info(f"tensorboard disabled: {exc}")
+
+    def info(self, message: str) -> None:
+        """Print a console line (rank 0 only)."""
+        if self.enabled and self.console:
+            print(message, file=sys.stderr, flush=True)
+
+    def should_log(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.total_steps or step == 1
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of ``step`` (1-based optimizer step)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start, self._start_step = now, step - 1
+        record = {"step": step, **{k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}}
+        if not self.should_log(step):
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, float) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        if self.console:
+            self.info(self._progress_line(step, record, now))
+
+    def _progress_line(self, step: int, m: dict[str, Any], now: float) -> str:
+        total = self.total_steps
+        parts = [f"step {step}/{total}" if total else f"step {step}"]
+        if "loss" in m:
+            parts.append(f"loss {m['loss']:.4f}")
+        if "lr" in m:
+            parts.append(f"lr {m['lr']:.2e}")
+        if "grad_norm" in m and isinstance(m["grad_norm"], float) and math.isfinite(m["grad_norm"]):
+            parts.append(f"gnorm {m['grad_norm']:.3f}")
+        if "tokens_per_s" in m:
+            parts.append(f"{_fmt_rate(m['tokens_per_s'])} tok/s")
+        if "samples_per_s" in m:
+            parts.append(f"{_fmt_rate(m['samples_per_s'])} samples/s")
+        if m.get("mfu"):
+            parts.append(f"MFU {100 * m['mfu']:.1f}%")
+        done = step - self._start_step
+        if total and done > 0 and self._start is not None:
+            eta = (now - self._start) / done * (total - step)
+            parts.append(f"ETA {_fmt_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``RUN/metrics.jsonl`` (later records for a step replace earlier ones, e.g. after resume)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        from loongforge.errors import LoongForgeError
+
+        raise LoongForgeError(f"{path} not found: is '{run_dir}' a LoongForge run directory?")
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[k] for k in sorted(by_step)]

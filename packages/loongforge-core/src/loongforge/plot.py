@@ -1,0 +1,39 @@
+"""``loongforge plot RUN``: a PNG of the loss and throughput curves of a run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loongforge.metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Write ``RUN/plot.png`` (or ``output``) with loss and throughput against the step; return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    steps = [r["step"] for r in records]
+    rate_key = next((k for k in ("tokens_per_s", "samples_per_s") if any(k in r for r in records)), None)
+    fig, axes = plt.subplots(1, 2 if rate_key else 1, figsize=(11 if rate_key else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(steps, [r.get("loss", float("nan")) for r in records], color="tab:blue")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    if rate_key:
+        ax2 = axes[0][1]
+        ax2.plot(steps, [r.get(rate_key, float("nan")) for r in records], color="tab:green")
+        ax2.set_xlabel("step")
+        ax2.set_ylabel(rate_key.replace("_per_s", "/s"))
+        ax2.set_title("throughput")
+        ax2.grid(alpha=0.3)
+    fig.suptitle(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(output) if output else Path(run_dir) / "plot.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,208 @@
+"""Load a recipe: YAML → ``extends:`` merge → ``a.b.c=value`` overrides → validated :class:`Recipe`.
+
+Every failure is a :class:`RecipeError` naming the file and the dotted key path; the CLI prints it on one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from loongforge.errors import LoongForgeError, PluginError, RecipeError
+from loongforge.recipe.schema import SECTIONS, Recipe
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse one YAML file into a mapping; errors name the file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("file not found", file=str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"invalid YAML{where}: {problem}", file=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"a recipe must be a mapping of sections, got {type(data).__name__}", file=str(path))
+    return data
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge ``over`` into a copy of ``base``: mappings merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve_extends(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read ``path`` and merge the recipes it ``extends:`` (paths relative to the file), parents first."""
+    path = Path(path).resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise RecipeError(f"extends cycle: {chain}", key="extends", file=str(path))
+    data = read_yaml(path)
+    parents = data.pop("extends", None)
+    if parents is None:
+        return data
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise RecipeError("must be a path or a list of paths", key="extends", file=str(path))
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        parent_path = (path.parent / parent).resolve()
+        if not parent_path.is_file():
+            raise RecipeError(f"extended recipe '{parent}' not found (looked for {parent_path})", key="extends", file=str(path))
+        merged = deep_merge(merged, resolve_extends(parent_path, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` → (["a","b","c"], value); the value is parsed as YAML (``3``, ``true``, ``[dist,hf]``)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override '{text}' is not of the form a.b.c=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply command-line overrides to a recipe mapping (creating intermediate mappings)."""
+    out = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                if path[0] == "accelerator" and i == 0 and isinstance(nxt, str):
+                    nxt = node[part] = {"name": nxt}
+                else:
+                    raise RecipeError(f"cannot set '{'.'.join(path)}': '{'.'.join(path[: i + 1])}' is not a section", key=".".join(path))
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def _format_loc(loc: Sequence[Any], prefix: str) -> str:
+    parts = [prefix] if prefix else []
+    parts += [str(p) for p in loc if not (isinstance(p, str) and p.startswith(("function-", "union[", "literal[")))]
+    return ".".join(p for p in parts if p)
+
+
+def _fields_at(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
+    """Known field names of the (nested) model that owns ``loc[-1]``, for did-you-mean suggestions."""
+    cls: Any = model
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return []
+    return list(getattr(cls, "model_fields", {}))
+
+
+def validation_error(exc: ValidationError, *, schema: type[BaseModel], prefix: str = "", file: str | None = None) -> RecipeError:
+    """Turn pydantic's first error into a one-line :class:`RecipeError` with the key path."""
+    err = exc.errors()[0]
+    loc = err.get("loc", ())
+    key = _format_loc(loc, prefix)
+    kind = err.get("type", "")
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        name = str(loc[-1]) if loc else "?"
+        known = _fields_at(schema, loc)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        allowed = f"; allowed keys: {', '.join(known)}" if known and not close else ""
+        return RecipeError(f"unknown key{hint}{allowed}", key=key, file=file)
+    if kind == "missing":
+        return RecipeError("required key is missing", key=key, file=file)
+    msg = err.get("msg", "invalid value").replace("\n", " ")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    return RecipeError(f"{msg} (got {shown})", key=key, file=file)
+
+
+def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_schemas: bool = True) -> Recipe:
+    """Validate a merged recipe mapping into a :class:`Recipe`.
+
+    With ``backend_schemas`` (the default) the backend named by ``backend`` must be installed: its ``model``
+    and ``data`` schemas validate those sections.
+    """
+    unknown = [k for k in data if k not in SECTIONS and k != "description"]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], SECTIONS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; allowed sections: {', '.join(SECTIONS)}"
+        raise RecipeError(f"unknown section{hint}", key=unknown[0], file=file)
+    if "backend" not in data:
+        raise RecipeError("required key is missing (e.g. backend: megatron)", key="backend", file=file)
+    if not isinstance(data["backend"], str):
+        raise RecipeError(f"must be a backend name (got {data['backend']!r})", key="backend", file=file)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, schema=Recipe, file=file) from None
+    if not backend_schemas:
+        return recipe
+    from loongforge.backend import get_backend_class
+
+    try:
+        backend_cls = get_backend_class(recipe.backend)
+    except PluginError as exc:
+        raise RecipeError(str(exc), key="backend", file=file) from None
+    for section in ("model", "data"):
+        schema = getattr(backend_cls, f"{section}_schema", None)
+        if schema is None:
+            continue
+        raw = data.get(section) or {}
+        if not isinstance(raw, dict):
+            raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
+        try:
+            setattr(recipe, section, schema.model_validate(raw))
+        except ValidationError as exc:
+            raise validation_error(exc, schema=schema, prefix=section, file=file) from None
+        except LoongForgeError as exc:
+            raise RecipeError(str(exc), key=section, file=file) from None
+    try:
+        backend_cls.check_recipe(recipe)
+    except RecipeError as exc:
+        if exc.file is None and file:
+            raise RecipeError(exc.message, key=exc.key, file=file) from None
+        raise
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, backend_schemas: bool = True) -> Recipe:
+    """Load a recipe file with ``extends:`` and overrides, validated. The public entry point."""
+    data = apply_overrides(resolve_extends(path), overrides)
+    return validate_recipe(data, file=str(path), backend_schemas=backend_schemas)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text of the fully resolved recipe."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,183 @@
+"""The recipe schema: typed, validated sections of a LoongForge recipe (pydantic v2).
+
+NOTE: pydantic rather than dataclasses + OmegaConf: we need strict validation with the *key path* of every
+error (``loc``), unknown-key rejection (``extra="forbid"``), literal choices, numeric ranges and defaults that
+can be printed — all first-class in pydantic, and one system for core and backends alike. YAML merging
+(``extends:``) and ``a.b.c=value`` overrides are done on plain dicts before validation (see ``loader.py``).
+
+The ``model`` and ``data`` sections belong to the backend: each Backend declares a pydantic class for them and
+the loader validates them once the backend is known.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SECTIONS = ("backend", "model", "data", "parallel", "train", "checkpoint", "accelerator", "kernels", "logging")
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ComponentParallel(Section):
+    """Per-component override of the global layout (e.g. ``parallel.components.vision``)."""
+
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    vpp: int | None = Field(None, ge=1)
+    cp: int | None = Field(None, ge=1)
+    ep: int | None = Field(None, ge=1)
+    etp: int | None = Field(None, ge=1)
+    sp: bool | None = None
+    recompute: Literal["none", "selective", "full"] | None = None
+    num_ranks: int | None = Field(None, ge=1, description="disjoint ranks for this component (decoupled grid)")
+
+
+class ParallelConfig(Section):
+    """Parallel layout. ``dp`` is derived from the world size; set it only to assert it."""
+
+    tp: int = Field(1, ge=1, description="tensor parallel size")
+    pp: int = Field(1, ge=1, description="pipeline parallel size")
+    vpp: int | None = Field(None, ge=1, description="virtual pipeline chunks per pipeline rank (interleaved 1F1B)")
+    cp: int = Field(1, ge=1, description="context parallel size")
+    ep: int = Field(1, ge=1, description="expert parallel size")
+    etp: int | None = Field(None, ge=1, description="expert tensor parallel size (default: tp)")
+    dp: int | None = Field(None, ge=1, description="data parallel size (derived: world / (tp*pp*cp))")
+    sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
+    distributed_optimizer: bool = Field(False, description="shard optimizer state across dp (ZeRO-1)")
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: int | None = Field(None, ge=1, description="layers per recompute unit (full recompute)")
+    strategy: Literal["auto", "ddp", "zero1", "fsdp2", "hsdp"] = Field(
+        "auto", description="embodied backend data-parallel strategy; megatron uses distributed_optimizer"
+    )
+    shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (replicas = dp / shard_size)")
+    components: dict[str, ComponentParallel] = Field(default_factory=dict)
+
+    def plan(self, world_size: int):
+        """Resolve against ``world_size`` into a validated ``ParallelPlan``."""
+        from loongforge.parallel import resolve_plan
+
+        comps = {k: v.model_dump(exclude_none=True) for k, v in self.components.items()}
+        fields = self.model_dump(exclude={"components"})
+        return resolve_plan(world_size=world_size, components=comps or None, **fields)
+
+    def min_world_size(self) -> int:
+        return self.tp * self.pp * self.cp * (self.dp or 1)
+
+
+class LoraConfig(Section):
+    """Low-rank adapters on the named linear layers; the base model is frozen."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+
+class TrainConfig(Section):
+    """Optimisation. The global batch is fixed by the recipe; more processes split it."""
+
+    stage: Literal["pretrain", "cpt", "sft", "lora"] = "pretrain"
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="default: train.steps")
+    wsd_decay_steps: int | None = Field(None, ge=1, description="wsd: length of the final decay phase")
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    seed: int = Field(1234, ge=0)
+    eval_interval: int | None = Field(None, ge=1)
+    eval_steps: int = Field(1, ge=1)
+    lora: LoraConfig | None = None
+    compile: bool = Field(False, description="torch.compile the model (embodied backend)")
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.stage == "lora" and self.lora is None:
+            self.lora = LoraConfig()
+        return self
+
+
+class CheckpointConfig(Section):
+    """Where weights come from and how the run saves. ``load`` is an HF directory or a LoongForge checkpoint."""
+
+    load: str | None = Field(None, description="HF model dir or LoongForge checkpoint to start from")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: resume from OUTPUT/checkpoints/latest if present")
+    save_interval: int | None = Field(None, ge=1, description="steps between checkpoints (default: only at the end)")
+    save_format: list[Literal["dist", "hf"]] = Field(default_factory=lambda: ["dist"])
+    keep_last: int = Field(2, ge=1)
+    save_at_end: bool = True
+
+
+class AcceleratorConfig(Section):
+    """``name``: auto | cpu | cuda | a plugin's name. ``env`` is exported before the device is touched."""
+
+    name: str = "auto"
+    env: dict[str, str] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _stringify(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()}
+        return v
+
+
+class KernelsConfig(Section):
+    """Kernel selection. ``spec`` picks the megatron layer spec (auto: loongforge unless TE is installed)."""
+
+    provider: str = Field("auto", description="auto | torch | triton | tilelang | a plugin's provider")
+    spec: Literal["auto", "loongforge", "te", "local"] = "auto"
+
+
+class LoggingConfig(Section):
+    interval: int = Field(1, ge=1, description="steps between logged metrics")
+    console: bool = True
+    tensorboard: bool = True
+    jsonl: bool = True
+
+
+class Recipe(Section):
+    """A whole recipe. ``model``/``data`` hold the backend's validated section objects."""
+
+    description: str = ""
+    backend: str
+    model: Any = None
+    data: Any = None
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    accelerator: AcceleratorConfig = Field(default_factory=AcceleratorConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("accelerator", mode="before")
+    @classmethod
+    def _accelerator_shorthand(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved recipe as plain data (what ``recipe.yaml`` in a run directory holds)."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,113 @@
+"""Pick the implementation of one kernel call: the Triton kernel or the plain-torch reference.
+
+``LOONGFORGE_KERNELS=torch|triton|auto`` (default ``auto``) is read on every call, so tests and users can
+switch without re-importing. ``auto`` uses Triton on CUDA tensors, and on CPU tensors only when Triton's
+interpreter is active; an explicit ``triton`` that cannot run raises :class:`KernelUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loongforge.errors import PluginError
+
+ENV_VAR = "LOONGFORGE_KERNELS"
+CHOICES = ("auto", "torch", "triton")
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # NOTE: triton is optional (macOS, CPU-only installs); the references still work.
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+class KernelUnavailableError(PluginError, RuntimeError):
+    """An explicitly requested kernel implementation cannot run on these tensors."""
+
+
+def jit(fn):
+    """``triton.jit`` when Triton is installed, else the plain function (never called then)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+@jit
+def _probe_kernel(X):
+    pass
+
+
+def interpreter_active() -> bool:
+    """True when Triton was imported under ``TRITON_INTERPRET=1``, so its kernels run on CPU tensors.
+
+    NOTE: Triton reads the variable when ``@triton.jit`` decorates (its own standard library included), so
+    setting it after ``import triton`` has no effect; we look at what the decorator actually produced.
+    """
+    if not HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_probe_kernel, InterpretedFunction)
+
+
+def triton_unavailable_reason(device_type: str) -> str | None:
+    """None when the Triton kernels can run on ``device_type`` tensors, else why not (one line)."""
+    if not HAS_TRITON:
+        return "triton is not installed (pip install triton)"
+    if device_type == "cuda" or interpreter_active():
+        return None
+    if device_type == "cpu":
+        return (
+            "Triton kernels run on CPU tensors only under Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before Python imports triton"
+        )
+    return f"these Triton kernels target CUDA, not '{device_type}'"
+
+
+def requested() -> str:
+    """The value of ``LOONGFORGE_KERNELS`` (validated)."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise KernelUnavailableError(f"{ENV_VAR}={choice!r} is not one of {', '.join(CHOICES)}")
+    return choice
+
+
+def resolve(impl: str | None, tensor: torch.Tensor) -> str:
+    """Return ``"triton"`` or ``"torch"`` for a call on ``tensor``; ``impl=None`` means the env var."""
+    choice = impl or requested()
+    if choice == "torch":
+        return "torch"
+    if choice not in CHOICES:
+        raise KernelUnavailableError(f"kernel implementation {choice!r} is not one of {', '.join(CHOICES)}")
+    reason = triton_unavailable_reason(tensor.device.type)
+    if choice == "triton":
+        if reason:
+            raise KernelUnavailableError(f"Triton kernels requested but unusable: {reason}")
+        return "triton"
+    return "torch" if reason else "triton"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def num_warps_for(block: int) -> int:
+    """Warps for a kernel whose program holds ``block`` elements in registers (Liger's rule of thumb)."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; a small number on CPU so the interpreter runs few programs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2

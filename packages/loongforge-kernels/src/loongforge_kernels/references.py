@@ -1,0 +1,91 @@
+"""Plain-torch references for every kernel: the CPU path, and the ground truth the tests compare against.
+
+Each computes in fp32 and returns the input dtype, like the kernels; autograd gives their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered_gamma: bool = False):
+    """y = x / rms(x) * w (``w + 1`` with megatron's zero-centered gamma), fp32 math, output in x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    return (y * w).to(x.dtype)
+
+
+def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :F]) * x[..., F:] on megatron's fused fc1 output [..., 2F]."""
+    a, b = x.float().chunk(2, dim=-1)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+def _rope_bshd_ref(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    rot = freqs.shape[-1]
+    tr, tp = t[..., :rot].float(), t[..., rot:]
+    cos, sin = freqs.float().cos(), freqs.float().sin()
+    x1, x2 = tr.chunk(2, dim=-1)
+    out = tr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out.to(t.dtype), tp), dim=-1)
+
+
+def thd_positions(cu_seqlens: torch.Tensor, n_tokens: int, *, packed_freqs: bool) -> torch.Tensor:
+    """Rotary position of each packed token: its index within its sequence, or (packed freqs) in the batch."""
+    idx = torch.arange(n_tokens, device=cu_seqlens.device, dtype=torch.int64)
+    if packed_freqs:
+        return idx
+    cu = cu_seqlens.to(torch.int64)
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=n_tokens)
+    return idx - starts
+
+
+def rope_ref(x: torch.Tensor, freqs: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """megatron's ``_apply_rotary_pos_emb_bshd`` / ``_thd`` (non-interleaved, cp_size 1) in fp32."""
+    if cu_seqlens is None:
+        return _rope_bshd_ref(x, freqs)
+    pos = thd_positions(cu_seqlens, x.shape[0], packed_freqs=freqs.shape[0] == x.shape[0])
+    return _rope_bshd_ref(x.unsqueeze(1), freqs[pos]).squeeze(1)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The eager baseline: full [N, V] logits, fp32 cross-entropy."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+
+def moe_row_id_map(indices: torch.Tensor) -> torch.Tensor:
+    """[T, k] position of each (token, slot) in the expert-sorted order (stable: token order within an expert)."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    row_id = torch.empty_like(order)
+    row_id[order] = torch.arange(flat.numel(), device=flat.device)
+    return row_id.view(indices.shape).to(torch.int32)
+
+
+def moe_permute_ref(tokens: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
+    """Copy token t to rows ``row_id_map[t, :]`` of the expert-sorted output [T*k, H]."""
+    topk = row_id_map.shape[1]
+    src = torch.empty(row_id_map.numel(), dtype=torch.int64, device=tokens.device)
+    src[row_id_map.reshape(-1).long()] = torch.arange(row_id_map.numel(), device=tokens.device) // topk
+    return tokens.index_select(0, src)
+
+
+def moe_unpermute_ref(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[t] = sum_k probs[t, k] * permuted[row_id_map[t, k]] in fp32, output in permuted.dtype."""
+    t, k = row_id_map.shape
+    rows = permuted.index_select(0, row_id_map.reshape(-1).long()).view(t, k, -1).float()
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(1).to(permuted.dtype)
