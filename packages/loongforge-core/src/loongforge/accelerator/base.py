@@ -105,6 +105,12 @@ class Accelerator:
     def capabilities(self) -> Capabilities:
         return Capabilities()
 
+    def resolve_precision(self, precision: str) -> str:
+        """``auto`` → bf16 on devices with bf16 support (CPU excluded: fp32 is faster there), else fp32."""
+        if precision != "auto":
+            return precision
+        return "bf16" if self.device_type != "cpu" and self.capabilities().bf16 else "fp32"
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense peak FLOP/s for ``dtype`` on one device, used for MFU; None when unknown."""
         return None

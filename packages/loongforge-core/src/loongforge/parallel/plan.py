@@ -89,7 +89,7 @@ class ParallelPlan:
             raise ParallelPlanError(
                 f"model has {num_layers} layers, not divisible by pp * vpp = {self.pp} * {self.vpp} = {chunks}"
             )
-        if self.ep > 1 or self.etp > 1:
+        if self.ep > 1 or self.etp != self.tp:
             if not num_experts:
                 raise ParallelPlanError(f"ep = {self.ep}, etp = {self.etp} need a MoE model (model has no experts)")
             if num_experts % self.ep:

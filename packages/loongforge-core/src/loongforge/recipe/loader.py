@@ -148,6 +148,25 @@ def validation_error(exc: ValidationError, *, schema: type[BaseModel], prefix: s
     return RecipeError(f"{msg} (got {shown})", key=key, file=file)
 
 
+def _check_plugin_names(recipe: Recipe, *, file: str | None) -> None:
+    """Accelerator and kernel-provider names must be installed (availability is checked at run time)."""
+    from loongforge import registry
+
+    for key, value, reg in (
+        ("accelerator.name", recipe.accelerator.name, registry.accelerators),
+        ("kernels.provider", recipe.kernels.provider, registry.kernels),
+    ):
+        if value == "auto" or value in reg:
+            continue
+        hint = registry.KNOWN_PROVIDERS.get((reg.group, value))
+        if hint:
+            raise RecipeError(f"'{value}' is not installed: pip install {hint}", key=key, file=file)
+        known = ["auto", *reg.keys()]
+        close = difflib.get_close_matches(value, known, n=1)
+        suggestion = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RecipeError(f"unknown value '{value}'{suggestion}; installed: {', '.join(known)}", key=key, file=file)
+
+
 def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_schemas: bool = True) -> Recipe:
     """Validate a merged recipe mapping into a :class:`Recipe`.
 
@@ -167,6 +186,7 @@ def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_sc
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, schema=Recipe, file=file) from None
+    _check_plugin_names(recipe, file=file)
     if not backend_schemas:
         return recipe
     from loongforge.backend import get_backend_class

@@ -98,7 +98,9 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 where the accelerator supports it (not on CPU), else fp32"
+    )
     seed: int = Field(1234, ge=0)
     eval_interval: int | None = Field(None, ge=1)
     eval_steps: int = Field(1, ge=1)

@@ -1,0 +1,155 @@
+"""Declarative wildcard name maps between a backend's parameter names and HF names, plus pipeline placement.
+
+An entry reads ``decoder.layers.*.mlp.linear_fc2.weight <-> model.layers.*.mlp.down_proj.weight`` with a rule.
+The first ``*`` is a layer index (backend side: local to its pipeline chunk; HF side: global), the second an
+expert index (backend side: local to its EP rank; HF side: global). Entries without ``*`` live on the first
+(embedding) or last (head) pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from loongforge.checkpoint.mapping import SINGLE, Expert, Rule
+from loongforge.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One mapping: backend pattern, HF pattern (or role -> pattern for multi-tensor rules), and its rule.
+
+    ``stage`` places wildcard-free entries ("first", "last", or "last_tied": only when pp > 1); ``layers`` restricts a layer entry to some
+    global layer indices (e.g. DeepSeek's dense-then-MoE layers); ``export`` False skips the entry on HF export
+    (tied output weights that duplicate the embedding).
+    """
+
+    megatron: str
+    hf: str | dict[str, str]
+    rule: Rule
+    stage: str = "layer"
+    layers: Callable[[int], bool] | None = None
+    export: bool = True
+
+    def hf_patterns(self) -> dict[str, str]:
+        return {SINGLE: self.hf} if isinstance(self.hf, str) else dict(self.hf)
+
+    @property
+    def is_expert(self) -> bool:
+        return isinstance(self.rule, Expert)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one concrete parameter lives: pipeline stage + virtual chunk, and (experts) its EP rank."""
+
+    pp_rank: int
+    vpp_rank: int
+    ep_rank: int | None  # None: not an expert tensor, present on every EP rank
+
+
+@dataclass(frozen=True)
+class Param:
+    """One concrete parameter: backend name (local indices), HF names by role (global indices), rule."""
+
+    megatron: str
+    hf: dict[str, str]
+    rule: Rule
+    where: Placement
+    export: bool = True
+
+
+def _fill(pattern: str, values: list[int]) -> str:
+    parts = pattern.split("*")
+    if len(parts) - 1 != len(values):
+        raise CheckpointError(f"pattern '{pattern}' has {len(parts) - 1} wildcards, got {len(values)} indices")
+    out = parts[0]
+    for value, tail in zip(values, parts[1:], strict=True):
+        out += str(value) + tail
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Megatron's standard layer assignment: ``num_layers`` split evenly into ``pp * vpp`` model chunks.
+
+    Chunk ``c = vpp_rank * pp + pp_rank`` holds global layers ``c*n .. c*n+n-1`` (n = layers per chunk), so
+    with vpp > 1 the stages take chunks in interleaved order. Local indices restart at 0 in every chunk.
+    """
+
+    num_layers: int
+    pp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_layers % (self.pp * self.vpp):
+            raise CheckpointError(
+                f"{self.num_layers} layers cannot be split evenly into pp={self.pp} x vpp={self.vpp} chunks"
+            )
+
+    @property
+    def per_chunk(self) -> int:
+        return self.num_layers // (self.pp * self.vpp)
+
+    def locate(self, layer: int) -> tuple[int, int, int]:
+        """Global layer -> (pp_rank, vpp_rank, local index)."""
+        chunk, local = divmod(layer, self.per_chunk)
+        vpp_rank, pp_rank = divmod(chunk, self.pp)
+        return pp_rank, vpp_rank, local
+
+    def global_layer(self, local: int, *, pp_rank: int, vpp_rank: int = 0) -> int:
+        return (vpp_rank * self.pp + pp_rank) * self.per_chunk + local
+
+    def layers_of(self, *, pp_rank: int, vpp_rank: int = 0) -> range:
+        start = self.global_layer(0, pp_rank=pp_rank, vpp_rank=vpp_rank)
+        return range(start, start + self.per_chunk)
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """A model family's full mapping; expands to concrete parameters for a given layout."""
+
+    entries: list[Entry] = field(default_factory=list)
+
+    def expand(
+        self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1
+    ) -> Iterator[Param]:
+        """Every concrete parameter in HF order (stage by stage), each with its placement."""
+        layout = PipelineLayout(num_layers, pp, vpp)
+        first, last = Placement(0, 0, None), Placement(pp - 1, vpp - 1, None)
+        for e in self.entries:
+            if e.stage == "first":
+                yield Param(e.megatron, e.hf_patterns(), e.rule, first, e.export)
+        for layer in range(num_layers):
+            pp_rank, vpp_rank, local = layout.locate(layer)
+            for e in self.entries:
+                if e.stage != "layer" or (e.layers is not None and not e.layers(layer)):
+                    continue
+                if not e.is_expert:
+                    hf = {r: _fill(p, [layer]) for r, p in e.hf_patterns().items()}
+                    where = Placement(pp_rank, vpp_rank, None)
+                    yield Param(_fill(e.megatron, [local]), hf, e.rule, where, e.export)
+                    continue
+                rule: Expert = e.rule  # type: ignore[assignment]
+                for expert in range(num_experts):
+                    ep_rank, local_e = rule.locate(expert, ep_size=ep)
+                    hf = {r: _fill(p, [layer, expert]) for r, p in e.hf_patterns().items()}
+                    where = Placement(pp_rank, vpp_rank, ep_rank)
+                    yield Param(_fill(e.megatron, [local, local_e]), hf, e.rule, where, e.export)
+        for e in self.entries:
+            # NOTE: "last_tied" is a tied output layer: megatron keeps a copy only when the head is on
+            # another stage than the embedding.
+            if e.stage == "last" or (e.stage == "last_tied" and last != first):
+                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export)
+
+    def for_rank(
+        self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,
+        pp_rank: int, vpp_rank: int = 0, ep_rank: int = 0,
+    ) -> list[Param]:
+        """The parameters one (pp, vpp, ep) rank holds."""
+        out = []
+        for p in self.expand(num_layers=num_layers, num_experts=num_experts, pp=pp, vpp=vpp, ep=ep):
+            w = p.where
+            if (w.pp_rank, w.vpp_rank) == (pp_rank, vpp_rank) and w.ep_rank in (None, ep_rank):
+                out.append(p)
+        return out

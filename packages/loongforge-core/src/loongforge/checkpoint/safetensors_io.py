@@ -1,0 +1,224 @@
+"""Streaming safetensors I/O: read one tensor at a time from HF checkpoints, write size-capped shards.
+
+Never unpickles: only safetensors files are read. Peak memory is one tensor (reader) or one shard (writer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+from loongforge.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsReader:
+    """Lazy reader over a file, or a directory holding ``model.safetensors``, an index, or ``*.safetensors``.
+
+    Files are opened on first use (memory-mapped by safetensors) and tensors are read one at a time.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        self._files: dict[str, Path] = {}
+        if path.is_file():
+            files = [path]
+        elif (path / INDEX_NAME).is_file():
+            weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+            self._files = {k: path / f for k, f in weight_map.items()}
+            files = []
+        elif path.is_dir():
+            files = sorted(path.glob("*.safetensors"))
+        else:
+            raise CheckpointError(f"{path}: no such checkpoint file or directory")
+        if not files and not self._files:
+            raise CheckpointError(f"{path}: no *.safetensors files found")
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    self._files[key] = f
+        self._open: dict[Path, object] = {}
+        self.path = path
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def _handle(self, name: str):
+        if name not in self._files:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing")
+        f = self._files[name]
+        if f not in self._open:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in the index is missing")
+            self._open[f] = safe_open(str(f), framework="pt")
+        return self._open[f]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor into memory."""
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading data."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    dtype, shape = spec
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class StreamingSafetensorsFile:
+    """One safetensors file written tensor by tensor: the header is laid out from ``specs`` up front, then
+    each ``write`` seeks to its slot. Nothing is buffered, so peak memory is the caller's one tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: dict[str, TensorSpec], *, metadata: dict | None = None):
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        self._slots: dict[str, tuple[int, TensorSpec]] = {}
+        for name, spec in specs.items():
+            size = _nbytes(spec)
+            header[name] = {"dtype": _NAMES[spec[0]], "shape": list(spec[1]), "data_offsets": [offset, offset + size]}
+            self._slots[name] = (offset, spec)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._data_start = 8 + len(raw)
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._file.truncate(self._data_start + offset)
+        self._missing = set(specs)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._slots:
+            raise CheckpointError(f"{self.path}: unexpected tensor '{name}'")
+        offset, (dtype, shape) = self._slots[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, "
+                f"expected {dtype}{tuple(shape)}"
+            )
+        self._file.seek(self._data_start + offset)
+        self._file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self._missing.discard(name)
+
+    def close(self) -> None:
+        if self._missing:
+            self._file.close()
+            raise CheckpointError(f"{self.path}: {len(self._missing)} tensors never written, e.g. "
+                                  f"'{sorted(self._missing)[0]}'")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class ShardedSafetensorsWriter:
+    """HF-style sharded checkpoint written in ``<out_dir>.tmp-<pid>``; ``commit()`` renames it into place.
+
+    Shards are planned from ``specs`` (name -> (dtype, shape), in order) with at most ``max_shard_bytes`` each:
+    one shard -> ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` plus the HF index.
+    Tensors may be added in any order and are written straight to disk. ``staging_dir`` is where callers put
+    extra files (config, tokenizer) so they land atomically with the weights.
+    """
+
+    def __init__(
+        self, out_dir: str | os.PathLike, specs: dict[str, TensorSpec], *,
+        max_shard_bytes: int = 5 * 2**30, force: bool = False,
+    ):
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and any(self.out_dir.iterdir()) and not force:
+            raise CheckpointError(f"{self.out_dir}: destination is not empty (pass force=True to overwrite)")
+        self.staging_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        self.staging_dir.mkdir(parents=True)
+        groups: list[dict[str, TensorSpec]] = [{}]
+        size = 0
+        for name, spec in specs.items():
+            nbytes = _nbytes(spec)
+            if groups[-1] and size + nbytes > max_shard_bytes:
+                groups.append({})
+                size = 0
+            groups[-1][name] = spec
+            size += nbytes
+        n = len(groups)
+        self._files: list[StreamingSafetensorsFile] = []
+        self._where: dict[str, StreamingSafetensorsFile] = {}
+        weight_map = {}
+        for i, group in enumerate(groups):
+            fname = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            f = StreamingSafetensorsFile(self.staging_dir / fname, group)
+            self._files.append(f)
+            for name in group:
+                self._where[name] = f
+                weight_map[name] = fname
+        if n > 1:
+            total = sum(_nbytes(s) for s in specs.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.staging_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._where:
+            raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
+        self._where[name].write(name, tensor)
+
+    def commit(self) -> Path:
+        """Close every shard (fails if a tensor was never written), fsync, rename into place."""
+        for f in self._files:
+            f.close()
+        fsync_tree(self.staging_dir)
+        replace_dir(self.staging_dir, self.out_dir)
+        return self.out_dir
+
+    def abort(self) -> None:
+        for f in self._files:
+            f._file.close()
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
+    def __enter__(self) -> ShardedSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()

@@ -1,0 +1,57 @@
+"""CLI commands and the public Python API on the toy backend (in process)."""
+
+from __future__ import annotations
+
+import json
+
+import loongforge
+from loongforge.cli import main
+from loongforge.metrics import read_metrics
+
+
+def test_train_writes_run_directory_contract(tmp_path, toy_backend, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("backend: toy\ntrain: {steps: 4, lr: 0.1, global_batch_size: 2}\naccelerator: cpu\n")
+    out = tmp_path / "run"
+    assert main(["train", str(recipe), "train.steps=6", "--output", str(out)]) == 0
+    assert (out / "recipe.yaml").is_file()
+    assert "steps: 6" in (out / "recipe.yaml").read_text()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all("loss" in r for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert any((out / "tensorboard").iterdir())
+    err = capsys.readouterr().err
+    assert "step 6/6" in err and "loss" in err and "ETA" in err
+    assert main(["plot", str(out)]) == 0
+    assert (out / "plot.png").stat().st_size > 1000
+    assert len(read_metrics(out)) == 6
+
+
+def test_public_api_step_by_step(tmp_path, toy_backend):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("backend: toy\ntrain: {steps: 3, lr: 0.1, global_batch_size: 2}\naccelerator: cpu\n")
+    r = loongforge.load_recipe(recipe, ["train.lr=0.2"])
+    job, runtime = loongforge.build_job(r, output_dir=tmp_path / "nb")
+    losses = [job.step()["loss"] for _ in range(3)]
+    assert losses[0] > losses[1] > losses[2]
+    assert runtime.plan.dp == 1 and runtime.accelerator.name == "cpu"
+    job.close()
+
+
+def test_plugins_lists_builtin_accelerators(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu          loongforge-core" in out
+    assert "loongforge.backends" in out and "loongforge.kernels" in out
+
+
+def test_launcher_builds_torchrun_command(tmp_path):
+    from loongforge.launcher import LaunchConfig, torchrun_command
+
+    cmd = torchrun_command(LaunchConfig(nproc=2, max_restarts=3), recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=3" in cmd
+    cmd = torchrun_command(LaunchConfig(nproc=8, nnodes="2", node_rank=1, rdzv_endpoint="h:29400"),
+                           recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
+    assert "--rdzv-endpoint=h:29400" in cmd and "--node-rank=1" in cmd and "--standalone" not in cmd

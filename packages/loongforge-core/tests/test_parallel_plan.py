@@ -1,0 +1,98 @@
+"""ParallelPlan arithmetic, exhaustively for world sizes 1-64."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from loongforge.errors import ParallelPlanError
+from loongforge.parallel import resolve_plan
+
+SIZES = (1, 2, 3, 4, 8)
+
+
+def _expected_ok(world: int, tp: int, pp: int, cp: int, ep: int, etp: int, vpp: int, sp: bool) -> bool:
+    mp = tp * pp * cp
+    if world % mp:
+        return False
+    dp = world // mp
+    if vpp > 1 and pp == 1:
+        return False
+    if sp and tp == 1:
+        return False
+    if world % (etp * ep * pp):
+        return False
+    return (tp * cp * dp) % (etp * ep) == 0
+
+
+def test_exhaustive_world_sizes_1_to_64():
+    checked = 0
+    for world in range(1, 65):
+        for tp, pp, cp, ep in itertools.product(SIZES, SIZES, (1, 2, 4), SIZES):
+            for etp, vpp, sp in ((None, 1, False), (1, 1, False), (None, 2, False), (None, 1, True)):
+                etp_eff = tp if etp is None else etp
+                ok = _expected_ok(world, tp, pp, cp, ep, etp_eff, vpp, sp)
+                checked += 1
+                if ok:
+                    plan = resolve_plan(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp)
+                    assert plan.tp * plan.pp * plan.cp * plan.dp == world
+                    assert plan.edp * plan.ep * plan.etp * plan.pp == world
+                    assert plan.etp == etp_eff
+                else:
+                    with pytest.raises(ParallelPlanError):
+                        resolve_plan(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp)
+    assert checked == 64 * 5 * 5 * 3 * 5 * 4
+
+
+def test_message_shows_arithmetic():
+    with pytest.raises(ParallelPlanError, match=r"tp\*pp\*cp = 3\*2\*2 = 12 does not divide world size 8"):
+        resolve_plan(world_size=8, tp=3, pp=2, cp=2)
+
+
+def test_explicit_dp_must_match():
+    assert resolve_plan(world_size=8, tp=2, dp=4).dp == 4
+    with pytest.raises(ParallelPlanError, match=r"dp = 2 but world size 8 / \(tp\*pp\*cp = 2\) = 4"):
+        resolve_plan(world_size=8, tp=2, dp=2)
+
+
+def test_vpp_needs_pp_and_sp_needs_tp():
+    with pytest.raises(ParallelPlanError, match="vpp = 2 needs pipeline"):
+        resolve_plan(world_size=4, vpp=2)
+    with pytest.raises(ParallelPlanError, match="sp = true needs tensor"):
+        resolve_plan(world_size=4, sp=True)
+
+
+def test_grad_accumulation_keeps_global_batch():
+    for world in (1, 2, 4, 8):
+        plan = resolve_plan(world_size=world)
+        assert plan.grad_accumulation(global_batch_size=16, micro_batch_size=2) * 2 * plan.dp == 16
+    with pytest.raises(ParallelPlanError, match="not divisible by train.micro_batch_size \\* dp = 4 \\* 2 = 8"):
+        resolve_plan(world_size=2).grad_accumulation(global_batch_size=12, micro_batch_size=4)
+
+
+def test_model_checks():
+    plan = resolve_plan(world_size=8, tp=4, pp=2)
+    plan.check_model(num_layers=16, num_attention_heads=32, num_query_groups=8)
+    with pytest.raises(ParallelPlanError, match="2 query groups"):
+        plan.check_model(num_layers=16, num_attention_heads=32, num_query_groups=2)
+    with pytest.raises(ParallelPlanError, match="15 layers, not divisible by pp \\* vpp"):
+        plan.check_model(num_layers=15, num_attention_heads=32)
+    with pytest.raises(ParallelPlanError, match="need a MoE model"):
+        resolve_plan(world_size=2, ep=2).check_model(num_layers=2, num_attention_heads=2)
+    with pytest.raises(ParallelPlanError, match="not divisible by 2 \\* cp"):
+        resolve_plan(world_size=2, cp=2).check_model(num_layers=2, num_attention_heads=2, seq_length=6)
+
+
+def test_components_colocated_and_disjoint():
+    plan = resolve_plan(world_size=8, tp=4, components={"vision": {"tp": 1}, "language": {"tp": 4, "pp": 2}})
+    assert plan.component("vision").tp == 1 and plan.component("vision").dp == 8
+    assert plan.component("language").dp == 1
+    assert plan.component("projector") is plan
+    plan = resolve_plan(world_size=8, components={"vision": {"num_ranks": 2}, "language": {"num_ranks": 6, "tp": 2}})
+    assert plan.component("vision").world_size == 2 and plan.component("language").first_rank == 2
+    assert plan.component("language").dp == 3
+    with pytest.raises(ParallelPlanError, match="vision=2 \\+ language=4 = 6 != world size 8"):
+        resolve_plan(world_size=8, components={"vision": {"num_ranks": 2}, "language": {"num_ranks": 4}})
+    with pytest.raises(ParallelPlanError, match="components.vision: tp\\*pp\\*cp = 3"):
+        resolve_plan(world_size=8, components={"vision": {"tp": 3}})

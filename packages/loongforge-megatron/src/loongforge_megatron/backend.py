@@ -1,0 +1,75 @@
+"""The ``megatron`` backend: language models on megatron-core (registered in ``loongforge.backends``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loongforge.backend import Backend, Job
+from loongforge.errors import RecipeError
+from loongforge_megatron.config import DataConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+
+class MegatronBackend(Backend):
+    """Pretrain / CPT / SFT / LoRA of decoder-only LMs with megatron-core's model, schedules, DDP and optimizer."""
+
+    name = "megatron"
+    model_schema = ModelConfig
+    data_schema = DataConfig
+
+    @classmethod
+    def check_recipe(cls, recipe: Recipe) -> None:
+        stage, data = recipe.train.stage, recipe.data
+        if stage == "sft" and data.format != "sft":
+            raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (got '{data.format}')", key="data.format")
+        if stage == "cpt" and not recipe.checkpoint.load:
+            raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
+        if recipe.parallel.strategy not in ("auto",):
+            raise RecipeError("the megatron backend shards with parallel.distributed_optimizer; leave parallel.strategy auto", key="parallel.strategy")
+        if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
+            raise RecipeError(f"'{recipe.checkpoint.load}' does not exist", key="checkpoint.load")
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        plan = recipe.parallel.plan(world_size)
+        try:
+            arch = recipe.model.arch()
+        except (ValueError, TypeError) as exc:
+            raise RecipeError(f"invalid architecture: {exc}".splitlines()[0], key="model") from None
+        plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
+                         num_query_groups=arch.kv_heads, num_experts=arch.num_experts, seq_length=recipe.data.seq_length)
+        plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size, micro_batch_size=recipe.train.micro_batch_size)
+        if plan.vpp > 1 and plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size,
+                                                   micro_batch_size=recipe.train.micro_batch_size) % plan.pp:
+            raise RecipeError(
+                f"interleaved pipeline (vpp = {plan.vpp}) needs micro-batches per step divisible by pp = {plan.pp}",
+                key="train.global_batch_size",
+            )
+        if recipe.data.seq_length > arch.max_position_embeddings:
+            raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
+                              f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    def build(self, recipe: Recipe, runtime: Runtime) -> Job:
+        from loongforge_megatron.job import MegatronJob
+
+        return MegatronJob(recipe, runtime)
+
+    def prepare_data(self, recipe: Recipe, *, force: bool = False) -> Path:
+        from loongforge_megatron.data.prepare import prepare
+
+        return prepare(recipe, force=force)
+
+    def convert(self, src: str, dst: str, *, to: str, **layout: Any) -> None:
+        from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf, reshard
+
+        force = layout.pop("force", False)
+        etp = layout.pop("etp", None) or layout["tp"]
+        if to == "hf":
+            megatron_to_hf(src, dst, force=force)
+        elif (Path(src) / "config.json").is_file():
+            hf_to_megatron(src, dst, etp=etp, force=force, **layout)
+        else:
+            reshard(src, dst, etp=etp, force=force, **layout)

@@ -1,0 +1,114 @@
+"""The megatron backend's recipe sections: ``model`` and ``data``."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from loongforge.recipe.schema import Section
+from loongforge_megatron.models.arch import Arch
+from loongforge_megatron.models.presets import PRESETS
+
+_ARCH_FIELDS = [f for f in Arch.model_fields if f != "family"]
+
+
+class ModelConfig(Section):
+    """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json), or explicit
+    sizes. Any architecture field given here overrides the preset / HF value."""
+
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] | None = None
+    preset: str | None = None
+    hf: str | None = Field(None, description="HF model directory; its config.json gives the architecture")
+    tokenizer: str | None = Field(None, description="HF tokenizer dir (default: data.tokenizer, then model.hf)")
+    # architecture overrides (all optional)
+    num_layers: int | None = Field(None, ge=1)
+    hidden_size: int | None = Field(None, ge=1)
+    ffn_hidden_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_query_groups: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+    max_position_embeddings: int | None = Field(None, ge=1)
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = Field(None, gt=0)
+    num_experts: int | None = Field(None, ge=1)
+    moe_topk: int | None = Field(None, ge=1)
+    moe_ffn_hidden_size: int | None = Field(None, ge=1)
+    moe_aux_loss_coeff: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.preset is not None and self.preset not in PRESETS:
+            close = difflib.get_close_matches(self.preset, PRESETS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"unknown preset '{self.preset}'; {hint}available: {', '.join(sorted(PRESETS))}")
+        if self.preset and self.hf:
+            raise ValueError("give either preset or hf, not both")
+        if not self.preset and not self.hf:
+            missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"give a preset, an hf directory, or explicit sizes (missing: {', '.join(missing)})")
+        return self
+
+    def arch(self) -> Arch:
+        """Resolve preset / HF config / explicit sizes into an :class:`Arch`."""
+        if self.hf:
+            from loongforge_megatron.models.translate import arch_from_hf
+
+            base = arch_from_hf(self.hf).model_dump()
+        elif self.preset:
+            base = dict(PRESETS[self.preset])
+        else:
+            base = {}
+        if self.family:
+            base["family"] = self.family
+        base.update({f: getattr(self, f) for f in _ARCH_FIELDS if f in type(self).model_fields and getattr(self, f) is not None})
+        return Arch(**base)
+
+
+class DataSource(Section):
+    """Raw input for ``loongforge data prepare``."""
+
+    kind: Literal["python_stdlib", "text", "jsonl", "parquet"] = "text"
+    paths: list[str] = Field(default_factory=list, description="files or glob patterns")
+    text_key: str = Field("text", description="jsonl/parquet: field holding the text (pretraining)")
+    max_bytes: int | None = Field(None, ge=1, description="stop reading after this many bytes of text")
+
+
+class TokenizerTraining(Section):
+    """Train a byte-level BPE tokenizer on the source during ``data prepare`` (saved in HF format)."""
+
+    vocab_size: int = Field(4096, ge=260)
+
+
+class BlendItem(Section):
+    path: str = Field(description="prefix of a prepared dataset (without .bin/.idx)")
+    weight: float = Field(1.0, gt=0)
+
+
+class DataConfig(Section):
+    """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic."""
+
+    format: Literal["pretrain", "sft", "synthetic"] = "pretrain"
+    path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
+    blend: list[BlendItem] = Field(default_factory=list, description="weighted dataset prefixes (default: PATH/train)")
+    seq_length: int = Field(1024, ge=8)
+    tokenizer: str | None = Field(None, description="HF tokenizer dir (default: PATH/tokenizer or model.hf)")
+    source: DataSource | None = None
+    train_tokenizer: TokenizerTraining | None = None
+    split: str = Field("98,2,0", pattern=r"^\d+(\.\d+)?,\d+(\.\d+)?,\d+(\.\d+)?$", description="train,valid,test weights")
+    sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
+    pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention")
+    num_workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.format != "synthetic" and not self.path and not self.blend:
+            raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
+        return self

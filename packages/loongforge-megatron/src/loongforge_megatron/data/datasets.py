@@ -1,0 +1,180 @@
+"""Training datasets (pretrain via megatron-core's GPTDataset, packed SFT, synthetic) and the batch order.
+
+Every dataset maps a global sample index to a dict of tensors: ``tokens``, ``labels``, ``loss_mask``,
+``position_ids`` and, for packed SFT, a block-diagonal causal ``attention_mask``. :class:`BatchSchedule` fixes
+which samples form global batch ``step`` — the same samples whatever the data-parallel size, so losses are
+comparable across layouts and resume is exact (the data position is the step).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loongforge.errors import RecipeError
+
+
+class SyntheticDataset:
+    """Random tokens, deterministic per (seed, index): for benchmarks and tests."""
+
+    def __init__(self, *, vocab_size: int, seq_length: int, seed: int):
+        self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
+        text = torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=g)
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(self.seq_length),
+            "position_ids": torch.arange(self.seq_length),
+        }
+
+
+class PackedSFTDataset:
+    """SFT samples packed into rows of ``seq_length`` without cross-sample attention, or one per row."""
+
+    def __init__(self, path: str | Path, *, seq_length: int, pad_id: int, pack: bool):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.tokens = IndexedDataset(str(Path(path) / "sft_tokens"))
+        self.mask = IndexedDataset(str(Path(path) / "sft_mask"))
+        self.seq_length, self.pad_id, self.pack = seq_length, pad_id, pack
+        self.rows = self._plan_rows()
+        used = sum(len(self.tokens[i]) for i in range(len(self.tokens)))
+        self.efficiency = used / max(1, len(self.rows) * (seq_length + 1))
+
+    def _plan_rows(self) -> list[list[int]]:
+        """Greedy in-order packing: samples are appended to the current row until it is full."""
+        rows: list[list[int]] = []
+        cur: list[int] = []
+        fill = 0
+        for i in range(len(self.tokens)):
+            n = len(self.tokens[i])
+            if cur and (not self.pack or fill + n > self.seq_length + 1):
+                rows.append(cur)
+                cur, fill = [], 0
+            cur.append(i)
+            fill += n
+        if cur:
+            rows.append(cur)
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        s = self.seq_length
+        tokens = torch.full((s + 1,), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(s + 1)
+        segment = torch.full((s + 1,), -1, dtype=torch.long)
+        position = torch.zeros(s + 1, dtype=torch.long)
+        at = 0
+        for seg, i in enumerate(self.rows[idx % len(self.rows)]):
+            ids = torch.from_numpy(np.asarray(self.tokens[i], dtype=np.int64))
+            m = torch.from_numpy(np.asarray(self.mask[i], dtype=np.float32))
+            n = len(ids)
+            tokens[at : at + n], mask[at : at + n], segment[at : at + n] = ids, m, seg
+            position[at : at + n] = torch.arange(n)
+            at += n
+        labels = tokens[1:].clone()
+        # a label is trained only when it is an assistant token of the *same* sample as its input token
+        loss_mask = mask[1:] * (segment[1:] == segment[:-1]).float() * (segment[1:] >= 0).float()
+        seg = segment[:-1]
+        same = seg[:, None] == seg[None, :]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        allowed = (same & causal) | torch.eye(s, dtype=torch.bool)
+        return {
+            "tokens": tokens[:-1],
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": position[:-1],
+            "attention_mask": (~allowed).unsqueeze(0),  # megatron convention: True = masked out
+        }
+
+
+def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int):
+    """megatron-core ``GPTDataset`` over the recipe's blend (default ``data.path/train``)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from loongforge_megatron.data.tokenizer import MegatronTokenizerShim
+
+    data = recipe.data
+    if data.blend:
+        prefixes, weights = [b.path for b in data.blend], [b.weight for b in data.blend]
+    else:
+        prefixes, weights = [str(Path(data.path) / "train")], None
+    for p in prefixes:
+        if not Path(p + ".idx").is_file():
+            raise RecipeError(f"dataset '{p}' not found (.idx missing); run `loongforge data prepare` first", key="data.path")
+    cache = Path(data.path or Path(prefixes[0]).parent) / "cache"
+    config = GPTDatasetConfig(
+        random_seed=recipe.train.seed,
+        sequence_length=data.seq_length,
+        blend=(prefixes, weights),
+        split=data.split,
+        path_to_cache=str(cache),
+        tokenizer=MegatronTokenizerShim(tokenizer),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    import torch.distributed as dist
+
+    def on_rank() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0 or True
+
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], on_rank, config).build()
+    return train
+
+
+def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int):
+    data = recipe.data
+    if data.format == "synthetic":
+        return SyntheticDataset(vocab_size=vocab_size, seq_length=data.seq_length, seed=recipe.train.seed)
+    if data.format == "sft":
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack)
+        print(f"[data] SFT: {len(ds.tokens)} samples in {len(ds)} rows of {data.seq_length} tokens, "
+              f"packing efficiency {100 * ds.efficiency:.1f}%", file=sys.stderr)
+        return ds
+    return build_pretrain_dataset(recipe, tokenizer=tokenizer, num_samples=num_samples)
+
+
+class BatchSchedule:
+    """Which samples this data-parallel rank reads for each micro-batch of global batch ``step``.
+
+    Global batch ``step`` is samples ``[step*G, (step+1)*G)``; micro-batch m of dp rank r takes
+    ``step*G + m*M*D + r*M + [0, M)`` (G global batch, M micro batch, D dp size).
+    """
+
+    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int):
+        self.dataset = dataset
+        self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+
+    def microbatches(self, step: int, *, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        out = []
+        n = len(self.dataset)
+        for m in range(self.num_microbatches):
+            first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
+            samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
+            batch = {}
+            for key in samples[0]:
+                t = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
+                batch[key] = t.to(device, non_blocking=True)
+            batch["tokens"] = batch["tokens"].long()
+            batch["labels"] = batch["labels"].long()
+            batch["position_ids"] = batch["position_ids"].long()
+            batch["loss_mask"] = batch["loss_mask"].float()
+            out.append(batch)
+        return out

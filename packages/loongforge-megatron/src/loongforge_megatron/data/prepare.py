@@ -1,0 +1,113 @@
+"""``loongforge data prepare RECIPE``: tokenize the recipe's data source into megatron indexed datasets.
+
+Writes into ``data.path``: ``tokenizer/`` (trained or copied), ``train.bin/.idx`` (pretraining: one document per
+source document, EOS-terminated) or ``sft_tokens`` + ``sft_mask`` (SFT: one document per conversation), and
+``prepared.json`` last, as the completion marker.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loongforge.errors import RecipeError
+from loongforge_megatron.data.sources import iter_documents
+from loongforge_megatron.data.tokenizer import load_tokenizer, train_bpe
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / "prepared.json").is_file()
+
+
+def tokenizer_dir(recipe) -> Path | None:
+    """The tokenizer a recipe uses: data.tokenizer, model.tokenizer, PATH/tokenizer, then model.hf."""
+    data, model = recipe.data, recipe.model
+    for candidate in (data.tokenizer, model.tokenizer):
+        if candidate:
+            return Path(candidate)
+    if data.path and (Path(data.path) / "tokenizer").is_dir():
+        return Path(data.path) / "tokenizer"
+    if model.hf:
+        return Path(model.hf)
+    return None
+
+
+def prepare(recipe, *, force: bool = False) -> Path:
+    """Build the prepared data directory of ``recipe`` (no-op when already complete, unless ``force``)."""
+    data = recipe.data
+    if data.format == "synthetic":
+        raise RecipeError("synthetic data needs no preparation", key="data.format")
+    if not data.path:
+        raise RecipeError("data prepare writes into data.path; set it", key="data.path")
+    out = Path(data.path)
+    if is_prepared(out) and not force:
+        return out
+    if data.source is None:
+        raise RecipeError(f"'{out}' is not prepared and the recipe has no data.source to prepare it from", key="data.source")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prepared.json").unlink(missing_ok=True)
+    start = time.time()
+    sft = data.format == "sft"
+    docs = list(iter_documents(data.source, sft=sft))
+    if not docs:
+        raise RecipeError("the data source yielded no documents", key="data.source")
+    if data.train_tokenizer is not None:
+        if sft:
+            raise RecipeError("train_tokenizer is for pretraining text; SFT uses the model's tokenizer", key="data.train_tokenizer")
+        print(f"[data] training a {data.train_tokenizer.vocab_size}-token BPE on {len(docs)} documents", file=sys.stderr)
+        tok = train_bpe(docs, vocab_size=data.train_tokenizer.vocab_size, out_dir=out / "tokenizer")
+    else:
+        src = tokenizer_dir(recipe)
+        if src is None:
+            raise RecipeError("no tokenizer: set data.tokenizer, model.hf or data.train_tokenizer", key="data.tokenizer")
+        tok = load_tokenizer(src)
+        if src.resolve() != (out / "tokenizer").resolve():
+            tok.save_pretrained(str(out / "tokenizer"))
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.uint16 if len(tok) < 65500 else np.int32
+    n_tokens = 0
+    if sft:
+        from loongforge_megatron.data.sft import to_messages, tokenize_conversation
+
+        tb = IndexedDatasetBuilder(str(out / "sft_tokens.bin"), dtype=dtype)
+        mb = IndexedDatasetBuilder(str(out / "sft_mask.bin"), dtype=np.uint16)
+        for rec in docs:
+            ids, mask = tokenize_conversation(tok, to_messages(rec, data.sft_style))
+            ids, mask = ids[: data.seq_length + 1], mask[: data.seq_length + 1]
+            tb.add_document(torch.tensor(ids), [len(ids)])
+            mb.add_document(torch.tensor(mask), [len(mask)])
+            n_tokens += len(ids)
+        tb.finalize(str(out / "sft_tokens.idx"))
+        mb.finalize(str(out / "sft_mask.idx"))
+    else:
+        builder = IndexedDatasetBuilder(str(out / "train.bin"), dtype=dtype)
+        eos = tok.eos_token_id
+        batch = 256
+        for i in range(0, len(docs), batch):
+            encoded = tok(docs[i : i + batch], add_special_tokens=False)["input_ids"]
+            for ids in encoded:
+                ids = list(ids) + [eos]
+                builder.add_document(torch.tensor(ids), [len(ids)])
+                n_tokens += len(ids)
+        builder.finalize(str(out / "train.idx"))
+    info = {"format": data.format, "documents": len(docs), "tokens": n_tokens, "vocab_size": len(tok), "seconds": round(time.time() - start, 1)}
+    tmp = out / "prepared.json.tmp"
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(out / "prepared.json")
+    print(f"[data] {len(docs)} documents, {n_tokens} tokens -> {out} ({info['seconds']}s)", file=sys.stderr)
+    return out
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    """Copy HF tokenizer files (for exports)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+    for name in names:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -1,0 +1,218 @@
+"""The megatron training job: builds model, data and optimizer for this rank and runs the step loop.
+
+The loop itself is megatron-core's (``engine.train_step`` wraps ``get_forward_backward_func``); this module only
+wires the recipe to it: device adaptations, initial weights (HF or LoongForge checkpoint), LoRA, resume,
+metrics, checkpoints and the HF export.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loongforge.backend import Job
+from loongforge.errors import CheckpointError, RecipeError
+
+if TYPE_CHECKING:
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+# Vocabulary padding for TP: pad only to a multiple of tp, so logits over the real vocabulary equal an
+# unpadded model's (padded rows would otherwise join the softmax).
+VOCAB_DIVISIBLE_BY = 1
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    step = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // step) * step
+
+
+class MegatronJob(Job):
+    """One rank's job. Create inside a process group-capable runtime (``Runtime.create``)."""
+
+    def __init__(self, recipe: Recipe, runtime: Runtime):
+        from loongforge_megatron import engine
+        from loongforge_megatron.device_adapters import adapted
+
+        self.recipe, self.runtime = recipe, runtime
+        self.acc, self.plan = runtime.accelerator, runtime.plan
+        self.arch = recipe.model.arch()
+        self.log = runtime.logger
+        self.step_index = 0  # optimizer steps done
+        self._adaptations = adapted(self.acc)
+        self._adaptations.__enter__()
+        try:
+            runtime.init_distributed()
+            engine.initialize(self.plan, accelerator=self.acc, seed=recipe.train.seed)
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ building
+    def _build(self) -> None:
+        from megatron.core import parallel_state as mpu
+
+        from loongforge_megatron import engine
+        from loongforge_megatron.data.datasets import BatchSchedule, build_dataset
+        from loongforge_megatron.models.translate import transformer_config
+
+        recipe, plan, arch = self.recipe, self.plan, self.arch
+        self.tokenizer = self._tokenizer()
+        if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
+            raise RecipeError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}",
+                              key="model.vocab_size")
+        self.device = self.acc.device()
+        cpu = self.acc.device_type == "cpu"
+        self.precision = self.acc.resolve_precision(recipe.train.precision)
+        self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
+        self.spec_name = self._spec_name()
+        spec = engine.layer_spec(self.spec_name, num_experts=arch.num_experts, qk_layernorm=arch.qk_norm,
+                                 multi_latent_attention=arch.is_mla)
+        self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
+        self.model = engine.build_model(
+            transformer_config=self.config,
+            layer_spec=spec,
+            vocab_size=self.vocab_size,
+            max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
+            rotary_base=arch.rope_theta,
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            vpp=plan.vpp,
+            use_distributed_optimizer=plan.distributed_optimizer,
+            device=self.device,
+            rope_scaling=arch.rope_scaling_factor,
+        )
+        if recipe.checkpoint.load:
+            self._load_initial(recipe.checkpoint.load)
+        self.lora = None
+        if recipe.train.stage == "lora":
+            from loongforge_megatron.lora import apply_lora
+
+            self.lora = apply_lora(self.model, recipe.train.lora, seed=recipe.train.seed)
+        t = recipe.train
+        self.optimizer = engine.build_optimizer(
+            self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.precision == "bf16", fp16=self.precision == "fp16",
+            use_distributed_optimizer=plan.distributed_optimizer, optimizer="adam" if t.optimizer == "adamw" else "sgd",
+        )
+        self.scheduler = engine.build_scheduler(
+            self.optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, decay_steps=t.decay_steps or t.steps,
+            decay_style=t.lr_schedule, global_batch_size=t.global_batch_size, weight_decay=t.weight_decay,
+            wsd_decay_steps=t.wsd_decay_steps,
+        )
+        self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        dataset = build_dataset(recipe, tokenizer=self.tokenizer, vocab_size=arch.vocab_size,
+                                num_samples=t.steps * t.global_batch_size)
+        self.schedule = BatchSchedule(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                                      dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        self.flops_per_token = arch.flops_per_token(recipe.data.seq_length)
+        self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
+        from loongforge_megatron.checkpointing import Checkpointer
+
+        self.checkpointer = Checkpointer(self)
+        if recipe.checkpoint.resume == "auto":
+            self.step_index = self.checkpointer.resume()
+        if self.log:
+            n = arch.num_params()
+            self.log.info(f"[megatron] {arch.family} {n / 1e6:.1f}M params | spec {self.spec_name} | tp {plan.tp} pp {plan.pp}"
+                          f" vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
+                          f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
+
+    def _spec_name(self) -> str:
+        spec = self.recipe.kernels.spec
+        if spec != "auto":
+            return spec
+        try:
+            import transformer_engine  # noqa: F401
+
+            return "te"
+        except ImportError:
+            pass
+        from loongforge_megatron import engine
+
+        return "loongforge" if "loongforge" in getattr(engine.layer_spec, "__globals__", {}).get("LAYER_SPECS", ()) else "local"
+
+    def _tokenizer(self):
+        from loongforge_megatron.data.prepare import is_prepared, prepare, tokenizer_dir
+        from loongforge_megatron.data.tokenizer import load_tokenizer
+
+        data = self.recipe.data
+        if data.format != "synthetic" and data.path and not is_prepared(data.path):
+            if self.runtime.is_main:
+                prepare(self.recipe)
+            dist.barrier()
+        path = tokenizer_dir(self.recipe)
+        if path is None:
+            if data.format == "synthetic":
+                return None
+            raise RecipeError("no tokenizer found: set data.tokenizer or model.hf", key="data.tokenizer")
+        return load_tokenizer(path)
+
+    def _load_initial(self, path: str) -> None:
+        """Initial weights from an HF directory (each rank reads only its shards) or a LoongForge checkpoint."""
+        from loongforge_megatron.hf_io import load_hf_into
+
+        src = Path(path)
+        if (src / "config.json").is_file():
+            load_hf_into(self, src)
+        else:
+            raise CheckpointError(f"checkpoint.load '{path}' is not an HF model directory (no config.json)")
+
+    # ------------------------------------------------------------------ running
+    def step(self) -> dict[str, float]:
+        from loongforge_megatron import engine
+
+        t0 = time.perf_counter()
+        batches = self.schedule.microbatches(self.step_index, device=self.device)
+        out = engine.train_step(
+            model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler, data_iterator=iter(batches),
+            num_microbatches=self.num_microbatches, seq_length=self.recipe.data.seq_length,
+            micro_batch_size=self.recipe.train.micro_batch_size,
+        )
+        self.acc.synchronize()
+        dt = time.perf_counter() - t0
+        self.step_index += 1
+        tokens = self.recipe.train.global_batch_size * self.recipe.data.seq_length
+        metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
+        if out.get("grad_norm") is not None:
+            metrics["grad_norm"] = out["grad_norm"]
+        if self.peak_flops:
+            metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.plan.world_size)
+        mem = self.acc.memory_stats().get("peak_allocated")
+        if mem:
+            metrics["peak_mem_gib"] = mem / 2**30
+        if self.log:
+            self.log.log(self.step_index, metrics)
+        return metrics
+
+    def run(self) -> dict[str, Any]:
+        c = self.recipe.checkpoint
+        last: dict[str, Any] = {}
+        while self.step_index < self.recipe.train.steps:
+            last = self.step()
+            if c.save_interval and self.step_index % c.save_interval == 0 and self.step_index < self.recipe.train.steps:
+                self.checkpointer.save(self.step_index)
+        if c.save_at_end:
+            self.checkpointer.save(self.step_index, final=True)
+        return {"step": self.step_index, **last}
+
+    def close(self) -> None:
+        from loongforge_megatron import engine
+
+        try:
+            if dist.is_initialized():
+                engine.destroy(process_group=True)
+        finally:
+            if self._adaptations is not None:
+                self._adaptations.__exit__(None, None, None)
+                self._adaptations = None
+
+
+def unwrapped(job: MegatronJob) -> list[torch.nn.Module]:
+    from loongforge_megatron.engine.model import unwrap
+
+    return [unwrap(m) for m in job.model]

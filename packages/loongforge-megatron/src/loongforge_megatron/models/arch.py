@@ -1,0 +1,121 @@
+"""The architecture of a decoder-only LM: the family-neutral numbers a preset or an HF config.json gives.
+
+One :class:`Arch` describes Llama 2/3/3.x, Qwen2/2.5, Qwen3 (dense and MoE) and DeepSeek-V3-style (MLA + MoE
+with shared experts) models. ``translate.py`` turns it into megatron-core's TransformerConfig and into an HF
+config; ``presets.py`` holds the published sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+class Arch(BaseModel):
+    """Model shape. Fields left None are derived (head_dim = hidden / heads, kv heads = heads)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] = "llama"
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    ffn_hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_query_groups: int | None = Field(None, ge=1, description="KV heads (GQA); default: num_attention_heads")
+    head_dim: int | None = Field(None, ge=1)
+    vocab_size: int = Field(ge=1)
+    max_position_embeddings: int = Field(4096, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
+    rope_original_max_position: int | None = Field(None, ge=1)
+    norm_eps: float = Field(1e-5, gt=0)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+    # MoE
+    num_experts: int | None = Field(None, ge=1)
+    moe_topk: int = Field(2, ge=1)
+    moe_ffn_hidden_size: int | None = Field(None, ge=1)
+    moe_shared_expert_ffn: int | None = Field(None, ge=1, description="total shared-expert intermediate size")
+    moe_first_dense_layers: int = Field(0, ge=0, description="leading dense layers (DeepSeek first_k_dense_replace)")
+    moe_norm_topk: bool = True
+    moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_expert_bias: bool = False
+    moe_routed_scaling: float | None = Field(None, gt=0)
+    moe_num_groups: int | None = Field(None, ge=1)
+    moe_group_topk: int | None = Field(None, ge=1)
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    # MLA (DeepSeek)
+    q_lora_rank: int | None = Field(None, ge=1)
+    kv_lora_rank: int | None = Field(None, ge=1)
+    qk_nope_head_dim: int | None = Field(None, ge=1)
+    qk_rope_head_dim: int | None = Field(None, ge=1)
+    v_head_dim: int | None = Field(None, ge=1)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> Arch:
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_query_groups ({self.kv_heads})"
+            )
+        if self.num_experts and self.moe_topk > self.num_experts:
+            raise ValueError(f"moe_topk ({self.moe_topk}) exceeds num_experts ({self.num_experts})")
+        if self.is_mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):
+            raise ValueError("MLA (kv_lora_rank set) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        return self
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included), for logs and MFU."""
+        h, layers = self.hidden_size, self.num_layers
+        if self.is_mla:
+            q_head = (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+            q = (h * self.q_lora_rank + self.q_lora_rank * self.num_attention_heads * q_head) if self.q_lora_rank else h * self.num_attention_heads * q_head
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_attention_heads * (
+                self.qk_nope_head_dim + self.v_head_dim
+            )
+            attn = q + kv + self.num_attention_heads * self.v_head_dim * h
+        else:
+            d = self.kv_channels
+            attn = h * d * (self.num_attention_heads + 2 * self.kv_heads) + self.num_attention_heads * d * h
+        dense_mlp = 3 * h * self.ffn_hidden_size
+        if self.is_moe:
+            moe_layers = layers - self.moe_first_dense_layers
+            expert = 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
+            shared = 3 * h * (self.moe_shared_expert_ffn or 0)
+            mlp = self.moe_first_dense_layers * dense_mlp + moe_layers * (self.num_experts * expert + shared + h * self.num_experts)
+        else:
+            mlp = layers * dense_mlp
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return layers * (attn + 2 * h) + mlp + emb + h
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6 × active parameters (no embeddings) + 12 × layers × hidden × seq
+        (attention scores and values, causal mask not discounted) — the PaLM/Megatron formula."""
+        h = self.hidden_size
+        active = self.num_params() - self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        if self.is_moe:
+            moe_layers = self.num_layers - self.moe_first_dense_layers
+            expert = 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
+            active -= moe_layers * (self.num_experts - self.moe_topk) * expert
+        attn_dim = self.num_attention_heads * (self.v_head_dim or self.kv_channels)
+        return 6.0 * (active + self.vocab_size * h) + 12.0 * self.num_layers * attn_dim * seq_length

@@ -1,0 +1,234 @@
+"""Translate an :class:`Arch` to and from HF configs, and into megatron-core's TransformerConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loongforge.errors import RecipeError
+from loongforge_megatron.models.arch import Arch
+
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+}
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from an HF config dict (transformers 4.x and 5.x spellings)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    return float(theta), scaling
+
+
+def arch_from_hf(hf_dir: str | Path) -> Arch:
+    """Read ``config.json`` of an HF model directory into an :class:`Arch`."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise RecipeError(f"no config.json in HF model directory '{hf_dir}'", key="model.hf")
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type")
+    family = HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        allowed = ", ".join(sorted(HF_MODEL_TYPES))
+        raise RecipeError(f"model_type '{model_type}' in {path} is not supported; supported: {allowed}", key="model.hf")
+    theta, scaling = _rope_params(cfg)
+    heads = cfg["num_attention_heads"]
+    fields: dict[str, Any] = dict(
+        family=family,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=cfg.get("initializer_range", 0.02),
+    )
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        fields["rope_scaling_factor"] = float(scaling["factor"])
+        fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    if family == "llama":
+        fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
+    if family == "qwen2":
+        fields["qkv_bias"] = True
+    if family in ("qwen3", "qwen3_moe"):
+        fields["qk_norm"] = True
+        fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
+    if family == "qwen3_moe":
+        fields.update(num_experts=cfg["num_experts"], moe_topk=cfg["num_experts_per_tok"],
+                      moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_norm_topk=bool(cfg.get("norm_topk_prob", True)))
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise RecipeError("Qwen3-MoE configs with mlp_only_layers / decoder_sparse_step != 1 are not supported", key="model.hf")
+    if family == "deepseek_v3":
+        fields.pop("head_dim")
+        fields.update(
+            num_query_groups=heads,
+            num_experts=cfg["n_routed_experts"],
+            moe_topk=cfg["num_experts_per_tok"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            moe_shared_expert_ffn=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1),
+            moe_first_dense_layers=cfg.get("first_k_dense_replace", 0),
+            moe_score_function="sigmoid",
+            moe_expert_bias=True,
+            moe_norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            moe_routed_scaling=cfg.get("routed_scaling_factor", 1.0),
+            moe_num_groups=cfg.get("n_group"),
+            moe_group_topk=cfg.get("topk_group"),
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+        )
+    return Arch(**fields)
+
+
+def hf_config(arch: Arch, *, torch_dtype: str = "float32") -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``arch`` (what an HF export writes)."""
+    cfg: dict[str, Any] = dict(
+        architectures=[HF_ARCHITECTURES[arch.family]],
+        model_type=arch.family,
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.kv_channels,
+        hidden_act="silu",
+        max_position_embeddings=arch.max_position_embeddings,
+        initializer_range=arch.init_std,
+        rms_norm_eps=arch.norm_eps,
+        rope_theta=arch.rope_theta,
+        tie_word_embeddings=arch.tie_embeddings,
+        attention_dropout=0.0,
+        torch_dtype=torch_dtype,
+        use_cache=True,
+    )
+    if arch.rope_scaling_factor:
+        cfg["rope_scaling"] = dict(rope_type="llama3", factor=arch.rope_scaling_factor, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=arch.rope_original_max_position or 8192)
+    if arch.family == "llama":
+        cfg.update(attention_bias=arch.qkv_bias, mlp_bias=False)
+    if arch.family in ("qwen3", "qwen3_moe"):
+        cfg["attention_bias"] = arch.qkv_bias
+    if arch.family == "qwen3_moe":
+        cfg.update(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk, moe_intermediate_size=arch.moe_ffn_hidden_size,
+                   norm_topk_prob=arch.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                   router_aux_loss_coef=arch.moe_aux_loss_coeff)
+    if arch.family == "deepseek_v3":
+        cfg.pop("head_dim")
+        cfg.update(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk, moe_intermediate_size=arch.moe_ffn_hidden_size,
+                   n_shared_experts=(arch.moe_shared_expert_ffn or 0) // (arch.moe_ffn_hidden_size or 1),
+                   first_k_dense_replace=arch.moe_first_dense_layers, norm_topk_prob=arch.moe_norm_topk,
+                   routed_scaling_factor=arch.moe_routed_scaling or 1.0, n_group=arch.moe_num_groups or 1,
+                   topk_group=arch.moe_group_topk or 1, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                   qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+                   rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc")
+    return cfg
+
+
+def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool, moe_dispatcher: str = "alltoall"):
+    """megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for ``arch`` under ``plan``."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.kv_heads,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=plan.pp,
+        virtual_pipeline_model_parallel_size=plan.vpp if plan.vpp > 1 else None,
+        context_parallel_size=plan.cp,
+        expert_model_parallel_size=plan.ep,
+        expert_tensor_parallel_size=plan.etp,
+        sequence_parallel=plan.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu_initialization=cpu_init,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=False,
+    )
+    if plan.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=plan.recompute_layers or 1)
+    elif plan.recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    if arch.is_moe:
+        first = arch.moe_first_dense_layers
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn,
+            moe_layer_freq=[0] * first + [1] * (arch.num_layers - first),
+            moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=moe_dispatcher,
+            moe_router_score_function=arch.moe_score_function,
+            moe_router_enable_expert_bias=arch.moe_expert_bias,
+            moe_router_topk_scaling_factor=arch.moe_routed_scaling,
+            moe_router_num_groups=arch.moe_num_groups,
+            moe_router_group_topk=arch.moe_group_topk,
+            moe_router_pre_softmax=not arch.moe_norm_topk and arch.moe_score_function == "softmax",
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=False,
+        )
+    if arch.is_mla:
+        kw.pop("kv_channels")
+        kw.update(
+            multi_latent_attention=True,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_head_dim=arch.qk_nope_head_dim,
+            qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+            rope_type="rope",
+            rotary_base=arch.rope_theta,
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+        )
+        return MLATransformerConfig(**kw)
+    return TransformerConfig(**kw)
