@@ -177,7 +177,13 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print ``error: ...`` on one line and return 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # NOTE: overrides may follow options (``train R --output D a.b=1``); argparse leaves those in ``extra``.
+    stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     if not args.command:
         parser.print_help()
         return 2
