@@ -53,6 +53,13 @@ class MegatronBackend(Backend):
                               f"{arch.max_position_embeddings}", key="data.seq_length")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
+        import warnings
+
+        # NOTE: megatron-core warns at import about missing TransformerEngine / Apex; we run without them on
+        # purpose (the loongforge / local specs), so keep the console readable.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
+        warnings.filterwarnings("ignore", category=SyntaxWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron(\.|$)")
         from loongforge_megatron.job import MegatronJob
 
         return MegatronJob(recipe, runtime)

@@ -84,7 +84,6 @@ class MegatronJob(Job):
             vpp=plan.vpp,
             use_distributed_optimizer=plan.distributed_optimizer,
             device=self.device,
-            rope_scaling=arch.rope_scaling_factor,
         )
         if recipe.checkpoint.load:
             self._load_initial(recipe.checkpoint.load)

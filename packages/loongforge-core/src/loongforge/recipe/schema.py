@@ -116,6 +116,9 @@ class TrainConfig(Section):
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
             )
+        decay = self.decay_steps or self.steps
+        if self.warmup_steps and self.warmup_steps >= decay:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than decay_steps/steps ({decay})")
         if self.stage == "lora" and self.lora is None:
             self.lora = LoraConfig()
         return self
