@@ -71,8 +71,7 @@ class MegatronJob(Job):
         self.precision = self.acc.resolve_precision(recipe.train.precision)
         self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
         self.spec_name = self._spec_name()
-        spec = engine.layer_spec(self.spec_name, num_experts=arch.num_experts, qk_layernorm=arch.qk_norm,
-                                 multi_latent_attention=arch.is_mla)
+        spec = self._layer_spec()
         self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
         self.model = engine.build_model(
             transformer_config=self.config,
@@ -122,6 +121,7 @@ class MegatronJob(Job):
                           f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
 
     def _spec_name(self) -> str:
+        """auto: TransformerEngine's spec when TE is installed, else ours (SDPA + fused kernels)."""
         spec = self.recipe.kernels.spec
         if spec != "auto":
             return spec
@@ -130,24 +130,43 @@ class MegatronJob(Job):
 
             return "te"
         except ImportError:
-            pass
+            return "loongforge"
+
+    def _layer_spec(self):
         from loongforge_megatron import engine
 
-        return "loongforge" if "loongforge" in getattr(engine.layer_spec, "__globals__", {}).get("LAYER_SPECS", ()) else "local"
+        arch, plan = self.arch, self.plan
+        kw = dict(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, multi_latent_attention=arch.is_mla)
+        if self.spec_name != "loongforge":
+            if plan.cp > 1 and self.spec_name == "local":
+                raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
+                                  "refuses cp > 1)", key="kernels.spec")
+            return engine.layer_spec(self.spec_name, **kw)
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from loongforge_megatron.spec import KernelRMSNorm, loongforge_layer_spec, prepare_config
+
+        prepare_config(self.config)
+        layer = loongforge_layer_spec(provider=self.recipe.kernels.provider, **kw)
+        per_chunk = arch.num_layers // (plan.pp * plan.vpp)
+        # NOTE: a full block spec so the final norm is ours too (megatron's default final norm refuses SP).
+        return TransformerBlockSubmodules(layer_specs=[layer] * per_chunk,
+                                          layer_norm=ModuleSpec(module=KernelRMSNorm, params={"provider": self.recipe.kernels.provider}))
 
     def _tokenizer(self):
         from loongforge_megatron.data.prepare import is_prepared, prepare, tokenizer_dir
         from loongforge_megatron.data.tokenizer import load_tokenizer
 
         data = self.recipe.data
-        if data.format != "synthetic" and data.path and not is_prepared(data.path):
+        if data.format == "synthetic":
+            return None
+        if data.path and not is_prepared(data.path):
             if self.runtime.is_main:
                 prepare(self.recipe)
             dist.barrier()
         path = tokenizer_dir(self.recipe)
         if path is None:
-            if data.format == "synthetic":
-                return None
             raise RecipeError("no tokenizer found: set data.tokenizer or model.hf", key="data.tokenizer")
         return load_tokenizer(path)
 

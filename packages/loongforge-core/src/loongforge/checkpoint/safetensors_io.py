@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from loongforge.checkpoint.atomic import fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
@@ -22,69 +21,96 @@ SINGLE_NAME = "model.safetensors"
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def read_header(path: str | os.PathLike) -> dict[str, dict]:
+    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets), without reading data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 100 * 2**20:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    for info in header.values():
+        info["start"] = 8 + n + info["data_offsets"][0]
+    return header
 
 
 class SafetensorsReader:
     """Lazy reader over a file, or a directory holding ``model.safetensors``, an index, or ``*.safetensors``.
 
-    Files are opened on first use (memory-mapped by safetensors) and tensors are read one at a time.
+    Only headers are parsed up front; ``get`` reads one tensor with a plain positioned read. NOTE: no mmap,
+    so pages of tensors already converted never count towards the process's resident memory.
     """
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
-        self._files: dict[str, Path] = {}
         if path.is_file():
             files = [path]
         elif (path / INDEX_NAME).is_file():
             weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-            self._files = {k: path / f for k, f in weight_map.items()}
-            files = []
+            files = sorted({path / f for f in weight_map.values()})
         elif path.is_dir():
             files = sorted(path.glob("*.safetensors"))
         else:
             raise CheckpointError(f"{path}: no such checkpoint file or directory")
-        if not files and not self._files:
+        if not files:
             raise CheckpointError(f"{path}: no *.safetensors files found")
+        self._index: dict[str, tuple[Path, dict]] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                for key in handle.keys():
-                    self._files[key] = f
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in the index is missing")
+            for name, info in read_header(f).items():
+                self._index[name] = (f, info)
         self._open: dict[Path, object] = {}
         self.path = path
 
     def keys(self) -> list[str]:
-        return list(self._files)
+        return list(self._index)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._index
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._index)
 
-    def _handle(self, name: str):
-        if name not in self._files:
+    def _info(self, name: str) -> tuple[Path, dict]:
+        if name not in self._index:
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing")
-        f = self._files[name]
-        if f not in self._open:
-            if not f.is_file():
-                raise CheckpointError(f"{f}: shard listed in the index is missing")
-            self._open[f] = safe_open(str(f), framework="pt")
-        return self._open[f]
+        return self._index[name]
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into memory."""
-        return self._handle(name).get_tensor(name)
+        f, info = self._info(name)
+        if f not in self._open:
+            self._open[f] = open(f, "rb")  # noqa: SIM115 - closed in close()
+        t = torch.empty(info["shape"], dtype=self.dtype(name))
+        nbytes = info["data_offsets"][1] - info["data_offsets"][0]
+        if t.numel() * t.element_size() != nbytes:
+            raise CheckpointError(f"{f}: tensor '{name}' has {nbytes} bytes for shape {info['shape']}")
+        if nbytes:
+            handle = self._open[f]
+            handle.seek(info["start"])
+            buf = t.reshape(-1).view(torch.uint8).numpy()
+            if handle.readinto(memoryview(buf)) != nbytes:
+                raise CheckpointError(f"{f}: truncated while reading tensor '{name}'")
+        return t
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape without reading data."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._info(name)[1]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        code = self._info(name)[1]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {code}")
+        return _DTYPES[code]
 
     def close(self) -> None:
+        for handle in self._open.values():
+            handle.close()
         self._open.clear()
 
     def __enter__(self) -> SafetensorsReader:

@@ -73,7 +73,7 @@ def arch_from_hf(hf_dir: str | Path) -> Arch:
         fields["qk_norm"] = True
         fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
     if family == "qwen3_moe":
-        fields.update(num_experts=cfg["num_experts"], moe_topk=cfg["num_experts_per_tok"],
+        fields.update(num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), moe_topk=cfg["num_experts_per_tok"],
                       moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_norm_topk=bool(cfg.get("norm_topk_prob", True)))
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise RecipeError("Qwen3-MoE configs with mlp_only_layers / decoder_sparse_step != 1 are not supported", key="model.hf")

@@ -1,0 +1,153 @@
+"""Building blocks shared by the family maps: megatron-core local-spec names <-> HF names for the usual pieces.
+
+Names are those of megatron-core 0.19.2's local (non-TransformerEngine) GPT layer spec; the test
+``test_megatron_names.py`` builds real models and fails if an upgrade renames anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loongforge.checkpoint import (
+    ColumnParallel,
+    Entry,
+    Expert,
+    FusedQKV,
+    GatedMLP,
+    NameMap,
+    Replicated,
+    RowParallel,
+    VocabParallel,
+)
+from loongforge.errors import CheckpointError
+
+HFConfig = dict[str, Any]
+L = "decoder.layers.*."
+H = "model.layers.*."
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family = a config translation + a name map (no sharding code)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    name_map: Callable[..., NameMap]  # (hf_config, *, divisible_by) -> NameMap
+    megatron_config: Callable[[HFConfig], dict[str, dict[str, Any]]]
+    num_experts: Callable[[HFConfig], int] = lambda h: 0
+    ignore_hf: Callable[[HFConfig, str], bool] = field(default=lambda h, name: "rotary_emb.inv_freq" in name)
+
+
+def head_dim(h: HFConfig) -> int:
+    return h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
+
+
+def num_query_groups(h: HFConfig) -> int:
+    return h.get("num_key_value_heads") or h["num_attention_heads"]
+
+
+def ends(h: HFConfig, *, divisible_by: int) -> tuple[list[Entry], list[Entry]]:
+    """Embedding (first stage) and final norm + output layer (last stage); tied heads reuse the embedding."""
+    vocab = VocabParallel(vocab_size=h["vocab_size"], divisible_by=divisible_by)
+    first = [Entry("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab, stage="first")]
+    last = [Entry("decoder.final_layernorm.weight", "model.norm.weight", Replicated(), stage="last")]
+    if h.get("tie_word_embeddings", False):
+        # NOTE: with pp > 1 megatron keeps a copy of the embedding as output_layer.weight on the last stage.
+        last.append(Entry("output_layer.weight", "model.embed_tokens.weight", vocab, stage="last_tied", export=False))
+    else:
+        last.append(Entry("output_layer.weight", "lm_head.weight", vocab, stage="last"))
+    return first, last
+
+
+def norms() -> list[Entry]:
+    return [
+        Entry(L + "input_layernorm.weight", H + "input_layernorm.weight", Replicated()),
+        Entry(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight", Replicated()),
+    ]
+
+
+def gqa_attention(h: HFConfig, *, qkv_bias: bool = False, qk_norm: bool = False) -> list[Entry]:
+    """Self attention with fused QKV (GQA interleave), optional q/k/v biases and per-head q/k RMSNorm."""
+    qkv = FusedQKV(num_heads=h["num_attention_heads"], num_query_groups=num_query_groups(h), head_dim=head_dim(h))
+    proj = H + "self_attn."
+    out = [
+        Entry(L + "self_attention.linear_qkv.weight",
+              {r: f"{proj}{r}_proj.weight" for r in ("q", "k", "v")}, qkv),
+        Entry(L + "self_attention.linear_proj.weight", proj + "o_proj.weight", RowParallel()),
+    ]
+    if qkv_bias:
+        out.append(Entry(L + "self_attention.linear_qkv.bias", {r: f"{proj}{r}_proj.bias" for r in ("q", "k", "v")}, qkv))
+    if qk_norm:
+        out.append(Entry(L + "self_attention.q_layernorm.weight", proj + "q_norm.weight", Replicated()))
+        out.append(Entry(L + "self_attention.k_layernorm.weight", proj + "k_norm.weight", Replicated()))
+    return out
+
+
+def dense_mlp(*, layers: Callable[[int], bool] | None = None, m: str = "mlp.", hf: str = "mlp.") -> list[Entry]:
+    """SwiGLU MLP: gate/up fused into linear_fc1, down_proj -> linear_fc2."""
+    return [
+        Entry(L + m + "linear_fc1.weight", {"gate": H + hf + "gate_proj.weight", "up": H + hf + "up_proj.weight"},
+              GatedMLP(), layers=layers),
+        Entry(L + m + "linear_fc2.weight", H + hf + "down_proj.weight", RowParallel(), layers=layers),
+    ]
+
+
+def routed_experts(
+    num_experts: int, *, layers: Callable[[int], bool] | None = None, router_bias: str | None = None
+) -> list[Entry]:
+    """Router + routed experts (SequentialMLP ``local_experts``), experts spread over EP and sharded over ETP."""
+    ex = "mlp.experts.local_experts.*."
+    out = [
+        Entry(L + "mlp.router.weight", H + "mlp.gate.weight", Replicated(), layers=layers),
+        Entry(L + ex + "linear_fc1.weight",
+              {"gate": H + "mlp.experts.*.gate_proj.weight", "up": H + "mlp.experts.*.up_proj.weight"},
+              Expert(GatedMLP(), num_experts), layers=layers),
+        Entry(L + ex + "linear_fc2.weight", H + "mlp.experts.*.down_proj.weight",
+              Expert(RowParallel(), num_experts), layers=layers),
+    ]
+    if router_bias:
+        out.append(Entry(L + "mlp.router.expert_bias", H + f"mlp.gate.{router_bias}", Replicated(), layers=layers))
+    return out
+
+
+def column(meg: str, hf: str, **kw) -> Entry:
+    return Entry(L + meg, H + hf, ColumnParallel(), **kw)
+
+
+def replicated(meg: str, hf: str, **kw) -> Entry:
+    return Entry(L + meg, H + hf, Replicated(), **kw)
+
+
+def base_megatron_config(h: HFConfig) -> dict[str, dict[str, Any]]:
+    """TransformerConfig fields (``transformer``) and GPTModel kwargs (``model``) for a llama-like model.
+
+    ``activation`` is a name ("silu") rather than a function so the dict stays JSON; the backend maps it.
+    """
+    if h.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act '{h.get('hidden_act')}' is not supported (only 'silu')")
+    transformer = {
+        "num_layers": h["num_hidden_layers"],
+        "hidden_size": h["hidden_size"],
+        "ffn_hidden_size": h["intermediate_size"],
+        "num_attention_heads": h["num_attention_heads"],
+        "num_query_groups": num_query_groups(h),
+        "kv_channels": head_dim(h),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": h.get("rms_norm_eps", 1e-6),
+        "gated_linear_unit": True,
+        "activation": "silu",
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "qk_layernorm": False,
+    }
+    model = {
+        "vocab_size": h["vocab_size"],
+        "max_sequence_length": h.get("max_position_embeddings", 4096),
+        "position_embedding_type": "rope",
+        "rotary_base": h.get("rope_theta") or (h.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        "rope_scaling": h.get("rope_scaling") or h.get("rope_parameters"),
+        "share_embeddings_and_output_weights": bool(h.get("tie_word_embeddings", False)),
+    }
+    return {"transformer": transformer, "model": model}

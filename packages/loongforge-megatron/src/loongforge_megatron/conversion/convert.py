@@ -1,0 +1,129 @@
+"""Offline conversions: HF -> megatron layout, megatron layout -> HF, megatron -> megatron reshard.
+
+All three stream one tensor group at a time, write into a staging directory and rename it into place, and
+refuse a non-empty destination unless ``force=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+from loongforge.errors import CheckpointError
+
+from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
+from loongforge_megatron.conversion.families import get_family
+from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    return json.loads(path.read_text())
+
+
+def copy_assets(src: Path, dst: Path) -> None:
+    """Copy config, tokenizer and other non-weight files (top level only)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
+
+
+def _staging(out_dir: Path, force: bool) -> Path:
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(f"{out_dir}: destination is not empty (pass force=True to overwrite)")
+    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, out_dir: Path) -> Path:
+    fsync_tree(staging)
+    replace_dir(staging, out_dir)
+    return out_dir
+
+
+def hf_to_megatron(
+    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, family: str | None = None,
+    tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
+    make_vocab_size_divisible_by: int = 128, force: bool = False,
+) -> MegatronLayout:
+    """Shard an HF checkpoint into the offline megatron layout (one safetensors file per rank).
+
+    ``family`` defaults to the one matching config.json's ``model_type``; ``etp`` defaults to ``tp`` (as in
+    megatron-core). Checks that the HF tensors are exactly the ones the family needs before writing.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_config = read_hf_config(hf_dir)
+    fam = get_family(family, hf_config=hf_config)
+    layout = MegatronLayout(
+        fam.name, hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
+    source.check_names(key_of(p) for p in layout.params())
+    staging = _staging(out_dir, force)
+    try:
+        to_megatron_files(source, layout, staging)
+        copy_assets(hf_dir, staging / ASSETS_DIR)
+        layout.save(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out_dir)
+    return layout
+
+
+def megatron_to_hf(
+    src_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+    max_shard_bytes: int = 5 * 2**30, force: bool = False,
+) -> Path:
+    """Gather an offline megatron checkpoint back into an HF directory (sharded safetensors + index, config,
+    tokenizer). Vocab padding is stripped; tied output layers are not duplicated."""
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    layout = MegatronLayout.load(src_dir)
+    assets = src_dir / ASSETS_DIR
+
+    def put_assets(staging: Path) -> None:
+        if assets.is_dir():
+            copy_assets(assets, staging)
+        if not (staging / "config.json").is_file():
+            (staging / "config.json").write_text(json.dumps(layout.hf_config, indent=2))
+
+    to_hf_dir(file_source(src_dir, layout), layout, out_dir, max_shard_bytes=max_shard_bytes, force=force,
+              assets=put_assets)
+    return out_dir
+
+
+def reshard(
+    src_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+    tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None, force: bool = False,
+) -> MegatronLayout:
+    """Re-shard an offline megatron checkpoint to another (tp, pp, vpp, ep, etp), streaming through HF space
+    one group at a time (no full-model materialisation)."""
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    old = MegatronLayout.load(src_dir)
+    new = MegatronLayout(
+        old.family, old.hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
+        make_vocab_size_divisible_by=old.make_vocab_size_divisible_by,
+    )
+    staging = _staging(out_dir, force)
+    try:
+        to_megatron_files(file_source(src_dir, old), new, staging, label="reshard")
+        if (src_dir / ASSETS_DIR).is_dir():
+            shutil.copytree(src_dir / ASSETS_DIR, staging / ASSETS_DIR)
+        new.save(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out_dir)
+    return new

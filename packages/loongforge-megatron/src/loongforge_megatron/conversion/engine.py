@@ -1,0 +1,195 @@
+"""The streaming engine: a source yields one HF tensor group at a time, sinks shard or gather it.
+
+A *group* is the HF tensors one megatron parameter is built from (q/k/v, gate/up, or one tensor), keyed by
+their HF names. Sources: an HF directory, or megatron rank shards (files or in-memory state dicts). Sinks:
+megatron rank files, one rank's state dict, or an HF directory. Every conversion is source -> sink, so peak
+memory is one group plus its shards.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
+from loongforge.errors import CheckpointError
+
+from loongforge_megatron.conversion.families import get_family
+from loongforge_megatron.conversion.layout import MegatronLayout, Rank
+
+Key = tuple[str, ...]
+Spec = tuple[torch.dtype, tuple[int, ...]]
+Group = dict[str, torch.Tensor]  # role -> tensor
+
+
+def key_of(p: Param) -> Key:
+    return tuple(p.hf[r] for r in p.rule.roles)
+
+
+def _meta(specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
+    return {r: torch.empty(s, dtype=d, device="meta") for r, (d, s) in specs.items()}
+
+
+def _explain(p: Param, group: dict[str, Spec], err: Exception) -> CheckpointError:
+    shapes = ", ".join(f"'{p.hf[r]}' {tuple(s)}" for r, (_, s) in group.items())
+    return CheckpointError(f"cannot build '{p.megatron}' from {shapes}: {err}")
+
+
+class Progress:
+    """Progress lines on stderr, at most one every ~2 s (plus the final one)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done, self._last = total, label, 0, 0.0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._last > 2.0 or self.done == self.total:
+            self._last = now
+            print(f"[loongforge {self.label}] {self.done}/{self.total} tensor groups", file=sys.stderr, flush=True)
+
+
+class HFSource:
+    """Reads groups from an HF safetensors directory (lazily, one tensor at a time)."""
+
+    def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict):
+        self.reader = SafetensorsReader(hf_dir)
+        self.family, self.hf_config = get_family(family), hf_config
+
+    def check_names(self, needed: Iterable[Key]) -> None:
+        """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""
+        want = {n for k in needed for n in k}
+        have = {n for n in self.reader.keys() if not self.family.ignore_hf(self.hf_config, n)}
+        if missing := sorted(want - have):
+            raise CheckpointError(
+                f"{self.reader.path}: missing tensor '{missing[0]}' (+{len(missing) - 1} more) for family "
+                f"'{self.family.name}'; the checkpoint does not match config.json"
+            )
+        if unexpected := sorted(have - want):
+            raise CheckpointError(
+                f"{self.reader.path}: unexpected tensor '{unexpected[0]}' (+{len(unexpected) - 1} more) for "
+                f"family '{self.family.name}'; the checkpoint does not match config.json"
+            )
+
+    def spec(self, p: Param) -> dict[str, Spec]:
+        return {r: (self.reader.dtype(n), self.reader.shape(n)) for r, n in p.hf.items()}
+
+    def get(self, p: Param) -> Group:
+        return {r: self.reader.get(n) for r, n in p.hf.items()}
+
+
+class MegatronSource:
+    """Gathers groups from megatron shards; ``read(rank, name)`` / ``shape(rank, name)`` abstract the storage."""
+
+    def __init__(
+        self, layout: MegatronLayout, *,
+        read: Callable[[Rank, str], torch.Tensor], spec: Callable[[Rank, str], Spec],
+    ):
+        self.layout, self._read, self._spec = layout, read, spec
+        self.params = {key_of(p): p for p in layout.params() if p.export}
+
+    def _p(self, p: Param) -> Param:
+        try:
+            return self.params[key_of(p)]
+        except KeyError:
+            raise CheckpointError(f"the megatron checkpoint has no parameter for HF {key_of(p)}") from None
+
+    def spec(self, p: Param) -> dict[str, Spec]:
+        src = self._p(p)
+        shard_specs = [self._spec(rank, src.megatron) for rank in self.layout.shard_sources(src)]
+        meta = src.rule.to_hf([torch.empty(s, dtype=d, device="meta") for d, s in shard_specs])
+        return {r: (t.dtype, tuple(t.shape)) for r, t in meta.items()}
+
+    def get(self, p: Param) -> Group:
+        src = self._p(p)
+        return src.rule.to_hf([self._read(rank, src.megatron) for rank in self.layout.shard_sources(src)])
+
+
+def file_source(root: str | Path, layout: MegatronLayout) -> MegatronSource:
+    """A MegatronSource over the rank files of an offline checkpoint (each opened lazily)."""
+    readers: dict[Rank, SafetensorsReader] = {}
+
+    def reader(rank: Rank) -> SafetensorsReader:
+        if rank not in readers:
+            readers[rank] = SafetensorsReader(layout.rank_file(root, rank))
+        return readers[rank]
+
+    return MegatronSource(
+        layout,
+        read=lambda rank, name: reader(rank).get(name),
+        spec=lambda rank, name: (reader(rank).dtype(name), reader(rank).shape(name)),
+    )
+
+
+def shard(layout: MegatronLayout, p: Param, group: Group, index: int) -> torch.Tensor:
+    size = layout.split_size(p)
+    return p.rule.to_megatron(group, tp_rank=index, tp_size=size)
+
+
+def _targets(layout: MegatronLayout) -> dict[Key, list[Param]]:
+    out: dict[Key, list[Param]] = {}
+    for p in layout.params():
+        out.setdefault(key_of(p), []).append(p)
+    return out
+
+
+def hf_params(layout: MegatronLayout) -> list[Param]:
+    """One representative parameter per HF group, in HF order (what an HF export writes)."""
+    return [p for p in layout.params() if p.export]
+
+
+def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str = "convert") -> None:
+    """Shard every group from ``source`` into the rank files of ``layout`` under ``root``."""
+    targets = _targets(layout)
+    rank_specs: dict[Rank, dict[str, Spec]] = {r: {} for r in layout.ranks()}
+    for params in targets.values():
+        group_spec = source.spec(params[0])
+        for p in params:
+            try:
+                shape = p.rule.shard_shape({r: s for r, (_, s) in group_spec.items()}, tp_size=layout.split_size(p))
+            except (CheckpointError, RuntimeError) as e:
+                raise _explain(p, group_spec, e) from None
+            dtype = next(iter(group_spec.values()))[0]
+            for rank, _ in layout.holders(p):
+                rank_specs[rank][p.megatron] = (dtype, shape)
+    files = {}
+    for rank, specs in rank_specs.items():
+        path = layout.rank_file(root, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files[rank] = StreamingSafetensorsFile(path, specs)
+    progress = Progress(len(targets), label)
+    for params in targets.values():
+        group = source.get(params[0])
+        for p in params:
+            for rank, index in layout.holders(p):
+                files[rank].write(p.megatron, shard(layout, p, group, index))
+        del group
+        progress.step()
+    for f in files.values():
+        f.close()
+
+
+def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes: int, force: bool,
+              assets: Callable[[Path], None] | None = None) -> None:
+    """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded)."""
+    params = hf_params(layout)
+    specs: dict[str, Spec] = {}
+    for p in params:
+        for r, spec in source.spec(p).items():
+            specs[p.hf[r]] = spec
+    writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force)
+    try:
+        progress = Progress(len(params), "export")
+        for p in params:
+            for r, t in source.get(p).items():
+                writer.add(p.hf[r], t)
+            progress.step()
+        if assets is not None:
+            assets(writer.staging_dir)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.commit()

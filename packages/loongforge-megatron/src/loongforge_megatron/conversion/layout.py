@@ -1,0 +1,120 @@
+"""The offline megatron layout: which rank file holds which shard of which parameter.
+
+On disk: ``loongforge_layout.json`` + one safetensors file per rank, ``mp_rank_{tp:02d}_{pp:03d}_{ep:03d}/
+model.safetensors`` (``model_vpp{v}.safetensors`` per virtual chunk when vpp > 1) + ``hf_assets/`` (config,
+tokenizer). Every EP rank file carries the non-expert parameters too, as megatron's own checkpoints do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loongforge.checkpoint import Expert, NameMap, Param, padded_vocab_size
+from loongforge.errors import CheckpointError
+
+from loongforge_megatron.conversion.families import get_family
+
+LAYOUT_FILE = "loongforge_layout.json"
+ASSETS_DIR = "hf_assets"
+FORMAT = "loongforge-megatron/1"
+Rank = tuple[int, int, int, int]  # (tp, pp, ep, vpp)
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """Model family, parallel sizes and the HF config a megatron checkpoint was sharded for."""
+
+    family: str
+    hf_config: dict[str, Any]
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int | None = None  # None: megatron's default, expert TP = TP
+    make_vocab_size_divisible_by: int = 128
+    megatron_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "vpp", "ep"):
+            if getattr(self, key) < 1:
+                raise CheckpointError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        if self.etp not in (1, self.tp):
+            raise CheckpointError(f"etp must be 1 or equal to tp ({self.tp}), got {self.etp}")
+        if self.vpp > 1 and self.pp == 1:
+            raise CheckpointError("vpp > 1 needs pp > 1")
+        if not self.megatron_config:
+            object.__setattr__(self, "megatron_config", get_family(self.family).megatron_config(self.hf_config))
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_experts(self) -> int:
+        return get_family(self.family).num_experts(self.hf_config)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(
+            self.hf_config["vocab_size"], divisible_by=self.make_vocab_size_divisible_by, tp_size=self.tp
+        )
+
+    def name_map(self) -> NameMap:
+        return get_family(self.family).name_map(self.hf_config, divisible_by=self.make_vocab_size_divisible_by)
+
+    def params(self) -> Iterator[Param]:
+        """Every concrete parameter, placed on this layout's stages and EP ranks."""
+        return self.name_map().expand(
+            num_layers=self.num_layers, num_experts=self.num_experts, pp=self.pp, vpp=self.vpp, ep=self.ep
+        )
+
+    def ranks(self) -> Iterator[Rank]:
+        for tp in range(self.tp):
+            for pp in range(self.pp):
+                for ep in range(self.ep):
+                    for vpp in range(self.vpp):
+                        yield tp, pp, ep, vpp
+
+    def rank_file(self, root: str | os.PathLike, rank: Rank) -> Path:
+        tp, pp, ep, vpp = rank
+        name = "model.safetensors" if self.vpp == 1 else f"model_vpp{vpp}.safetensors"
+        return Path(root) / f"mp_rank_{tp:02d}_{pp:03d}_{ep:03d}" / name
+
+    def split_size(self, p: Param) -> int:
+        """How many shards a parameter is cut into: ETP for routed experts, TP otherwise."""
+        return self.etp if isinstance(p.rule, Expert) else self.tp
+
+    def holders(self, p: Param) -> Iterator[tuple[Rank, int]]:
+        """(rank, shard index) for every rank that stores ``p`` (replicas included)."""
+        size = self.split_size(p)
+        eps = range(self.ep) if p.where.ep_rank is None else [p.where.ep_rank]
+        for tp in range(self.tp):
+            for ep in eps:
+                yield (tp, p.where.pp_rank, ep, p.where.vpp_rank), (tp if size == self.tp else 0)
+
+    def shard_sources(self, p: Param) -> list[Rank]:
+        """One rank per shard index, in order: where to read ``p``'s shards back from."""
+        ep = p.where.ep_rank or 0
+        return [(i, p.where.pp_rank, ep, p.where.vpp_rank) for i in range(self.split_size(p))]
+
+    def save(self, root: str | os.PathLike) -> None:
+        data = {"format": FORMAT, **asdict(self), "padded_vocab_size": self.padded_vocab_size}
+        (Path(root) / LAYOUT_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, root: str | os.PathLike) -> MegatronLayout:
+        path = Path(root) / LAYOUT_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{root}: not a LoongForge megatron checkpoint (no {LAYOUT_FILE})")
+        data = json.loads(path.read_text())
+        if data.pop("format", None) != FORMAT:
+            raise CheckpointError(f"{path}: unknown format (expected '{FORMAT}')")
+        data.pop("padded_vocab_size", None)
+        return cls(**data)

@@ -1,0 +1,79 @@
+"""The ``loongforge`` layer spec: megatron-core's local layer with SDPA flash attention and fused kernels —
+a fast path that needs no TransformerEngine. Parameter names are identical to the local spec, so checkpoints
+and the HF name maps are shared."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from loongforge_megatron.spec.attention import SDPAttention
+from loongforge_megatron.spec.modules import KernelRMSNorm, KernelSwiGLU
+
+__all__ = ["KernelRMSNorm", "KernelSwiGLU", "SDPAttention", "loongforge_layer_spec", "prepare_config"]
+
+
+def prepare_config(config: Any) -> Any:
+    """Config switches the spec relies on: the MLP calls our activation module on the whole fc1 output."""
+    config.use_te_activation_func = True
+    return config
+
+
+def _replace_norms(sub: Any, norm: Any) -> Any:
+    from loongforge_megatron.engine.layer_spec import TorchNorm
+
+    changes = {}
+    for f in dataclasses.fields(sub):
+        value = getattr(sub, f.name)
+        if value is TorchNorm:
+            changes[f.name] = norm
+    return dataclasses.replace(sub, **changes) if changes else sub
+
+
+def _get_sub(spec: Any) -> Any:
+    """Submodules of a ModuleSpec or of a ``functools.partial(cls, submodules=...)`` spec (megatron uses both)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
+
+
+def _set_sub(spec: Any, sub: Any) -> Any:
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": sub})
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def _with_activation(mlp_spec: Any, act: Any) -> Any:
+    """Set ``activation_func`` on an MLP spec, or on the expert / shared-expert MLPs of a MoE spec."""
+    sub = _get_sub(mlp_spec)
+    if sub is None or not dataclasses.is_dataclass(sub):
+        return mlp_spec
+    names = {f.name for f in dataclasses.fields(sub)}
+    changes = {}
+    if "activation_func" in names:
+        changes["activation_func"] = act
+    for name in ("experts", "shared_experts"):
+        if name in names and getattr(sub, name) is not None:
+            changes[name] = _with_activation(getattr(sub, name), act)
+    return _set_sub(mlp_spec, dataclasses.replace(sub, **changes)) if changes else mlp_spec
+
+
+def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
+                          multi_latent_attention: bool = False, provider: str = "auto"):
+    """megatron's local GPT layer spec with SDPA core attention, kernel RMSNorm and kernel SwiGLU."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from loongforge_megatron.engine.layer_spec import local_layer_spec
+
+    spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                            multi_latent_attention=multi_latent_attention)
+    norm = ModuleSpec(module=KernelRMSNorm, params={"provider": provider})
+    act = ModuleSpec(module=KernelSwiGLU, params={"provider": provider})
+    sub = _replace_norms(spec.submodules, norm)
+    attn = sub.self_attention
+    attn_sub = _replace_norms(attn.submodules, norm)
+    attn_sub = dataclasses.replace(attn_sub, core_attention=SDPAttention)
+    sub = dataclasses.replace(sub, self_attention=dataclasses.replace(attn, submodules=attn_sub),
+                              mlp=_with_activation(sub.mlp, act))
+    return dataclasses.replace(spec, submodules=sub)

@@ -1,0 +1,62 @@
+"""Kernel-backed modules for the ``loongforge`` layer spec. Kernels come through core's kernel registry
+(``loongforge.kernels.select_op``): Triton on GPU when ``loongforge-kernels`` is installed, torch elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_FALLBACK = {
+    "rms_norm": lambda x, weight, eps=1e-6: F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps),
+    "swiglu": lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :],
+}
+
+
+def kernel(op: str, *, provider: str, device_type: str):
+    """The op's implementation for ``device_type``; plain torch when no provider is installed and ``provider``
+    is ``auto`` (an explicitly requested provider that cannot serve raises)."""
+    from loongforge.errors import PluginError
+    from loongforge.kernels import select_op
+
+    try:
+        return select_op(op, provider=provider, device_type=device_type)
+    except PluginError:
+        if provider != "auto":
+            raise
+        return _FALLBACK[op]
+
+
+class KernelRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same parameter name ``weight``) whose forward runs the fused RMSNorm kernel.
+
+    Built like a megatron norm; marks its weight ``sequence_parallel`` so megatron all-reduces its gradient over
+    TP under sequence parallelism."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, provider: str = "auto", **_: Any):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"the loongforge spec supports RMSNorm, not {config.normalization!r}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.provider = provider
+        self._impl = None
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._impl is None:
+            self._impl = kernel("rms_norm", provider=self.provider, device_type=x.device.type)
+        return self._impl(x, self.weight, self.eps)
+
+
+class KernelSwiGLU(torch.nn.Module):
+    """MLP activation on megatron's fused fc1 output ``[..., 2F]``: silu(first half) * second half."""
+
+    def __init__(self, config: Any = None, provider: str = "auto", **_: Any):
+        super().__init__()
+        self.provider = provider
+        self._impl = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._impl is None:
+            self._impl = kernel("swiglu", provider=self.provider, device_type=x.device.type)
+        return self._impl(x)

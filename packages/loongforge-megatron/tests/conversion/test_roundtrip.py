@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from loongforge.checkpoint import SafetensorsReader
+from loongforge.errors import CheckpointError
+from loongforge_megatron.conversion import MegatronLayout, hf_to_megatron, megatron_to_hf, reshard
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]
+
+
+def assert_same_hf(a_dir, b_dir):
+    a, b = SafetensorsReader(a_dir), SafetensorsReader(b_dir)
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        x, y = a.get(k), b.get(k)
+        assert x.dtype == y.dtype and torch.equal(x, y), k
+
+
+def read_all(root):
+    layout = MegatronLayout.load(root)
+    return {r: dict((k, SafetensorsReader(layout.rank_file(root, r)).get(k))
+                    for k in SafetensorsReader(layout.rank_file(root, r)).keys()) for r in layout.ranks()}
+
+
+@pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_roundtrip_bit_exact(tiny_hf, tmp_path, family, tp, pp, ep):
+    src = tiny_hf(family)
+    layout = hf_to_megatron(src, tmp_path / "mg", tp=tp, pp=pp, ep=ep)
+    assert layout.family == family
+    for rank in layout.ranks():
+        assert layout.rank_file(tmp_path / "mg", rank).is_file()
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    assert_same_hf(src, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("family,tp,pp,vpp", [("llama_tied", 2, 2, 1), ("llama_tied", 1, 1, 1),
+                                              ("qwen2", 2, 2, 2), ("qwen3_moe", 1, 2, 2)])
+def test_roundtrip_variants(tiny_hf, tmp_path, family, tp, pp, vpp):
+    """Tied embeddings (Llama 3.2), Qwen2 q/k/v biases, virtual pipeline chunks."""
+    src = tiny_hf(family)
+    layout = hf_to_megatron(src, tmp_path / "mg", tp=tp, pp=pp, vpp=vpp, ep=1)
+    shards = read_all(tmp_path / "mg")
+    last = shards[(0, pp - 1, 0, vpp - 1)]
+    if family == "llama_tied":
+        # megatron keeps output_layer.weight on the last stage only when it differs from the first
+        assert ("output_layer.weight" in last) == (pp > 1)
+        if pp > 1:
+            assert torch.equal(last["output_layer.weight"], shards[(0, 0, 0, 0)]["embedding.word_embeddings.weight"])
+    if family == "qwen2":
+        assert "decoder.layers.0.self_attention.linear_qkv.bias" in last
+    if vpp > 1:
+        # 4 layers, pp=2, vpp=2: stage 0 holds global layers 0 (chunk 0) and 2 (chunk 1), each as local 0
+        assert {k.split(".")[2] for k in shards[(0, 0, 0, 1)] if k.startswith("decoder.layers")} == {"0"}
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    assert_same_hf(src, tmp_path / "hf")
+    assert layout.padded_vocab_size == 128 * tp
+
+
+@pytest.mark.parametrize("family,src_layout,dst_layout", [
+    ("llama", (2, 2, 1), (1, 1, 1)),
+    ("deepseek_v3", (2, 2, 1), (1, 1, 1)),
+    ("qwen3_moe", (2, 1, 2), (1, 2, 1)),
+])
+def test_reshard_equals_direct_conversion(tiny_hf, tmp_path, family, src_layout, dst_layout):
+    src = tiny_hf(family)
+    (tp, pp, ep), (tp2, pp2, ep2) = src_layout, dst_layout
+    hf_to_megatron(src, tmp_path / "a", tp=tp, pp=pp, ep=ep)
+    reshard(tmp_path / "a", tmp_path / "b", tp=tp2, pp=pp2, ep=ep2)
+    hf_to_megatron(src, tmp_path / "c", tp=tp2, pp=pp2, ep=ep2)
+    b, c = read_all(tmp_path / "b"), read_all(tmp_path / "c")
+    assert b.keys() == c.keys()
+    for rank in b:
+        assert b[rank].keys() == c[rank].keys()
+        assert all(torch.equal(b[rank][k], c[rank][k]) for k in b[rank]), rank
+    assert MegatronLayout.load(tmp_path / "b") == MegatronLayout.load(tmp_path / "c")
+
+
+def test_hf_export_shards_with_index(tiny_hf, tmp_path):
+    src = tiny_hf("llama")
+    hf_to_megatron(src, tmp_path / "mg", tp=2)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf", max_shard_bytes=20_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
+    assert_same_hf(src, tmp_path / "hf")
+
+
+def test_refuses_to_overwrite(tiny_hf, tmp_path):
+    src = tiny_hf("llama")
+    hf_to_megatron(src, tmp_path / "mg")
+    with pytest.raises(CheckpointError, match="not empty"):
+        hf_to_megatron(src, tmp_path / "mg", tp=2)
+    assert MegatronLayout.load(tmp_path / "mg").tp == 1
+    hf_to_megatron(src, tmp_path / "mg", tp=2, force=True)
+    assert MegatronLayout.load(tmp_path / "mg").tp == 2
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "x").write_text("x")
+    with pytest.raises(CheckpointError, match="not empty"):
+        megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="not empty"):
+        reshard(tmp_path / "mg", tmp_path / "hf")
+
+
+def test_mismatched_architecture_names_the_tensor(tiny_hf, tmp_path):
+    # a Qwen3 checkpoint declared as llama: q_norm/k_norm are unexpected
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.k_norm\.weight'"):
+        hf_to_megatron(tiny_hf("qwen3"), tmp_path / "a", family="llama")
+    # a Llama checkpoint declared as qwen3: q_norm missing
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_norm\.weight'"):
+        hf_to_megatron(tiny_hf("llama"), tmp_path / "b", family="qwen3")
+    # config.json that disagrees with the weights: mis-shaped tensor named
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_hf("llama").iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"'decoder\.layers\.0\.self_attention\.linear_qkv\.weight' from "
+                                              r"'model\.layers\.0\.self_attn\.q_proj\.weight'"):
+        hf_to_megatron(bad, tmp_path / "c")
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob("*.tmp-*"))
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
+        cfg["model_type"] = "gpt2"
+        (bad / "config.json").write_text(json.dumps(cfg))
+        hf_to_megatron(bad, tmp_path / "d")
+
+
+def test_bad_parallel_sizes(tiny_hf, tmp_path):
+    with pytest.raises(CheckpointError, match="cannot be split evenly"):
+        hf_to_megatron(tiny_hf("llama"), tmp_path / "a", pp=3)
+    with pytest.raises(CheckpointError, match="not divisible by ep=3"):
+        hf_to_megatron(tiny_hf("qwen3_moe"), tmp_path / "b", ep=3)
