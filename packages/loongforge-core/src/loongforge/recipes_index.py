@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
 
 
 def recipes_root() -> Path | None:
@@ -31,7 +30,9 @@ def list_recipes(root: Path | None = None) -> list[tuple[Path, str, str]]:
         if path.name.startswith("_"):
             continue  # shared bases, only meant to be extended
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            from loongforge.recipe.loader import resolve_extends
+
+            data = resolve_extends(path)
             desc = str(data.get("description", "")).strip().splitlines()[0] if data.get("description") else ""
             backend = str(data.get("backend", "(inherited)"))
         except Exception as exc:  # a broken recipe must not hide the others

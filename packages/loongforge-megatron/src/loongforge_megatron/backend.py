@@ -30,8 +30,9 @@ class MegatronBackend(Backend):
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
         if recipe.parallel.strategy not in ("auto",):
             raise RecipeError("the megatron backend shards with parallel.distributed_optimizer; leave parallel.strategy auto", key="parallel.strategy")
-        if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
-            raise RecipeError(f"'{recipe.checkpoint.load}' does not exist", key="checkpoint.load")
+        if recipe.parallel.cp > 1 and recipe.data.format == "sft":
+            raise RecipeError("packed SFT uses block-diagonal attention masks, which context parallelism does not "
+                              "support yet; use cp: 1 for sft", key="parallel.cp")
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         plan = recipe.parallel.plan(world_size)
@@ -54,6 +55,9 @@ class MegatronBackend(Backend):
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         import warnings
+
+        if recipe.checkpoint.load and not Path(recipe.checkpoint.load).exists():
+            raise RecipeError(f"'{recipe.checkpoint.load}' does not exist", key="checkpoint.load")
 
         # NOTE: megatron-core warns at import about missing TransformerEngine / Apex; we run without them on
         # purpose (the loongforge / local specs), so keep the console readable.

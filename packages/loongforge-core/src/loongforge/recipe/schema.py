@@ -67,7 +67,19 @@ class ParallelConfig(Section):
         return resolve_plan(world_size=world_size, components=comps or None, **fields)
 
     def min_world_size(self) -> int:
-        return self.tp * self.pp * self.cp * (self.dp or 1)
+        """The smallest world size this layout is valid for (dp as given, else the smallest that works)."""
+        from loongforge.errors import ParallelPlanError
+
+        base = self.tp * self.pp * self.cp
+        if self.dp is not None:
+            return base * self.dp
+        for dp in range(1, 4097):
+            try:
+                self.plan(base * dp)
+                return base * dp
+            except ParallelPlanError:
+                continue
+        return base
 
 
 class LoraConfig(Section):
