@@ -1,0 +1,28 @@
+"""Device adaptations of megatron-core: what it takes to run its CUDA-only code paths on other devices.
+
+``adaptations_for(device_type)`` returns the named list for a device type (empty for ``cuda``);
+``adapted(accelerator)`` applies that list plus the accelerator's own ``adaptations("megatron")`` for the
+duration of a ``with`` block. Nothing is patched at import time.
+"""
+
+from __future__ import annotations
+
+from loongforge.accelerator.adaptation import Adaptation, AdaptationSet
+
+
+def adaptations_for(device_type: str) -> list[Adaptation]:
+    """The adaptations megatron-core needs on ``device_type`` (``cuda`` needs none)."""
+    if device_type == "cpu":
+        from loongforge_megatron.device_adapters.cpu import cpu_adaptations
+
+        return cpu_adaptations()
+    return []
+
+
+def adapted(accelerator) -> AdaptationSet:
+    """An :class:`AdaptationSet` for ``accelerator``: use as ``with adapted(acc): ...`` around a run."""
+    extra = list(accelerator.adaptations("megatron"))
+    return AdaptationSet(adaptations_for(accelerator.device_type) + extra)
+
+
+__all__ = ["adaptations_for", "adapted"]

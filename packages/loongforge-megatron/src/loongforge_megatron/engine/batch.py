@@ -1,0 +1,41 @@
+"""Batch helpers: context-parallel slicing of a micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Keys whose sequence dimension is 1 ([b, s]); attention_mask [b, 1, s, s] is sliced on its query dim (2).
+_SEQ_DIM = {"tokens": 1, "labels": 1, "loss_mask": 1, "position_ids": 1, "attention_mask": 2}
+
+
+def cp_slice(
+    batch: dict[str, Any], *, cp_size: int | None = None, cp_rank: int | None = None
+) -> dict[str, Any]:
+    """This context-parallel rank's part of ``batch``: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` sequence chunks.
+
+    NOTE: causal attention makes late tokens costlier than early ones; pairing chunk ``r`` with its mirror
+    balances the work (megatron's load-balanced layout, which its CP attention expects). Sizes default to
+    megatron's parallel state. Keys not in the known [b, s] set are returned unchanged.
+    """
+    if cp_size is None or cp_rank is None:
+        from megatron.core import parallel_state as mpu
+
+        cp_size = mpu.get_context_parallel_world_size() if cp_size is None else cp_size
+        cp_rank = mpu.get_context_parallel_rank() if cp_rank is None else cp_rank
+    if cp_size == 1:
+        return dict(batch)
+    out = dict(batch)
+    for key, dim in _SEQ_DIM.items():
+        val = batch.get(key)
+        if val is None:
+            continue
+        seq = val.shape[dim]
+        if seq % (2 * cp_size):
+            raise ValueError(f"{key}: sequence length {seq} is not divisible by 2 * cp = {2 * cp_size}")
+        chunks = val.view(*val.shape[:dim], 2 * cp_size, seq // (2 * cp_size), *val.shape[dim + 1 :])
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=val.device)
+        picked = chunks.index_select(dim, index)
+        out[key] = picked.reshape(*val.shape[:dim], -1, *val.shape[dim + 1 :])
+    return out

@@ -1,0 +1,97 @@
+"""megatron-core's optimizer and learning-rate schedule, built from plain keyword arguments.
+
+The scheduler counts *samples* (megatron-LM's convention): steps given here are multiplied by the global
+batch size, and :func:`loongforge_megatron.engine.step.train_step` advances it by one global batch per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
+
+
+def build_optimizer(
+    model_chunks: list[torch.nn.Module],
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    bf16: bool = False,
+    fp16: bool = False,
+    use_distributed_optimizer: bool = False,
+    optimizer: str = "adam",
+    **overrides: Any,
+):
+    """A megatron ``MegatronOptimizer`` (Adam by default) over every parameter of ``model_chunks``.
+
+    ``overrides`` are passed to megatron's ``OptimizerConfig`` unchanged (e.g. ``initial_loss_scale``).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=optimizer,
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        fp16=fp16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+        **overrides,
+    )
+    # NOTE: gloo groups are megatron's default for the distributed optimizer's checkpoint gathers.
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_scheduler(
+    optimizer: Any,
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    warmup_steps: int = 0,
+    decay_steps: int,
+    decay_style: str = "cosine",
+    global_batch_size: int,
+    init_lr: float = 0.0,
+    weight_decay: float = 0.01,
+    end_weight_decay: float | None = None,
+    weight_decay_style: str = "constant",
+    wsd_decay_steps: int | None = None,
+    wsd_decay_style: str = "linear",
+):
+    """megatron's ``OptimizerParamScheduler``: warmup then ``decay_style`` down to ``min_lr``.
+
+    ``warmup_steps``, ``decay_steps`` and ``wsd_decay_steps`` are optimizer steps (converted to samples).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if decay_style not in DECAY_STYLES:
+        raise ValueError(f"decay_style {decay_style!r}; allowed: {', '.join(DECAY_STYLES)}")
+    if decay_style == "WSD" and wsd_decay_steps is None:
+        raise ValueError("decay_style 'WSD' needs wsd_decay_steps (the length of the final decay)")
+    gbs = global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=init_lr,
+        max_lr=lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup_steps * gbs,
+        lr_decay_steps=max(decay_steps, 1) * gbs,
+        lr_decay_style=decay_style,
+        start_wd=weight_decay,
+        end_wd=weight_decay if end_weight_decay is None else end_weight_decay,
+        wd_incr_steps=max(decay_steps, 1) * gbs,
+        wd_incr_style=weight_decay_style,
+        wsd_decay_steps=None if wsd_decay_steps is None else wsd_decay_steps * gbs,
+        lr_wsd_decay_style=wsd_decay_style if decay_style == "WSD" else None,
+    )

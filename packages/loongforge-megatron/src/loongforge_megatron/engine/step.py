@@ -1,0 +1,193 @@
+"""One optimizer step with megatron-core's forward-backward schedules (no pipeline / 1F1B / interleaved).
+
+A batch is a dict of ``[b, s]`` tensors: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, optionally
+``attention_mask`` (None → causal) and ``packed_seq_params`` (megatron ``PackedSeqParams``). The data iterator
+yields *this data-parallel rank's* micro-batches; every pipeline stage may hold the same iterator.
+
+Loss convention (megatron's, with ``calculate_per_token_loss=True``): the loss function returns
+``(loss_sum, num_tokens, {"lm loss": [sum, count]})``; gradients are divided by the global token count, and the
+reported loss is sum / count over all micro-batches and data-parallel ranks, so it does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LossReport = dict[str, torch.Tensor]
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, LossReport]:
+    """Masked token-sum of the per-token losses ``[b, s]`` GPTModel returns when given labels."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
+    """megatron's ``forward_step_func`` for GPTModel: run one micro-batch, return (output, loss_func)."""
+    device = next(model.parameters()).device
+    batch = _to_device(next(data_iterator), device)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+        packed_seq_params=batch.get("packed_seq_params"),
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any) -> None:
+    """Hooks megatron's schedules read from the model config (what megatron-LM's ``train`` sets up)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    ddp_config = getattr(model_chunks[0], "ddp_config", None)
+    if ddp_config is not None and ddp_config.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in model_chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        sync = [m.start_grad_sync for m in model_chunks]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+
+
+def _configure_p2p(config: Any) -> None:
+    """Pipeline send/recv settings the default process group's backend can honour.
+
+    NOTE: with batched p2p (megatron's default) both directions between two stages share one group; gloo
+    matches messages in posting order, so with pp=2 (next == prev) an activation and a gradient of the same
+    shape can be swapped silently (seen with interleaved pp=2: losses drift from micro-batch 3). Megatron's
+    unbatched path sends the two directions over two different groups.
+    """
+    if dist.get_backend() == "gloo" and config.batch_p2p_comm:
+        config.batch_p2p_comm = False
+
+
+def _chunk_iterators(data_iterator: Iterator[Any], num_microbatches: int, num_chunks: int):
+    """Materialise this step's micro-batches and give each model chunk its own iterator over them.
+
+    NOTE: the interleaved schedule pulls from one iterator per virtual chunk; sharing one iterator would
+    consume micro-batches ``vpp`` times too fast.
+    """
+    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    its = [iter(batches) for _ in range(num_chunks)]
+    return its if num_chunks > 1 else its[0]
+
+
+def reduce_loss(losses: list[LossReport], *, key: str = "lm loss") -> float:
+    """Token-weighted mean over micro-batches and data-parallel (+context-parallel) ranks, on every rank.
+
+    The last pipeline stage holds the losses; it broadcasts the result to the other stages.
+    """
+    from megatron.core import parallel_state as mpu
+
+    total = torch.zeros(2, dtype=torch.float64)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        for report in losses:
+            total += report[key].detach().to("cpu", torch.float64)
+    total = total.to(_comm_device())
+    dist.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            total,
+            src=mpu.get_pipeline_model_parallel_last_rank(),
+            group=mpu.get_pipeline_model_parallel_group(),
+        )
+    total = total.cpu()
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _comm_device() -> torch.device:
+    """Tensors given to collectives live where the default process group's backend expects them."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_schedule(
+    *,
+    model_chunks: list[torch.nn.Module],
+    data_iterator: Iterator[dict[str, Any]],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    forward_step_fn: Callable[..., Any] | None = None,
+) -> list[LossReport]:
+    """Run megatron's forward-backward schedule for this parallel layout over ``num_microbatches``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    _configure_p2p(get_model_config(model_chunks[0]))
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=forward_step_fn or forward_step,
+        data_iterator=_chunk_iterators(data_iterator, num_microbatches, len(model_chunks)),
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def train_step(
+    *,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    data_iterator: Iterator[dict[str, Any]],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_step_fn: Callable[..., Any] | None = None,
+) -> dict[str, float | bool | None]:
+    """Forward + backward over ``num_microbatches``, then one optimizer and scheduler step.
+
+    Returns ``loss`` (token-weighted mean, same on every rank), ``grad_norm`` (None when not computed),
+    ``lr`` and ``skipped`` (True when the optimizer skipped the update, e.g. fp16 overflow).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    _configure(config, model_chunks, optimizer)
+    for m in model_chunks:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    lr = float(optimizer.param_groups[0]["lr"])
+    losses = run_schedule(
+        model_chunks=model_chunks,
+        data_iterator=data_iterator,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+        forward_step_fn=forward_step_fn,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        global_batch = num_microbatches * micro_batch_size * mpu.get_data_parallel_world_size()
+        scheduler.step(increment=global_batch)
+    return {
+        "loss": reduce_loss(losses),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "lr": lr,
+        "skipped": not update_successful,
+    }

@@ -1,0 +1,78 @@
+"""Load an unsharded GPTModel state dict into this rank's (TP/PP/VPP/EP-sharded) model chunks.
+
+The full state dict uses the names of a single-process GPTModel (``decoder.layers.<global layer>``,
+``...local_experts.<global expert>``). Each rank renames its local layers/experts to global ones and takes its
+tensor-parallel slice using the attributes megatron puts on every parameter (``partition_dim``,
+``partition_stride``; expert parameters carry ``allreduce=False`` and use the expert-TP group).
+
+NOTE: megatron's stride-2 layout (SwiGLU ``linear_fc1`` = [gate; up]) splits the full weight into
+``tp * stride`` pieces and gives rank r pieces r, r+tp, ...: each rank holds [gate_r; up_r]. The fused QKV
+weight is grouped per query group, so a plain dim-0 split is already correct.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from loongforge_megatron.engine.model import unwrap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _global_name(name: str, *, layer_offset: int, expert_offset: int) -> str:
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name, count=1)
+    return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name, count=1)
+
+
+def tp_shard(full: torch.Tensor, param: Any, *, rank: int, size: int) -> torch.Tensor:
+    """This tensor-parallel rank's slice of ``full`` for ``param`` (unchanged when not tensor-parallel)."""
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    stride = getattr(param, "partition_stride", 1)
+    pieces = torch.split(full, full.shape[dim] // (size * stride), dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def load_full_state_dict(model_chunks: list[torch.nn.Module], state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy the matching slice of every tensor in ``state_dict`` into ``model_chunks`` (in place).
+
+    Raises ``KeyError`` naming the first local tensor with no counterpart in ``state_dict``.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+    ep_rank, ep_size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        config = model.config
+        layer_offset = get_transformer_layer_offset(config, vp_stage=getattr(model, "vp_stage", None))
+        num_local_experts = (config.num_moe_experts or 0) // ep_size
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in model.state_dict(keep_vars=True).items():
+                if tensor is None or name.endswith("_extra_state"):
+                    continue
+                key = _global_name(name, layer_offset=layer_offset, expert_offset=ep_rank * num_local_experts)
+                if (
+                    key == "output_layer.weight"
+                    and key not in state_dict
+                    and model.share_embeddings_and_output_weights
+                ):
+                    # NOTE: tied embeddings: the last pipeline stage keeps its own copy of the word embeddings.
+                    key = "embedding.word_embeddings.weight"
+                if key not in state_dict:
+                    raise KeyError(f"{name} (global {key}) is not in the state dict")
+                param = params.get(name, tensor)
+                is_expert = not getattr(param, "allreduce", True)
+                rank, size = (etp_rank, etp_size) if is_expert else (tp_rank, tp_size)
+                shard = tp_shard(state_dict[key], param, rank=rank, size=size)
+                if shard.shape != tensor.shape:
+                    raise ValueError(f"{name}: shard {tuple(shard.shape)} != local {tuple(tensor.shape)}")
+                tensor.data.copy_(shard)
