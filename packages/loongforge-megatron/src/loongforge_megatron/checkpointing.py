@@ -3,10 +3,17 @@
 Layout: ``RUN/checkpoints/step_XXXXXXXX/{meta.json, rank_XXXXX.pt}`` published atomically (staging dir,
 completion marker, rename, ``latest`` pointer — ``loongforge.checkpoint.atomic``), so a crash mid-save leaves
 the previous checkpoint as ``latest``. Files are read back with ``torch.load(weights_only=True)``: tensors and
-plain containers only, no unpickling of code.
+plain containers only, no unpickling of code. ``meta.json`` records the layout and every rank's parallel
+coordinates.
 
-NOTE: per-rank files resume exactly on the same layout; a different layout is refused with a clear message
-(reshard through ``loongforge convert`` or an HF export instead).
+Resume: the same layout loads each rank's own file (bitwise-exact continuation). A different data-parallel
+size (same tp / pp / vpp / cp / ep / etp, no distributed optimizer) is resharded: model and optimizer state are
+replicas across data-parallel ranks, so each new rank reads the file of the old rank with its model-parallel
+coordinates. Anything else is refused with a message (reshard through an HF export and ``checkpoint.load``).
+
+NOTE: megatron-core's ``dist_checkpointing`` (0.19.2) was tried first: its torch_dist save path assumes CUDA
+(``torch.cuda.synchronize`` in the writer's preload, ``rank:N/cuda`` shard placements, CUDA tensors for the
+failure broadcast) and spawns a multiprocessing manager per process, so it does not run on CPU / gloo.
 """
 
 from __future__ import annotations
@@ -18,18 +25,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-
 from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint, require_complete
 from loongforge.errors import CheckpointError
 
 if TYPE_CHECKING:
     from loongforge_megatron.job import MegatronJob
 
+# Layout keys that must match for a data-parallel reshard (everything that changes what a rank holds).
+_MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep", "etp")
+
 
 def _layout(job: MegatronJob) -> dict[str, int]:
     p = job.plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
             "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer)}
+
+
+def _coords() -> dict[str, int]:
+    """This rank's place in every parallel group (what it holds is a function of all but ``dp``)."""
+    from megatron.core import parallel_state as mpu
+
+    return {"tp": mpu.get_tensor_model_parallel_rank(), "pp": mpu.get_pipeline_model_parallel_rank(),
+            "cp": mpu.get_context_parallel_rank(), "ep": mpu.get_expert_model_parallel_rank(),
+            "etp": mpu.get_expert_tensor_parallel_rank(), "dp": mpu.get_data_parallel_rank()}
 
 
 def _rng_state(job: MegatronJob) -> dict[str, Any]:
@@ -46,6 +64,35 @@ def _set_rng_state(job: MegatronJob, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     job.acc.set_rng_state(state["accelerator"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[str, int], rank: int) -> int:
+    """The rank of the saved run whose file this rank (``coords`` in ``layout``) resumes from.
+
+    Same layout: the rank itself. Different data-parallel size only: the lowest saved rank with the same
+    model-parallel coordinates (its model and optimizer state are what every data-parallel replica holds).
+    """
+    old = meta["layout"]
+    if old == layout:
+        return rank
+    differs = [k for k in _MODEL_PARALLEL if old[k] != layout[k]]
+    if differs:
+        raise CheckpointError(
+            f"the checkpoint was saved with {', '.join(f'{k}={old[k]}' for k in differs)} but this run uses "
+            f"{', '.join(f'{k}={layout[k]}' for k in differs)}; only the data-parallel size may change on resume "
+            "(export to HF and continue with checkpoint.load to change the model-parallel layout)"
+        )
+    if old["distributed_optimizer"] or layout["distributed_optimizer"]:
+        raise CheckpointError(
+            f"the checkpoint was saved with dp={old['dp']} and this run uses dp={layout['dp']}: resharding the "
+            "distributed optimizer's state across data-parallel ranks is not supported; resume with the same dp "
+            "or set parallel.distributed_optimizer=false on both runs"
+        )
+    key = tuple(coords[k] for k in _MODEL_PARALLEL if k != "vpp")
+    for old_rank, c in enumerate(meta.get("ranks", [])):
+        if tuple(c[k] for k in _MODEL_PARALLEL if k != "vpp") == key:
+            return old_rank
+    raise CheckpointError(f"no rank of the checkpoint holds model-parallel coordinates {coords}")
 
 
 class Checkpointer:
@@ -83,14 +130,18 @@ class Checkpointer:
     def _save_dist(self, step: int) -> Path:
         name = f"step_{step:08d}"
         state = self._state()
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, _coords())
         ctx = atomic_checkpoint(self.root, name, keep_last=self.job.recipe.checkpoint.keep_last) if self.rank == 0 else nullcontext(None)
         with ctx as staging:
             box = [str(staging) if staging is not None else None]
             dist.broadcast_object_list(box, src=0)
             staging_dir = Path(box[0])
             if self.rank == 0:
-                (staging_dir / "meta.json").write_text(json.dumps({"step": step, "layout": _layout(self.job)}, indent=1))
+                meta = {"step": step, "layout": _layout(self.job), "ranks": ranks}
+                (staging_dir / "meta.json").write_text(json.dumps(meta, indent=1))
             torch.save(state, staging_dir / f"rank_{self.rank:05d}.pt")
+            # NOTE: rank 0 publishes (marker + rename + latest) only after every rank's file is written.
             dist.barrier()
         dist.barrier()
         if self.job.log:
@@ -106,12 +157,9 @@ class Checkpointer:
             return 0
         path = require_complete(box[0])
         meta = json.loads((path / "meta.json").read_text())
-        if meta["layout"] != _layout(self.job):
-            raise CheckpointError(
-                f"{path} was saved with layout {meta['layout']} but this run uses {_layout(self.job)}; "
-                "resume with the same parallel layout (or export to HF and continue with checkpoint.load)"
-            )
-        state = torch.load(path / f"rank_{self.rank:05d}.pt", map_location="cpu", weights_only=True)
+        layout = _layout(self.job)
+        src = source_rank(meta, layout=layout, coords=_coords(), rank=self.rank)
+        state = torch.load(path / f"rank_{src:05d}.pt", map_location="cpu", weights_only=True)
         from loongforge_megatron.job import unwrapped
 
         for module, sd in zip(unwrapped(self.job), state["model"], strict=True):
@@ -119,4 +167,7 @@ class Checkpointer:
         self.job.optimizer.load_state_dict(state["optimizer"])
         self.job.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(self.job, state["rng"])
+        if self.job.log:
+            resharded = "" if meta["layout"] == layout else f" (data-parallel size {meta['layout']['dp']} -> {layout['dp']})"
+            self.job.log.info(f"[checkpoint] resumed from {path}{resharded}")
         return int(state["step"])

@@ -83,14 +83,9 @@ class MegatronJob(Job):
             vpp=plan.vpp,
             use_distributed_optimizer=plan.distributed_optimizer,
             device=self.device,
+            rope_scaling_factor=arch.rope_scaling_factor,
+            pre_wrap=self._before_ddp,
         )
-        if recipe.checkpoint.load:
-            self._load_initial(recipe.checkpoint.load)
-        self.lora = None
-        if recipe.train.stage == "lora":
-            from loongforge_megatron.lora import apply_lora
-
-            self.lora = apply_lora(self.model, recipe.train.lora, seed=recipe.train.seed)
         t = recipe.train
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
@@ -119,6 +114,18 @@ class MegatronJob(Job):
             self.log.info(f"[megatron] {arch.family} {n / 1e6:.1f}M params | spec {self.spec_name} | tp {plan.tp} pp {plan.pp}"
                           f" vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
                           f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
+
+    def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:
+        """Initial weights and LoRA adapters go in before megatron DDP builds its grad buffers."""
+        recipe = self.recipe
+        self._unwrapped = chunks
+        if recipe.checkpoint.load:
+            self._load_initial(recipe.checkpoint.load)
+        self.lora = None
+        if recipe.train.stage == "lora":
+            from loongforge_megatron.lora import apply_lora
+
+            self.lora = apply_lora(chunks, recipe.train.lora, seed=recipe.train.seed)
 
     def _spec_name(self) -> str:
         """auto: TransformerEngine's spec when TE is installed, else ours (SDPA + fused kernels)."""
@@ -231,6 +238,9 @@ class MegatronJob(Job):
 
 
 def unwrapped(job: MegatronJob) -> list[torch.nn.Module]:
+    """The GPTModel chunks inside their DDP wrappers (also before the wrappers exist)."""
+    if not hasattr(job, "model"):
+        return job._unwrapped
     from loongforge_megatron.engine.model import unwrap
 
     return [unwrap(m) for m in job.model]

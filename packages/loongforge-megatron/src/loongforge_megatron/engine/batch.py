@@ -39,3 +39,23 @@ def cp_slice(
         picked = chunks.index_select(dim, index)
         out[key] = picked.reshape(*val.shape[:dim], -1, *val.shape[dim + 1 :])
     return out
+
+
+def packed_attention_mask(cu_seqlens: torch.Tensor, *, batch_size: int, seq_length: int) -> torch.Tensor:
+    """Causal, block-diagonal boolean mask ``[b, 1, s, s]`` (True = masked) for sequences packed back to back.
+
+    ``cu_seqlens`` are the cumulative document lengths over the flattened ``b * s`` tokens (megatron's THD
+    ``PackedSeqParams.cu_seqlens_q``). NOTE: megatron's local attention refuses ``packed_seq_params``; with this
+    mask each document attends only to itself, which equals separate sequences because RoPE scores depend only
+    on relative positions (a document's constant offset cancels).
+    """
+    total = batch_size * seq_length
+    bounds = cu_seqlens.to("cpu", torch.long)
+    lengths = (bounds[1:] - bounds[:-1]).clamp(min=0)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    if doc.numel() < total:  # trailing padding: its own "document"
+        doc = torch.cat([doc, torch.full((total - doc.numel(),), len(lengths))])
+    doc = doc[:total].view(batch_size, seq_length)
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).triu(diagonal=1)
+    other_doc = doc[:, :, None] != doc[:, None, :]
+    return (other_doc | causal).unsqueeze(1).to(cu_seqlens.device)

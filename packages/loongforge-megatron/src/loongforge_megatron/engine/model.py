@@ -7,6 +7,7 @@ is a TransformerLayer spec that GPTModel takes directly. Revisit when megatron s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ def build_model(
     grad_reduce_in_fp32: bool = True,
     overlap_grad_reduce: bool = False,
     device: torch.device | str | None = None,
+    rope_scaling_factor: float | None = None,
+    pre_wrap: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> list[torch.nn.Module]:
     """One DDP-wrapped ``GPTModel`` per virtual pipeline chunk of this rank (a list of length ``vpp``).
 
@@ -84,12 +87,17 @@ def build_model(
             position_embedding_type=position_embedding_type,
             rotary_percent=rotary_percent,
             rotary_base=rotary_base,
+            rope_scaling=rope_scaling_factor is not None,
+            rope_scaling_factor=rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
         if device is not None:
             model.to(device)
         chunks.append(model)
 
+    if pre_wrap is not None:
+        # NOTE: DDP sizes its grad buffers for the trainable parameters it sees now (e.g. LoRA adapters).
+        pre_wrap(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loongforge_megatron.engine.batch import packed_attention_mask
+
 LossReport = dict[str, torch.Tensor]
 
 
@@ -39,16 +41,36 @@ def loss_func(
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def _uses_local_attention(model: torch.nn.Module) -> bool:
+    """True when the chunk's attention is megatron's non-TE DotProductAttention (which refuses packed params)."""
+    cached = getattr(model, "_loongforge_local_attention", None)
+    if cached is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        cached = any(isinstance(m, DotProductAttention) for m in model.modules())
+        model._loongforge_local_attention = cached
+    return cached
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
-    """megatron's ``forward_step_func`` for GPTModel: run one micro-batch, return (output, loss_func)."""
+    """megatron's ``forward_step_func`` for GPTModel: run one micro-batch, return (output, loss_func).
+
+    Packed sequences (``packed_seq_params``) go to attention as is, except for megatron's local attention,
+    which gets the equivalent block-diagonal causal mask instead (see :func:`packed_attention_mask`).
+    """
     device = next(model.parameters()).device
     batch = _to_device(next(data_iterator), device)
+    attention_mask, packed = batch.get("attention_mask"), batch.get("packed_seq_params")
+    if packed is not None and _uses_local_attention(model):
+        b, s = batch["tokens"].shape
+        attention_mask = packed_attention_mask(packed.cu_seqlens_q, batch_size=b, seq_length=s)
+        packed = None
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        batch.get("attention_mask"),
+        attention_mask,
         labels=batch["labels"],
-        packed_seq_params=batch.get("packed_seq_params"),
+        packed_seq_params=packed,
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 

@@ -1,0 +1,145 @@
+"""Training stages: SFT masks prompt tokens and packing does not change the loss; LoRA trains only adapters and
+its merged export equals W + (alpha/r)·B A."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import loongforge
+
+RECORDS = [
+    {"instruction": "Add the numbers", "input": "2 and 3", "output": "five"},
+    {"instruction": "Say hello", "output": "hello there, friend"},
+    {"conversations": [{"from": "human", "value": "What is a list?"}, {"from": "gpt", "value": "an ordered sequence"},
+                       {"from": "human", "value": "and a tuple?"}, {"from": "gpt", "value": "an immutable one"}]},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"},
+                  {"role": "assistant", "content": "blue"}]},
+    {"instruction": "Reverse abc", "output": "cba"},
+    {"instruction": "Count to three", "output": "one two three"},
+]
+
+
+@pytest.fixture(scope="module")
+def sft_tokenizer(tmp_path_factory):
+    from loongforge_megatron.data.tokenizer import train_bpe
+
+    out = tmp_path_factory.mktemp("tok")
+    text = [json.dumps(r) for r in RECORDS] * 20 + ["user assistant system hello numbers colour"] * 20
+    train_bpe(text, vocab_size=300, out_dir=out)
+    return out
+
+
+def write_recipe(tmp_path, body: dict) -> str:
+    base = {
+        "backend": "megatron",
+        "model": {"preset": "llama-tiny"},
+        "train": {"steps": 1, "micro_batch_size": 1, "precision": "fp32", "lr": 1e-3, "seed": 3},
+        "checkpoint": {"save_at_end": False},
+        "accelerator": "cpu",
+        "logging": {"tensorboard": False},
+    }
+    for k, v in body.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    path = tmp_path / f"r{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return str(path)
+
+
+def sft_data(tmp_path, tok, *, pack: bool) -> dict:
+    src = tmp_path / "sft.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in RECORDS))
+    return {"format": "sft", "path": str(tmp_path / f"sft-{pack}"), "seq_length": 128, "tokenizer": str(tok),
+            "source": {"kind": "jsonl", "paths": [str(src)]}, "pack": pack}
+
+
+def test_prompt_tokens_carry_no_loss(tmp_path, sft_tokenizer):
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+    from loongforge_megatron.data.prepare import prepare
+    from loongforge_megatron.data.tokenizer import load_tokenizer
+
+    recipe = loongforge.load_recipe(write_recipe(tmp_path, {"data": sft_data(tmp_path, sft_tokenizer, pack=False),
+                                                             "train": {"stage": "sft", "global_batch_size": 6}}))
+    prepare(recipe)
+    tok = load_tokenizer(sft_tokenizer)
+    ds = PackedSFTDataset(recipe.data.path, seq_length=128, pad_id=tok.pad_token_id, pack=False)
+    assert len(ds) == len(RECORDS)
+    for i, rec in enumerate(RECORDS):
+        item = ds[i]
+        trained = tok.decode(item["labels"][item["loss_mask"] > 0])
+        ignored = tok.decode(item["labels"][(item["loss_mask"] == 0) & (item["tokens"] != tok.pad_token_id)])
+        answers = ([rec["output"]] if "output" in rec else
+                   [m.get("value", m.get("content")) for m in rec.get("conversations", rec.get("messages", []))
+                    if m.get("from", m.get("role")) in ("gpt", "assistant")])
+        prompts = ([rec["instruction"]] if "instruction" in rec else
+                   [m.get("value", m.get("content")) for m in rec.get("conversations", rec.get("messages", []))
+                    if m.get("from", m.get("role")) not in ("gpt", "assistant")])
+        for a in answers:
+            assert a in trained
+        for p in prompts:
+            assert p not in trained and p in ignored
+
+
+def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer):
+    losses = {}
+    for pack in (False, True):
+        data = sft_data(tmp_path, sft_tokenizer, pack=pack)
+        from loongforge_megatron.data.datasets import PackedSFTDataset
+        from loongforge_megatron.data.prepare import prepare
+
+        probe = loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}}))
+        prepare(probe)
+        rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack))
+        # one global batch holds every row, so both runs see exactly the same (token, label) pairs
+        recipe = loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": rows}}))
+        job, _ = loongforge.build_job(recipe, output_dir=tmp_path / f"run-{pack}")
+        try:
+            losses[pack] = job.step()["loss"]
+        finally:
+            job.close()
+        if pack:
+            assert rows < len(RECORDS)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
+    from safetensors.torch import load_file
+
+    from loongforge_megatron.hf_io import export_hf
+    from loongforge_megatron.job import unwrapped
+    from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict
+
+    hf_dir = tiny_hf("llama", tmp_path / "hf")
+    recipe = loongforge.load_recipe(write_recipe(tmp_path, {
+        "model": {"hf": str(hf_dir), "preset": None},
+        "data": {"format": "synthetic", "seq_length": 32},
+        "train": {"stage": "lora", "steps": 3, "global_batch_size": 2, "lr": 5e-2,
+                  "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
+        "checkpoint": {"load": str(hf_dir)},
+    }))
+    job, _ = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    try:
+        module = unwrapped(job)[0]
+        before = {k: v.clone() for k, v in module.state_dict().items() if "_extra_state" not in k}
+        for _ in range(3):
+            job.step()
+        after = {k: v for k, v in module.state_dict().items() if "_extra_state" not in k}
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        assert changed and all(".lora_A" in k or ".lora_B" in k for k in changed), sorted(changed)[:5]
+        assert any(".lora_B" in k for k in changed)
+        layer = module.decoder.layers[0].self_attention.linear_proj
+        assert isinstance(layer, LoRAParallelLinear)
+        expected = layer.base.weight + (8 / 4) * layer.lora_B @ layer.lora_A
+        merged = merged_state_dict(module)
+        assert torch.allclose(merged["decoder.layers.0.self_attention.linear_proj.weight"], expected, rtol=0, atol=1e-6)
+        export_hf(job, tmp_path / "export")
+        exported = load_file(tmp_path / "export" / "model.safetensors")
+        assert torch.allclose(exported["model.layers.0.self_attn.o_proj.weight"], expected, rtol=0, atol=1e-6)
+        base_hf = load_file(hf_dir / "model.safetensors")
+        assert not torch.equal(exported["model.layers.0.self_attn.o_proj.weight"], base_hf["model.layers.0.self_attn.o_proj.weight"])
+        assert torch.equal(exported["model.embed_tokens.weight"], base_hf["model.embed_tokens.weight"])
+    finally:
+        job.close()
