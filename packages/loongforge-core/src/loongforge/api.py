@@ -83,6 +83,11 @@ def train(
     config = launch_config or LaunchConfig(nproc=recipe.parallel.min_world_size())
     world = config.nproc * (int(config.nnodes) if str(config.nnodes).isdigit() else 1)
     get_backend(recipe.backend).validate(recipe, world_size=world)
+    if config.single_process or str(config.nnodes) == "1":
+        # fail here with one line (not once per worker) when the device or its runtime is missing
+        from loongforge.accelerator import get_accelerator
+
+        get_accelerator(recipe.accelerator.name, options=recipe.accelerator.options, env=recipe.accelerator.env)
     if config.single_process:
         return run_in_process(recipe, output_dir=out)
     recipe_file = write_run_recipe(recipe, out)

@@ -154,12 +154,25 @@ class MegatronJob(Job):
 
         from loongforge_megatron.spec import KernelRMSNorm, loongforge_layer_spec, prepare_config
 
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
         prepare_config(self.config)
-        layer = loongforge_layer_spec(provider=self.recipe.kernels.provider, **kw)
-        per_chunk = arch.num_layers // (plan.pp * plan.vpp)
-        # NOTE: a full block spec so the final norm is ours too (megatron's default final norm refuses SP).
-        return TransformerBlockSubmodules(layer_specs=[layer] * per_chunk,
-                                          layer_norm=ModuleSpec(module=KernelRMSNorm, params={"provider": self.recipe.kernels.provider}))
+        provider = self.recipe.kernels.provider
+        moe = loongforge_layer_spec(provider=provider, accelerator=self.acc, **kw)
+        dense = loongforge_layer_spec(provider=provider, accelerator=self.acc, **{**kw, "num_experts": None}) if arch.is_moe else moe
+        freq = self.config.moe_layer_freq if arch.is_moe else None
+        final_norm = ModuleSpec(module=KernelRMSNorm, params={"provider": provider, "accelerator": self.acc})
+
+        def block(vp_stage: int | None):
+            # NOTE: a full block spec so the final norm is ours too (megatron's default final norm refuses SP),
+            # with dense layers where moe_layer_freq says so (DeepSeek's first_k_dense_replace).
+            offset = get_transformer_layer_offset(self.config, vp_stage=vp_stage)
+            n = get_num_layers_to_build(self.config, vp_stage=vp_stage)
+            layers = [moe if not isinstance(freq, list) or freq[offset + i] else dense for i in range(n)]
+            return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+
+        return block
 
     def _tokenizer(self):
         from loongforge_megatron.data.prepare import is_prepared, prepare, tokenizer_dir

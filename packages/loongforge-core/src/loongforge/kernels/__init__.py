@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 from loongforge.errors import PluginError
 
 AUTO_ORDER = ("triton", "tilelang", "torch")
+JIT_PROVIDERS = ("triton", "tilelang")  # need the accelerator's ``capabilities().triton``
 
 
 class KernelProvider(Protocol):
@@ -48,6 +49,9 @@ def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", acce
             return override
     from loongforge import registry
 
+    no_jit = accelerator is not None and not accelerator.capabilities().triton
+    if provider != "auto" and no_jit and provider in JIT_PROVIDERS:
+        raise PluginError(f"kernel provider '{provider}' needs Triton, which accelerator '{accelerator.name}' lacks")
     if provider != "auto":
         prov = _provider(provider)
         reason = prov.unavailable_reason(device_type)
@@ -59,7 +63,7 @@ def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", acce
         return impl
     reasons = []
     for name in AUTO_ORDER:
-        if name not in registry.kernels:
+        if name not in registry.kernels or (no_jit and name in JIT_PROVIDERS):
             continue
         try:
             prov = _provider(name)

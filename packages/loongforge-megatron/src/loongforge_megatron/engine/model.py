@@ -26,6 +26,8 @@ def _block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
         get_num_layers_to_build,
     )
 
+    if callable(layer_spec) and not isinstance(layer_spec, type) and not hasattr(layer_spec, "module"):
+        return layer_spec(vp_stage)  # a per-chunk block spec builder (layers differ, e.g. dense then MoE)
     if getattr(getattr(layer_spec, "submodules", None), "input_layernorm", None) is not TorchNorm:
         return layer_spec
     n = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -46,10 +46,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 style: MLA + MoE with a shared expert, sigmoid routing with expert bias, grouped top-k
     "deepseek-v3": dict(family="deepseek_v3", num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, vocab_size=129280, max_position_embeddings=163840, rope_theta=10000.0, norm_eps=1e-6,
                         num_experts=256, moe_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_ffn=2048, moe_first_dense_layers=3, moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling=2.5, moe_num_groups=8, moe_group_topk=4,
-                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+                        q_lora_rank=1536, kv_lora_rank=512, qk_norm=True, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     "deepseek-v3-tiny": dict(family="deepseek_v3", num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, vocab_size=512, max_position_embeddings=256, norm_eps=1e-6,
                              num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_ffn=32, moe_first_dense_layers=1, moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling=2.5, moe_num_groups=2, moe_group_topk=1,
-                             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+                             q_lora_rank=32, kv_lora_rank=16, qk_norm=True, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
 
 

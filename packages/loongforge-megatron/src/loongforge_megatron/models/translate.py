@@ -81,6 +81,7 @@ def arch_from_hf(hf_dir: str | Path) -> Arch:
         fields.pop("head_dim")
         fields.update(
             num_query_groups=heads,
+            qk_norm=True,  # MLA's q_a_layernorm / kv_a_layernorm
             num_experts=cfg["n_routed_experts"],
             moe_topk=cfg["num_experts_per_tok"],
             moe_ffn_hidden_size=cfg["moe_intermediate_size"],

@@ -60,7 +60,7 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
-                          multi_latent_attention: bool = False, provider: str = "auto"):
+                          multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None):
     """megatron's local GPT layer spec with SDPA core attention, kernel RMSNorm and kernel SwiGLU."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -68,8 +68,9 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                             multi_latent_attention=multi_latent_attention)
-    norm = ModuleSpec(module=KernelRMSNorm, params={"provider": provider})
-    act = ModuleSpec(module=KernelSwiGLU, params={"provider": provider})
+    params = {"provider": provider, "accelerator": accelerator}
+    norm = ModuleSpec(module=KernelRMSNorm, params=params)
+    act = ModuleSpec(module=KernelSwiGLU, params=params)
     sub = _replace_norms(spec.submodules, norm)
     attn = sub.self_attention
     attn_sub = _replace_norms(attn.submodules, norm)

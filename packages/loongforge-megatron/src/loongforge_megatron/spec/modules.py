@@ -14,14 +14,14 @@ _FALLBACK = {
 }
 
 
-def kernel(op: str, *, provider: str, device_type: str):
+def kernel(op: str, *, provider: str, device_type: str, accelerator: Any = None):
     """The op's implementation for ``device_type``; plain torch when no provider is installed and ``provider``
     is ``auto`` (an explicitly requested provider that cannot serve raises)."""
     from loongforge.errors import PluginError
     from loongforge.kernels import select_op
 
     try:
-        return select_op(op, provider=provider, device_type=device_type)
+        return select_op(op, provider=provider, device_type=device_type, accelerator=accelerator)
     except PluginError:
         if provider != "auto":
             raise
@@ -34,29 +34,30 @@ class KernelRMSNorm(torch.nn.RMSNorm):
     Built like a megatron norm; marks its weight ``sequence_parallel`` so megatron all-reduces its gradient over
     TP under sequence parallelism."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, provider: str = "auto", **_: Any):
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, provider: str = "auto", accelerator: Any = None,
+                 **_: Any):
         if config.normalization != "RMSNorm":
             raise ValueError(f"the loongforge spec supports RMSNorm, not {config.normalization!r}")
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.provider = provider
+        self.provider, self.accelerator = provider, accelerator
         self._impl = None
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
-            self._impl = kernel("rms_norm", provider=self.provider, device_type=x.device.type)
+            self._impl = kernel("rms_norm", provider=self.provider, device_type=x.device.type, accelerator=self.accelerator)
         return self._impl(x, self.weight, self.eps)
 
 
 class KernelSwiGLU(torch.nn.Module):
     """MLP activation on megatron's fused fc1 output ``[..., 2F]``: silu(first half) * second half."""
 
-    def __init__(self, config: Any = None, provider: str = "auto", **_: Any):
+    def __init__(self, config: Any = None, provider: str = "auto", accelerator: Any = None, **_: Any):
         super().__init__()
-        self.provider = provider
+        self.provider, self.accelerator = provider, accelerator
         self._impl = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
-            self._impl = kernel("swiglu", provider=self.provider, device_type=x.device.type)
+            self._impl = kernel("swiglu", provider=self.provider, device_type=x.device.type, accelerator=self.accelerator)
         return self._impl(x)

@@ -1,0 +1,1 @@
+"""Example LoongForge plugin package: accelerator ``mydevice`` and backend ``toy``."""
