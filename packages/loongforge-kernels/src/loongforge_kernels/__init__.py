@@ -1,1 +1,26 @@
-"""loongforge_kernels."""
+"""loongforge_kernels: fused Triton kernels for LLM training, each with a plain-torch reference.
+
+Each kernel is one file: Triton kernel -> ``torch.autograd.Function`` -> function / ``nn.Module``.
+``LOONGFORGE_KERNELS=torch|triton|auto`` (default auto) picks the implementation per call; see README.md.
+"""
+
+from __future__ import annotations
+
+from loongforge_kernels._dispatch import KernelUnavailableError
+from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
+from loongforge_kernels.moe_permute import moe_permute, moe_unpermute
+from loongforge_kernels.rms_norm import RMSNorm, rms_norm
+from loongforge_kernels.rope import apply_rope
+from loongforge_kernels.swiglu import SwiGLU, swiglu
+
+__all__ = [
+    "KernelUnavailableError",
+    "RMSNorm",
+    "SwiGLU",
+    "apply_rope",
+    "fused_linear_cross_entropy",
+    "moe_permute",
+    "moe_unpermute",
+    "rms_norm",
+    "swiglu",
+]

@@ -11,7 +11,13 @@ import os
 
 import torch
 
-from loongforge.errors import PluginError
+try:
+    from loongforge.errors import PluginError
+except ImportError:  # NOTE: core's package __init__ needs pydantic/pyyaml; the kernels alone must not.
+
+    class PluginError(RuntimeError):  # type: ignore[no-redef]
+        """Stand-in for ``loongforge.errors.PluginError`` when loongforge core cannot be imported."""
+
 
 ENV_VAR = "LOONGFORGE_KERNELS"
 CHOICES = ("auto", "torch", "triton")
@@ -41,24 +47,31 @@ def _probe_kernel(X):
     pass
 
 
-def interpreter_active() -> bool:
-    """True when Triton was imported under ``TRITON_INTERPRET=1``, so its kernels run on CPU tensors.
-
-    NOTE: Triton reads the variable when ``@triton.jit`` decorates (its own standard library included), so
-    setting it after ``import triton`` has no effect; we look at what the decorator actually produced.
-    """
-    if not HAS_TRITON:
-        return False
+def _interpreted() -> tuple[bool, bool]:
+    """(our kernels, Triton's own standard library) were decorated under ``TRITON_INTERPRET=1``."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_probe_kernel, InterpretedFunction)
+    return isinstance(_probe_kernel, InterpretedFunction), isinstance(tl.standard.sum, InterpretedFunction)
+
+
+def interpreter_active() -> bool:
+    """True when Triton's interpreter runs these kernels, so they work on CPU tensors.
+
+    NOTE: Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates, its own standard library included,
+    so both triton and this package must be imported with it set; we look at what the decorators produced.
+    """
+    return HAS_TRITON and all(_interpreted())
 
 
 def triton_unavailable_reason(device_type: str) -> str | None:
     """None when the Triton kernels can run on ``device_type`` tensors, else why not (one line)."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
-    if device_type == "cuda" or interpreter_active():
+    ours, stdlib = _interpreted()
+    if ours != stdlib:  # a half-interpreted process runs nothing correctly, on any device
+        first = "triton" if ours else "loongforge_kernels"
+        return f"TRITON_INTERPRET changed after {first} was imported; set it (or not) before importing either"
+    if device_type == "cuda" or ours:
         return None
     if device_type == "cpu":
         return (

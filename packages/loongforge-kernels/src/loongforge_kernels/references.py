@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered_gamma: bool = False):
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, zero_centered_gamma: bool = False
+):
     """y = x / rms(x) * w (``w + 1`` with megatron's zero-centered gamma), fp32 math, output in x.dtype."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -102,6 +102,11 @@ class MegatronJob(Job):
                                 num_samples=t.steps * t.global_batch_size)
         self.schedule = BatchSchedule(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                                       dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        self.forward_step_fn = None
+        if self.spec_name == "loongforge":
+            from loongforge_megatron.spec.output import forward_step_with_fused_loss
+
+            self.forward_step_fn = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=self.acc)
         self.flops_per_token = arch.flops_per_token(recipe.data.seq_length)
         self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
         from loongforge_megatron.checkpointing import Checkpointer
@@ -209,7 +214,7 @@ class MegatronJob(Job):
         out = engine.train_step(
             model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler, data_iterator=iter(batches),
             num_microbatches=self.num_microbatches, seq_length=self.recipe.data.seq_length,
-            micro_batch_size=self.recipe.train.micro_batch_size,
+            micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=self.forward_step_fn,
         )
         self.acc.synchronize()
         dt = time.perf_counter() - t0

@@ -60,6 +60,10 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     """
     device = next(model.parameters()).device
     batch = _to_device(next(data_iterator), device)
+    if _cp_size() > 1:
+        from loongforge_megatron.engine.batch import cp_slice
+
+        batch = cp_slice(batch)
     attention_mask, packed = batch.get("attention_mask"), batch.get("packed_seq_params")
     if packed is not None and _uses_local_attention(model):
         b, s = batch["tokens"].shape
@@ -73,6 +77,12 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
         packed_seq_params=packed,
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _cp_size() -> int:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_context_parallel_world_size()
 
 
 def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any) -> None:

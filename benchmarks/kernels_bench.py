@@ -1,0 +1,288 @@
+"""Fused-kernel benchmark: loongforge_kernels vs torch eager, torch.compile and (when installed) Liger-Kernel.
+
+Each kernel runs forward + backward at Llama-3.2-1B / 8B training shapes. Printed per row: time, effective
+GB/s (memory-bound kernels, counting the minimal bytes) or TFLOP/s (fused linear CE), peak memory above the
+inputs, and the max abs error vs the eager reference (fp32 math); the ratios come last.
+
+    PYTHONPATH=packages/loongforge-kernels/src:packages/loongforge-core/src python3 benchmarks/kernels_bench.py \
+        [--quick] [--only rms_norm,swiglu,rope,flce,moe] [--no-compile] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import loongforge_kernels as lk
+import torch
+from loongforge_kernels import references as ref
+from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
+from loongforge_kernels.moe_permute import MoEPermuteFunction, MoEUnpermuteFunction
+
+
+@dataclass
+class Case:
+    """One kernel at one shape: inputs, implementations by name, and the work it does."""
+
+    kernel: str
+    shape: str
+    inputs: Callable[[], list[torch.Tensor]]
+    impls: dict[str, Callable[..., torch.Tensor]]
+    bytes: float = 0.0
+    flops: float = 0.0
+    rows: list[dict] = field(default_factory=list)
+
+
+def _liger():
+    try:
+        import liger_kernel.transformers.functional as lf
+
+        return lf
+    except Exception:  # not installed, or broken against this torch: skip its columns
+        return None
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[Case]:
+    bf16 = torch.bfloat16
+    lf = _liger()
+    out: list[Case] = []
+
+    def add(kernel, shape, inputs, ours, eager, *, liger=None, nbytes=0.0, flops=0.0):
+        if only and kernel not in only:
+            return
+        impls = {"loongforge": ours, "eager": eager}
+        if compile_:
+            impls["compile"] = _compiled(eager)
+        if liger is not None:
+            impls["liger"] = liger
+        out.append(Case(kernel, shape, inputs, impls, nbytes, flops))
+
+    tokens = 256 if quick else 16384
+    for hidden in (2048, 4096) if not quick else (1000,):
+        add(
+            "rms_norm",
+            f"{tokens}x{hidden} bf16, fp32 w",
+            lambda h=hidden: [
+                torch.randn(tokens, h, device=device, dtype=bf16),
+                torch.rand(h, device=device) + 0.5,
+            ],
+            lambda x, w: lk.rms_norm(x, w, 1e-6, impl="triton"),
+            lambda x, w: ref.rms_norm_ref(x, w, 1e-6),
+            liger=(lambda x, w: lf.liger_rms_norm(x, w, 1e-6)) if lf else None,
+            nbytes=5 * tokens * hidden * 2,
+        )
+    for ffn in (8192, 14336) if not quick else (1000,):
+        add(
+            "swiglu",
+            f"{tokens}x2*{ffn} bf16",
+            lambda f=ffn: [torch.randn(tokens, 2 * f, device=device, dtype=bf16)],
+            lambda x: lk.swiglu(x, impl="triton"),
+            ref.swiglu_ref,
+            liger=(lambda x: lf.liger_swiglu(*x.chunk(2, -1)))
+            if lf and hasattr(lf, "liger_swiglu")
+            else None,
+            nbytes=8 * tokens * ffn * 2,
+        )
+    s, b, h, d = (8192, 2, 32, 128) if not quick else (16, 2, 4, 32)
+    freqs = torch.rand(s, 1, 1, d, device=device) * 100
+    add(
+        "rope",
+        f"sbhd {s}x{b}x{h}x{d} bf16",
+        lambda: [torch.randn(s, b, h, d, device=device, dtype=bf16)],
+        lambda x: lk.apply_rope(x, freqs, impl="triton"),
+        lambda x: ref.rope_ref(x, freqs),
+        nbytes=4 * s * b * h * d * 2,
+    )
+    cu = torch.tensor([0, s // 3, s, s + 7, 2 * s], device=device, dtype=torch.int32)
+    add(
+        "rope",
+        f"thd {2 * s}x{h}x{d} bf16, 4 seqs",
+        lambda: [torch.randn(2 * s, h, d, device=device, dtype=bf16)],
+        lambda x: lk.apply_rope(x, freqs, cu_seqlens=cu, impl="triton"),
+        lambda x: ref.rope_ref(x, freqs, cu_seqlens=cu),
+        nbytes=4 * s * b * h * d * 2,
+    )
+    vocab = 128256 if not quick else 1000
+    for n_tok, hidden in ((8192, 2048), (8192, 4096), (16384, 4096)) if not quick else ((64, 48),):
+        labels = torch.randint(0, vocab, (n_tok,), device=device)
+        add(
+            "flce",
+            f"{n_tok}x{hidden} -> V {vocab} bf16",
+            lambda hd=hidden, n=n_tok: [
+                torch.randn(n, hd, device=device, dtype=bf16),
+                torch.randn(vocab, hd, device=device, dtype=bf16) / math.sqrt(hd),
+            ],
+            lambda x, w, lab=labels: fused_linear_cross_entropy(x, w, lab, impl="triton"),
+            lambda x, w, lab=labels: ref.linear_cross_entropy_ref(x, w, lab),
+            liger=(lambda x, w, lab=labels: lf.liger_fused_linear_cross_entropy(x, w, lab)) if lf else None,
+            flops=6 * n_tok * hidden * vocab,
+        )
+    n_tok, n_exp, topk = (16384, 64, 8) if not quick else (32, 8, 2)
+    idx = torch.rand(n_tok, n_exp, device=device).topk(topk, dim=-1).indices
+    row_id = ref.moe_row_id_map(idx)
+    probs = torch.rand(n_tok, topk, device=device).softmax(-1)
+    for hidden in (2048, 4096) if not quick else (100,):
+        add(
+            "moe_permute",
+            f"T {n_tok} H {hidden} E {n_exp} k {topk} bf16",
+            lambda hd=hidden, n=n_tok: [torch.randn(n, hd, device=device, dtype=bf16)],
+            lambda x: MoEPermuteFunction.apply(x, row_id),
+            lambda x: ref.moe_permute_ref(x, row_id),
+            nbytes=2 * (1 + topk) * n_tok * hidden * 2,
+        )
+        add(
+            "moe_unpermute",
+            f"T {n_tok} H {hidden} E {n_exp} k {topk} bf16",
+            lambda hd=hidden, n=n_tok: [torch.randn(n * topk, hd, device=device, dtype=bf16), probs.clone()],
+            lambda x, p: MoEUnpermuteFunction.apply(x, row_id, p),
+            lambda x, p: ref.moe_unpermute_ref(x, row_id, p),
+            nbytes=(2 + 3 * topk) * n_tok * hidden * 2,
+        )
+    return out
+
+
+def _timer(step: Callable[[], None], device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
+    step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def run_case(case: Case, device: str) -> None:
+    base_inputs = case.inputs()
+    results = {}
+    # the ground truth: the eager reference on fp32 copies of the inputs
+    ref_leaves = [x.detach().float().requires_grad_(True) for x in base_inputs]
+    ref_out = case.impls["eager"](*ref_leaves)
+    g_ref = torch.randn(ref_out.shape, device=device, generator=torch.Generator(device).manual_seed(0))
+    ref_out.backward(g_ref)
+    truth = [ref_out.detach()] + [x.grad for x in ref_leaves]
+    del ref_out, ref_leaves
+    for name, fn in case.impls.items():
+        leaves = [x.detach().clone().requires_grad_(True) for x in base_inputs]
+        try:
+            out = fn(*leaves)
+            g = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(0)).to(
+                out.dtype
+            )
+            out.backward(g)
+            results[name] = [out.detach()] + [x.grad for x in leaves]
+
+            def step(fn=fn, leaves=leaves, g=g):
+                for x in leaves:
+                    x.grad = None
+                fn(*leaves).backward(g)
+
+            for x in leaves:
+                x.grad = None
+            del out
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+            else:
+                step()
+                peak = 0
+            ms = _timer(step, device)
+        except Exception as exc:  # one failing peer must not hide the others
+            case.rows.append(
+                {"impl": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"}
+            )
+            continue
+        rate = case.flops / ms / 1e9 if case.flops else case.bytes / ms / 1e6
+        case.rows.append({"impl": name, "ms": ms, "rate": rate, "peak_mib": peak / 2**20, "err": 0.0})
+        del leaves
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    for row in case.rows:  # max abs error of the output and every input grad vs the fp32 truth
+        if "error" not in row:
+            pairs = zip(results[row["impl"]], truth, strict=True)
+            row["err"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+
+
+def report(all_cases: list[Case], device_name: str) -> str:
+    lines = [f"# loongforge_kernels fwd+bwd on {device_name}", "", f"torch {torch.__version__}", ""]
+    lines += [
+        "| kernel | shape | impl | ms | GB/s or TFLOP/s | peak MiB | max err vs fp32 ref |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for c in all_cases:
+        unit = "TFLOP/s" if c.flops else "GB/s"
+        for r in c.rows:
+            if "error" in r:
+                lines.append(f"| {c.kernel} | {c.shape} | {r['impl']} | failed: {r['error']} | | | |")
+            else:
+                lines.append(
+                    f"| {c.kernel} | {c.shape} | {r['impl']} | {r['ms']:.3f} | {r['rate']:.0f} {unit} "
+                    f"| {r['peak_mib']:.0f} | {r['err']:.2e} |"
+                )
+    lines += [
+        "",
+        "## Ratios (targets: >= 1.2x eager, >= 1.0x compile; fused CE peak memory <= 0.25x eager)",
+        "",
+        "| kernel | shape | speedup vs eager | vs compile | vs liger | peak mem / eager |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for c in all_cases:
+        by = {r["impl"]: r for r in c.rows if "error" not in r}
+        ours = by.get("loongforge")
+        if not ours:
+            continue
+
+        def ratio(peer, ours=ours, by=by):
+            return f"{by[peer]['ms'] / ours['ms']:.2f}x" if peer in by else "n/a"
+
+        mem = (
+            f"{ours['peak_mib'] / by['eager']['peak_mib']:.3f}"
+            if "eager" in by and by["eager"]["peak_mib"]
+            else "n/a"
+        )
+        lines.append(
+            f"| {c.kernel} | {c.shape} | {ratio('eager')} | {ratio('compile')} | {ratio('liger')} | {mem} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--only", default="", help="comma-separated kernels: rms_norm,swiglu,rope,flce,moe")
+    ap.add_argument("--out", default="", help="also write the markdown report here")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    only = {k for k in args.only.split(",") if k}
+    if "moe" in only:
+        only |= {"moe_permute", "moe_unpermute"}
+    torch.manual_seed(0)
+    all_cases = cases(device, quick=args.quick, compile_=not args.no_compile, only=only)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    for i, c in enumerate(all_cases):
+        t0 = time.perf_counter()
+        run_case(c, device)
+        print(f"[{time.perf_counter() - t0:5.1f}s] {c.kernel} {c.shape}", flush=True)
+        if args.out:  # rewritten after every case so a run cut short still leaves its results
+            with open(args.out, "w") as f:
+                f.write(report(all_cases[: i + 1], name))
+    print(report(all_cases, name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The ``embodied`` backend: VLA policies on LeRobot data with a torch-native DDP / ZeRO-1 / FSDP2 / HSDP trainer
+(registered in ``loongforge.backends``; never imports megatron)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loongforge.backend import Backend, Job
+from loongforge.errors import RecipeError
+
+from loongforge_embodied.config import COMPONENTS, DataConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+
+class EmbodiedBackend(Backend):
+    """Vision-language-action policies trained by flow matching on action chunks."""
+
+    name = "embodied"
+    model_schema = ModelConfig
+    data_schema = DataConfig
+
+    @classmethod
+    def check_recipe(cls, recipe: Recipe) -> None:
+        p, t = recipe.parallel, recipe.train
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(p, key) != 1:
+                raise RecipeError(f"the embodied backend is data-parallel only (got {getattr(p, key)}); "
+                                  "shard with parallel.strategy fsdp2 / hsdp instead", key=f"parallel.{key}")
+        if p.distributed_optimizer:
+            raise RecipeError("use parallel.strategy zero1 for a sharded optimizer in the embodied backend",
+                              key="parallel.distributed_optimizer")
+        if p.recompute == "selective":
+            raise RecipeError("the embodied backend recomputes whole blocks: use none or full", key="parallel.recompute")
+        if p.shard_size is not None and p.strategy != "hsdp":
+            raise RecipeError(f"shard_size is only used with parallel.strategy hsdp (got '{p.strategy}')",
+                              key="parallel.shard_size")
+        if t.precision == "fp16":
+            raise RecipeError("fp16 needs loss scaling, which the embodied backend does not do; use bf16 or fp32",
+                              key="train.precision")
+        if t.stage not in ("pretrain", "sft"):
+            raise RecipeError(f"train.stage '{t.stage}' is not supported by the embodied backend (pretrain, sft)",
+                              key="train.stage")
+        if set(recipe.model.freeze) >= set(COMPONENTS):
+            raise RecipeError("every component is frozen: nothing to train", key="model.freeze")
+        if recipe.model.load and not (Path(recipe.model.load) / "model.safetensors").is_file():
+            raise RecipeError(f"'{recipe.model.load}' has no model.safetensors (an exported policy dir)", key="model.load")
+        if recipe.checkpoint.load:
+            raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "
+                              "OUTPUT/checkpoints; checkpoint.load is not used", key="checkpoint.load")
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        self.check_recipe(recipe)
+        plan = recipe.parallel.plan(world_size)
+        plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size,
+                               micro_batch_size=recipe.train.micro_batch_size)
+        if recipe.parallel.strategy == "hsdp" and recipe.parallel.shard_size is None:
+            raise RecipeError("hsdp needs parallel.shard_size (ranks per shard group; replicas = world / shard_size)",
+                              key="parallel.shard_size")
+
+    def build(self, recipe: Recipe, runtime: Runtime) -> Job:
+        from loongforge_embodied.job import EmbodiedJob
+
+        return EmbodiedJob(recipe, runtime)
+
+    def prepare_data(self, recipe: Recipe, *, force: bool = False) -> Path:
+        from loongforge_embodied.data.prepare import prepare
+
+        return prepare(recipe, force=force)

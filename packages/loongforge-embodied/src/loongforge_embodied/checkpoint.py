@@ -1,0 +1,115 @@
+"""Resume checkpoints (torch.distributed.checkpoint in atomic directories) and the policy export.
+
+State is keyed by parameter name: ``model`` (plain or DTensor shards), ``optim.<name>.<slot>`` (each ZeRO-1
+rank writes only what it owns), ``ema`` and per-rank RNG. DCP writes every rank's shards in parallel into the
+staging directory of rank 0's ``atomic_checkpoint``, which is published only after every rank finished.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint
+
+if TYPE_CHECKING:
+    from loongforge_embodied.job import EmbodiedJob
+
+META = "trainer.json"
+
+
+def _optim_state(job: EmbodiedJob, *, allocate: bool) -> dict[str, torch.Tensor]:
+    """Optimizer slots by parameter name; ``allocate`` creates zero slots first (DCP loads in place)."""
+    names = {p: n for n, p in job.model.raw.named_parameters()}
+    out = {}
+    for group in job.optimizer.param_groups:
+        for p in group["params"]:
+            st = job.optimizer.state[p]
+            if allocate and not st and job.recipe.train.optimizer == "adamw":
+                fused = bool(group.get("fused"))
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+            elif allocate and not st:
+                st["momentum_buffer"] = torch.zeros_like(p)
+            for slot, value in st.items():
+                if torch.is_tensor(value):
+                    out[f"{names[p]}.{slot}"] = value
+    return out
+
+
+def _state(job: EmbodiedJob, *, allocate: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    state: dict[str, Any] = {"model": job.model.raw.state_dict(), "optim": _optim_state(job, allocate=allocate),
+                             f"rng_rank{rank}": torch.get_rng_state()}
+    if job.ema is not None:
+        state["ema"] = job.ema
+    return state
+
+
+def save(job: EmbodiedJob, step: int) -> Path:
+    """Save the resume state of optimizer step ``step`` into ``checkpoints/step_<step>`` (collective)."""
+    rt = job.runtime
+    name = f"step_{step:08d}"
+    meta = {"step": step, "world_size": rt.world_size, "strategy": job.model.strategy}
+    if rt.is_main:
+        with atomic_checkpoint(rt.checkpoint_dir, name, keep_last=job.recipe.checkpoint.keep_last) as staging:
+            dist.broadcast_object_list([str(staging)], src=0)
+            dcp.save(_state(job, allocate=False), checkpoint_id=staging)
+            (staging / META).write_text(json.dumps(meta))
+            from loongforge.recipe import dump_recipe
+
+            (staging / "recipe.yaml").write_text(dump_recipe(job.recipe))
+    else:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        dcp.save(_state(job, allocate=False), checkpoint_id=box[0])
+    # NOTE: nobody runs ahead (or dies on purpose) before the checkpoint is published.
+    dist.barrier()
+    return rt.checkpoint_dir / name
+
+
+def resume(job: EmbodiedJob) -> int:
+    """Load the latest complete checkpoint if any; returns the optimizer steps already done (0 if none)."""
+    path = latest_checkpoint(job.runtime.checkpoint_dir)
+    if path is None:
+        return 0
+    meta = json.loads((path / META).read_text())
+    state = _state(job, allocate=True)
+    same_world = meta["world_size"] == job.runtime.world_size
+    if not same_world:
+        # NOTE: a different world size reshards model/optimizer (DCP does); RNG streams are per rank, so reseed.
+        state = {k: v for k, v in state.items() if not k.startswith("rng_rank")}
+    dcp.load(state, checkpoint_id=path)
+    job.model.raw.load_state_dict(state["model"])
+    if same_world:
+        torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
+    return int(meta["step"])
+
+
+def full_state_dict(job: EmbodiedJob, *, use_ema: bool) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copy of the weights (collective under fsdp2/hsdp: every rank must call it)."""
+    src = job.model.raw.state_dict()
+    if use_ema and job.ema is not None:
+        src = {**src, **job.ema}
+    out = {}
+    for key, value in src.items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[key] = value.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def export(job: EmbodiedJob, out_dir: Path) -> Path | None:
+    """Write ``out_dir`` as a LeRobot policy directory (config.json + model.safetensors); collective."""
+    weights = full_state_dict(job, use_ema=True)
+    if job.runtime.is_main:
+        from loongforge_embodied.policies.tiny_vla.export import write_pretrained
+
+        write_pretrained(out_dir, arch=job.arch, weights=weights, features=job.features)
+    dist.barrier()
+    return out_dir

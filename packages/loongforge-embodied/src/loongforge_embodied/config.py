@@ -1,0 +1,63 @@
+"""The embodied backend's recipe sections: ``model`` and ``data``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from loongforge.recipe.schema import Section
+from pydantic import Field, model_validator
+
+COMPONENTS = ("vision", "language", "expert")
+
+
+class ModelConfig(Section):
+    """The policy: a registered ``policy`` name, a size ``preset`` and per-field ``arch`` overrides.
+
+    State / action sizes and the camera count come from the dataset."""
+
+    policy: Literal["tiny_vla"] = "tiny_vla"
+    preset: Literal["tiny", "pi05"] = "tiny"
+    arch: dict[str, int] = Field(default_factory=dict, description="overrides of the preset's sizes")
+    freeze: list[Literal["vision", "language", "expert"]] = Field(
+        default_factory=list, description="components kept frozen (and unsharded under fsdp2/hsdp)")
+    load: str | None = Field(None, description="exported policy dir (config.json + model.safetensors) to start from")
+    comm_hook: Literal["none", "bf16"] = Field("none", description="ddp/zero1: compress gradient all-reduce to bf16")
+    reshard_after_forward: bool = Field(True, description="fsdp2/hsdp: free gathered params after forward (ZeRO-3)")
+    prefetch: int = Field(1, ge=0, description="fsdp2/hsdp: blocks all-gathered ahead in forward and backward")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        from loongforge_embodied.policies import resolve_arch
+
+        resolve_arch(self)  # unknown arch fields raise here, at load time
+        return self
+
+
+class RecordConfig(Section):
+    """What ``loongforge data prepare`` records: a scripted expert in a simulator from PyPI."""
+
+    env: Literal["pusht"] = "pusht"
+    episodes: int = Field(20, ge=1)
+    max_steps: int = Field(100, ge=2, description="frames per episode at most")
+    image_size: int = Field(64, ge=16)
+    seed: int = Field(0, ge=0)
+
+
+class DataConfig(Section):
+    """``lerobot``: a local LeRobotDataset v3 at ``root``; ``synthetic``: deterministic random frames."""
+
+    format: Literal["lerobot", "synthetic"] = "lerobot"
+    root: str | None = Field(None, description="local LeRobotDataset root (relative paths: to the working dir)")
+    repo_id: str = "local/pusht_scripted"
+    cameras: list[str] | None = Field(None, description="camera keys to use (default: all in the dataset)")
+    record: RecordConfig | None = None
+    synthetic_samples: int = Field(1024, ge=1)
+    task: str = "Push the T-shaped block onto the target."
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes (decode + collate off the main thread)")
+    image_shift: int = Field(0, ge=0, description="random-shift augmentation in pixels (0: off)")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.format == "lerobot" and not self.root:
+            raise ValueError("data.format 'lerobot' needs data.root (a local LeRobotDataset directory)")
+        return self

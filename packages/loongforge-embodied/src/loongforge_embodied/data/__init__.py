@@ -1,0 +1,1 @@
+"""Data: LeRobotDataset v3 (recorded offline by ``loongforge data prepare``) or synthetic samples."""

@@ -1,0 +1,127 @@
+"""Training samples: a source (LeRobotDataset v3 or synthetic) + per-sample flow noise, augmentation, collate.
+
+Every random draw of a sample (flow noise, flow time, image shift) comes from a generator seeded by the
+sample's stream position, so a sample is identical whichever rank or micro-batch it lands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
+
+
+class SyntheticSource:
+    """Deterministic random frames whose action chunk is a smooth function of the state (learnable)."""
+
+    def __init__(self, *, arch: TinyVLAArch, num_samples: int, task: str):
+        self.arch, self.n, self.task = arch, num_samples, task
+
+    def __len__(self) -> int:
+        return self.n
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        a = self.arch
+        return {"state_mean": torch.zeros(a.state_dim), "state_std": torch.ones(a.state_dim),
+                "action_mean": torch.zeros(a.action_dim), "action_std": torch.ones(a.action_dim)}
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        a = self.arch
+        g = torch.Generator().manual_seed(idx)
+        state = torch.randn(a.state_dim, generator=g)
+        t = torch.arange(a.chunk_size, dtype=torch.float32)[:, None] / a.chunk_size
+        base = state[torch.arange(a.action_dim) % a.state_dim]
+        return {"images": torch.rand(a.num_cameras, 3, a.image_size, a.image_size, generator=g),
+                "state": state, "actions": base[None] * (1 - t) + torch.tanh(base)[None] * t,
+                "action_pad": torch.zeros(a.chunk_size, dtype=torch.bool), "task": self.task}
+
+
+class LeRobotSource:
+    """A local LeRobotDataset v3 read with delta-timestamp windows: the action chunk of each frame."""
+
+    def __init__(self, *, root: str, repo_id: str, arch: TinyVLAArch, cameras: list[str] | None):
+        from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+        meta = LeRobotDatasetMetadata(repo_id, root=root)
+        self.cameras = cameras or list(meta.camera_keys)
+        self.meta = meta
+        window = {"action": [i / meta.fps for i in range(arch.chunk_size)]}
+        self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        s = self.meta.stats
+        f = lambda k, m: torch.as_tensor(s[k][m], dtype=torch.float32).flatten()  # noqa: E731
+        return {"state_mean": f("observation.state", "mean"), "state_std": f("observation.state", "std").clamp_min(1e-4),
+                "action_mean": f("action", "mean"), "action_std": f("action", "std").clamp_min(1e-4)}
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        item = self.ds[idx]
+        return {"images": torch.stack([item[k] for k in self.cameras]), "state": item["observation.state"],
+                "actions": item["action"], "action_pad": item["action_is_pad"], "task": item["task"]}
+
+
+class FlowSamples(Dataset):
+    """Indexed by ``(position, index)`` from :class:`GlobalBatchSampler`; adds per-sample noise and time."""
+
+    def __init__(self, source, *, arch: TinyVLAArch, seed: int, image_shift: int = 0):
+        self.source, self.arch, self.seed, self.shift = source, arch, seed, image_shift
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        position, index = key
+        item = dict(self.source[index])
+        g = torch.Generator().manual_seed(self.seed * 7_919 + position)
+        item["noise"] = torch.randn(self.arch.chunk_size, self.arch.action_dim, generator=g)
+        # NOTE: pi0's flow time is Beta(1.5, 1) scaled into [0.001, 1]; Beta(a, 1) has the closed-form inverse
+        # CDF u^(1/a), so the draw can use our seeded generator.
+        item["time"] = torch.rand((), generator=g).pow(1.0 / 1.5) * 0.999 + 0.001
+        if self.shift:
+            item["images"] = random_shift(item["images"], pad=self.shift, generator=g)
+        return item
+
+
+def random_shift(images: torch.Tensor, *, pad: int, generator: torch.Generator) -> torch.Tensor:
+    """Random-shift augmentation (pad by replication, crop back), one shift per sample."""
+    c, h, w = images.shape[-3:]
+    padded = torch.nn.functional.pad(images.flatten(0, -4), (pad, pad, pad, pad), mode="replicate")
+    dx, dy = (int(v) for v in torch.randint(0, 2 * pad + 1, (2,), generator=generator))
+    return padded[..., dy:dy + h, dx:dx + w].reshape(images.shape)
+
+
+def collate(items: list[dict[str, Any]], *, arch: TinyVLAArch, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from loongforge_embodied.policies.tiny_vla.processor_tiny_vla import prepare_batch
+
+    raw = {k: torch.stack([it[k] for it in items]) for k in items[0] if k != "task"}
+    raw["time"] = raw["time"].reshape(-1)
+    raw["task"] = [it["task"] for it in items]
+    return prepare_batch(raw, arch=arch, stats=stats)
+
+
+@dataclass
+class DataBundle:
+    source: Any
+    stats: dict[str, torch.Tensor]
+    loader: DataLoader
+
+
+def build_loader(source, *, arch: TinyVLAArch, sampler, seed: int, num_workers: int, pin_memory: bool,
+                 image_shift: int = 0, stats: dict[str, torch.Tensor] | None = None) -> DataBundle:
+    """A DataLoader over ``sampler``'s micro-batches; workers decode and collate in the background."""
+    stats = stats or source.stats()
+    ds = FlowSamples(source, arch=arch, seed=seed, image_shift=image_shift)
+    kw: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory,
+                          "collate_fn": partial(collate, arch=arch, stats=stats)}
+    if num_workers:
+        kw.update(prefetch_factor=4, persistent_workers=True)
+    return DataBundle(source, stats, DataLoader(ds, batch_sampler=sampler, **kw))

@@ -1,0 +1,186 @@
+"""The embodied training job: policy + data + optimizer for this rank, the step loop, checkpoints, export."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from loongforge.backend import Job
+
+if TYPE_CHECKING:
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+
+class EmbodiedJob(Job):
+    """One rank's job. ``step()`` runs one optimizer step over this rank's share of the global batch."""
+
+    def __init__(self, recipe: Recipe, runtime: Runtime):
+        self.recipe, self.runtime = recipe, runtime
+        self._owns_pg = not dist.is_initialized()
+        runtime.init_distributed()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        from loongforge_embodied import checkpoint
+        from loongforge_embodied.data.dataset import build_loader
+        from loongforge_embodied.data.sampler import GlobalBatchSampler
+        from loongforge_embodied.optim import ZeroOneOptimizer, make_optimizer, param_groups
+        from loongforge_embodied.parallel import parallelize
+        from loongforge_embodied.policies import resolve_arch
+        from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
+
+        r, rt, t = self.recipe, self.runtime, self.recipe.train
+        self.acc, self.device = rt.accelerator, rt.accelerator.device()
+        self.precision = self.acc.resolve_precision(t.precision)
+        self.log = rt.logger
+        source = self._source()
+        self.arch = resolve_arch(r.model, r.data)
+        cams = getattr(source, "cameras", None) or [f"observation.images.cam{i}" for i in range(self.arch.num_cameras)]
+        self.features = {"cameras": cams}
+        # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
+        rt.seed(t.seed)
+        raw = TinyVLAModel(self.arch)
+        if r.model.load:
+            from loongforge_embodied.policies.tiny_vla.export import load_model
+
+            raw.load_state_dict(load_model(r.model.load).state_dict())
+        raw.set_stats(source.stats())
+        for name in r.model.freeze:
+            for m in raw.components()[name]:
+                m.requires_grad_(False)
+        raw.to(self.device)
+        if rt.plan.recompute == "full":
+            raw.enable_activation_checkpointing()
+        if t.compile:
+            for unit in raw.wrap_units():
+                unit.compile()
+        self.model = parallelize(
+            raw, strategy=r.parallel.strategy, world_size=rt.world_size, device=self.device, precision=self.precision,
+            comm_hook=r.model.comm_hook, shard_size=r.parallel.shard_size,
+            reshard_after_forward=r.model.reshard_after_forward, prefetch=r.model.prefetch,
+        )
+        self.trainable = [p for p in raw.parameters() if p.requires_grad]
+        groups = param_groups(raw.named_parameters(), t.weight_decay)
+        if self.model.strategy == "zero1" and rt.world_size > 1:
+            self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type)
+        else:
+            self.optimizer = make_optimizer(groups, t, device_type=self.device.type)
+        self.ema = ({n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
+                    if t.ema_decay else None)
+        self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        sampler = GlobalBatchSampler(
+            num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+            dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
+        )
+        data = build_loader(source, arch=self.arch, sampler=sampler, seed=t.seed, num_workers=r.data.num_workers,
+                            pin_memory=self.device.type == "cuda", image_shift=r.data.image_shift)
+        self._batches = iter(data.loader)
+        if self.log:
+            n = sum(p.numel() for p in raw.parameters())
+            self.log.info(
+                f"[embodied] {r.model.policy}/{r.model.preset} {n / 1e6:.2f}M params | {self.model.strategy} on "
+                f"{rt.world_size} rank(s) | {self.accum} micro-batch(es)/step | {self.precision} | {len(source)} samples"
+                f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
+
+    def _source(self):
+        from loongforge_embodied.data.dataset import LeRobotSource, SyntheticSource
+        from loongforge_embodied.policies import resolve_arch
+
+        d = self.recipe.data
+        if d.format == "synthetic":
+            return SyntheticSource(arch=resolve_arch(self.recipe.model), num_samples=d.synthetic_samples, task=d.task)
+        if not (Path(d.root) / "meta" / "info.json").is_file() and d.record is not None:
+            if self.runtime.is_main:
+                from loongforge_embodied.data.prepare import prepare
+
+                prepare(self.recipe)
+            dist.barrier()
+        return LeRobotSource(root=d.root, repo_id=d.repo_id, arch=resolve_arch(self.recipe.model, d), cameras=d.cameras)
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(self) -> dict[str, float]:
+        from loongforge_embodied.optim import lr_at
+        from loongforge_embodied.parallel import all_reduce_sum, clip_grad_norm
+
+        t = self.recipe.train
+        t0 = time.perf_counter()
+        lr = lr_at(self.step_index, t)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        local = t.global_batch_size // self.runtime.world_size
+        loss_sum = torch.zeros((), device=self.device)
+        for m in range(self.accum):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self._batches).items()}
+            with self.model.no_sync(skip=m < self.accum - 1):
+                with self._autocast():
+                    per_sample = self.model.module(batch)
+                # NOTE: sum / local batch on each rank, averaged over ranks by the gradient reduction = the mean
+                # over the global batch, however it is split into ranks and micro-batches.
+                (per_sample.sum() / local).backward()
+            loss_sum += per_sample.detach().sum()
+        gnorm = clip_grad_norm(self.trainable, t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self._update_ema(t.ema_decay)
+        self.step_index += 1
+        loss = float(all_reduce_sum(loss_sum) / t.global_batch_size)
+        self.acc.synchronize()
+        dt = time.perf_counter() - t0
+        metrics: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": float(gnorm), "step_time": dt,
+                                   "samples_per_s": t.global_batch_size / dt}
+        mem = self.acc.memory_stats().get("peak_allocated")
+        if mem:
+            metrics["peak_mem_gib"] = mem / 2**30
+        if self.log:
+            self.log.log(self.step_index, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _update_ema(self, decay: float) -> None:
+        for name, p in self.model.raw.named_parameters():
+            if name in self.ema:
+                self.ema[name].lerp_(p.detach(), 1.0 - decay)
+
+    def save(self) -> Path:
+        from loongforge_embodied import checkpoint
+
+        return checkpoint.save(self, self.step_index)
+
+    def export(self, out_dir: Path | None = None) -> Path:
+        from loongforge_embodied import checkpoint
+
+        return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
+
+    def run(self) -> dict[str, Any]:
+        c, steps = self.recipe.checkpoint, self.recipe.train.steps
+        last: dict[str, Any] = {}
+        while self.step_index < steps:
+            last = self.step()
+            if c.save_interval and self.step_index % c.save_interval == 0 and self.step_index < steps:
+                self.save()
+        if c.save_at_end:
+            self.save()
+        if "hf" in c.save_format:
+            path = self.export()
+            if self.log:
+                self.log.info(f"[embodied] exported policy to {path}")
+        return {"step": self.step_index, **last}
+
+    def close(self) -> None:
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""Optimizer (AdamW / SGD, optionally ZeRO-1 sharded over data-parallel ranks) and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from loongforge.recipe.schema import TrainConfig
+from torch import nn
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then constant/linear/cosine/wsd."""
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    total = t.decay_steps or t.steps
+    if t.lr_schedule == "wsd":
+        decay = t.wsd_decay_steps or max(1, total // 10)
+        start = total - decay
+        frac = 0.0 if step < start else min(1.0, (step - start) / decay)
+    else:
+        frac = min(1.0, (step - t.warmup_steps) / max(1, total - t.warmup_steps))
+    if t.lr_schedule == "cosine":
+        return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+    return t.lr - (t.lr - t.min_lr) * frac
+
+
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices; keep norms, biases and other 1-D parameters undecayed."""
+    decay, keep = [], []
+    for _, p in named:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else keep).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str) -> torch.optim.Optimizer:
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.adam_beta1)
+    # NOTE: fused AdamW (one kernel for all params) on accelerators; foreach on CPU where fused is slower.
+    fused = device_type != "cpu"
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                             fused=fused or None, foreach=None if fused else True)
+
+
+class ZeroOneOptimizer:
+    """ZeRO-1: each data-parallel rank keeps optimizer state for (and updates) only its partition of the
+    parameters; gradients are all-reduced in full (by DDP) and updated parameters are broadcast from owners.
+
+    NOTE: our own rather than ``ZeroRedundancyOptimizer`` so optimizer state is keyed by parameter name on the
+    owning rank and saves through DCP without gathering onto one rank."""
+
+    def __init__(self, groups: list[dict], t: TrainConfig, *, device_type: str, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        params = [p for g in groups for p in g["params"]]
+        load = [0] * self.world
+        self.owner: dict[nn.Parameter, int] = {}
+        # Greedy: largest parameters first onto the least-loaded rank (deterministic on every rank).
+        order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
+        for p in (params[i] for i in order):
+            r = min(range(self.world), key=lambda i: (load[i], i))
+            self.owner[p], load[r] = r, load[r] + p.numel()
+        mine = [{**g, "params": [p for p in g["params"] if self.owner[p] == self.rank]} for g in groups]
+        mine = [g for g in mine if g["params"]]
+        self.inner = make_optimizer(mine, t, device_type=device_type) if mine else None
+        self.params = params
+        self._src = {r: dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups if self.inner is not None else []
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+        for p in self.params:
+            # NOTE: one broadcast per parameter; bucketing them per owner would cut launch overhead at scale.
+            dist.broadcast(p.data, src=self._src[self.owner[p]], group=self.group)

@@ -1,0 +1,122 @@
+"""Apply the recipe's data-parallel strategy to a policy: ddp, zero1, fsdp2 (per-block ``fully_shard``) or
+hsdp (FSDP2 on a 2-D replicate × shard DeviceMesh). Frozen components stay unsharded and out of the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Parallelized:
+    """The model as the step loop uses it: ``module`` to call, ``raw`` for names and state."""
+
+    module: nn.Module
+    raw: nn.Module
+    strategy: str
+    mesh: object | None = None
+    units: list[nn.Module] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool) -> Iterator[None]:
+        """Within it, backward accumulates gradients locally (no all-reduce / reduce-scatter)."""
+        if not skip:
+            yield
+            return
+        if isinstance(self.module, nn.parallel.DistributedDataParallel):
+            with self.module.no_sync():
+                yield
+            return
+        if self.strategy in ("fsdp2", "hsdp"):
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+            return
+        yield
+
+
+def resolve_strategy(strategy: str, world_size: int) -> str:
+    """``auto``: ddp (the policies we ship fit one device; pick fsdp2 explicitly for large ones)."""
+    return "ddp" if strategy == "auto" else strategy
+
+
+def parallelize(
+    model: nn.Module, *, strategy: str, world_size: int, device: torch.device, precision: str,
+    comm_hook: str = "none", shard_size: int | None = None, reshard_after_forward: bool = True, prefetch: int = 1,
+) -> Parallelized:
+    """Wrap ``model`` (already on ``device``, frozen params already ``requires_grad=False``)."""
+    strategy = resolve_strategy(strategy, world_size)
+    if strategy in ("ddp", "zero1"):
+        if world_size == 1:
+            return Parallelized(model, model, strategy)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type != "cpu" else None, broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        )
+        if comm_hook == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return Parallelized(ddp, model, strategy)
+    return _fully_shard(model, strategy=strategy, world_size=world_size, device=device, precision=precision,
+                        shard_size=shard_size, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+
+
+def _fully_shard(model, *, strategy, world_size, device, precision, shard_size, reshard_after_forward, prefetch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if strategy == "hsdp":
+        shard = shard_size or world_size
+        mesh = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    # NOTE: params are gathered in bf16 but gradients are reduced in fp32 (master weights stay fp32).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    units = [u for u in model.wrap_units() if any(p.requires_grad for p in u.parameters())]
+    for u in units:
+        fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in u.parameters() if p in frozen} or None)
+    # NOTE: the root unit takes the remaining (non-block) trainable params; frozen ones are ignored, i.e. kept
+    # whole on every rank and never all-gathered or reduced.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=frozen or None)
+    if prefetch:
+        for i, u in enumerate(units):
+            if i + 1 < len(units):
+                u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+            if i > 0:
+                u.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
+    return Parallelized(model, model, strategy, mesh=mesh, units=units)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global grad-norm clipping over plain or DTensor (sharded) gradients; returns the pre-clip norm as a
+    tensor (no host sync: read it only when logging)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # NOTE: scale the local shards: DTensor x plain-tensor arithmetic is not allowed.
+        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
+    return norm
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value

@@ -1,0 +1,48 @@
+"""Batch preparation for the tiny VLA: normalise state/actions, tokenise the task and the state (pi05-style)."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge_embodied.policies.tiny_vla.config import BYTE_VOCAB, TEXT_OFFSET, TinyVLAArch
+
+STATE_RANGE = 3.0  # normalised state is clipped to ±3 std before binning
+
+
+def encode_tasks(tasks: list[str], *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """UTF-8 bytes → token ids (pad 0), truncated to ``max_tokens``; returns (ids, mask)."""
+    ids = torch.zeros(len(tasks), max_tokens, dtype=torch.long)
+    for i, text in enumerate(tasks):
+        raw = list(text.encode("utf-8"))[:max_tokens]
+        ids[i, : len(raw)] = torch.tensor(raw, dtype=torch.long) + TEXT_OFFSET
+    return ids, ids != 0
+
+
+def state_tokens(state: torch.Tensor, *, bins: int) -> torch.Tensor:
+    """Discretise a normalised state into ``bins`` ids placed after the byte vocabulary."""
+    x = (state.clamp(-STATE_RANGE, STATE_RANGE) + STATE_RANGE) / (2 * STATE_RANGE)
+    return (x * (bins - 1)).round().long() + TEXT_OFFSET + BYTE_VOCAB
+
+
+def prepare_batch(raw: dict, *, arch: TinyVLAArch, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Raw LeRobot-style batch (``observation.*``, ``action``, ``task``) → the model's normalised inputs."""
+    state = (raw["state"].float() - stats["state_mean"]) / stats["state_std"]
+    text, text_mask = encode_tasks(raw["task"], max_tokens=arch.max_text_tokens)
+    st = state_tokens(state, bins=arch.state_bins)
+    images = raw["images"]
+    if images.shape[-1] != arch.image_size or images.shape[-2] != arch.image_size:
+        flat = torch.nn.functional.interpolate(images.flatten(0, 1).float(), size=(arch.image_size,) * 2,
+                                               mode="bilinear", align_corners=False)
+        images = flat.reshape(*images.shape[:2], *flat.shape[1:])
+    out = {
+        "images": images,
+        "lang_tokens": torch.cat([text, st], dim=1),
+        "lang_mask": torch.cat([text_mask, torch.ones_like(st, dtype=torch.bool)], dim=1),
+    }
+    if "actions" in raw:
+        out["actions"] = (raw["actions"].float() - stats["action_mean"]) / stats["action_std"]
+        out["action_pad"] = raw["action_pad"]
+    for key in ("noise", "time"):
+        if key in raw:
+            out[key] = raw[key]
+    return out

@@ -1,0 +1,68 @@
+"""Pure-logic checks: the sampler's step → samples mapping, the LR schedule, recipe rejections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loongforge.errors import LoongForgeError, RecipeError
+from loongforge.recipe import load_recipe
+from loongforge_embodied.backend import EmbodiedBackend
+from loongforge_embodied.data.sampler import GlobalBatchSampler
+from loongforge_embodied.optim import lr_at
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "embodied" / "tiny_vla_synthetic.yaml"
+
+
+def _flat(sampler: GlobalBatchSampler, step: int) -> list[tuple[int, int]]:
+    return [x for mb in sampler.step_microbatches(step) for x in mb]
+
+
+def test_sampler_split_does_not_change_the_step():
+    kw = dict(num_samples=10, global_batch=8, seed=3)
+    one = GlobalBatchSampler(micro_batch=2, dp_rank=0, dp_size=1, **kw)
+    two = [GlobalBatchSampler(micro_batch=2, dp_rank=r, dp_size=2, **kw) for r in range(2)]
+    for step in range(4):  # crosses epoch boundaries (10 samples, 8 per step)
+        assert _flat(one, step) == _flat(two[0], step) + _flat(two[1], step)
+    epoch0 = sorted(one.index(p) for p in range(10))
+    assert epoch0 == list(range(10))
+
+
+def test_sampler_resumes_at_step():
+    kw = dict(num_samples=7, global_batch=4, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
+    it = iter(GlobalBatchSampler(**kw))
+    stream = [next(it) for _ in range(10)]
+    resumed = iter(GlobalBatchSampler(start_step=3, **kw))
+    assert [next(resumed) for _ in range(4)] == stream[6:10]
+
+
+def test_lr_schedule():
+    t = load_recipe(RECIPE, ["train.lr=1.0", "train.min_lr=0.1", "train.warmup_steps=2", "train.steps=12"]).train
+    assert lr_at(0, t) == pytest.approx(0.5) and lr_at(1, t) == pytest.approx(1.0)
+    assert lr_at(2, t) == pytest.approx(1.0) and lr_at(12, t) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("parallel.tp=2", "parallel.tp"),
+    ("train.precision=fp16", "train.precision"),
+    ("parallel.shard_size=1", "parallel.shard_size"),
+    ("train.stage=lora", "train.stage"),
+    ("parallel.recompute=selective", "parallel.recompute"),
+])
+def test_recipe_rejections_name_the_key(override, key):
+    with pytest.raises(RecipeError) as err:
+        EmbodiedBackend().validate(load_recipe(RECIPE, [override]), world_size=2)
+    assert err.value.key == key
+
+
+def test_hsdp_needs_shard_size_and_divisibility():
+    with pytest.raises(RecipeError, match="shard_size"):
+        EmbodiedBackend().validate(load_recipe(RECIPE, ["parallel.strategy=hsdp"]), world_size=2)
+    with pytest.raises(LoongForgeError, match="shard_size"):
+        EmbodiedBackend().validate(load_recipe(RECIPE, ["parallel.strategy=hsdp", "parallel.shard_size=3"]),
+                                   world_size=2)
+
+
+def test_unknown_arch_field_is_a_recipe_error():
+    with pytest.raises(LoongForgeError, match="unknown architecture fields"):
+        load_recipe(RECIPE, ["model.arch={lm_hiden: 32}"])

@@ -1,0 +1,167 @@
+"""Helpers for multi-process kernel tests: a free port, spawn with a deadlock watchdog, and the workers.
+
+NOTE: workers live here, not in tests/, because ``torch.multiprocessing.spawn`` pickles them by module name
+and a spawned child can import this package but not pytest's test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_with_watchdog(
+    fn: Callable[..., None], *, nprocs: int, args: tuple = (), timeout_s: float = 120.0
+) -> None:
+    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` gloo processes; kill them all after ``timeout_s``."""
+    ctx = mp.spawn(_init_and_run, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: workers deadlocked ({timeout_s:.0f} s)")
+
+
+def _init_and_run(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def flce_vocab_parallel_worker(rank: int, world: int, configs: list[tuple[str, str]]) -> None:
+    """Vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in ``configs``."""
+    for impl, reduction in configs:
+        _flce_vocab_parallel_check(rank, world, impl, reduction)
+
+
+def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str) -> None:
+    from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
+    from loongforge_kernels.references import linear_cross_entropy_ref
+
+    gen = torch.Generator().manual_seed(3)
+    n, hidden, vocab = 19, 24, 2 * 301
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[::5] = -100
+    h_t, w_t = h.clone().requires_grad_(True), w.chunk(world)[rank].clone().requires_grad_(True)
+    h_r, w_r = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss_t = fused_linear_cross_entropy(
+        h_t, w_t, labels, reduction=reduction, process_group=dist.group.WORLD, chunk_size=8, impl=impl
+    )
+    loss_r = linear_cross_entropy_ref(h_r, w_r, labels, reduction=reduction)
+    g = torch.randn(loss_r.shape, generator=torch.Generator().manual_seed(1))
+    loss_t.backward(g)
+    loss_r.backward(g)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        loss_t, loss_r, **tol, msg=lambda m: f"{impl}/{reduction} loss, rank {rank}: {m}"
+    )
+    torch.testing.assert_close(
+        h_t.grad, h_r.grad, **tol, msg=lambda m: f"{impl}/{reduction} hidden grad, rank {rank}: {m}"
+    )
+    torch.testing.assert_close(
+        w_t.grad,
+        w_r.grad.chunk(world)[rank],
+        **tol,
+        msg=lambda m: f"{impl}/{reduction} weight grad, rank {rank}: {m}",
+    )
+
+
+# Pointer dtypes and constexprs per kernel, at the shapes the benchmarks use (bf16 activations).
+_COMPILE_SPECS = {
+    "rms_norm._rms_norm_fwd_kernel": ({"W": "*fp32", "RSTD": "*fp32"}, {"BLOCK": 4096}, 8),
+    "rms_norm._rms_norm_bwd_kernel": (
+        {"W": "*fp32", "RSTD": "*fp32", "DW_PART": "*fp32"},
+        {"BLOCK": 4096},
+        8,
+    ),
+    "swiglu._swiglu_fwd_kernel": ({}, {"BLOCK": 1024}, 4),
+    "swiglu._swiglu_bwd_kernel": ({}, {"BLOCK": 1024}, 4),
+    "cross_entropy._ce_stats_kernel": (
+        {"LABELS": "*i64", "MAX": "*fp32", "SUMEXP": "*fp32", "TGT": "*fp32"},
+        {"BLOCK": 32768},
+        32,
+    ),
+    "cross_entropy._ce_grad_kernel": (
+        {"LABELS": "*i64", "LSE": "*fp32", "SCALE": "*fp32"},
+        {"BLOCK": 32768},
+        32,
+    ),
+    "moe_permute._permute_kernel": ({"ROW_ID": "*i32"}, {"TOPK": 8, "BLOCK": 4096}, 8),
+    "moe_permute._gather_sum_kernel": (
+        {"ROW_ID": "*i32", "PROBS": "*fp32"},
+        {"HAS_PROBS": True, "TOPK": 8, "BLOCK": 4096},
+        8,
+    ),
+    "moe_permute._unpermute_bwd_kernel": (
+        {"ROW_ID": "*i32", "PROBS": "*fp32", "DPROBS_PART": "*fp32"},
+        {"HAS_PROBS": True, "TOPK": 8, "BLOCK": 4096},
+        8,
+    ),
+}
+_ROPE = {"FREQS": "*fp32", "CU": "*i32"}
+for _mode in (0, 1, 2):
+    for _bwd in (False, True):
+        _COMPILE_SPECS[f"rope._rope_kernel#{_mode}{_bwd}"] = (
+            _ROPE,
+            {
+                "POS_MODE": _mode,
+                "BACKWARD": _bwd,
+                "BLOCK_H": 32,
+                "BLOCK_HALF": 64,
+                "BLOCK_PASS": 32,
+                "BLOCK_SEQ": 4,
+            },
+            8,
+        )
+
+
+def compile_all_kernels(arch: int = 90) -> list[str]:
+    """Compile every Triton kernel for CUDA ``sm_<arch>`` without a GPU (Triton bundles ptxas).
+
+    The interpreter runs kernels as numpy and accepts code the compiler rejects; this catches that in CI.
+    Must run in a process where triton was imported without ``TRITON_INTERPRET``.
+    """
+    import importlib
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    done = []
+    for key, (ptrs, consts, warps) in _COMPILE_SPECS.items():
+        module_name, kernel_name = key.partition("#")[0].split(".")
+        kernel = getattr(importlib.import_module(f"loongforge_kernels.{module_name}"), kernel_name)
+        params = list(inspect.signature(kernel.fn).parameters)
+        sig = {}
+        for p in params:
+            if p in consts:
+                sig[p] = "constexpr"
+            elif p.isupper():
+                sig[p] = ptrs.get(p, "*bf16")
+            else:
+                sig[p] = "fp32" if p in ("eps", "w_offset") else "i32"
+        src = ASTSource(
+            fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}
+        )
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        done.append(key)
+    return done

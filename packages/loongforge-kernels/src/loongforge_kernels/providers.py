@@ -1,0 +1,53 @@
+"""Kernel providers registered under the ``loongforge.kernels`` entry-point group.
+
+``select_op`` in loongforge core asks them what they can run; each op is pinned to its implementation,
+so an explicitly selected provider never silently becomes another (``LOONGFORGE_KERNELS`` is not consulted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any, ClassVar
+
+from loongforge_kernels import _dispatch
+
+OPS = ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "moe_permute", "moe_unpermute")
+
+
+def _ops(impl: str) -> dict[str, Callable[..., Any]]:
+    from loongforge_kernels import (
+        apply_rope,
+        fused_linear_cross_entropy,
+        moe_permute,
+        moe_unpermute,
+        rms_norm,
+        swiglu,
+    )
+
+    fns = (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy, moe_permute, moe_unpermute)
+    return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
+
+
+class TorchProvider:
+    """The plain-torch references: run anywhere torch runs."""
+
+    name: ClassVar[str] = "torch"
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        return None
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        return _ops("torch")
+
+
+class TritonProvider:
+    """The Triton kernels: CUDA tensors, or CPU tensors under Triton's interpreter."""
+
+    name: ClassVar[str] = "triton"
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        return _dispatch.triton_unavailable_reason(device_type)
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        return _ops("triton")

@@ -1,0 +1,61 @@
+"""Fused output layer + cross-entropy for GPTModel (``output_processor`` hook): the loss is computed chunk by
+chunk from the final hidden states, never materialising the [tokens, vocab] logits (vocab-parallel under TP)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from loongforge_megatron.spec.modules import kernel
+
+
+def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
+                           labels: torch.Tensor | None, compute_language_model_loss: Any, provider: str = "auto",
+                           accelerator: Any = None, **_: Any) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` like ``GPTModel.compute_language_model_loss`` (or logits when no labels)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel as tp
+
+    if labels is None:  # inference / eval without labels: the normal path
+        logits, _ = output_layer(hidden_states, weight=output_weight)
+        return logits.transpose(0, 1).contiguous()
+    weight = output_weight if output_weight is not None else output_layer.weight
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    if getattr(output_layer, "sequence_parallel", False):
+        hidden = tp.gather_from_sequence_parallel_region(hidden_states)
+    elif tp_size > 1:
+        hidden = tp.copy_to_tensor_model_parallel_region(hidden_states)
+    else:
+        hidden = hidden_states
+    s, b, h = hidden.shape
+    flat = hidden.transpose(0, 1).reshape(b * s, h)
+    try:
+        fn = kernel("fused_linear_cross_entropy", provider=provider, device_type=flat.device.type, accelerator=accelerator)
+    except KeyError:  # no kernel package installed: megatron's own output layer + vocab-parallel cross-entropy
+        logits, _ = output_layer(hidden_states, weight=output_weight)
+        return compute_language_model_loss(labels, logits)
+    group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
+    # NOTE: megatron's copy/gather region all-reduces the hidden gradient across TP itself.
+    loss = fn(flat, weight, labels.reshape(-1), reduction="none", process_group=group, reduce_grad_input=False)
+    return loss.view(b, s).float()
+
+
+def forward_step_with_fused_loss(*, provider: str = "auto", accelerator: Any = None):
+    """A megatron ``forward_step_func`` that passes the fused output processor to GPTModel."""
+    from loongforge_megatron.engine.batch import cp_slice
+    from loongforge_megatron.engine.step import _cp_size, _to_device, loss_func
+
+    processor = functools.partial(fused_output_processor, provider=provider, accelerator=accelerator)
+
+    def forward_step(data_iterator, model):
+        device = next(model.parameters()).device
+        batch = _to_device(next(data_iterator), device)
+        if _cp_size() > 1:
+            batch = cp_slice(batch)
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                       output_processor=processor)
+        return output, functools.partial(loss_func, batch["loss_mask"])
+
+    return forward_step
