@@ -1,5 +1,9 @@
 """Acceptance: every parallel layout of the megatron backend (2 gloo processes, tiny models, fp32, the loongforge
-spec: SDPA attention + fused kernels + fused linear cross-entropy) gives the single-process losses over 5 steps."""
+spec: SDPA attention + fused kernels + fused linear cross-entropy) gives the single-process losses over 5 steps.
+
+All runs start from the same weights — a tiny model saved by transformers, loaded online into each layout's
+shards — because random initialisation itself depends on the layout (megatron seeds each pipeline stage and
+expert-parallel rank separately)."""
 
 from __future__ import annotations
 
@@ -15,18 +19,36 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "llm" / "tiny"
 REL_TOL = 1e-5  # relative, per step; reduction order differs between layouts
 
 LAYOUTS = {
-    "tp2_sp": ("llama_tiny.yaml", ["parallel.tp=2", "parallel.sp=true"]),
-    "pp2_vpp2": ("llama_tiny.yaml", ["parallel.pp=2", "parallel.vpp=2"]),
-    "dp2_distopt": ("llama_tiny.yaml", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
-    "cp2": ("llama_tiny.yaml", ["parallel.cp=2"]),
-    "ep2_moe": ("qwen3_moe_tiny.yaml", ["parallel.ep=2"]),
+    "tp2_sp": ("llama", ["parallel.tp=2", "parallel.sp=true"]),
+    "pp2_vpp2": ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
+    "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
+    "cp2": ("llama", ["parallel.cp=2"]),
+    "ep2_moe": ("qwen3_moe", ["parallel.ep=2"]),
 }
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def train(recipe: str, overrides: list[str], out: Path, nproc: int) -> list[dict]:
+def save_hf(family: str, out: Path) -> Path:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY))
+    else:
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32, norm_topk_prob=True))
+    model.save_pretrained(out)
+    return out
+
+
+def train(family: str, overrides: list[str], out: Path, nproc: int, hf_dir: Path) -> list[dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    recipe = "qwen3_moe_tiny.yaml" if family == "qwen3_moe" else "llama_tiny.yaml"
     cmd = [sys.executable, "-m", "loongforge", "train", str(RECIPES / recipe), "--output", str(out), "--nproc", str(nproc),
-           "accelerator=cpu", "kernels.spec=loongforge", *overrides]
+           "accelerator=cpu", "kernels.spec=loongforge", f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}",
+           "train.stage=cpt", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -34,21 +56,22 @@ def train(recipe: str, overrides: list[str], out: Path, nproc: int) -> list[dict
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache: dict[str, list[dict]] = {}
+    cache: dict[str, tuple[Path, list[dict]]] = {}
 
-    def get(recipe: str) -> list[dict]:
-        if recipe not in cache:
-            cache[recipe] = train(recipe, [], tmp_path_factory.mktemp("ref"), 1)
-        return cache[recipe]
+    def get(family: str) -> tuple[Path, list[dict]]:
+        if family not in cache:
+            hf_dir = save_hf(family, tmp_path_factory.mktemp(f"hf-{family}"))
+            cache[family] = hf_dir, train(family, [], tmp_path_factory.mktemp("ref"), 1, hf_dir)
+        return cache[family]
 
     return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, references, tmp_path):
-    recipe, overrides = LAYOUTS[layout]
-    ref = references(recipe)
-    got = train(recipe, overrides, tmp_path / layout, 2)
+    family, overrides = LAYOUTS[layout]
+    hf_dir, ref = references(family)
+    got = train(family, overrides, tmp_path / layout, 2, hf_dir)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
     for a, b in zip(got, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=REL_TOL), (layout, a["step"], a["loss"], b["loss"])

@@ -65,6 +65,8 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     ranks walk the same order (``hf_params`` x ``shard_sources``), which pairs every send with its receive.
     Each ``(tp, pp, ep, vpp)`` shard comes from the lowest global rank holding it (a data-parallel replica
     holds the same values).
+
+    NOTE: if rank 0 fails mid-export the other ranks wait in ``send`` until the process-group timeout.
     """
     import json
 

@@ -121,3 +121,26 @@ def test_export_tp2_pp2_equals_trained_weights(tmp_path, tiny_hf, recipe, ranks)
     for layer, pp in ((0, 0), (1, 1)):  # one layer per stage; local index 0 on both
         down = torch.cat([shards[(tp, pp, 0, 0)]["decoder.layers.0.mlp.linear_fc2.weight"] for tp in range(2)], dim=1)
         assert torch.equal(hf_sd[f"model.layers.{layer}.mlp.down_proj.weight"], down)
+
+
+def test_export_ep2_moe_takes_experts_from_every_expert_rank(tmp_path, tiny_hf, recipe, ranks):
+    """EP=2 (dp=2): ep rank 1 lives on dp rank 1, so export must not read only data-parallel rank 0."""
+    import transformers as tf
+    from loongforge_megatron.conversion import shard_state_dict_for_rank
+    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY
+
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"ep": 2}, resume="never", save_at_end=False)
+    export = tmp_path / "export"
+    results = ranks(_train_export, world=2, out=tmp_path / "ranks", recipe_path=str(path), run_dir=tmp_path / "run",
+                    export_dir=export)
+    shards = {k: v for res in results for k, v in res["shards"].items()}
+    assert sorted(shards) == [(0, 0, 0, 0), (0, 0, 1, 0)]
+    _, info = tf.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    for (_tp, _pp, ep, _vpp), sd in shards.items():
+        again = shard_state_dict_for_rank(export, tp_rank=0, tp_size=1, ep_rank=ep, ep_size=2,
+                                          make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY)
+        assert sorted(again) == sorted(sd)
+        for name, t in sd.items():
+            assert torch.equal(again[name], t), (ep, name)
