@@ -191,6 +191,13 @@ _PATCHES: tuple[_Patch, ...] = (
         "tied input/output embeddings are synchronised across pipeline stages without .cuda()",
     ),
     _Patch(
+        "cp-rotary-slice",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
+        lambda original: _pos_emb_on_this_cp_rank,
+        ("pin_memory=True", ").cuda(non_blocking=True)"),
+        "context parallelism picks this rank's rotary positions with an index tensor built without .cuda()",
+    ),
+    _Patch(
         "moe-split-sizes",
         "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
         _host_copy_on_cpu,
@@ -227,6 +234,18 @@ _PATCHES: tuple[_Patch, ...] = (
         classmethod_=True,
     ),
 )
+
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron's ``get_pos_emb_on_this_cp_rank`` without pinned memory and ``.cuda()``: the rotary positions of
+    chunks r and 2·cp−1−r of the load-balanced context-parallel layout."""
+    import torch
+
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1) :])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
+
 
 TARGETS: dict[str, str] = {p.name: p.target for p in _PATCHES} | {
     f"cuda-devices:{m.rsplit('.', 1)[-1]}": f"{m}.torch" for m in CUDA_LITERAL_MODULES
