@@ -41,6 +41,20 @@ def test_example_plugin_installs_alone_and_trains(tmp_path):
     assert "mydevice     loongforge-mydevice" in listing and "[available]" in listing
     assert "toy" in listing and "kunlun" not in listing and "megatron" not in listing
 
+    # a core-only install pulls no backend dependency, and a recipe naming a missing backend says what to install
+    installed = {ln.split("==")[0].lower() for ln in run([uv, "pip", "freeze", "--python", py]).stdout.splitlines()}
+    assert not installed & {"megatron-core", "lerobot", "diffusers"}, installed
+    recipe = tmp_path / "megatron.yaml"
+    recipe.write_text("backend: megatron\nmodel: {preset: llama-tiny}\n")
+    needs = run([cli, "validate", recipe])
+    assert needs.returncode == 2 and needs.stderr.count("\n") == 1, needs.stderr
+    assert "pip install loongforge-megatron" in needs.stderr and "Traceback" not in needs.stderr
+    # the embodied backend resolves without megatron-core
+    dry = run([uv, "pip", "install", "--dry-run", "--python", py, "-c", tmp_path / "pins.txt",
+               REPO / "packages" / "loongforge-embodied"])
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "lerobot" in dry.stderr + dry.stdout and "megatron-core" not in dry.stderr + dry.stdout
+
     out = tmp_path / "run"
     proc = run([cli, "train", EXAMPLE / "recipe.yaml", "--nproc", "2", "--output", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
