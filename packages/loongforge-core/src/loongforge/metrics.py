@@ -86,6 +86,8 @@ class MetricsLogger:
         parts = [f"step {step}/{total}" if total else f"step {step}"]
         if "loss" in m:
             parts.append(f"loss {m['loss']:.4f}")
+        if "val_loss" in m:
+            parts.append(f"val {m['val_loss']:.4f}")
         if "lr" in m:
             parts.append(f"lr {m['lr']:.2e}")
         if "grad_norm" in m and isinstance(m["grad_norm"], float) and math.isfinite(m["grad_norm"]):

@@ -98,10 +98,14 @@ class MegatronJob(Job):
             wsd_decay_steps=t.wsd_decay_steps,
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
-        dataset = build_dataset(recipe, tokenizer=self.tokenizer, vocab_size=arch.vocab_size,
-                                num_samples=t.steps * t.global_batch_size)
-        self.schedule = BatchSchedule(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                                      dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        num_valid = (t.steps // t.eval_interval + 1) * t.eval_steps * t.global_batch_size if t.eval_interval else None
+        dataset, valid = build_dataset(recipe, tokenizer=self.tokenizer, vocab_size=arch.vocab_size,
+                                       num_samples=t.steps * t.global_batch_size, num_valid=num_valid)
+        dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        self.schedule = BatchSchedule(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, **dp)
+        self.valid_schedule = (BatchSchedule(valid, global_batch_size=t.global_batch_size,
+                                             micro_batch_size=t.micro_batch_size, **dp) if valid is not None else None)
+
         self.forward_step_fn = None
         if self.spec_name == "loongforge":
             from loongforge_megatron.spec.output import forward_step_with_fused_loss
@@ -223,6 +227,9 @@ class MegatronJob(Job):
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
+        every = self.recipe.train.eval_interval
+        if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
+            metrics["val_loss"] = self.evaluate()
         if self.peak_flops:
             metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.plan.world_size)
         mem = self.acc.memory_stats().get("peak_allocated")
@@ -231,6 +238,19 @@ class MegatronJob(Job):
         if self.log:
             self.log.log(self.step_index, metrics)
         return metrics
+
+    def evaluate(self) -> float:
+        """Validation loss over ``train.eval_steps`` global batches of the validation split (forward only)."""
+        from loongforge_megatron import engine
+
+        t = self.recipe.train
+        index = self.step_index // (t.eval_interval or 1)  # a function of the step, so resume sees the same batches
+        batches = []
+        for k in range(t.eval_steps):
+            batches += self.valid_schedule.microbatches(index * t.eval_steps + k, device=self.device)
+        return engine.evaluate(model_chunks=self.model, data_iterator=iter(batches), num_microbatches=len(batches),
+                               seq_length=self.recipe.data.seq_length, micro_batch_size=t.micro_batch_size,
+                               forward_step_fn=self.forward_step_fn)
 
     def run(self) -> dict[str, Any]:
         c = self.recipe.checkpoint

@@ -99,8 +99,9 @@ class PackedSFTDataset:
         }
 
 
-def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int):
-    """megatron-core ``GPTDataset`` over the recipe's blend (default ``data.path/train``)."""
+def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: int | None = None):
+    """megatron-core ``GPTDataset`` splits (train, valid) over the recipe's blend (default ``data.path/train``);
+    valid is None unless ``num_valid`` is given."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -133,21 +134,27 @@ def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int):
     def on_rank() -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0 or True
 
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], on_rank, config).build()
-    return train
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, num_valid, None], on_rank, config).build()
+    if num_valid and valid is None:
+        raise RecipeError(f"data.split '{data.split}' leaves no validation documents but train.eval_interval is set",
+                          key="data.split")
+    return train, valid
 
 
-def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int):
+def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int, num_valid: int | None = None):
+    """(train, valid) datasets of the recipe; valid is None without ``num_valid``."""
     data = recipe.data
     if data.format == "synthetic":
-        return SyntheticDataset(vocab_size=vocab_size, seq_length=data.seq_length, seed=recipe.train.seed)
+        train = SyntheticDataset(vocab_size=vocab_size, seq_length=data.seq_length, seed=recipe.train.seed)
+        valid = SyntheticDataset(vocab_size=vocab_size, seq_length=data.seq_length, seed=recipe.train.seed + 1)
+        return train, (valid if num_valid else None)
     if data.format == "sft":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack)
         print(f"[data] SFT: {len(ds.tokens)} samples in {len(ds)} rows of {data.seq_length} tokens, "
               f"packing efficiency {100 * ds.efficiency:.1f}%", file=sys.stderr)
-        return ds
-    return build_pretrain_dataset(recipe, tokenizer=tokenizer, num_samples=num_samples)
+        return ds, None
+    return build_pretrain_dataset(recipe, tokenizer=tokenizer, num_samples=num_samples, num_valid=num_valid)
 
 
 class BatchSchedule:
