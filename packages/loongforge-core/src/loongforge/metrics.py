@@ -70,7 +70,7 @@ class MetricsLogger:
         if self._start is None:
             self._start, self._start_step = now, step - 1
         record = {"step": step, **{k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}}
-        if not self.should_log(step):
+        if not self.should_log(step) and "val_loss" not in record:  # evaluations are always recorded
             return
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
