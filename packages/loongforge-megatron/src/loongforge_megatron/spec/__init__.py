@@ -1,6 +1,6 @@
-"""The ``loongforge`` layer spec: megatron-core's local layer with SDPA flash attention and fused kernels —
-a fast path that needs no TransformerEngine. Parameter names are identical to the local spec, so checkpoints
-and the HF name maps are shared."""
+"""The ``loongforge`` layer spec: megatron-core's local layer with SDPA flash attention and fused kernels
+(RMSNorm, SwiGLU, RoPE) — a fast path that needs no TransformerEngine. Parameter names are identical to the
+local spec, so checkpoints and the HF name maps are shared."""
 
 from __future__ import annotations
 
@@ -61,10 +61,13 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
                           multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None):
-    """megatron's local GPT layer spec with SDPA core attention, kernel RMSNorm and kernel SwiGLU."""
+    """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm and
+    kernel SwiGLU."""
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from loongforge_megatron.engine.layer_spec import local_layer_spec
+    from loongforge_megatron.spec.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                             multi_latent_attention=multi_latent_attention)
@@ -75,6 +78,9 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     attn = sub.self_attention
     attn_sub = _replace_norms(attn.submodules, norm)
     attn_sub = dataclasses.replace(attn_sub, core_attention=SDPAttention)
-    sub = dataclasses.replace(sub, self_attention=dataclasses.replace(attn, submodules=attn_sub),
+    attn = dataclasses.replace(attn, submodules=attn_sub)
+    if attn.module is SelfAttention:  # MLA keeps megatron's MLASelfAttention and its rope
+        attn = dataclasses.replace(attn, module=KernelRoPESelfAttention, params={**attn.params, **params})
+    sub = dataclasses.replace(sub, self_attention=attn,
                               mlp=_with_activation(sub.mlp, act))
     return dataclasses.replace(spec, submodules=sub)
