@@ -75,7 +75,9 @@ def test_validate_show_prints_defaults(tmp_path, toy_backend, capsys):
 def test_errors_are_one_line_exit_2(tmp_path, toy_backend, capsys, text, override, expect, monkeypatch):
     from loongforge import registry
 
-    registry.backends._scan().pop("megatron", None)  # simulate a core-only install for the hint
+    # simulate a core-only install for the install hints
+    monkeypatch.delitem(registry.backends._scan(), "megatron", raising=False)
+    monkeypatch.delitem(registry.accelerators._scan(), "kunlun", raising=False)
     p = write(tmp_path, "bad.yaml", text)
     args = ["validate", p] + ([override] if override else []) + ["--world-size", "2"]
     code, out, err = run_cli(args, capsys)
@@ -83,7 +85,6 @@ def test_errors_are_one_line_exit_2(tmp_path, toy_backend, capsys, text, overrid
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert expect in err, err
     assert "Traceback" not in err
-    registry.backends.reset()
 
 
 def test_extends_cycle(tmp_path, toy_backend):

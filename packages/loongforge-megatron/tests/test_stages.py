@@ -143,3 +143,52 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
         assert torch.equal(exported["model.embed_tokens.weight"], base_hf["model.embed_tokens.weight"])
     finally:
         job.close()
+
+
+def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
+    from loongforge_megatron.hf_io import export_hf, export_peft
+    from safetensors.torch import load_file
+
+    hf_dir = tiny_hf("llama", tmp_path / "hf")
+    recipe = loongforge.load_recipe(write_recipe(tmp_path, {
+        "model": {"hf": str(hf_dir), "preset": None},
+        "data": {"format": "synthetic", "seq_length": 32},
+        "train": {"stage": "lora", "steps": 2, "global_batch_size": 2, "lr": 5e-2,
+                  "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
+        "checkpoint": {"load": str(hf_dir), "save_format": ["dist", "hf", "peft"]},
+    }))
+    job, _ = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    try:
+        for _ in range(2):
+            job.step()
+        export_hf(job, tmp_path / "merged")
+        export_peft(job, tmp_path / "peft")
+    finally:
+        job.close()
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    base = load_file(hf_dir / "model.safetensors")
+    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    adapted = set()
+    for name in sorted(merged):
+        prefix = "base_model.model." + name[: -len("weight")]
+        if prefix + "lora_A.weight" not in adapters:
+            assert torch.equal(merged[name], base[name]), name
+            continue
+        a, b = adapters[prefix + "lora_A.weight"], adapters[prefix + "lora_B.weight"]
+        want = base[name] + (8 / 4) * b @ a
+        assert torch.allclose(merged[name], want, rtol=0, atol=1e-5), name
+        adapted.add(name.split(".")[-2])
+    assert adapted == set(config["target_modules"])
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), tmp_path / "peft").merge_and_unload()
+    for name, t in model.state_dict().items():
+        if name in merged:
+            assert torch.allclose(t, merged[name], rtol=0, atol=1e-5), name

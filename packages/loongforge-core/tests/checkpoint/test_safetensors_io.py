@@ -90,3 +90,25 @@ def test_reader_plain_files_and_errors(tmp_path):
         r.get("z")
     with pytest.raises(CheckpointError, match="no such"):
         SafetensorsReader(tmp_path / "nope")
+
+
+def test_rows_stream_in_and_out_in_any_order(tmp_path):
+    ts = _tensors()
+    f = StreamingSafetensorsFile(tmp_path / "x.safetensors", _specs(ts))
+    f.write_rows("a", 40, ts["a"][40:])
+    with pytest.raises(CheckpointError, match="never written"):  # 'a' is only partly written
+        StreamingSafetensorsFile.close(f)
+    f = StreamingSafetensorsFile(tmp_path / "x.safetensors", _specs(ts))
+    f.write_rows("a", 40, ts["a"][40:])
+    f.write_rows("a", 0, ts["a"][:40])
+    with pytest.raises(CheckpointError, match="at row 60"):
+        f.write_rows("a", 60, ts["a"][:10])
+    for k in ("b", "c", "d", "s"):
+        f.write(k, ts[k])
+    f.close()
+    with SafetensorsReader(tmp_path / "x.safetensors") as r:
+        assert all(torch.equal(r.get(k), ts[k]) for k in ts)
+        out = torch.empty(5, 64, dtype=torch.float16)
+        assert torch.equal(r.read_rows("d", 7, out), ts["d"][7:12])
+        with pytest.raises(CheckpointError, match="out of range"):
+            r.read_rows("d", 30, out)

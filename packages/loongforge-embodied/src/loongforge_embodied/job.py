@@ -23,11 +23,13 @@ class EmbodiedJob(Job):
         self.recipe, self.runtime = recipe, runtime
         self._owns_pg = not dist.is_initialized()
         runtime.init_distributed()
+        self._ready = False
         try:
             self._build()
         except BaseException:
             self.close()
             raise
+        self._ready = True
 
     def _build(self) -> None:
         from loongforge_embodied import checkpoint
@@ -183,4 +185,10 @@ class EmbodiedJob(Job):
 
     def close(self) -> None:
         if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+            # NOTE: tear down only when every rank is done; a rank destroying its gloo group while a peer still
+            # talks to it aborts the peer at exit ("terminate called without an active exception").
+            try:
+                if self._ready:
+                    dist.barrier()
+            finally:
+                dist.destroy_process_group()

@@ -125,6 +125,10 @@ class Checkpointer:
             from loongforge_megatron.hf_io import export_hf
 
             export_hf(job, job.runtime.hf_dir if final else self.root / f"hf_step_{step:08d}")
+        if "peft" in c.save_format and (final or c.save_interval):
+            from loongforge_megatron.hf_io import export_peft
+
+            export_peft(job, job.runtime.output_dir / "peft" if final else self.root / f"peft_step_{step:08d}")
         return path
 
     def _save_dist(self, step: int) -> Path:

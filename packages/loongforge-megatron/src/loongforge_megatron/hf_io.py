@@ -6,6 +6,9 @@ training share one definition of every layout.
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,29 +60,18 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
-    """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer.
+def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
+    """What every rank holds under ``state(module)`` and who sends it: (layout, hf config, mine, owner, specs).
 
-    Streams: rank 0 walks the HF tensors in order and every other rank sends each shard it owns point-to-point
-    the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All
-    ranks walk the same order (``hf_params`` x ``shard_sources``), which pairs every send with its receive.
     Each ``(tp, pp, ep, vpp)`` shard comes from the lowest global rank holding it (a data-parallel replica
     holds the same values).
-
-    NOTE: if rank 0 fails mid-export the other ranks wait in ``send`` until the process-group timeout.
     """
-    import json
-
-    from loongforge_megatron.conversion.convert import copy_assets
-    from loongforge_megatron.conversion.engine import MegatronSource, hf_params, key_of, to_hf_dir
     from loongforge_megatron.conversion.families import get_family
     from loongforge_megatron.conversion.layout import MegatronLayout
-    from loongforge_megatron.data.prepare import tokenizer_dir
     from loongforge_megatron.job import VOCAB_DIVISIBLE_BY, unwrapped
-    from loongforge_megatron.lora import merged_state_dict
     from loongforge_megatron.models.translate import hf_config
 
-    plan, me = job.plan, dist.get_rank()
+    plan = job.plan
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[job.config.params_dtype]
     config = hf_config(job.arch, torch_dtype=dtype)
     layout = MegatronLayout(get_family(job.arch.family, hf_config=config).name, config, tp=plan.tp, pp=plan.pp,
@@ -87,9 +79,8 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     r = _ranks()
     mine = {}
     for vpp_rank, module in enumerate(unwrapped(job)):
-        sd = merged_state_dict(module)
         mine[(r["tp_rank"], r["pp_rank"], r["ep_rank"], vpp_rank)] = {
-            k: v.detach() for k, v in sd.items() if not k.endswith("_extra_state")}
+            k: v.detach() for k, v in state(module).items() if not k.endswith("_extra_state")}
     shapes = {key: {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()} for key, sd in mine.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, shapes)
@@ -98,23 +89,51 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
         for key, spec in held.items():
             if key not in owner:
                 owner[key], specs[key] = rank, spec
+    return layout, config, mine, owner, specs
+
+
+def _receiver(mine, owner, specs) -> tuple[Callable, Callable]:
+    """Rank 0's ``read(rank, name)`` (own tensor, or a point-to-point receive) and ``spec(rank, name)``."""
     device = _comm_device()
+
+    def read(rank, name):
+        if owner[rank] == 0:
+            return mine[rank][name].cpu()
+        dt, shape = specs[rank][name]
+        buf = torch.empty(shape, dtype=dt, device=device)
+        dist.recv(buf, src=owner[rank])
+        return buf.cpu()
+
+    def spec(rank, name):
+        try:
+            return specs[rank][name]
+        except KeyError:
+            raise CheckpointError(f"rank {rank}: the model has no tensor '{name}'") from None
+
+    return read, spec
+
+
+def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
+    """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer.
+
+    Streams: rank 0 walks the HF tensors in order and every other rank sends each shard it owns point-to-point
+    the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All
+    ranks walk the same order (``hf_params`` x ``shard_sources``), which pairs every send with its receive.
+
+    NOTE: if rank 0 fails mid-export the other ranks wait in ``send`` until the process-group timeout.
+    """
+    import json
+
+    from loongforge_megatron.conversion.convert import copy_assets
+    from loongforge_megatron.conversion.engine import MegatronSource, hf_params, key_of, to_hf_dir
+    from loongforge_megatron.data.prepare import tokenizer_dir
+    from loongforge_megatron.lora import merged_state_dict
+
+    layout, config, mine, owner, specs = _gather_plan(job, merged_state_dict)
+    me = dist.get_rank()
     out = None
     if me == 0:
-        def read(rank, name):
-            if owner[rank] == 0:
-                return mine[rank][name].cpu()
-            dt, shape = specs[rank][name]
-            buf = torch.empty(shape, dtype=dt, device=device)
-            dist.recv(buf, src=owner[rank])
-            return buf.cpu()
-
-        def spec(rank, name):
-            try:
-                return specs[rank][name]
-            except KeyError:
-                raise CheckpointError(f"rank {rank}: the model has no tensor '{name}'") from None
-
+        read, spec = _receiver(mine, owner, specs)
         tok_dir = tokenizer_dir(job.recipe)
 
         def put_assets(staging: Path) -> None:
@@ -128,12 +147,108 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
         if job.log:
             job.log.info(f"[checkpoint] HF export -> {out}")
     else:
-        # NOTE: mirrors the reads of rank 0's MegatronSource.get, in the same order.
-        by_key = {key_of(p): p for p in layout.params() if p.export}
+        # NOTE: mirrors the reads of rank 0's MegatronSource.write_rows, in the same order.
+        device = _comm_device()
+        _, spec = _receiver(mine, owner, specs)
+        source = MegatronSource(layout, read=None, spec=spec)
         for p in hf_params(layout):
-            src = by_key[key_of(p)]
-            for rank in layout.shard_sources(src):
+            for rank in source.reads(p):
                 if owner.get(rank) == me:
-                    dist.send(mine[rank][src.megatron].to(device).contiguous(), dst=0)
+                    dist.send(mine[rank][source.params[key_of(p)].megatron].to(device).contiguous(), dst=0)
+    dist.barrier()
+    return out
+
+
+def _peft_tensors(source, read: Callable, layout, lora_names: set[str]) -> dict[str, torch.Tensor]:
+    """PEFT-named A/B for every LoRA-wrapped linear, split per HF projection.
+
+    The factor that is sharded like the base weight (B of a column-parallel layer, A of a row-parallel one)
+    goes through the weight's own rule, so fused qkv B splits into q/k/v and fc1 B into gate/up exactly as
+    the weight does; the replicated factor is copied to every HF projection of the group.
+    """
+    from loongforge_megatron.conversion.engine import hf_params, key_of
+
+    out = {}
+    for p in hf_params(layout):
+        src = source.params[key_of(p)]
+        stem = src.megatron[: -len("weight")]
+        if not src.megatron.endswith(".weight") or stem + "lora_A" not in lora_names:
+            continue
+        ranks = layout.shard_sources(src)
+        shards = {f: [read(rank, stem + f) for rank in ranks] for f in ("lora_A", "lora_B")}
+        split, repl = ("lora_B", "lora_A") if _is_column(src) else ("lora_A", "lora_B")
+        parts = src.rule.to_hf(shards[split])
+        for role, t in parts.items():
+            name = "base_model.model." + p.hf[role][: -len("weight")]
+            out[name + split + ".weight"] = t.contiguous()
+            out[name + repl + ".weight"] = shards[repl][0].clone()  # NOTE: safetensors refuses shared storage
+    return out
+
+
+def _is_column(p) -> bool:
+    """Column-parallel linears split B (like their weight's rows); row-parallel ones split A."""
+    from loongforge.checkpoint import RowParallel
+
+    rule = getattr(p.rule, "inner", p.rule)
+    return not isinstance(rule, RowParallel)
+
+
+def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
+    """Write the LoRA adapters as a PEFT directory on rank 0: ``adapter_model.safetensors`` +
+    ``adapter_config.json``, with HF module names (fused qkv -> q/k/v_proj, fc1 -> gate/up_proj, proj -> o_proj,
+    fc2 -> down_proj). Adapters are small, so rank 0 gathers them all, then writes atomically.
+    """
+    import json
+
+    from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+    from safetensors.torch import save_file
+
+    from loongforge_megatron.conversion.engine import MegatronSource
+    from loongforge_megatron.lora import adapter_state_dict
+
+    lora = job.recipe.train.lora
+    if job.recipe.train.stage != "lora" or lora is None:
+        raise CheckpointError("checkpoint.save_format 'peft' needs train.stage: lora")
+    layout, _, mine, owner, specs = _gather_plan(job, adapter_state_dict)
+    me = dist.get_rank()
+    lora_names = {n for held in specs.values() for n in held}
+    out = None
+    if me == 0:
+        read, spec = _receiver(mine, owner, specs)
+        source = MegatronSource(layout, read=read, spec=spec)
+        tensors = _peft_tensors(source, read, layout, lora_names)
+        modules = sorted({k.split(".")[-3] for k in tensors})
+        config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "base_model_name_or_path": job.recipe.model.hf, "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        }
+        out = Path(out_dir)
+        staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        fsync_tree(staging)
+        replace_dir(staging, out)
+        if job.log:
+            job.log.info(f"[checkpoint] PEFT adapters -> {out}")
+    else:
+        # NOTE: mirrors rank 0's reads in _peft_tensors, in the same order.
+        from loongforge_megatron.conversion.engine import hf_params, key_of
+
+        device = _comm_device()
+        _, spec = _receiver(mine, owner, specs)
+        source = MegatronSource(layout, read=None, spec=spec)
+        for p in hf_params(layout):
+            src = source.params[key_of(p)]
+            stem = src.megatron[: -len("weight")]
+            if not src.megatron.endswith(".weight") or stem + "lora_A" not in lora_names:
+                continue
+            for f in ("lora_A", "lora_B"):
+                for rank in layout.shard_sources(src):
+                    if owner.get(rank) == me:
+                        dist.send(mine[rank][stem + f].to(device).contiguous(), dst=0)
     dist.barrier()
     return out

@@ -54,11 +54,18 @@ class LoRAParallelLinear(nn.Module):
         from megatron.core import tensor_parallel as tp
 
         out, bias = self.base(x, *args, **kwargs)
+        # NOTE: every TP rank's loss depends on the replicated factor through its own shard of the other one, so
+        # its true gradient is the sum of the ranks' local gradients; megatron only sums replicated grads over TP
+        # for sequence-parallel norms. copy_to_... is the identity forward and an all-reduce (sum) backward.
+        # Without it the replicated factor drifts apart per rank and no single rank-r adapter (PEFT) exists.
+        a, b = self.lora_A, self.lora_B
         if self.column:
+            a = tp.copy_to_tensor_model_parallel_region(a)
             inp = tp.gather_from_sequence_parallel_region(x) if self.sequence_parallel else tp.copy_to_tensor_model_parallel_region(x)
-            delta = nn.functional.linear(nn.functional.linear(self.dropout(inp), self.lora_A), self.lora_B) * self.scale
+            delta = nn.functional.linear(nn.functional.linear(self.dropout(inp), a), b) * self.scale
         else:
-            partial = nn.functional.linear(nn.functional.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+            b = tp.copy_to_tensor_model_parallel_region(b)
+            partial = nn.functional.linear(nn.functional.linear(self.dropout(x), a), b) * self.scale
             delta = (tp.reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
                      else tp.reduce_from_tensor_model_parallel_region(partial))
         return out + delta.to(out.dtype), bias

@@ -144,3 +144,44 @@ def test_export_ep2_moe_takes_experts_from_every_expert_rank(tmp_path, tiny_hf, 
         assert sorted(again) == sorted(sd)
         for name, t in sd.items():
             assert torch.equal(again[name], t), (ep, name)
+
+
+def _lora_exports(*, rank, world, recipe_path, run_dir, merged_dir, peft_dir):
+    import loongforge
+    from loongforge_megatron.hf_io import export_hf, export_peft
+
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        for _ in range(2):
+            job.step()
+        export_hf(job, merged_dir)
+        export_peft(job, peft_dir)
+        return {}
+    finally:
+        job.close()
+
+
+def test_peft_export_tp2_reproduces_merged_export(tmp_path, tiny_hf, recipe, ranks):
+    """At TP=2 the fused qkv / fc1 B shards are split per projection by the weights' rules: base + s·B A from
+    the PEFT export equals the merged HF export for every adapted projection."""
+    import yaml
+    from safetensors.torch import load_file
+
+    hf = tiny_hf("llama", tmp_path / "hf")
+    path = recipe(tmp_path / "r.yaml", hf, steps=2, parallel={"tp": 2}, resume="never", save_at_end=False)
+    r = yaml.safe_load(path.read_text())
+    r["train"].update(stage="lora", lr=5e-2, lora={"rank": 4, "alpha": 8})
+    path.write_text(yaml.safe_dump(r))
+    ranks(_lora_exports, world=2, out=tmp_path / "ranks", recipe_path=str(path), run_dir=tmp_path / "run",
+          merged_dir=tmp_path / "merged", peft_dir=tmp_path / "peft")
+    merged, base = load_file(tmp_path / "merged" / "model.safetensors"), load_file(hf / "model.safetensors")
+    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    adapted = set()
+    for name in merged:
+        prefix = "base_model.model." + name[: -len("weight")]
+        if prefix + "lora_A.weight" in adapters:
+            a, b = adapters[prefix + "lora_A.weight"], adapters[prefix + "lora_B.weight"]
+            assert torch.allclose(merged[name], base[name] + 2.0 * b @ a, rtol=0, atol=1e-5), name
+            assert not torch.equal(merged[name], base[name]), name
+            adapted.add(name.split(".")[-2])
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

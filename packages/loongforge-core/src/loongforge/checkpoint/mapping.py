@@ -34,6 +34,9 @@ class Rule:
     """Base class. ``roles`` names the HF tensors this rule consumes, in order."""
 
     roles: tuple[str, ...] = (SINGLE,)
+    # NOTE: True when both directions only move (or zero-pad) whole dim-0 rows. The engine then runs the
+    # rule on 1-D row-index vectors to learn where each row goes, and copies rows straight between files.
+    row_wise: bool = False
 
     def to_megatron(self, hf_tensors: dict[str, Tensor], *, tp_rank: int, tp_size: int) -> Tensor:
         raise NotImplementedError
@@ -54,6 +57,8 @@ class Replicated(Rule):
     HF [a, b]  ->  rank0 [a, b] | rank1 [a, b] | ...
     """
 
+    row_wise = True
+
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
         return hf_tensors[SINGLE]
 
@@ -68,6 +73,8 @@ class ColumnParallel(Rule):
     HF [out, in]  ->  rank0 [out/tp, in]  (rows 0..out/tp)
                       rank1 [out/tp, in]  (next rows) ...
     """
+
+    row_wise = True
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
         return _split(hf_tensors[SINGLE], dim=0, parts=tp_size, what="ColumnParallel")[tp_rank]
@@ -97,6 +104,8 @@ class VocabParallel(Rule):
 
     HF [V, h]  ->  pad to [V', h]  ->  rank0 [V'/tp, h] | rank1 [V'/tp, h]      (V' = padded_vocab_size)
     """
+
+    row_wise = True
 
     vocab_size: int
     divisible_by: int = 128
@@ -131,6 +140,7 @@ class FusedQKV(Rule):
     num_query_groups: int
     head_dim: int
     roles: tuple[str, ...] = ("q", "k", "v")
+    row_wise = True
 
     def _check(self, tp_size: int) -> None:
         if self.num_heads % self.num_query_groups or self.num_query_groups % tp_size:
@@ -172,6 +182,8 @@ class GatedMLP(Rule):
     gate [I, h], up [I, h]  ->  rank r: [ gate rows r*I/tp..(r+1)*I/tp ; up rows (same) ]   ([2I/tp, h])
     """
 
+    row_wise = True
+
     roles: tuple[str, ...] = ("gate", "up")
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
@@ -203,6 +215,10 @@ class Expert(Rule):
     @property
     def roles(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.inner.roles
+
+    @property
+    def row_wise(self) -> bool:  # type: ignore[override]
+        return self.inner.row_wise
 
     def per_rank(self, ep_size: int) -> int:
         if self.num_experts % ep_size:

@@ -5,6 +5,7 @@ Never unpickles: only safetensors files are read. Peak memory is one tensor (rea
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -17,6 +18,15 @@ from loongforge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy; numpy is never imported).
+
+    NOTE: the view does not keep ``t`` alive; callers hold ``t`` while they use it.
+    """
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -84,19 +94,31 @@ class SafetensorsReader:
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into memory."""
         f, info = self._info(name)
-        if f not in self._open:
-            self._open[f] = open(f, "rb")  # noqa: SIM115 - closed in close()
         t = torch.empty(info["shape"], dtype=self.dtype(name))
         nbytes = info["data_offsets"][1] - info["data_offsets"][0]
         if t.numel() * t.element_size() != nbytes:
             raise CheckpointError(f"{f}: tensor '{name}' has {nbytes} bytes for shape {info['shape']}")
+        return self.read_rows(name, 0, t)
+
+    def read_rows(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Positioned read of ``out.shape[0]`` dim-0 rows of ``name``, starting at ``row``, into ``out``
+        (contiguous, same dtype and trailing shape). Lets converters fill a shard without the whole tensor."""
+        f, info = self._info(name)
+        shape = tuple(info["shape"])
+        if out.dtype != self.dtype(name) or not out.is_contiguous() or (shape and tuple(out.shape[1:]) != shape[1:]):
+            raise CheckpointError(f"{f}: cannot read '{name}' {shape} into {out.dtype}{tuple(out.shape)}")
+        if shape and (row < 0 or row + out.shape[0] > shape[0]):
+            raise CheckpointError(f"{f}: rows {row}..{row + out.shape[0]} of '{name}' are out of range {shape}")
+        nbytes = out.numel() * out.element_size()
         if nbytes:
+            row_bytes = nbytes // out.shape[0] if out.dim() else 0
+            if f not in self._open:
+                self._open[f] = open(f, "rb")  # noqa: SIM115 - closed in close()
             handle = self._open[f]
-            handle.seek(info["start"])
-            buf = t.reshape(-1).view(torch.uint8).numpy()
-            if handle.readinto(memoryview(buf)) != nbytes:
+            handle.seek(info["start"] + row * row_bytes)
+            if handle.readinto(_bytes(out)) != nbytes:
                 raise CheckpointError(f"{f}: truncated while reading tensor '{name}'")
-        return t
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape without reading data."""
@@ -154,19 +176,35 @@ class StreamingSafetensorsFile:
         self._file.write(len(raw).to_bytes(8, "little") + raw)
         self._file.truncate(self._data_start + offset)
         self._missing = set(specs)
+        self._rows_left = {name: (spec[1][0] if spec[1] else 1) for name, spec in specs.items()}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_rows(name, 0, tensor, whole=True)
+
+    def write_rows(self, name: str, row: int, tensor: torch.Tensor, *, whole: bool = False) -> None:
+        """Write ``tensor`` as dim-0 rows ``row..row+len`` of ``name`` (the whole tensor when ``whole``).
+        A tensor counts as written once all its rows were; converters stream shards straight into place."""
         if name not in self._slots:
             raise CheckpointError(f"{self.path}: unexpected tensor '{name}'")
         offset, (dtype, shape) = self._slots[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        shape = tuple(shape)
+        got = tuple(tensor.shape)
+        bad = got != shape if whole or not shape else (
+            got[1:] != shape[1:] or len(got) != len(shape) or row < 0 or row + got[0] > shape[0])
+        if tensor.dtype != dtype or bad:
+            where = "" if whole else f" at row {row}"
             raise CheckpointError(
-                f"{self.path}: tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, "
-                f"expected {dtype}{tuple(shape)}"
+                f"{self.path}: tensor '{name}' is {tensor.dtype}{got}{where}, expected {dtype}{shape}"
             )
-        self._file.seek(self._data_start + offset)
-        self._file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        self._missing.discard(name)
+        t = tensor.detach().cpu().contiguous()
+        n = t.numel() * t.element_size()
+        rows = got[0] if shape else 1
+        self._file.seek(self._data_start + offset + (row * (n // rows) if rows else 0))
+        self._file.write(_bytes(t))
+        left = self._rows_left[name] - rows
+        self._rows_left[name] = left
+        if left <= 0:
+            self._missing.discard(name)
 
     def close(self) -> None:
         if self._missing:
@@ -226,6 +264,12 @@ class ShardedSafetensorsWriter:
         if name not in self._where:
             raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
         self._where[name].write(name, tensor)
+
+    def add_rows(self, name: str, row: int, tensor: torch.Tensor) -> None:
+        """Write dim-0 rows ``row..row+len(tensor)`` of ``name`` (see ``StreamingSafetensorsFile.write_rows``)."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
+        self._where[name].write_rows(name, row, tensor)
 
     def commit(self) -> Path:
         """Close every shard (fails if a tensor was never written), fsync, rename into place."""

@@ -142,7 +142,9 @@ class CheckpointConfig(Section):
     load: str | None = Field(None, description="HF model dir or LoongForge checkpoint to start from")
     resume: Literal["auto", "never"] = Field("auto", description="auto: resume from OUTPUT/checkpoints/latest if present")
     save_interval: int | None = Field(None, ge=1, description="steps between checkpoints (default: only at the end)")
-    save_format: list[Literal["dist", "hf"]] = Field(default_factory=lambda: ["dist"])
+    save_format: list[Literal["dist", "hf", "peft"]] = Field(
+        default_factory=lambda: ["dist"],
+        description="dist: resumable checkpoint; hf: HF export (LoRA merged); peft: LoRA adapters in PEFT format")
     keep_last: int = Field(2, ge=1)
     save_at_end: bool = True
 

@@ -8,6 +8,8 @@ memory is one group plus its shards.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +38,56 @@ def _meta(specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
 def _explain(p: Param, group: dict[str, Spec], err: Exception) -> CheckpointError:
     shapes = ", ".join(f"'{p.hf[r]}' {tuple(s)}" for r, (_, s) in group.items())
     return CheckpointError(f"cannot build '{p.megatron}' from {shapes}: {err}")
+
+
+Runs = list[tuple[int, int, int]]  # (first row in the destination, first source id or 0 = zero rows, count)
+
+
+def _row_ids(rows: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """1-based row ids per role (0 stays free for padding rows), with a gap between roles so that no run of
+    consecutive ids crosses from one role into the next. Returns (role -> ids, role -> first id)."""
+    ids, first, nxt = {}, {}, 1
+    for role, n in rows.items():
+        ids[role], first[role] = torch.arange(nxt, nxt + n), nxt
+        nxt += n + 1
+    return ids, first
+
+
+def _runs(ids: torch.Tensor) -> Runs:
+    """Maximal runs of consecutive ids (or of zeros) in a 1-D id vector."""
+    runs: list[list[int]] = []
+    for pos, v in enumerate(ids.tolist()):
+        if runs and ((v and runs[-1][1] and v == runs[-1][1] + runs[-1][2]) or (not v and not runs[-1][1])):
+            runs[-1][2] += 1
+        else:
+            runs.append([pos, v, 1])
+    return [tuple(r) for r in runs]
+
+
+def _streamable(p: Param, specs: dict[str, Spec]) -> bool:
+    return p.rule.row_wise and all(len(s) >= 1 for _, s in specs.values())
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc() if sys.platform.startswith("linux") else None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS after each group (glibc only; a no-op elsewhere).
+
+    NOTE: glibc raises its mmap threshold to the size of the last freed block (up to 32 MiB), so after the
+    first few layers mid-sized shards live on the heap, whose holes are never returned: without this, resident
+    memory grew by ~100 MiB over a 16-layer conversion.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 class Progress:
@@ -80,6 +132,21 @@ class HFSource:
     def get(self, p: Param) -> Group:
         return {r: self.reader.get(n) for r, n in p.hf.items()}
 
+    def read_shard(self, p: Param, *, index: int, size: int, spec: Spec) -> torch.Tensor:
+        """Shard ``index`` of a row-wise parameter, filled with positioned reads of just its HF rows (the
+        group is never materialised): peak memory is the shard itself."""
+        specs = self.spec(p)
+        ids, first = _row_ids({r: s[0] for r, (_, s) in specs.items()})
+        where = p.rule.to_megatron(ids, tp_rank=index, tp_size=size)
+        out = torch.empty(spec[1], dtype=spec[0])
+        for pos, v, n in _runs(where):
+            if not v:
+                out[pos:pos + n].zero_()
+                continue
+            role = max((r for r in first if first[r] <= v), key=first.get)
+            self.reader.read_rows(p.hf[role], v - first[role], out[pos:pos + n])
+        return out
+
 
 class MegatronSource:
     """Gathers groups from megatron shards; ``read(rank, name)`` / ``shape(rank, name)`` abstract the storage."""
@@ -106,6 +173,44 @@ class MegatronSource:
     def get(self, p: Param) -> Group:
         src = self._p(p)
         return src.rule.to_hf([self._read(rank, src.megatron) for rank in self.layout.shard_sources(src)])
+
+    def _row_plan(self, src: Param) -> list[tuple[Rank, list[tuple[str, int, int, int]]]] | None:
+        """For a row-wise parameter: per shard source, the (role, HF row, shard row, count) runs it supplies
+        (the rule is run on row ids to learn where each shard row lands). None when not row-wise."""
+        ranks = self.layout.shard_sources(src)
+        shard_specs = [self._spec(rank, src.megatron) for rank in ranks]
+        if not _streamable(src, dict(enumerate(shard_specs))):
+            return None
+        ids, first = _row_ids({i: s[0] for i, (_, s) in enumerate(shard_specs)})
+        runs = {role: _runs(t) for role, t in src.rule.to_hf(list(ids.values())).items()}
+        plan = []
+        for i, rank in enumerate(ranks):
+            lo, hi = first[i], first[i] + shard_specs[i][1][0]
+            plan.append((rank, [(role, pos, v - lo, n) for role, rs in runs.items() for pos, v, n in rs if lo <= v < hi]))
+        return plan
+
+    def reads(self, p: Param) -> list[Rank]:
+        """The shard sources ``write_rows`` reads, in order (senders mirror this in a distributed export)."""
+        src = self._p(p)
+        plan = self._row_plan(src)
+        return self.layout.shard_sources(src) if plan is None else [rank for rank, mine in plan if mine]
+
+    def write_rows(self, p: Param, put: Callable[[str, int, torch.Tensor], None]) -> None:
+        """Stream ``p``'s HF tensors out as ``put(role, first_row, rows)`` calls, one shard in memory at a
+        time for row-wise rules; replicas (e.g. norms) are read from one rank only."""
+        src = self._p(p)
+        plan = self._row_plan(src)
+        if plan is None:
+            for role, t in self.get(p).items():
+                put(role, 0, t)
+            return
+        for rank, mine in plan:
+            if not mine:
+                continue
+            shard = self._read(rank, src.megatron)
+            for role, pos, row, n in mine:
+                put(role, pos, shard[row:row + n])
+            del shard
 
 
 def file_source(root: str | Path, layout: MegatronLayout) -> MegatronSource:
@@ -162,11 +267,24 @@ def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str 
         files[rank] = StreamingSafetensorsFile(path, specs)
     progress = Progress(len(targets), label)
     for params in targets.values():
-        group = source.get(params[0])
-        for p in params:
-            for rank, index in layout.holders(p):
-                files[rank].write(p.megatron, shard(layout, p, group, index))
-        del group
+        if hasattr(source, "read_shard") and _streamable(params[0], source.spec(params[0])):
+            for p in params:
+                by_index: dict[int, list[Rank]] = {}
+                for rank, index in layout.holders(p):
+                    by_index.setdefault(index, []).append(rank)
+                for index, ranks in by_index.items():
+                    t = source.read_shard(p, index=index, size=layout.split_size(p),
+                                          spec=rank_specs[ranks[0]][p.megatron])
+                    for rank in ranks:
+                        files[rank].write(p.megatron, t)
+                    del t
+        else:
+            group = source.get(params[0])
+            for p in params:
+                for rank, index in layout.holders(p):
+                    files[rank].write(p.megatron, shard(layout, p, group, index))
+            del group
+        release_freed_memory()
         progress.step()
     for f in files.values():
         f.close()
@@ -184,8 +302,8 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
     try:
         progress = Progress(len(params), "export")
         for p in params:
-            for r, t in source.get(p).items():
-                writer.add(p.hf[r], t)
+            source.write_rows(p, lambda role, row, t, p=p: writer.add_rows(p.hf[role], row, t))
+            release_freed_memory()
             progress.step()
         if assets is not None:
             assets(writer.staging_dir)
