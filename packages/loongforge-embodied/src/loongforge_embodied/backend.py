@@ -26,6 +26,9 @@ class EmbodiedBackend(Backend):
     @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
         p, t = recipe.parallel, recipe.train
+        if "peft" in recipe.checkpoint.save_format:
+            raise RecipeError("the embodied backend has no LoRA adapters to export; allowed: dist, hf",
+                              key="checkpoint.save_format")
         for key in ("tp", "pp", "cp", "ep"):
             if getattr(p, key) != 1:
                 raise RecipeError(f"the embodied backend is data-parallel only (got {getattr(p, key)}); "

@@ -30,6 +30,8 @@ class MegatronBackend(Backend):
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
         if recipe.parallel.strategy not in ("auto",):
             raise RecipeError("the megatron backend shards with parallel.distributed_optimizer; leave parallel.strategy auto", key="parallel.strategy")
+        if "peft" in recipe.checkpoint.save_format and stage != "lora":
+            raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
         if recipe.parallel.cp > 1 and recipe.data.format == "sft":
