@@ -28,7 +28,6 @@ PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 def make_hf(preset: str, out: Path) -> None:
     import torch
     import transformers as tf
-
     from loongforge_megatron.models.arch import Arch
     from loongforge_megatron.models.presets import PRESETS
     from loongforge_megatron.models.translate import hf_config
@@ -42,10 +41,9 @@ def make_hf(preset: str, out: Path) -> None:
 
 
 def run_ours(args, spec: str) -> dict:
+    import loongforge
     import torch
     import yaml
-
-    import loongforge
 
     recipe = {
         "backend": "megatron",
@@ -83,7 +81,6 @@ def run_ours(args, spec: str) -> dict:
 def run_hf(args, compiled: bool) -> dict:
     import torch
     import transformers as tf
-
     from loongforge_megatron.data.datasets import SyntheticDataset
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32, attn_implementation="sdpa").cuda()
@@ -148,7 +145,6 @@ def main() -> None:
         return child(args)
 
     import torch
-
     from loongforge_megatron.models.translate import arch_from_hf
 
     mbs = dict(kv.split("=") for kv in args.mbs.split(","))

@@ -83,7 +83,7 @@ def part_llm(args, work: Path) -> list[str]:
         val = f"{per_gpu:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.0f}" if per_gpu else f"{r['error']} | | "
         rows.append(f"| {world} | tp{lay['tp']} pp{lay['pp']} dp{dp} | {val} | {eff} |")
         print(rows[-1], flush=True)
-    return ["## Llama-3.1-8B shape, seq %d, bf16" % args.seq, "", "| GPUs | layout | tokens/s/GPU | MFU | peak GiB | efficiency |",
+    return [f"## Llama-3.1-8B shape, seq {args.seq}, bf16", "", "| GPUs | layout | tokens/s/GPU | MFU | peak GiB | efficiency |",
             "|---|---|---|---|---|---|", *rows, ""]
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from loongforge.cli import main
 from loongforge.recipe.loader import resolve_extends
 

@@ -3,11 +3,10 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-from pydantic import Field
-
 from loongforge import registry
 from loongforge.backend import Backend, Job
 from loongforge.recipe.schema import Section
+from pydantic import Field
 
 
 class ToyModel(Section):

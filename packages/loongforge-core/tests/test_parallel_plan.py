@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from loongforge.errors import ParallelPlanError
 from loongforge.parallel import resolve_plan
 

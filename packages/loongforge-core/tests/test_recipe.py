@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from loongforge.cli import main
 from loongforge.errors import RecipeError
 from loongforge.recipe import dump_recipe, load_recipe

@@ -34,7 +34,7 @@ def save_tiny(family: str, out: Path, *, seed: int = 0, **over) -> Path:
     else:
         raise ValueError(family)
     with torch.no_grad():  # make every tensor non-trivial (HF inits some to ones/zeros)
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import loongforge
 import pytest
 import yaml
-
-import loongforge
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
+import loongforge
 import pytest
 import torch
 import yaml
-
-import loongforge
 
 RECORDS = [
     {"instruction": "Add the numbers", "input": "2 and 3", "output": "five"},
@@ -106,11 +105,10 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer):
 
 
 def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
-    from safetensors.torch import load_file
-
     from loongforge_megatron.hf_io import export_hf
     from loongforge_megatron.job import unwrapped
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict
+    from safetensors.torch import load_file
 
     hf_dir = tiny_hf("llama", tmp_path / "hf")
     recipe = loongforge.load_recipe(write_recipe(tmp_path, {

@@ -41,8 +41,8 @@ class Backend(ABC):
     model_schema: ClassVar[type[BaseModel] | None] = None
     data_schema: ClassVar[type[BaseModel] | None] = None
 
-    @classmethod
-    def check_recipe(cls, recipe: Recipe) -> None:  # noqa: B027 - optional override
+    @classmethod  # noqa: B027 - optional override
+    def check_recipe(cls, recipe: Recipe) -> None:
         """Cross-section checks that need no process group (raise ``RecipeError``)."""
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:

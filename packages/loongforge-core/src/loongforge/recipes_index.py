@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 
-
 def recipes_root() -> Path | None:
     """``$LOONGFORGE_RECIPES``, else ``./recipes``, else the ``recipes/`` folder of a source checkout."""
     env = os.environ.get("LOONGFORGE_RECIPES")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
+
 from loongforge_megatron.config import DataConfig, ModelConfig
 
 if TYPE_CHECKING:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
+from loongforge.recipe.schema import Section
 from pydantic import Field, model_validator
 
-from loongforge.recipe.schema import Section
 from loongforge_megatron.models.arch import Arch
 from loongforge_megatron.models.presets import PRESETS
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-
 from loongforge.backend import Job
 from loongforge.errors import CheckpointError, RecipeError
 
@@ -159,12 +158,13 @@ class MegatronJob(Job):
                                   "refuses cp > 1)", key="kernels.spec")
             return engine.layer_spec(self.spec_name, **kw)
         from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         from loongforge_megatron.spec import KernelRMSNorm, loongforge_layer_spec, prepare_config
-
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         prepare_config(self.config)
         provider = self.recipe.kernels.provider

@@ -8,6 +8,7 @@ HF inputs by *role* (``q``/``k``/``v``, ``gate``/``up``); single-tensor rules us
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp_size: int) -> in
     return -(-vocab_size // multiple) * multiple
 
 
-class Rule:
+class Rule(abc.ABC):
     """Base class. ``roles`` names the HF tensors this rule consumes, in order."""
 
     roles: tuple[str, ...] = (SINGLE,)
@@ -38,11 +39,13 @@ class Rule:
     # rule on 1-D row-index vectors to learn where each row goes, and copies rows straight between files.
     row_wise: bool = False
 
+    @abc.abstractmethod
     def to_megatron(self, hf_tensors: dict[str, Tensor], *, tp_rank: int, tp_size: int) -> Tensor:
-        raise NotImplementedError
+        """This TP rank's megatron shard from the HF tensors of ``roles``."""
 
+    @abc.abstractmethod
     def to_hf(self, shards: list[Tensor]) -> dict[str, Tensor]:
-        raise NotImplementedError
+        """The HF tensors (by role) from every TP rank's shard, in rank order."""
 
     def shard_shape(self, hf_shapes: dict[str, tuple[int, ...]], *, tp_size: int) -> tuple[int, ...]:
         """Shape of one rank's shard, computed without data (used for dry runs and shape checks)."""

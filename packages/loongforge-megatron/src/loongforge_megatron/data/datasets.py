@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from loongforge.errors import RecipeError
 
 
@@ -102,10 +101,9 @@ class PackedSFTDataset:
 def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: int | None = None):
     """megatron-core ``GPTDataset`` splits (train, valid) over the recipe's blend (default ``data.path/train``);
     valid is None unless ``num_valid`` is given."""
+    from loongforge_megatron.data.tokenizer import MegatronTokenizerShim
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    from loongforge_megatron.data.tokenizer import MegatronTokenizerShim
 
     data = recipe.data
     if data.blend:
@@ -129,12 +127,9 @@ def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: in
         create_attention_mask=False,
         mmap_bin_files=True,
     )
-    import torch.distributed as dist
-
-    def on_rank() -> bool:
-        return not dist.is_initialized() or dist.get_rank() == 0 or True
-
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, num_valid, None], on_rank, config).build()
+    # NOTE: every rank reads its own samples (BatchSchedule), so the dataset exists on every rank; megatron's
+    # builder still builds the index caches on rank 0 first and lets the others load them.
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, num_valid, None], lambda: True, config).build()
     if num_valid and valid is None:
         raise RecipeError(f"data.split '{data.split}' leaves no validation documents but train.eval_interval is set",
                           key="data.split")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from loongforge.errors import RecipeError
 from loongforge_megatron.data.sources import iter_documents
 from loongforge_megatron.data.tokenizer import load_tokenizer, train_bpe

@@ -83,9 +83,9 @@ class SDPAttention(torch.nn.Module):
         from megatron.core.transformer.enums import AttnMaskType
 
         if packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention takes packed sequences as a block-diagonal attention_mask, not THD")
+            raise ValueError("SDPAttention takes packed sequences as a block-diagonal attention_mask, not THD")
         if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by SDPAttention")
+            raise ValueError("attention_bias is not supported by SDPAttention (use kernels.spec: local or te)")
         mask_type = attn_mask_type or self.attn_mask_type
         s_q = query.shape[0]
         if self.cp_size > 1:
@@ -105,7 +105,7 @@ class SDPAttention(torch.nn.Module):
             k_pos = torch.arange(k.shape[2], device=q.device)
             allowed = k_pos[None, :] <= q_pos[:, None]
             if attention_mask is not None:
-                raise NotImplementedError("explicit attention masks with context parallelism are not supported")
+                raise ValueError("explicit attention masks with context parallelism are not supported (recipes reject sft with cp > 1)")
             mask = allowed
         elif attention_mask is not None:
             mask = ~attention_mask  # SDPA: True = take part in attention
