@@ -268,6 +268,11 @@ class MegatronJob(Job):
 
         try:
             if dist.is_initialized():
+                if getattr(self, "checkpointer", None) is not None:
+                    # NOTE: a built job tears down only when every rank is done: a rank destroying its gloo group
+                    # while a peer still talks to it aborts the peer at exit ("terminate called without an
+                    # active exception"). A job that failed while building skips this (peers may be elsewhere).
+                    dist.barrier()
                 engine.destroy(process_group=True)
         finally:
             if self._adaptations is not None:
