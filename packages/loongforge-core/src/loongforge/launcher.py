@@ -56,7 +56,10 @@ def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Pat
 
 def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
     """Run the elastic launcher and return its exit code (a failing worker's one-line error is on stderr)."""
-    env = dict(os.environ)
+    # torchrun sets each worker's rendezvous variables itself; inherited ones (from a parent job) must not leak
+    stale = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in stale}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, config.nproc))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["LOONGFORGE_LAUNCHED"] = "1"

@@ -73,15 +73,13 @@ class Runtime:
 
         if dist.is_initialized():
             return
-        if "MASTER_ADDR" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(free_port())
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0")
         kwargs = {}
         if self.accelerator.device_type != "cpu":
             kwargs["device_id"] = self.accelerator.device()
+        if self.world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+            # NOTE: a single in-process run gets a private store on a free port and leaves os.environ alone, so
+            # nothing (a stale MASTER_PORT, RANK) leaks into later runs or into child processes.
+            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend=self.accelerator.dist_backend, rank=self.rank, world_size=self.world_size, **kwargs)
 
     def seed(self, seed: int) -> None:
