@@ -29,4 +29,6 @@ def main(output_dir: str | Path | None = None, steps: int = 3) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
