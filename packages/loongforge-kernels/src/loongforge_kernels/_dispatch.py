@@ -7,6 +7,7 @@ interpreter is active; an explicit ``triton`` that cannot run raises :class:`Ker
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -122,5 +123,10 @@ def num_warps_for(block: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; a small number on CPU so the interpreter runs few programs."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 2
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -16,15 +16,19 @@ MAX_FUSED = 65536  # a row must fit in one program's registers
 
 
 @jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, w_offset, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD, stride_x, stride_y, n_rows, n_cols, eps, w_offset, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + w_offset
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -43,25 +47,40 @@ def _rms_norm_bwd_kernel(
     w_offset,
     rows_per_prog,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
+    """Each program owns ``rows_per_prog`` consecutive rows, ROWS at a time, and writes one dw partial row."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     row0 = pid.to(tl.int64) * rows_per_prog
-    for i in range(0, rows_per_prog):
-        row = row0 + i
-        mask = cmask & (row < n_rows)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
-        xhat = x * rstd
-        wdy = w * dy
-        c = tl.sum(xhat * wdy, axis=0) / n_cols
-        tl.store(DX + row * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
+    row_end = tl.minimum(row0 + rows_per_prog, n_rows)
+    for i in range(0, rows_per_prog, ROWS):
+        rows = row0 + i + tl.arange(0, ROWS)
+        rmask = rows < row_end
+        mask = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        wdy = w[None, :] * dy
+        c = tl.sum(xhat * wdy, axis=1) / n_cols
+        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-    tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=cmask)
+    tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=cmask)
+
+
+# Launch shape, tuned on an H200 (benchmarks/kernels_bench.py --sweep-rms-norm): rows per program step
+# (elements per tile <= TILE) and backward programs per multiprocessor.
+TILE = {"fwd": 4096, "bwd": 4096}
+BWD_PROGRAMS_PER_SM = 4
+
+
+def _rows_per_tile(block: int, which: str) -> int:
+    return max(1, TILE[which] // block)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -82,18 +101,21 @@ class RMSNormFunction(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         offset = 1.0 if zero_centered_gamma else 0.0
         if n_rows:
-            _rms_norm_fwd_kernel[(n_rows,)](
+            rows = _rows_per_tile(block, "fwd")
+            _rms_norm_fwd_kernel[(-(-n_rows // rows),)](
                 x2,
                 weight_c,
                 y,
                 rstd,
                 x2.stride(0),
                 y.stride(0),
+                n_rows,
                 n_cols,
                 eps,
                 offset,
                 BLOCK=block,
-                num_warps=num_warps_for(block),
+                ROWS=rows,
+                num_warps=num_warps_for(block * rows),
             )
         ctx.save_for_backward(x2, weight_c, rstd)
         ctx.offset = offset
@@ -108,7 +130,7 @@ class RMSNormFunction(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         dx = torch.empty_like(x2)
-        n_progs = max(min(n_rows, sm_count(x2.device) * 4), 1)
+        n_progs = max(min(n_rows, sm_count(x2.device) * BWD_PROGRAMS_PER_SM), 1)
         rows_per_prog = -(-n_rows // n_progs) if n_rows else 0
         dw_part = torch.empty(n_progs, n_cols, dtype=torch.float32, device=x2.device)
         if n_rows:
@@ -127,7 +149,8 @@ class RMSNormFunction(torch.autograd.Function):
                 ctx.offset,
                 rows_per_prog,
                 BLOCK=ctx.block,
-                num_warps=num_warps_for(ctx.block),
+                ROWS=_rows_per_tile(ctx.block, "bwd"),
+                num_warps=num_warps_for(ctx.block * _rows_per_tile(ctx.block, "bwd")),
             )
         else:
             dw_part.zero_()

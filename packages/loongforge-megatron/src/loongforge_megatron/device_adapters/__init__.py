@@ -1,6 +1,6 @@
 """Device adaptations of megatron-core: what it takes to run its CUDA-only code paths on other devices.
 
-``adaptations_for(device_type)`` returns the named list for a device type (empty for ``cuda``);
+``adaptations_for(device_type)`` returns the named list for a device type (on ``cuda`` only faster stand-ins for megatron's no-TE/Apex fallbacks);
 ``adapted(accelerator)`` applies that list plus the accelerator's own ``adaptations("megatron")`` for the
 duration of a ``with`` block. Nothing is patched at import time.
 """
@@ -11,11 +11,15 @@ from loongforge.accelerator.adaptation import Adaptation, AdaptationSet
 
 
 def adaptations_for(device_type: str) -> list[Adaptation]:
-    """The adaptations megatron-core needs on ``device_type`` (``cuda`` needs none)."""
+    """The adaptations megatron-core needs on ``device_type`` (``cuda``: only fused fallbacks without TE/Apex)."""
     if device_type == "cpu":
         from loongforge_megatron.device_adapters.cpu import cpu_adaptations
 
         return cpu_adaptations()
+    if device_type == "cuda":
+        from loongforge_megatron.device_adapters.cuda import cuda_adaptations
+
+        return cuda_adaptations()
     return []
 
 

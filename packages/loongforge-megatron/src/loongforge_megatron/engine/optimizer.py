@@ -50,7 +50,38 @@ def build_optimizer(
         **overrides,
     )
     # NOTE: gloo groups are megatron's default for the distributed optimizer's checkpoint gathers.
-    return get_megatron_optimizer(config, model_chunks)
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    use_fused_torch_adam(optimizer)
+    return optimizer
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron (possibly chained) optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [o for c in chained for o in inner_optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def use_fused_torch_adam(optimizer: Any) -> int:
+    """Switch megatron's torch.optim.Adam/AdamW fallback (no TE/Apex) to torch's fused CUDA kernel.
+
+    megatron builds ``torch.optim.AdamW`` with torch's default ``foreach`` implementation, about a dozen passes
+    over the fp32 state per step; ``fused=True`` is one. The flag is read per group at each step and the
+    ``step`` state is created lazily on the parameter's device, so setting it before the first step is the
+    documented constructor behaviour. Returns how many param groups were switched (0 on CPU or with TE/Apex).
+    """
+    switched = 0
+    for opt in inner_optimizers(optimizer):
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW) or opt.state:
+            continue
+        for group in opt.param_groups:
+            params = group["params"]
+            if params and all(p.is_cuda and p.is_floating_point() for p in params) and not group.get("differentiable"):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
 
 
 def build_scheduler(
