@@ -1,11 +1,12 @@
 """Fused-kernel benchmark: loongforge_kernels vs torch eager, torch.compile and (when installed) Liger-Kernel.
 
-Each kernel runs forward + backward at Llama-3.2-1B / 8B training shapes. Printed per row: time, effective
-GB/s (memory-bound kernels, counting the minimal bytes) or TFLOP/s (fused linear CE), peak memory above the
-inputs, and the max abs error vs the eager reference (fp32 math); the ratios come last.
+Each kernel runs forward + backward at Llama-3.2-1B / 8B training shapes (sparse MLA at DeepSeek-V3.2's).
+Printed per row: time, effective GB/s (memory-bound kernels, counting the minimal bytes) or TFLOP/s (fused
+linear CE, sparse MLA), peak memory above the inputs, and the max abs error vs the eager reference (fp32 math);
+the ratios come last.
 
     PYTHONPATH=packages/loongforge-kernels/src:packages/loongforge-core/src python3 benchmarks/kernels_bench.py \
-        [--quick] [--only rms_norm,swiglu,rope,flce,moe] [--no-compile] [--out results.md]
+        [--quick] [--only rms_norm,swiglu,rope,flce,moe,sparse_mla] [--no-compile] [--out results.md]
 """
 
 from __future__ import annotations
@@ -145,6 +146,25 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
             lambda x, p: ref.moe_unpermute_ref(x, row_id, p),
             nbytes=(2 + 3 * topk) * n_tok * hidden * 2,
         )
+    # DeepSeek-V3.2 DSA: 64 heads over one latent kv (512 + 64 rope), 2048 keys per query. The eager reference
+    # gathers [T, topk, 576] fp32 rows and keeps them for backward: ~72 GiB peak at this shape (measured on
+    # CPU at T 32 and scaled), so it fits an H200 at full size. Random distinct indices, all valid (as
+    # FlashMLA's benchmark), so every counted FLOP is done; TFLOP/s counts fwd 2*T*H*topk*(D + d_v) and
+    # bwd twice that (the recomputed QK^T not counted).
+    t_s, h_s, k_s, dv_s, dr_s = (4096, 64, 2048, 512, 64) if not quick else (64, 4, 24, 32, 16)
+    if not only or "sparse_mla" in only:
+        idx_s = lk.dsa_topk_indices(torch.rand(t_s, t_s, device=device), k_s, causal=False)
+        add(
+            "sparse_mla",
+            f"T {t_s} H {h_s} topk {k_s} D {dv_s}+{dr_s} bf16",
+            lambda: [
+                torch.randn(t_s, h_s, dv_s + dr_s, device=device, dtype=bf16),
+                torch.randn(t_s, 1, dv_s + dr_s, device=device, dtype=bf16),
+            ],
+            lambda q, kv: lk.sparse_mla_attention(q, kv, idx_s, None, dv_s, impl="triton"),
+            lambda q, kv: ref.sparse_mla_ref(q, kv, idx_s, None, dv_s),
+            flops=6 * t_s * h_s * k_s * (dv_s + dr_s + dv_s),
+        )
     return out
 
 
@@ -264,7 +284,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    ap.add_argument("--only", default="", help="comma-separated kernels: rms_norm,swiglu,rope,flce,moe")
+    ap.add_argument(
+        "--only", default="", help="comma-separated kernels: rms_norm,swiglu,rope,flce,moe,sparse_mla"
+    )
     ap.add_argument("--out", default="", help="also write the markdown report here")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

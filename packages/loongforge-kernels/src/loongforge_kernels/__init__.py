@@ -11,6 +11,7 @@ from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
 from loongforge_kernels.moe_permute import moe_permute, moe_unpermute
 from loongforge_kernels.rms_norm import RMSNorm, rms_norm
 from loongforge_kernels.rope import apply_rope
+from loongforge_kernels.sparse_mla import dsa_topk_indices, sparse_mla_attention
 from loongforge_kernels.swiglu import SwiGLU, swiglu
 
 __all__ = [
@@ -18,9 +19,11 @@ __all__ = [
     "RMSNorm",
     "SwiGLU",
     "apply_rope",
+    "dsa_topk_indices",
     "fused_linear_cross_entropy",
     "moe_permute",
     "moe_unpermute",
     "rms_norm",
+    "sparse_mla_attention",
     "swiglu",
 ]

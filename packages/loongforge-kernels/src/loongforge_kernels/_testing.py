@@ -86,16 +86,21 @@ def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str)
 
 # Pointer dtypes and constexprs per kernel, at the shapes the benchmarks use (bf16 activations).
 _COMPILE_SPECS = {
-    "rms_norm._rms_norm_fwd_kernel": ({"W": "*fp32", "RSTD": "*fp32"}, {"BLOCK": 4096}, 8),
+    "rms_norm._rms_norm_fwd_kernel": ({"W": "*fp32", "RSTD": "*fp32"}, {"BLOCK": 2048, "ROWS": 2}, 8),
     "rms_norm._rms_norm_bwd_kernel": (
         {"W": "*fp32", "RSTD": "*fp32", "DW_PART": "*fp32"},
-        {"BLOCK": 4096},
+        {"BLOCK": 2048, "ROWS": 2},
         8,
     ),
     "swiglu._swiglu_fwd_kernel": ({}, {"BLOCK": 1024}, 4),
     "swiglu._swiglu_bwd_kernel": ({}, {"BLOCK": 1024}, 4),
     "cross_entropy._ce_stats_kernel": (
         {"LABELS": "*i64", "MAX": "*fp32", "SUMEXP": "*fp32", "TGT": "*fp32"},
+        {"BLOCK": 32768},
+        32,
+    ),
+    "cross_entropy._ce_loss_grad_kernel": (
+        {"LABELS": "*i64", "LOSS": "*fp32", "SCALE": "*fp32"},
         {"BLOCK": 32768},
         32,
     ),

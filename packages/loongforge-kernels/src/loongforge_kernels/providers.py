@@ -12,7 +12,15 @@ from typing import Any, ClassVar
 
 from loongforge_kernels import _dispatch
 
-OPS = ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "moe_permute", "moe_unpermute")
+OPS = (
+    "rms_norm",
+    "swiglu",
+    "rope",
+    "fused_linear_cross_entropy",
+    "moe_permute",
+    "moe_unpermute",
+    "sparse_mla_attention",
+)
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
@@ -22,10 +30,19 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         moe_permute,
         moe_unpermute,
         rms_norm,
+        sparse_mla_attention,
         swiglu,
     )
 
-    fns = (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy, moe_permute, moe_unpermute)
+    fns = (
+        rms_norm,
+        swiglu,
+        apply_rope,
+        fused_linear_cross_entropy,
+        moe_permute,
+        moe_unpermute,
+        sparse_mla_attention,
+    )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 
 

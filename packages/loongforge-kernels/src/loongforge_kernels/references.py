@@ -91,3 +91,42 @@ def moe_unpermute_ref(
     if probs is not None:
         rows = rows * probs.float().unsqueeze(-1)
     return rows.sum(1).to(permuted.dtype)
+
+
+def sparse_mla_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float | None = None,
+    d_v: int = 512,
+    *,
+    return_lse: bool = False,
+):
+    """DSA sparse attention in MLA's absorbed form: gather each query's ``topk`` kv rows, masked softmax in fp32.
+
+    q [T, H, D], kv [T_kv, G, D] (value = first ``d_v`` channels), indices [T, G, topk]; an index < 0 or
+    >= T_kv is masked. A query with no valid index gets a zero output (and lse -inf) and zero grads. Heads
+    ``h`` use kv group ``h // (H // G)``. Returns o [T, H, d_v] in q.dtype (and lse [T, H] fp32, natural log).
+    """
+    t, h, d = q.shape
+    n_kv, g = kv.shape[0], kv.shape[1]
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < n_kv)  # [T, G, K]
+    groups = torch.arange(g, device=kv.device).view(1, g, 1)
+    rows = kv[torch.where(valid, idx, 0), groups].float()  # [T, G, K, D]
+    qf = q.float().view(t, g, h // g, d)
+    s = torch.einsum("tghd,tgkd->tghk", qf, rows) * scale
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    # NOTE: a safe max (0 for an all-masked row) and a guarded divide keep all-masked rows free of NaN in the
+    # forward and in autograd's backward; logsumexp / softmax would give NaN there.
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom > 0, denom, 1.0)
+    o = torch.einsum("tghk,tgkd->tghd", p, rows[..., :d_v]).reshape(t, h, d_v).to(q.dtype)
+    if not return_lse:
+        return o
+    lse = (m + torch.log(denom)).reshape(t, h).detach()
+    return o, lse

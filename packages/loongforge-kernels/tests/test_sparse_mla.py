@@ -1,0 +1,186 @@
+"""Sparse MLA (DSA) attention vs its plain-torch reference, forward and backward, and the top-k index helper.
+
+Small dims (d_v 32 + d_rope 16) keep Triton's interpreter fast; tests/test_gpu.py runs DeepSeek's 512 + 64.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from loongforge_kernels import _dispatch, dsa_topk_indices, sparse_mla_attention
+from loongforge_kernels.references import sparse_mla_ref
+from loongforge_kernels.sparse_mla import CUDA_CONFIGS
+
+from .conftest import assert_close, run_both
+
+D_V, D_ROPE = 32, 16
+# NOTE: grads get twice the dtype tolerance (conftest.TOL): dkv sums over every (query, head) that selected a
+# row, and in bf16 the kernel rounds p and dS to bf16 before its MMAs (as FlashAttention) where the reference
+# keeps fp32.
+GRAD_SCALE = 2.0
+
+
+def _inputs(t, h, g, topk, n_kv, dtype, *, d_v=D_V, d_rope=D_ROPE, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d_v + d_rope, generator=gen).to(dtype)
+    kv = torch.randn(n_kv, g, d_v + d_rope, generator=gen).to(dtype)
+    # random draws repeat rows across queries (shared dkv rows) and within a query (counted twice)
+    idx = torch.randint(0, n_kv, (t, g, topk), generator=gen, dtype=torch.int32)
+    return q, kv, idx
+
+
+def _check(q, kv, idx, *, d_v=D_V, sm_scale=None):
+    """Kernel vs reference: o, lse, dq, dkv; returns the kernel's (o, lse)."""
+    dtype = q.dtype
+    (o_t, o_r), grads = run_both(
+        lambda a, b, i: sparse_mla_attention(a, b, i, sm_scale, d_v, impl="triton"),
+        lambda a, b, i: sparse_mla_ref(a, b, i, sm_scale, d_v),
+        [q, kv, idx],
+    )
+    assert o_t.dtype == dtype and o_t.shape == (q.shape[0], q.shape[1], d_v)
+    assert_close(o_t, o_r, dtype, name="o")
+    (dq_t, dq_r), (dkv_t, dkv_r) = grads
+    assert dq_t.dtype == dtype and dkv_t.dtype == dtype
+    assert_close(dq_t, dq_r, dtype, scale=GRAD_SCALE, name="dq")
+    assert_close(dkv_t, dkv_r, dtype, scale=GRAD_SCALE, name="dkv")
+    o, lse = sparse_mla_attention(q, kv, idx, sm_scale, d_v, return_lse=True, impl="triton")
+    _, lse_r = sparse_mla_ref(q, kv, idx, sm_scale, d_v, return_lse=True)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_r))
+    finite = torch.isfinite(lse_r)
+    torch.testing.assert_close(lse[finite], lse_r[finite], atol=1e-4, rtol=1e-4)
+    return o, lse
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# (T, H, G, topk, T_kv): one token; topk below / equal to / not a multiple of the block (16 under the
+# interpreter); H not a power of two; heads over two blocks (20 > 16); two kv groups of 3 heads
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1, 5, 3), (5, 5, 1, 16, 9), (7, 3, 1, 37, 50), (3, 20, 1, 20, 11), (4, 6, 2, 21, 13)],
+    ids=lambda s: "T{}-H{}-G{}-k{}-kv{}".format(*s),
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_sparse_mla_matches_reference(triton_cpu, shape, dtype):
+    _check(*_inputs(*shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_sparse_mla_masked_indices(triton_cpu, dtype):
+    """-1, other negatives and >= T_kv are masked; a row with none valid gives zeros, lse -inf, zero grads."""
+    q, kv, idx = _inputs(6, 5, 1, 24, 10, dtype, seed=2)
+    idx[0, 0, 3:] = -1  # causal-style padding
+    idx[1, 0] = -1  # fully masked row
+    idx[2, 0, ::3] = 10  # == T_kv
+    idx[3, 0, 1::4] = -7
+    idx[4, 0, :] = idx[4, 0, 0]  # one row selected 24 times
+    o, lse = _check(q, kv, idx, sm_scale=0.3)
+    assert torch.all(o[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    qq = q.clone().requires_grad_(True)
+    sparse_mla_attention(qq, kv, idx, 0.3, D_V, impl="triton").sum().backward()
+    assert torch.all(qq.grad[1] == 0) and torch.isfinite(qq.grad).all()
+
+
+def test_sparse_mla_all_masked_and_empty(triton_cpu):
+    q, kv, idx = _inputs(3, 4, 1, 8, 5, torch.float32)
+    kvv = kv.clone().requires_grad_(True)
+    o = sparse_mla_attention(q, kvv, torch.full_like(idx, -1), None, D_V, impl="triton")
+    o.sum().backward()
+    assert torch.all(o == 0) and torch.all(kvv.grad == 0)
+    empty = sparse_mla_attention(q, kv, idx[:, :, :0], None, D_V, impl="triton")
+    assert empty.shape == (3, 4, D_V) and torch.all(empty == 0)
+
+
+def test_sparse_mla_layouts(triton_cpu):
+    """Strided q / kv (views into wider buffers), int64 indices, no rope channels (d_v == D)."""
+    q, kv, idx = _inputs(5, 3, 1, 19, 12, torch.float32, seed=3)
+    q_wide = torch.cat([q, torch.randn(5, 3, 8)], dim=-1)[..., : D_V + D_ROPE]
+    kv_wide = torch.cat([kv, torch.randn(12, 1, 4)], dim=-1)[..., : D_V + D_ROPE]
+    assert not q_wide.is_contiguous() and not kv_wide.is_contiguous()
+    _check(q_wide, kv_wide, idx.long())
+    _check(q, kv, idx, d_v=D_V + D_ROPE)
+
+
+def test_sparse_mla_torch_impl_and_errors(monkeypatch):
+    q, kv, idx = _inputs(4, 2, 1, 6, 7, torch.float32)
+    monkeypatch.setenv("LOONGFORGE_KERNELS", "torch")
+    torch.testing.assert_close(
+        sparse_mla_attention(q, kv, idx, None, D_V), sparse_mla_ref(q, kv, idx, None, D_V)
+    )
+    with pytest.raises(ValueError, match="H % G"):
+        sparse_mla_attention(q, kv.expand(7, 3, -1), idx.expand(4, 3, -1), None, D_V)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_attention(q, kv, idx[:3], None, D_V)
+    with pytest.raises(ValueError, match="d_v"):
+        sparse_mla_attention(q, kv, idx, None, 512)
+    with pytest.raises(ValueError, match="integer"):
+        sparse_mla_attention(q, kv, idx.float(), None, D_V)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_sparse_mla_with_all_causal_keys_is_dense_causal_attention(impl):
+    """topk >= T selects every causal key: the result must equal dense causal MQA attention (SDPA)."""
+    if impl == "triton" and _dispatch.triton_unavailable_reason("cpu"):
+        pytest.skip("needs Triton's interpreter (test_interpreter_suite runs it)")
+    t, h = 9, 4
+    q, kv, _ = _inputs(t, h, 1, 1, t, torch.float32, seed=4)
+    idx = dsa_topk_indices(torch.randn(t, t), topk=12, causal=True)
+    out = sparse_mla_attention(q, kv, idx, None, D_V, impl=impl)
+    k = kv[:, 0].unsqueeze(0).expand(h, -1, -1)
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, k[..., :D_V], is_causal=True, scale=(D_V + D_ROPE) ** -0.5
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_dsa_topk_indices():
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(6, 9, generator=gen)  # 6 queries are the last 6 of 9 positions
+    idx = dsa_topk_indices(scores, topk=5, causal=True)
+    assert idx.dtype == torch.int32 and idx.shape == (6, 1, 5)
+    for i in range(6):
+        allowed = scores[i, : i + 4]
+        want = allowed.topk(min(5, allowed.numel())).indices.tolist()
+        got = idx[i, 0].tolist()
+        assert got[: len(want)] == want and all(j == -1 for j in got[len(want) :]), (i, got, want)
+    # topk above T_kv pads with -1; without causal every key is eligible; -inf scores are never selected
+    s = torch.randn(2, 3, 4, generator=gen)
+    s[0, 1, 2] = float("-inf")
+    idx = dsa_topk_indices(s, topk=6, causal=False)
+    assert idx.shape == (2, 3, 6) and (idx[..., 4:] == -1).all()
+    assert sorted(idx[1, 2, :4].tolist()) == [0, 1, 2, 3] and sorted(idx[0, 1, :3].tolist()) == [0, 1, 3]
+    assert idx[0, 1, 3] == -1
+
+
+def test_sparse_mla_compiles_for_hopper():
+    """Every CUDA autotune config compiles for sm_90 and fits its shared memory at DeepSeek's shape."""
+    if not _dispatch.HAS_TRITON:
+        pytest.skip("triton not installed")
+    code = f"""
+import inspect, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loongforge_kernels import sparse_mla as sm
+ptrs = {{"IDX": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DKV": "*fp32"}}
+for which, kernel in (("fwd", sm._sparse_mla_fwd_kernel), ("bwd", sm._sparse_mla_bwd_kernel)):
+    params = list(inspect.signature(kernel.fn).parameters)
+    for bh, bk, warps, stages in sm.CUDA_CONFIGS[which]:
+        consts = dict(BLOCK_H=bh, BLOCK_K=bk, BLOCK_DV=512, BLOCK_DR=64, DOT_DTYPE=tl.bfloat16,
+                      DOT_PRECISION="tf32")
+        sig = {{p: "constexpr" if p in consts else ptrs.get(p, "*bf16") if p.isupper()
+               else "fp32" if "scale" in p else "i32" for p in params}}
+        src = ASTSource(fn=kernel, signature=sig, constexprs={{(params.index(k),): v for k, v in consts.items()}})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        assert k.metadata.shared <= {227 * 1024}, (which, bh, bk, k.metadata.shared)
+        print(which, bh, bk, warps, stages, k.metadata.shared)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout.splitlines()) == sum(len(c) for c in CUDA_CONFIGS.values()), r.stdout
