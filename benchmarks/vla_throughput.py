@@ -1,13 +1,18 @@
-"""VLA training throughput on one GPU: LoongForge's embodied trainer vs LeRobot 0.6.1's own loop (named peer).
+"""VLA training throughput on one GPU: LoongForge's embodied trainer vs LeRobot 0.6.1 (named peer), two ways.
 
-Both train a pi05-shaped, randomly initialised policy in bf16 with AdamW + grad clip at the same batch size.
-Peer: ``PI05Policy`` stepped the way ``lerobot-train`` does (forward → backward → clip → step) on a synthetic
-batch already on the GPU. Ours: the ``embodied`` backend's job on the ``pi05`` preset, data loading included
-(DataLoader workers, pinned memory). Prints samples/s, GPU busy % (if pynvml is present) and the ratio last;
-appends a JSON line to ``benchmarks/results/vla_throughput_<date>_<gpu>.jsonl``.
+All train a pi05-shaped, randomly initialised policy in bf16 with AdamW + grad clip at the same batch size.
+Ours: the ``embodied`` backend's job on the ``pi05`` preset, data loading included (DataLoader workers, pinned
+memory; synthetic frames, or the recorded dataset given by ``--data-root``).
+Peers: ``lerobot_step``, the model step alone: ``PI05Policy`` stepped the way ``lerobot-train`` does
+(forward → backward → clip → step) on a synthetic batch already on the GPU; ``lerobot_e2e`` (only with
+``--data-root``), LeRobot's own loop end to end: ``lerobot_train.train`` on the same recorded dataset, data loading
+and preprocessing included (see ``lerobot_peer.py``). Prints samples/s, GPU busy % (if pynvml is present) and the
+ratios last (with ``--data-root`` ours includes data loading in both ratios); appends a JSON line to
+``benchmarks/results/vla_throughput_<date>_<gpu>.jsonl``.
 
-    uv run python benchmarks/vla_throughput.py --batch 16 --steps 30     # both
-    uv run python benchmarks/vla_throughput.py --only ours --batch 32    # our side alone (memory check)
+    uv run python benchmarks/vla_throughput.py --batch 16 --steps 30                       # ours vs lerobot_step
+    uv run python benchmarks/vla_throughput.py --batch 16 --data-root .vla_data/pusht224   # + lerobot_e2e
+    uv run python benchmarks/vla_throughput.py --only ours --batch 32                      # our side alone
 """
 
 from __future__ import annotations
@@ -54,13 +59,14 @@ class BusySampler:
         return sum(self.samples) / len(self.samples) if self.samples else None
 
 
-def bench_peer(*, batch: int, steps: int, warmup: int) -> dict:
-    """LeRobot's PI05Policy, random init, bf16, synthetic batch on the GPU."""
+def bench_lerobot_step(*, batch: int, steps: int, warmup: int, cameras: int = 2) -> dict:
+    """The model step alone: LeRobot's PI05Policy, random init, bf16, synthetic batch on the GPU."""
     from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
-    cams = ["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb"]
+    cams = ["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb",
+            "observation.images.right_wrist_0_rgb"][:cameras]
     feats = {k: PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224)) for k in cams}
     feats["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(32,))
     cfg = PI05Config(device="cuda", dtype="bfloat16", input_features=feats,
@@ -84,21 +90,39 @@ def bench_peer(*, batch: int, steps: int, warmup: int) -> dict:
                  params=sum(p.numel() for p in policy.parameters()))
 
 
-def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None) -> dict:
+def bench_lerobot_e2e(*, data_root: str, repo_id: str, batch: int, steps: int, warmup: int, workers: int) -> dict:
+    """LeRobot's own loop end to end (``lerobot_train.train``, pi05, bf16) on the recorded dataset."""
+    from lerobot_peer import run_lerobot_train
+
+    return run_lerobot_train(data_root, repo_id, policy_type="pi05", batch=batch, steps=steps, warmup=warmup,
+                             num_workers=workers, dtype="bfloat16", device="cuda", monitor=BusySampler())
+
+
+# Our policies at pi05 size: ``lerobot_pi05`` is LeRobot's own PI05Pytorch (the same model as the peers),
+# ``tiny_vla`` our pi05-shaped re-implementation; any other policy name overrides tiny_vla's recipe.
+OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_vla_synthetic.yaml"}
+
+
+def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
+               policy: str = "lerobot_pi05", recompute: bool = False) -> dict:
     from loongforge.api import build_job, load_recipe
 
     over = [f"train.steps={steps + warmup}", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
             "train.precision=bf16", "model.preset=pi05", f"train.compile={str(compile).lower()}",
             f"data.num_workers={workers}", "checkpoint.resume=never", "checkpoint.save_at_end=false",
-            "logging.console=false", "logging.tensorboard=false", f"data.synthetic_samples={batch * 64}"]
+            "logging.console=false", "logging.tensorboard=false", f"data.synthetic_samples={batch * 64}",
+            f"parallel.recompute={'full' if recompute else 'none'}"]
     if data_root:
         over += ["data.format=lerobot", f"data.root={data_root}"]
-    recipe = load_recipe(ROOT / "recipes" / "embodied" / "tiny_vla_synthetic.yaml", over)
+    if policy not in OUR_RECIPES:
+        over.append(f"model.policy={policy}")
+    recipe = load_recipe(ROOT / "recipes" / "embodied" / OUR_RECIPES.get(policy, "tiny_vla_synthetic.yaml"), over)
     with tempfile.TemporaryDirectory() as tmp:
         job, _ = build_job(recipe, output_dir=tmp)
         try:
-            return _time(job.step, batch=batch, steps=steps, warmup=warmup,
-                         params=sum(p.numel() for p in job.model.raw.parameters()))
+            return {**_time(job.step, batch=batch, steps=steps, warmup=warmup,
+                            params=sum(p.numel() for p in job.model.raw.parameters())),
+                    "policy": recipe.model.policy, "recompute": recompute}
         finally:
             job.close()
 
@@ -118,35 +142,61 @@ def _time(step, *, batch: int, steps: int, warmup: int, params: int) -> dict:
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "params_m": params / 1e6}
 
 
+def _num_cameras(data_root: str) -> int:
+    feats = json.loads((Path(data_root) / "meta" / "info.json").read_text())["features"]
+    return sum(f["dtype"] in ("image", "video") for f in feats.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--only", choices=["ours", "peer"], default=None)
+    ap.add_argument("--only", choices=["ours", "peer", "lerobot_step", "lerobot_e2e"], default=None,
+                    help="one side only ('peer': both LeRobot peers)")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--workers", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=6, help="DataLoader workers, ours and lerobot_e2e")
     ap.add_argument("--data-root", default=None, help="a recorded LeRobotDataset instead of synthetic frames")
+    ap.add_argument("--repo-id", default=None, help="the dataset's repo id for LeRobot (default local/<folder>)")
+    ap.add_argument("--policy", default="lerobot_pi05", help="ours: lerobot_pi05 (LeRobot's PI05Pytorch) | tiny_vla")
+    ap.add_argument("--recompute", action="store_true", help="ours: activation checkpointing (parallel.recompute=full)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("vla_throughput needs a CUDA GPU")
+    if args.only == "lerobot_e2e" and not args.data_root:
+        raise SystemExit("--only lerobot_e2e needs --data-root")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile}
-    if args.only != "peer":
+    run = {"ours": args.only in (None, "ours"), "lerobot_step": args.only in (None, "peer", "lerobot_step"),
+           "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
+    res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
+                 "data_root": args.data_root, "workers": args.workers}
+    if run["ours"]:
         res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
-                                 workers=args.workers, data_root=args.data_root)
+                                 workers=args.workers, data_root=args.data_root, policy=args.policy,
+                                 recompute=args.recompute)
         print("ours:", json.dumps(res["ours"]), flush=True)
         torch.cuda.empty_cache()
-    if args.only != "ours":
-        res["lerobot"] = bench_peer(batch=args.batch, steps=args.steps, warmup=args.warmup)
-        print("lerobot:", json.dumps(res["lerobot"]), flush=True)
+    if run["lerobot_step"]:
+        # NOTE: as many cameras as ours sees: the recorded dataset's, else the pi05 preset's two.
+        res["lerobot_step"] = bench_lerobot_step(batch=args.batch, steps=args.steps, warmup=args.warmup,
+                                                 cameras=_num_cameras(args.data_root) if args.data_root else 2)
+        print("lerobot_step:", json.dumps(res["lerobot_step"]), flush=True)
+        torch.cuda.empty_cache()
+    if run["lerobot_e2e"]:
+        # NOTE: last, since lerobot_train.train sets process-wide torch flags (cudnn.benchmark, tf32) and logging.
+        repo_id = args.repo_id or f"local/{Path(args.data_root).name}"
+        res["lerobot_e2e"] = bench_lerobot_e2e(data_root=args.data_root, repo_id=repo_id, batch=args.batch,
+                                               steps=args.steps, warmup=args.warmup, workers=args.workers)
+        print("lerobot_e2e:", json.dumps(res["lerobot_e2e"]), flush=True)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     gpu = res["gpu"].replace(" ", "-").lower()
     with open(out / f"vla_throughput_{time.strftime('%Y%m%d')}_{gpu}.jsonl", "a") as f:
         f.write(json.dumps(res) + "\n")
-    if "ours" in res and "lerobot" in res:
-        print(f"ratio ours/lerobot: {res['ours']['samples_per_s'] / res['lerobot']['samples_per_s']:.2f}x")
+    for peer, what in (("lerobot_e2e", "end to end"), ("lerobot_step", "model step")):
+        if "ours" in res and peer in res:
+            ratio = res["ours"]["samples_per_s"] / res[peer]["samples_per_s"]
+            print(f"ratio {what} ours/{peer}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Run the synthetic tiny-VLA recipe for a few steps under each named strategy in this (torchrun) process group
-and write rank 0's losses as JSON. Used by the equivalence tests: ``torchrun --nproc-per-node N dist_driver.py
-OUT.json STEPS strategy[:shard_size] ...``."""
+"""Run a synthetic recipe for a few steps under each named strategy in this (torchrun) process group and write
+rank 0's losses as JSON. Used by the equivalence tests: ``torchrun --nproc-per-node N dist_driver.py OUT.json
+STEPS RECIPE strategy[:shard_size] ...`` (RECIPE: a file name under recipes/embodied/); ``losses`` also runs
+the one-process reference inside the test process."""
 
 from __future__ import annotations
 
@@ -12,25 +13,31 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "embodied" / "tiny_vla_synthetic.yaml"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes" / "embodied"
 
 
-def main(out: str, steps: str, *strategies: str) -> None:
+def losses(recipe_name: str, spec: str, *, steps: int) -> list[float]:
+    """Losses of ``steps`` optimizer steps of ``recipe_name`` under ``spec`` (``strategy[:shard_size]``) in this
+    process group, or in a private one-process group when none is initialised."""
     from loongforge.api import build_job, load_recipe
 
-    dist.init_process_group("gloo")
-    results: dict[str, list[float]] = {}
-    for spec in strategies:
-        strategy, _, shard = spec.partition(":")
-        overrides = [f"parallel.strategy={strategy}", f"train.steps={steps}", "checkpoint.resume=never",
-                     "checkpoint.save_at_end=false", "logging.console=false", "logging.tensorboard=false"]
-        if shard:
-            overrides.append(f"parallel.shard_size={shard}")
-        recipe = load_recipe(RECIPE, overrides)
-        with tempfile.TemporaryDirectory() as tmp:
-            job, _ = build_job(recipe, output_dir=tmp)
-            results[spec] = [job.step()["loss"] for _ in range(int(steps))]
+    strategy, _, shard = spec.partition(":")
+    overrides = [f"parallel.strategy={strategy}", f"train.steps={steps}", "checkpoint.resume=never",
+                 "checkpoint.save_at_end=false", "logging.console=false", "logging.tensorboard=false"]
+    if shard:
+        overrides.append(f"parallel.shard_size={shard}")
+    recipe = load_recipe(RECIPES / recipe_name, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        job, _ = build_job(recipe, output_dir=tmp)
+        try:
+            return [job.step()["loss"] for _ in range(steps)]
+        finally:
             job.close()
+
+
+def main(out: str, steps: str, recipe_name: str, *strategies: str) -> None:
+    dist.init_process_group("gloo")
+    results = {spec: losses(recipe_name, spec, steps=int(steps)) for spec in strategies}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()

@@ -47,6 +47,9 @@ class EmbodiedBackend(Backend):
         if t.stage not in ("pretrain", "sft"):
             raise RecipeError(f"train.stage '{t.stage}' is not supported by the embodied backend (pretrain, sft)",
                               key="train.stage")
+        if recipe.model.fp8_allgather.enabled and p.strategy not in ("fsdp2", "hsdp"):
+            raise RecipeError(f"the delta-FP8 all-gather is an FSDP2 hook: needs parallel.strategy fsdp2 or hsdp "
+                              f"(got '{p.strategy}')", key="model.fp8_allgather.enabled")
         if set(recipe.model.freeze) >= set(COMPONENTS):
             raise RecipeError("every component is frozen: nothing to train", key="model.freeze")
         if recipe.model.load and not (Path(recipe.model.load) / "model.safetensors").is_file():

@@ -108,8 +108,9 @@ def export(job: EmbodiedJob, out_dir: Path) -> Path | None:
     """Write ``out_dir`` as a LeRobot policy directory (config.json + model.safetensors); collective."""
     weights = full_state_dict(job, use_ema=True)
     if job.runtime.is_main:
-        from loongforge_embodied.policies.tiny_vla.export import write_pretrained
+        from loongforge_embodied.policies import get_policy
 
-        write_pretrained(out_dir, arch=job.arch, weights=weights, features=job.features)
+        get_policy(job.recipe.model.policy).export.write_pretrained(out_dir, arch=job.arch, weights=weights,
+                                                                    features=job.features)
     dist.barrier()
     return out_dir

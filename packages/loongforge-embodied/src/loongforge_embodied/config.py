@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import Literal
 
 from loongforge.recipe.schema import Section
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 COMPONENTS = ("vision", "language", "expert")
+
+
+class FP8AllGatherConfig(Section):
+    """fsdp2/hsdp: gather parameters as blockwise-FP8 deltas against a persistent bf16 reconstruction
+    (``loongforge_embodied.fp8_allgather``; CUDA with SM >= 8.9)."""
+
+    enabled: bool = False
+    reprime_every: int = Field(0, ge=0, description="optimizer steps between full bf16 re-primes (0: first only)")
 
 
 class ModelConfig(Section):
@@ -15,8 +23,9 @@ class ModelConfig(Section):
 
     State / action sizes and the camera count come from the dataset."""
 
-    policy: Literal["tiny_vla"] = "tiny_vla"
-    preset: Literal["tiny", "pi05"] = "tiny"
+    policy: Literal["tiny_vla", "groot", "lerobot_pi05"] = "tiny_vla"
+    preset: str = Field("tiny", description="named size of the policy (tiny_vla: tiny | pi05; groot: tiny | n1.5; "
+                        "lerobot_pi05: tiny | pi05)")
     arch: dict[str, int] = Field(default_factory=dict, description="overrides of the preset's sizes")
     freeze: list[Literal["vision", "language", "expert"]] = Field(
         default_factory=list, description="components kept frozen (and unsharded under fsdp2/hsdp)")
@@ -24,6 +33,18 @@ class ModelConfig(Section):
     comm_hook: Literal["none", "bf16"] = Field("none", description="ddp/zero1: compress gradient all-reduce to bf16")
     reshard_after_forward: bool = Field(True, description="fsdp2/hsdp: free gathered params after forward (ZeRO-3)")
     prefetch: int = Field(1, ge=0, description="fsdp2/hsdp: blocks all-gathered ahead in forward and backward")
+    fp8_allgather: FP8AllGatherConfig = Field(default_factory=FP8AllGatherConfig)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str, info: ValidationInfo) -> str:
+        from loongforge_embodied.policies import get_policy
+
+        policy = info.data.get("policy")
+        if policy is not None and value not in get_policy(policy).presets:
+            raise ValueError(f"unknown preset '{value}' for policy {policy}; allowed: "
+                             f"{', '.join(get_policy(policy).presets)}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

@@ -37,8 +37,7 @@ class EmbodiedJob(Job):
         from loongforge_embodied.data.sampler import GlobalBatchSampler
         from loongforge_embodied.optim import ZeroOneOptimizer, make_optimizer, param_groups
         from loongforge_embodied.parallel import parallelize
-        from loongforge_embodied.policies import resolve_arch
-        from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
+        from loongforge_embodied.policies import get_policy, resolve_arch
 
         r, rt, t = self.recipe, self.runtime, self.recipe.train
         self.acc, self.device = rt.accelerator, rt.accelerator.device()
@@ -50,11 +49,10 @@ class EmbodiedJob(Job):
         self.features = {"cameras": cams}
         # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
         rt.seed(t.seed)
-        raw = TinyVLAModel(self.arch)
+        policy = get_policy(r.model.policy)
+        raw = policy.model_cls()(self.arch)
         if r.model.load:
-            from loongforge_embodied.policies.tiny_vla.export import load_model
-
-            raw.load_state_dict(load_model(r.model.load).state_dict())
+            raw.load_state_dict(policy.export.load_model(r.model.load).state_dict())
         raw.set_stats(source.stats())
         for name in r.model.freeze:
             for m in raw.components()[name]:
@@ -69,6 +67,7 @@ class EmbodiedJob(Job):
             raw, strategy=r.parallel.strategy, world_size=rt.world_size, device=self.device, precision=self.precision,
             comm_hook=r.model.comm_hook, shard_size=r.parallel.shard_size,
             reshard_after_forward=r.model.reshard_after_forward, prefetch=r.model.prefetch,
+            fp8_allgather=r.model.fp8_allgather.enabled, reprime_every=r.model.fp8_allgather.reprime_every,
         )
         self.trainable = [p for p in raw.parameters() if p.requires_grad]
         groups = param_groups(raw.named_parameters(), t.weight_decay)
@@ -84,8 +83,9 @@ class EmbodiedJob(Job):
             num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
         )
-        data = build_loader(source, arch=self.arch, sampler=sampler, seed=t.seed, num_workers=r.data.num_workers,
-                            pin_memory=self.device.type == "cuda", image_shift=r.data.image_shift)
+        data = build_loader(source, arch=self.arch, prepare=policy.prepare_batch, sampler=sampler, seed=t.seed,
+                            num_workers=r.data.num_workers, pin_memory=self.device.type == "cuda",
+                            image_shift=r.data.image_shift)
         self._batches = iter(data.loader)
         if self.log:
             n = sum(p.numel() for p in raw.parameters())
@@ -137,6 +137,8 @@ class EmbodiedJob(Job):
         gnorm = clip_grad_norm(self.trainable, t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.model.allgather is not None:
+            self.model.allgather.step()
         if self.ema is not None:
             self._update_ema(t.ema_decay)
         self.step_index += 1
@@ -145,6 +147,8 @@ class EmbodiedJob(Job):
         dt = time.perf_counter() - t0
         metrics: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": float(gnorm), "step_time": dt,
                                    "samples_per_s": t.global_batch_size / dt}
+        if self.model.allgather is not None:
+            metrics["allgather_bytes_ratio"] = self.model.allgather.stats.ratio
         mem = self.acc.memory_stats().get("peak_allocated")
         if mem:
             metrics["peak_mem_gib"] = mem / 2**30

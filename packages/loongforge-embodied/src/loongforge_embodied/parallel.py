@@ -1,5 +1,6 @@
 """Apply the recipe's data-parallel strategy to a policy: ddp, zero1, fsdp2 (per-block ``fully_shard``) or
-hsdp (FSDP2 on a 2-D replicate × shard DeviceMesh). Frozen components stay unsharded and out of the optimizer.
+hsdp (FSDP2 on a 2-D replicate × shard DeviceMesh), optionally with delta-FP8 parameter all-gathers. Frozen
+components stay unsharded and out of the optimizer.
 """
 
 from __future__ import annotations
@@ -7,10 +8,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from loongforge_embodied.fp8_allgather import AllGatherHook
 
 
 @dataclass
@@ -22,6 +27,7 @@ class Parallelized:
     strategy: str
     mesh: object | None = None
     units: list[nn.Module] = field(default_factory=list)
+    allgather: AllGatherHook | None = None  # delta-FP8 all-gathers (call ``allgather.step()`` per optimizer step)
 
     @contextlib.contextmanager
     def no_sync(self, skip: bool) -> Iterator[None]:
@@ -51,9 +57,19 @@ def resolve_strategy(strategy: str, world_size: int) -> str:
 def parallelize(
     model: nn.Module, *, strategy: str, world_size: int, device: torch.device, precision: str,
     comm_hook: str = "none", shard_size: int | None = None, reshard_after_forward: bool = True, prefetch: int = 1,
+    fp8_allgather: bool = False, reprime_every: int = 0,
 ) -> Parallelized:
     """Wrap ``model`` (already on ``device``, frozen params already ``requires_grad=False``)."""
     strategy = resolve_strategy(strategy, world_size)
+    if fp8_allgather:
+        from loongforge.errors import RecipeError
+
+        from loongforge_embodied.fp8_allgather import fp8_unsupported_reason
+
+        reason = (f"is an FSDP2 hook: needs parallel.strategy fsdp2 or hsdp (got '{strategy}')"
+                  if strategy not in ("fsdp2", "hsdp") else fp8_unsupported_reason(device))
+        if reason:
+            raise RecipeError(f"delta-FP8 all-gather {reason}", key="model.fp8_allgather.enabled")
     if strategy in ("ddp", "zero1"):
         if world_size == 1:
             return Parallelized(model, model, strategy)
@@ -66,8 +82,13 @@ def parallelize(
 
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return Parallelized(ddp, model, strategy)
-    return _fully_shard(model, strategy=strategy, world_size=world_size, device=device, precision=precision,
-                        shard_size=shard_size, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    par = _fully_shard(model, strategy=strategy, world_size=world_size, device=device, precision=precision,
+                       shard_size=shard_size, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    if fp8_allgather:
+        from loongforge_embodied.fp8_allgather import enable_delta_fp8_allgather
+
+        par.allgather = enable_delta_fp8_allgather(model, reprime_every=reprime_every)
+    return par
 
 
 def _fully_shard(model, *, strategy, world_size, device, precision, shard_size, reshard_after_forward, prefetch):

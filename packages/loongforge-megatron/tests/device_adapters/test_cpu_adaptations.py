@@ -8,7 +8,6 @@ import pytest
 import torch
 from loongforge.accelerator.adaptation import AdaptationSet, resolve
 from loongforge.errors import AdaptationError
-from loongforge_megatron.device_adapters import adaptations_for
 from loongforge_megatron.device_adapters.cpu import TARGETS, cpu_adaptations
 
 NAMES = [a.name for a in cpu_adaptations()]

@@ -6,20 +6,22 @@ sample's stream position, so a sample is identical whichever rank or micro-batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
+if TYPE_CHECKING:
+    from loongforge_embodied.policies import PolicyArch as Arch
 
 
 class SyntheticSource:
     """Deterministic random frames whose action chunk is a smooth function of the state (learnable)."""
 
-    def __init__(self, *, arch: TinyVLAArch, num_samples: int, task: str):
+    def __init__(self, *, arch: Arch, num_samples: int, task: str):
         self.arch, self.n, self.task = arch, num_samples, task
 
     def __len__(self) -> int:
@@ -44,7 +46,7 @@ class SyntheticSource:
 class LeRobotSource:
     """A local LeRobotDataset v3 read with delta-timestamp windows: the action chunk of each frame."""
 
-    def __init__(self, *, root: str, repo_id: str, arch: TinyVLAArch, cameras: list[str] | None):
+    def __init__(self, *, root: str, repo_id: str, arch: Arch, cameras: list[str] | None):
         from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
@@ -60,8 +62,12 @@ class LeRobotSource:
     def stats(self) -> dict[str, torch.Tensor]:
         s = self.meta.stats
         f = lambda k, m: torch.as_tensor(s[k][m], dtype=torch.float32).flatten()  # noqa: E731
-        return {"state_mean": f("observation.state", "mean"), "state_std": f("observation.state", "std").clamp_min(1e-4),
-                "action_mean": f("action", "mean"), "action_std": f("action", "std").clamp_min(1e-4)}
+        out = {"state_mean": f("observation.state", "mean"), "state_std": f("observation.state", "std").clamp_min(1e-4),
+               "action_mean": f("action", "mean"), "action_std": f("action", "std").clamp_min(1e-4)}
+        # NOTE: the 1st / 99th percentiles where recorded (pi05 normalises with them: LeRobot's QUANTILES mode).
+        for ours, key in (("state", "observation.state"), ("action", "action")):
+            out.update({f"{ours}_{q}": f(key, q) for q in ("q01", "q99") if q in s[key]})
+        return out
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         item = self.ds[idx]
@@ -72,7 +78,7 @@ class LeRobotSource:
 class FlowSamples(Dataset):
     """Indexed by ``(position, index)`` from :class:`GlobalBatchSampler`; adds per-sample noise and time."""
 
-    def __init__(self, source, *, arch: TinyVLAArch, seed: int, image_shift: int = 0):
+    def __init__(self, source, *, arch: Arch, seed: int, image_shift: int = 0):
         self.source, self.arch, self.seed, self.shift = source, arch, seed, image_shift
 
     def __len__(self) -> int:
@@ -99,13 +105,12 @@ def random_shift(images: torch.Tensor, *, pad: int, generator: torch.Generator) 
     return padded[..., dy:dy + h, dx:dx + w].reshape(images.shape)
 
 
-def collate(items: list[dict[str, Any]], *, arch: TinyVLAArch, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from loongforge_embodied.policies.tiny_vla.processor_tiny_vla import prepare_batch
-
+def collate(items: list[dict[str, Any]], *, prepare: Callable, arch: Arch,
+            stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     raw = {k: torch.stack([it[k] for it in items]) for k in items[0] if k != "task"}
     raw["time"] = raw["time"].reshape(-1)
     raw["task"] = [it["task"] for it in items]
-    return prepare_batch(raw, arch=arch, stats=stats)
+    return prepare(raw, arch=arch, stats=stats)  # the policy's ``prepare_batch``
 
 
 @dataclass
@@ -115,13 +120,13 @@ class DataBundle:
     loader: DataLoader
 
 
-def build_loader(source, *, arch: TinyVLAArch, sampler, seed: int, num_workers: int, pin_memory: bool,
+def build_loader(source, *, arch: Arch, prepare: Callable, sampler, seed: int, num_workers: int, pin_memory: bool,
                  image_shift: int = 0, stats: dict[str, torch.Tensor] | None = None) -> DataBundle:
     """A DataLoader over ``sampler``'s micro-batches; workers decode and collate in the background."""
     stats = stats or source.stats()
     ds = FlowSamples(source, arch=arch, seed=seed, image_shift=image_shift)
     kw: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory,
-                          "collate_fn": partial(collate, arch=arch, stats=stats)}
+                          "collate_fn": partial(collate, prepare=prepare, arch=arch, stats=stats)}
     if num_workers:
         kw.update(prefetch_factor=4, persistent_workers=True)
     return DataBundle(source, stats, DataLoader(ds, batch_sampler=sampler, **kw))

@@ -1,21 +1,84 @@
-"""Policies the embodied backend trains: a plain dict registry (one folder per policy, LeRobot-style)."""
+"""Policies the embodied backend trains: a plain dict registry (one folder per policy, LeRobot-style).
+
+A policy folder ``policies/<name>/`` provides, found lazily by module name (choosing one policy never imports
+another's modules, and validating a recipe imports no torch):
+
+- ``config.py``: ``PRESETS`` — named frozen dataclasses of sizes with ``with_overrides(**kw)``, ``to_dict()``
+  and the dataset-shaped fields ``image_size, num_cameras, state_dim, action_dim, chunk_size``;
+- ``model.py``: the ``nn.Module(arch)``: ``forward(batch) -> (B,)`` per-sample loss, ``components()`` (names
+  ``model.freeze`` takes), ``wrap_units()`` (FSDP2 / recompute units in execution order),
+  ``enable_activation_checkpointing()``, ``set_stats(stats)``, ``sample_actions(batch)``;
+- ``processor_<name>.py``: ``prepare_batch(raw, *, arch, stats)`` — collated samples → model inputs;
+- ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``;
+- LeRobot's ``configuration_<name>.py`` / ``modeling_<name>.py`` (``from_pretrained``, ``select_action``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from loongforge_embodied.config import DataConfig, ModelConfig
-    from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
 
 
-def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> TinyVLAArch:
+class PolicyArch(Protocol):
+    """The fields of a policy's size dataclass the data pipeline reads (filled from the dataset)."""
+
+    image_size: int
+    num_cameras: int
+    state_dim: int
+    action_dim: int
+    chunk_size: int
+
+    def with_overrides(self, **kw: Any) -> PolicyArch: ...
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Where a policy's parts live (module names under ``policies/<name>/``)."""
+
+    name: str
+    model_class: str
+
+    def module(self, part: str) -> ModuleType:
+        return importlib.import_module(f"{__name__}.{self.name}.{part}")
+
+    @property
+    def presets(self) -> dict[str, Any]:
+        return self.module("config").PRESETS
+
+    def model_cls(self) -> type:
+        return getattr(self.module("model"), self.model_class)
+
+    @property
+    def prepare_batch(self):
+        return self.module(f"processor_{self.name}").prepare_batch
+
+    @property
+    def export(self) -> ModuleType:
+        return self.module("export")
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "tiny_vla": PolicySpec("tiny_vla", "TinyVLAModel"),
+    "groot": PolicySpec("groot", "GrootModel"),
+    "lerobot_pi05": PolicySpec("lerobot_pi05", "LeRobotPI05Model"),
+}
+
+
+def get_policy(name: str) -> PolicySpec:
+    return POLICIES[name]
+
+
+def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> PolicyArch:
     """Preset + ``model.arch`` overrides + the dataset's shapes (state/action dims, cameras, image size)."""
-    from loongforge_embodied.policies.tiny_vla.config import PRESETS
-
-    arch = PRESETS[model.preset].with_overrides(**model.arch)
+    arch = get_policy(model.policy).presets[model.preset].with_overrides(**model.arch)
     if data is not None and data.format == "lerobot":
         arch = arch.with_overrides(**dataset_shapes(data))
     return arch
