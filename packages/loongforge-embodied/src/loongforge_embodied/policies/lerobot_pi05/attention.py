@@ -1,0 +1,179 @@
+"""LeRobot pi05's joint (prefix layer, expert layer) step with ``scaled_dot_product_attention``, installed as a
+named, checked, reversible adaptation of ``modeling_pi05.compute_layer_complete``.
+
+LeRobot's ``compute_layer_complete`` concatenates both streams' queries/keys/values and calls transformers'
+``eager_attention_forward``: the (B, 8, L, L) scores are materialised (and kept for backward) with the 4-D
+additive mask. The training mask of ``PI05Pytorch.forward`` is a prefix-LM mask: prefix tokens (images,
+language) see the valid prefix tokens, action tokens see every valid token. So the twin makes two SDPA calls
+with no 2-D mask, only a (B, 1, 1, L) key-padding vector (the language padding): prefix queries over the
+prefix keys, action queries over all keys. With one key-value head (both Gemma variants) the 8 query heads fold
+into the query length — MQA as single-head attention over L·8 query rows — so nothing is repeated or transposed.
+
+Outputs equal LeRobot's for every valid token (padded prefix rows differ: they are never read). The
+dispatcher changes nothing for models that did not opt in (LeRobot's own ``PI05Policy`` keeps eager attention):
+our model marks its prefix layers (``mark_layers``). It also enters FSDP2 units explicitly — the joint step
+calls the layers' submodules, never ``layer.forward``, so FSDP's forward hooks would not fire — and runs a
+compiled body when the job compiled the unit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lerobot.policies.pi_gemma import _gated_residual, layernorm_forward
+from loongforge.accelerator.adaptation import AdaptationSet, replace_attr
+from transformers.models.gemma.modeling_gemma import rotate_half
+
+from loongforge_embodied.policies.lerobot_pi05.build import MODELING, source_has
+
+NAME = "pi05-joint-layer"
+MODE = "_loongforge_attention"  # on a prefix layer: "sdpa" or "eager" (LeRobot's own step)
+LAST = "_loongforge_last"  # on the last prefix layer: its prefix output is never read
+_installed: AdaptationSet | None = None
+
+
+def sdpa_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb):
+    """Twin of LeRobot's ``compute_layer_complete`` (same arguments and results) with SDPA attention."""
+    # NOTE: in the last layer only the prefix keys/values are read (by the action tokens): no prefix queries.
+    skip_prefix = getattr(layers[0], LAST, False)
+    qs, ks, vs, gates = [], [], [], []
+    for i, (layer, hidden, cond) in enumerate(zip(layers, inputs_embeds, adarms_cond, strict=True)):
+        h, gate = layernorm_forward(layer.input_layernorm, hidden, cond)
+        gates.append(gate)
+        attn = layer.self_attn
+        shape = (*h.shape[:2], -1, attn.head_dim)  # (B, L, heads, D): heads next to the sequence
+        qs.append(None if i == 0 and skip_prefix else attn.q_proj(h).view(shape))
+        ks.append(attn.k_proj(h).view(shape))
+        vs.append(attn.v_proj(h).view(shape))
+    # NOTE: LeRobot concatenates the streams (dtype promotion), then applies RoPE to the whole sequence.
+    dtype = torch.promote_types(ks[0].dtype, ks[1].dtype)
+    cos, sin = rotary_emb(ks[1].new_empty(0, dtype=dtype), position_ids)
+    n_prefix = inputs_embeds[0].shape[1]
+    for i, part in enumerate((slice(0, n_prefix), slice(n_prefix, None))):
+        c, s = cos[:, part].unsqueeze(2), sin[:, part].unsqueeze(2)
+        ks[i] = _rope(ks[i].to(dtype), c, s)
+        qs[i] = None if qs[i] is None else _rope(qs[i].to(dtype), c, s)
+    keys, values = torch.cat(ks, dim=1), torch.cat([v.to(dtype) for v in vs], dim=1)
+    valid = _valid_keys(attention_mask)
+    scale = layers[0].self_attn.scaling
+    outs = [None if qs[0] is None else _attend(qs[0], keys[:, :n_prefix], values[:, :n_prefix], valid[:, :n_prefix],
+                                               scale),
+            _attend(qs[1], keys, values, valid, scale)]
+
+    results = []
+    for i, (layer, hidden, cond) in enumerate(zip(layers, inputs_embeds, adarms_cond, strict=True)):
+        if outs[i] is None:
+            results.append(hidden)  # the last prefix layer's output: PI05Pytorch.forward keeps only actions
+            continue
+        out = outs[i]
+        if out.dtype != layer.self_attn.o_proj.weight.dtype:
+            out = out.to(layer.self_attn.o_proj.weight.dtype)
+        # NOTE: LeRobot clones the first residual; nothing writes to it in place, so the copy is dropped.
+        residual = _gated_residual(hidden, layer.self_attn.o_proj(out), gates[i])
+        out, gate = layernorm_forward(layer.post_attention_layernorm, residual, cond)
+        if layer.mlp.up_proj.weight.dtype == torch.bfloat16:
+            out = out.to(dtype=torch.bfloat16)
+        results.append(_gated_residual(residual, layer.mlp(out), gate))
+    return results
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' Gemma ``apply_rotary_pos_emb`` for one tensor (cos/sin already broadcast over heads)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def _valid_keys(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) keys an action token may attend to: the last query row of LeRobot's 4-D mask (additive: 0 = keep)."""
+    row = attention_mask[:, 0, -1, :]
+    return row if row.dtype == torch.bool else row == 0
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q (B, Lq, H, D) over k/v (B, Lk, 1, D) with a key-padding mask; returns (B, Lq, H·D).
+
+    NOTE: with one key-value head (LeRobot's joint layer assumes it: ``1 * 8 * head_dim``) the H query heads are
+    just more query rows of a single-head attention: no K/V repeat, no transpose of q or of the output."""
+    b, lq, h, d = q.shape
+    out = F.scaled_dot_product_attention(q.reshape(b, 1, lq * h, d), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=valid[:, None, None, :], scale=scale)
+    return out.view(b, lq, h * d)
+
+
+def _call(fn: Callable, *args: Any) -> Any:
+    return fn(*args)
+
+
+def _entered(module: torch.nn.Module, fn: Callable) -> Callable:
+    """``fn`` run inside ``module``'s FSDP2 pre/post-forward (all-gather, reshard, backward hooks) when it is a
+    ``fully_shard`` unit; else ``fn`` itself."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(module, FSDPModule):
+        return fn
+    if "_loongforge_call" not in module.__dict__:
+        module._loongforge_call = _call
+        register_fsdp_forward_method(module, "_loongforge_call")
+    return functools.partial(module._loongforge_call, fn)
+
+
+@functools.cache
+def _compiled(body: Callable) -> Callable:
+    return torch.compile(body)
+
+
+def _dispatcher(original: Callable) -> Callable:
+    def compute_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb):
+        mode = getattr(layers[0], MODE, None)
+        if mode is None:  # not our model: LeRobot's step, untouched
+            return original(inputs_embeds, attention_mask, position_ids, adarms_cond, layers=layers,
+                            rotary_emb=rotary_emb)
+        body = sdpa_layer_complete if mode == "sdpa" else original
+        if layers[0]._compiled_call_impl is not None:  # the job compiled this unit (``unit.compile()``)
+            body = _compiled(body)
+        run = functools.partial(body, layers=layers, rotary_emb=rotary_emb)
+        for layer in reversed(layers):  # the expert unit innermost
+            run = _entered(layer, run)
+        return run(inputs_embeds, attention_mask, position_ids, adarms_cond)
+
+    compute_layer_complete.__wrapped__ = original
+    return compute_layer_complete
+
+
+def joint_layer_adaptation():
+    """The adaptation: ``compute_layer_complete`` → the dispatcher (checked against LeRobot's source first)."""
+    return replace_attr(
+        NAME, f"{MODELING}.compute_layer_complete", _dispatcher,
+        description="pi05's joint prefix/expert layer: SDPA twin + explicit FSDP2 units for marked models",
+        expect=source_has("eager_attention_forward(", "layernorm_forward(layer.input_layernorm",
+                          "1 * 8 * head_dim", "_gated_residual(", "rotary_emb(dummy_tensor, position_ids)",
+                          "apply_rotary_pos_emb("),
+    )
+
+
+def install() -> None:
+    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected)."""
+    global _installed
+    if _installed is None:
+        s = AdaptationSet([joint_layer_adaptation()])
+        s.__enter__()
+        _installed = s
+
+
+def uninstall() -> None:
+    """Restore LeRobot's ``compute_layer_complete``."""
+    global _installed
+    if _installed is not None:
+        _installed.__exit__(None, None, None)
+        _installed = None
+
+
+def mark_layers(prefix_layers, *, sdpa: bool) -> None:
+    """Opt a model's prefix layers into the dispatcher (``sdpa`` or LeRobot's eager step) and install it."""
+    install()
+    for layer in prefix_layers:
+        setattr(layer, MODE, "sdpa" if sdpa else "eager")
+    setattr(prefix_layers[-1], LAST, True)

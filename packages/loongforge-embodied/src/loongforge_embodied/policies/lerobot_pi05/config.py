@@ -1,0 +1,108 @@
+"""Sizes of LeRobot's own PI05 as our trainer builds it: no torch, no LeRobot import (recipes resolve here).
+
+The model is LeRobot 0.6.1's ``PI05Pytorch`` built from a ``PI05Config`` (``paligemma_variant``,
+``action_expert_variant``, ``dtype`` (``bf16_params``), ...). The ``*_width``/``*_depth``/``*_mlp``/``head_dim``/``vision_*``/
+``patch_size`` fields are 0 for LeRobot's real sizes (PaliGemma Gemma-2B + SigLIP So400m/14 + Gemma-300M
+expert); non-zero values shrink the model for CPU tests (see ``build.py``: LeRobot's size lookups are
+redirected while the model is constructed). Attention is always 8 query heads / 1 key-value head, as in both
+Gemma variants: LeRobot's joint layer hard-codes the 8 in a reshape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+VARIANTS = ("gemma_2b", "gemma_300m")
+NUM_HEADS, NUM_KV_HEADS = 8, 1  # LeRobot's compute_layer_complete reshapes to ``1 * 8 * head_dim``
+SIZE_FIELDS = ("lm_width", "lm_depth", "lm_mlp", "expert_width", "expert_depth", "expert_mlp", "head_dim",
+               "vision_width", "vision_depth", "vision_heads", "vision_mlp", "patch_size")
+
+
+@dataclass(frozen=True)
+class LeRobotPI05Arch:
+    """``image_size``/``num_cameras``/``state_dim``/``action_dim`` are the dataset's (images are resized with
+    padding to ``resolution``; state and actions are zero-padded to ``max_state_dim``/``max_action_dim``)."""
+
+    image_size: int = 224
+    num_cameras: int = 2
+    state_dim: int = 32
+    action_dim: int = 32
+    chunk_size: int = 50
+    resolution: int = 224
+    max_state_dim: int = 32
+    max_action_dim: int = 32
+    tokenizer_max_length: int = 200
+    num_inference_steps: int = 10
+    paligemma_variant: str = "gemma_2b"
+    action_expert_variant: str = "gemma_300m"
+    # 1: PI05Config.dtype "bfloat16" (LeRobot's split: bf16 but the vision tower, projector and norms in fp32);
+    # 0: "float32" master weights (FSDP2/HSDP shard one dtype per unit; train.precision bf16 still computes in bf16)
+    bf16_params: int = 1
+    quantile_norm: int = 1  # 1: state/action normalised with q01/q99 (pi05's QUANTILES); 0: mean/std
+    sdpa: int = 1  # 1: our SDPA twin of LeRobot's joint attention layer; 0: LeRobot's eager attention
+    # 0 = LeRobot's size for the variant; any non-zero value builds a shrunken model (tests).
+    lm_width: int = 0
+    lm_depth: int = 0
+    lm_mlp: int = 0
+    expert_width: int = 0
+    expert_depth: int = 0
+    expert_mlp: int = 0
+    head_dim: int = 0
+    vision_width: int = 0
+    vision_depth: int = 0
+    vision_heads: int = 0
+    vision_mlp: int = 0
+    patch_size: int = 0
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("paligemma_variant", "action_expert_variant"):
+            if getattr(self, name) not in VARIANTS:
+                problems.append(f"{name} '{getattr(self, name)}' (allowed: {', '.join(VARIANTS)})")
+        for name in ("bf16_params", "quantile_norm", "sdpa"):
+            if getattr(self, name) not in (0, 1):
+                problems.append(f"{name} {getattr(self, name)} (allowed: 0, 1)")
+        if self.shrunk and not all(getattr(self, f) > 0 for f in SIZE_FIELDS):
+            problems.append(f"a shrunken model sets every size field ({', '.join(SIZE_FIELDS)}) > 0")
+        if self.shrunk and self.paligemma_variant == self.action_expert_variant:
+            problems.append("a shrunken model needs different paligemma_variant and action_expert_variant (the sizes "
+                            "are looked up by variant)")
+        if self.shrunk and self.resolution % self.patch_size:
+            problems.append(f"resolution {self.resolution} is not a multiple of patch_size {self.patch_size}")
+        if self.state_dim > self.max_state_dim or self.action_dim > self.max_action_dim:
+            problems.append(f"state/action dims {self.state_dim}/{self.action_dim} exceed max_state_dim/"
+                            f"max_action_dim {self.max_state_dim}/{self.max_action_dim}")
+        if problems:
+            raise ValueError("invalid lerobot_pi05 architecture: " + "; ".join(problems))
+
+    @property
+    def shrunk(self) -> bool:
+        """True when any size field is set: LeRobot's size lookups are redirected while building."""
+        return any(getattr(self, f) for f in SIZE_FIELDS)
+
+    def with_overrides(self, **kw: Any) -> LeRobotPI05Arch:
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(kw) - known)
+        if bad:
+            raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("stats")
+        return d
+
+
+PRESETS: dict[str, LeRobotPI05Arch] = {
+    # LeRobot's real pi05: PaliGemma (Gemma-2B + SigLIP So400m/14 at 224²) + Gemma-300M expert, 4.14B params.
+    "pi05": LeRobotPI05Arch(),
+    # Trains on CPU in seconds (most of its ~41M parameters are the two 257,152-row token tables).
+    "tiny": LeRobotPI05Arch(
+        image_size=32, num_cameras=1, state_dim=2, action_dim=2, chunk_size=4, resolution=32,
+        tokenizer_max_length=96, bf16_params=0, quantile_norm=0,
+        lm_width=64, lm_depth=2, lm_mlp=128, expert_width=32, expert_depth=2, expert_mlp=64, head_dim=16,
+        vision_width=32, vision_depth=2, vision_heads=2, vision_mlp=64, patch_size=8,
+    ),
+}

@@ -1,0 +1,100 @@
+"""Export / load in LeRobot's own pi05 layout: ``config.json`` (``PI05Config``, type ``pi05``) +
+``model.safetensors`` (``PI05Policy``'s names), which ``PI05Policy.from_pretrained(dir)`` loads strictly.
+
+``loongforge.json`` next to them keeps what ``PI05Config`` cannot hold: the dataset's normalisation statistics
+and, for shrunken test models, their sizes (load those in LeRobot with ``build.shrunk_sizes(arch)`` active).
+LeRobot's pre/post-processor files are not written: its pi05 pre-processor loads the PaliGemma tokenizer from
+the Hub (``make_pi05_pre_post_processors(config, dataset_stats)`` builds them where that is reachable).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+
+SIDECAR = "loongforge.json"
+STATS_PREFIX = "stats."
+LM_HEAD = "model.paligemma_with_expert.paligemma.lm_head.weight"
+EMBED = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+
+
+def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str, torch.Tensor],
+                     features: dict[str, Any]) -> Path:
+    """Write atomically (staging dir + rename). ``features``: the camera keys."""
+    from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+    from safetensors.torch import save_file
+
+    from loongforge_embodied.policies.lerobot_pi05.build import pi05_config
+
+    out_dir = Path(out_dir)
+    staging = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    pi05_config(arch, cameras=list(features["cameras"]))._save_pretrained(staging)
+    model = {k: v.contiguous() for k, v in weights.items() if not k.startswith(STATS_PREFIX)}
+    # NOTE: PaliGemma ties lm_head to the token table and LeRobot's loader copies lm_head over embed_tokens
+    # (``_fix_pytorch_state_dict_keys``); ours is frozen and unused in training, so write the trained table.
+    model[LM_HEAD] = model[EMBED].clone()
+    save_file(model, str(staging / "model.safetensors"))
+    stats = {}
+    for k, v in weights.items():
+        if k.startswith(STATS_PREFIX):
+            name = k[len(STATS_PREFIX):]
+            stats[name] = v[: arch.state_dim if name.startswith("state") else arch.action_dim].tolist()
+    (staging / SIDECAR).write_text(json.dumps({"arch": arch.to_dict(), "stats": stats}, indent=1))
+    fsync_tree(staging)
+    replace_dir(staging, out_dir)
+    return out_dir
+
+
+def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:
+    """Our arch of an exported dir, or of a LeRobot pi05 checkpoint (its ``config.json`` alone)."""
+    path = Path(path)
+    sidecar = path / SIDECAR
+    if sidecar.is_file():
+        return LeRobotPI05Arch(**json.loads(sidecar.read_text())["arch"])
+    cfg = json.loads((path / "config.json").read_text())
+    feats = cfg.get("input_features", {})
+    cams = [k for k, f in feats.items() if f.get("type") == "VISUAL"]
+    state = feats.get("observation.state", {}).get("shape", [cfg.get("max_state_dim", 32)])
+    action = cfg.get("output_features", {}).get("action", {}).get("shape", [cfg.get("max_action_dim", 32)])
+    res = cfg.get("image_resolution", [224, 224])
+    return LeRobotPI05Arch(
+        image_size=res[0], num_cameras=max(1, len(cams)), state_dim=state[0], action_dim=action[0],
+        chunk_size=cfg.get("chunk_size", 50), resolution=res[0], max_state_dim=cfg.get("max_state_dim", 32),
+        max_action_dim=cfg.get("max_action_dim", 32), tokenizer_max_length=cfg.get("tokenizer_max_length", 200),
+        paligemma_variant=cfg.get("paligemma_variant", "gemma_2b"),
+        action_expert_variant=cfg.get("action_expert_variant", "gemma_300m"),
+        bf16_params=int(cfg.get("dtype", "float32") == "bfloat16"),
+        quantile_norm=int(cfg.get("normalization_mapping", {}).get("STATE", "QUANTILES") == "QUANTILES"),
+    )
+
+
+def load_model(path: str | Path):
+    """The bare :class:`LeRobotPI05Model` from our export or from a local LeRobot pi05 checkpoint dir (keys
+    fixed the way ``PI05Policy.from_pretrained`` fixes them; missing statistics keep their defaults)."""
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from loongforge.errors import CheckpointError
+    from safetensors.torch import load_file
+
+    from loongforge_embodied.policies.lerobot_pi05.model import LeRobotPI05Model
+
+    path = Path(path)
+    model = LeRobotPI05Model(arch_from_dir(path))
+    sd = PI05Policy._fix_pytorch_state_dict_keys(model, load_file(str(path / "model.safetensors")), model.config)
+    sd = {k if k.startswith("model.") else f"model.{k}": v for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith(STATS_PREFIX)]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: does not match the lerobot_pi05 model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+    sidecar = path / SIDECAR
+    if sidecar.is_file():
+        model.set_stats(json.loads(sidecar.read_text())["stats"])
+    return model

@@ -1,0 +1,120 @@
+"""Our collated samples → ``PI05Pytorch.forward`` inputs, the way LeRobot's pi05 pre-processor and
+``PI05Policy._preprocess_images`` / ``prepare_action`` do it, reusing their functions:
+
+- state and actions normalised with LeRobot's ``NormalizerProcessorStep`` (QUANTILES q01/q99 as pi05's
+  default, or MEAN_STD); actions and flow noise zero-/randomly padded to ``max_action_dim``;
+- the prompt ``"Task: …, State: <256-bin ids>;\\nAction: "`` made by LeRobot's own
+  ``Pi05PrepareStateTokenizerProcessorStep`` from the normalised state;
+- tokens: **offline we have no PaliGemma tokenizer**, so the prompt is written in Gemma's byte-fallback tokens
+  (``<0xNN>`` = id 217 + NN, after ``<bos>`` = 2), right-padded with ``<pad>`` = 0 to ``tokenizer_max_length``.
+  This is a valid PaliGemma token sequence (SentencePiece byte fallback decodes it to the same text), only
+  longer than SentencePiece's own segmentation;
+- images resized with padding to the model's resolution (``resize_with_pad_torch``) and mapped to [-1, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+
+BOS, PAD, BYTE_OFFSET = 2, 0, 217  # Gemma / PaliGemma vocabulary: <bos>, <pad>, <0x00>
+_steps: dict[int, tuple] = {}
+
+
+def encode_prompts(prompts: list[str], *, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts → (ids, mask) of Gemma byte-fallback tokens after ``<bos>``, truncated/padded to ``max_length``."""
+    ids = torch.full((len(prompts), max_length), PAD, dtype=torch.long)
+    for i, text in enumerate(prompts):
+        row = [BOS, *(BYTE_OFFSET + b for b in text.encode("utf-8"))][:max_length]
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return ids, ids != PAD
+
+
+def _lerobot_stats(stats: dict[str, torch.Tensor], *, quantiles: bool) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for ours, theirs in (("state", "observation.state"), ("action", "action")):
+        keys = ("q01", "q99") if quantiles else ("mean", "std")
+        missing = [f"{ours}_{k}" for k in keys if f"{ours}_{k}" not in stats]
+        if missing:
+            raise ValueError(f"lerobot_pi05 normalisation needs {missing} from the dataset statistics (quantiles: "
+                             "a LeRobot dataset's q01/q99; set model.arch.quantile_norm=0 for mean/std)")
+        out[theirs] = {k: torch.as_tensor(stats[f"{ours}_{k}"], dtype=torch.float32) for k in keys}
+    return out
+
+
+def _processor_steps(arch: LeRobotPI05Arch, stats: dict[str, torch.Tensor]):
+    """LeRobot's normaliser and pi05 state-prompt steps for ``stats`` (cached per stats object)."""
+    hit = _steps.get(id(stats))
+    if hit is not None and hit[0] is stats and hit[1] == arch:
+        return hit[2]
+    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+    from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep
+    from lerobot.processor import NormalizerProcessorStep
+
+    mode = NormalizationMode.QUANTILES if arch.quantile_norm else NormalizationMode.MEAN_STD
+    features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,)),
+                "action": PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))}
+    steps = (NormalizerProcessorStep(features=features, norm_map={FeatureType.STATE: mode, FeatureType.ACTION: mode},
+                                     stats=_lerobot_stats(stats, quantiles=bool(arch.quantile_norm))),
+             Pi05PrepareStateTokenizerProcessorStep(max_state_dim=arch.max_state_dim))
+    _steps[id(stats)] = (stats, arch, steps)
+    return steps
+
+
+def unnormalize(x: torch.Tensor, key: str, *, stats: dict[str, torch.Tensor], quantiles: bool) -> torch.Tensor:
+    """Inverse of LeRobot's normalisation of ``key`` (``state`` / ``action``) for model outputs."""
+    if quantiles:
+        q01, q99 = stats[f"{key}_q01"], stats[f"{key}_q99"]
+        return (x + 1.0) * (q99 - q01) / 2.0 + q01
+    return x * stats[f"{key}_std"] + stats[f"{key}_mean"]
+
+
+def preprocess_images(images: torch.Tensor, *, resolution: int) -> torch.Tensor:
+    """(B, cams, 3, H, W) in [0, 1] → (B, cams, 3, res, res) in [-1, 1], as ``PI05Policy._preprocess_images``."""
+    from lerobot.policies.common.vla_utils import resize_with_pad_torch
+
+    b, cams = images.shape[:2]
+    x = images.flatten(0, 1).float().permute(0, 2, 3, 1)  # channels-last, as LeRobot resizes
+    if x.shape[1:3] != (resolution, resolution):
+        x = resize_with_pad_torch(x, resolution, resolution)
+    x = (x * 2.0 - 1.0).permute(0, 3, 1, 2)
+    return x.reshape(b, cams, *x.shape[1:])
+
+
+def pad_noise(noise: torch.Tensor, dim: int) -> torch.Tensor:
+    """Flow noise for the padded action dims too (LeRobot draws all ``max_action_dim``): the extra columns of
+    each sample come from a generator seeded by its own noise, so a sample is identical on any rank."""
+    extra = dim - noise.shape[-1]
+    if extra <= 0:
+        return noise
+    cols = []
+    for sample in noise:
+        seed = int(sample.float().flatten().view(torch.int32).to(torch.int64).sum()) & 0x7FFF_FFFF
+        g = torch.Generator().manual_seed(seed)
+        cols.append(torch.randn(*sample.shape[:-1], extra, generator=g))
+    return torch.cat([noise, torch.stack(cols).to(noise)], dim=-1)
+
+
+def prepare_batch(raw: dict, *, arch: LeRobotPI05Arch, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collated samples (``images``, ``state``, ``task``, optional ``actions``/``noise``/``time``) → model inputs."""
+    from lerobot.lerobot_types import TransitionKey
+    from lerobot.policies.common.vla_utils import pad_vector
+
+    normalize, prompt = _processor_steps(arch, stats)
+    transition = {TransitionKey.OBSERVATION: {"observation.state": raw["state"].float()},
+                  TransitionKey.COMPLEMENTARY_DATA: {"task": list(raw["task"])}}
+    if "actions" in raw:
+        transition[TransitionKey.ACTION] = raw["actions"].float()
+    transition = prompt(normalize(transition))
+    tokens, mask = encode_prompts(transition[TransitionKey.COMPLEMENTARY_DATA]["task"],
+                                  max_length=arch.tokenizer_max_length)
+    out = {"images": preprocess_images(raw["images"], resolution=arch.resolution), "lang_tokens": tokens,
+           "lang_mask": mask}
+    if "actions" in raw:
+        out["actions"] = pad_vector(transition[TransitionKey.ACTION], arch.max_action_dim)
+    if "noise" in raw:
+        out["noise"] = pad_noise(raw["noise"].float(), arch.max_action_dim)
+    if "time" in raw:
+        out["time"] = raw["time"].float()
+    return out
