@@ -71,7 +71,11 @@ def bench_lerobot_step(*, batch: int, steps: int, warmup: int, cameras: int = 2)
     feats["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(32,))
     cfg = PI05Config(device="cuda", dtype="bfloat16", input_features=feats,
                      output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(32,))})
-    policy = PI05Policy(cfg).cuda().train()
+    t0 = time.time()
+    with torch.device("cuda"):  # NOTE: random init of 4.1B parameters on the device CPU alone took minutes
+        policy = PI05Policy(cfg)
+    policy = policy.cuda().train()
+    print(f"lerobot_step: policy built in {time.time() - t0:.0f} s", flush=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=2.5e-5, weight_decay=0.01)
     dev = torch.device("cuda")
     b = {k: torch.rand(batch, 3, 224, 224, device=dev) for k in cams}
