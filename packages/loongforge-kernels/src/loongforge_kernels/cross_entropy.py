@@ -24,11 +24,8 @@ LOGITS_CHUNK_BYTES = 2 << 30  # one chunk of logits, in the input dtype
 
 
 @jit
-def _ce_stats_kernel(
-    L, LABELS, MAX, SUMEXP, TGT, stride_l, n_vocab, vocab_start, ignore_index, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
+def _row_max_sumexp(base, n_vocab, BLOCK: tl.constexpr):
+    """Online softmax over one row of logits: its max and sum(exp(x - max)), in fp32."""
     m = float("-inf")
     s = 0.0
     for off in range(0, n_vocab, BLOCK):
@@ -37,6 +34,16 @@ def _ce_stats_kernel(
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
+    return m, s
+
+
+@jit
+def _ce_stats_kernel(
+    L, LABELS, MAX, SUMEXP, TGT, stride_l, n_vocab, vocab_start, ignore_index, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    m, s = _row_max_sumexp(base, n_vocab, BLOCK)
     label = tl.load(LABELS + row).to(tl.int64)
     local = label - vocab_start
     hit = (label != ignore_index) & (local >= 0) & (local < n_vocab)
@@ -69,14 +76,7 @@ def _ce_loss_grad_kernel(
     the second time mostly from L2 (a row of a 128k vocab is 256 KB in bf16)."""
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
-    m = float("-inf")
-    s = 0.0
-    for off in range(0, n_vocab, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+    m, s = _row_max_sumexp(base, n_vocab, BLOCK)
     lse = m + tl.log(s)
     label = tl.load(LABELS + row).to(tl.int64)
     valid = label != ignore_index
