@@ -11,6 +11,10 @@ another's modules, and validating a recipe imports no torch):
 - ``processor_<name>.py``: ``prepare_batch(raw, *, arch, stats)`` — collated samples → model inputs;
 - ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``;
 - LeRobot's ``configuration_<name>.py`` / ``modeling_<name>.py`` (``from_pretrained``, ``select_action``).
+
+What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
+dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``lerobot_glue`` (the bodies of
+``configuration_<name>``/``modeling_<name>``) and ``lerobot_export`` (the atomic LeRobot policy directory).
 """
 
 from __future__ import annotations

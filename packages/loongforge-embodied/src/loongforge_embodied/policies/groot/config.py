@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-# NOTE: the same byte tokenizer as tiny_vla (no tokenizer download): 0 = pad, 1..256 = UTF-8 bytes of the task.
-TEXT_OFFSET = 1
-BYTE_VOCAB = 256
+from loongforge_embodied.policies.arch import ArchMixin
+from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET
+
+# NOTE: the same byte tokenizer as tiny_vla (``byte_tokens``): 0 = pad, 1..256 = UTF-8 bytes of the task.
 
 
 @dataclass(frozen=True)
-class GrootArch:
+class GrootArch(ArchMixin):
     """Sizes of the two halves of GR00T N1.5.
 
     ``vision`` + ``language`` (the Eagle-style VLM backbone): SigLIP tower → 2×2 pixel shuffle → MLP projector →
@@ -85,18 +86,6 @@ class GrootArch:
     def dit_dim(self) -> int:
         """GR00T's ``input_embedding_dim``: width of the state / future / action tokens in the DiT."""
         return self.dit_heads * self.dit_head_dim
-
-    def with_overrides(self, **kw: Any) -> GrootArch:
-        known = {f.name for f in fields(self)}
-        bad = sorted(set(kw) - known)
-        if bad:
-            raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
-        return replace(self, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("stats")
-        return d
 
 
 PRESETS: dict[str, GrootArch] = {

@@ -8,76 +8,22 @@ port is type ``groot``; this one is ours (random-init VLM, our weights layout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from lerobot.configs.policies import PreTrainedConfig
-from lerobot.optim.optimizers import AdamWConfig
 
 from loongforge_embodied.policies.groot.config import GrootArch
+from loongforge_embodied.policies.lerobot_glue import ArchPolicyConfig, mirror_arch
 
 
 @PreTrainedConfig.register_subclass("loongforge_groot")
 @dataclass
-class GrootConfig(PreTrainedConfig):
-    """Mirror of :class:`GrootArch` (explicit fields so draccus can (de)serialise it) + LeRobot's keys."""
+@mirror_arch(GrootArch)
+class GrootConfig(ArchPolicyConfig):
+    """Mirror of :class:`GrootArch` (its fields, declared by ``mirror_arch`` so draccus can (de)serialise
+    them) + LeRobot's keys."""
 
-    image_size: int = 64
-    patch_size: int = 8
-    num_cameras: int = 1
-    vision_hidden: int = 32
-    vision_layers: int = 2
-    vision_heads: int = 2
-    vision_intermediate: int = 64
-    lm_hidden: int = 64
-    lm_layers: int = 2
-    lm_heads: int = 2
-    lm_kv_heads: int = 1
-    lm_head_dim: int = 32
-    lm_intermediate: int = 128
-    max_text_tokens: int = 16
-    extra_vocab: int = 0
-    vl_layers: int = 1
-    vl_heads: int = 2
-    dit_layers: int = 2
-    dit_heads: int = 2
-    dit_head_dim: int = 32
-    hidden: int = 64
-    future_tokens: int = 4
-    num_embodiments: int = 4
-    embodiment_id: int = 0
-    max_state_dim: int = 8
-    max_action_dim: int = 4
-    state_dim: int = 2
-    action_dim: int = 2
-    chunk_size: int = 8
-    num_inference_steps: int = 4
-    timestep_buckets: int = 1000
     n_action_steps: int = 8
     camera_keys: list[str] = field(default_factory=lambda: ["observation.image"])
     push_to_hub: bool = False
     optimizer_lr: float = 1e-4
-
-    def arch(self) -> GrootArch:
-        return GrootArch(**{f.name: getattr(self, f.name) for f in fields(GrootArch) if f.name != "stats"})
-
-    @property
-    def observation_delta_indices(self) -> None:
-        return None
-
-    @property
-    def action_delta_indices(self) -> list[int]:
-        return list(range(self.chunk_size))
-
-    @property
-    def reward_delta_indices(self) -> None:
-        return None
-
-    def get_optimizer_preset(self) -> AdamWConfig:
-        return AdamWConfig(lr=self.optimizer_lr)
-
-    def get_scheduler_preset(self) -> None:
-        return None
-
-    def validate_features(self) -> None:
-        if self.n_action_steps > self.chunk_size:
-            raise ValueError(f"n_action_steps ({self.n_action_steps}) exceeds chunk_size ({self.chunk_size})")

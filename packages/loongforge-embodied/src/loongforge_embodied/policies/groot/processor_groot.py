@@ -6,16 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loongforge_embodied.policies.groot.config import TEXT_OFFSET, GrootArch
-
-
-def encode_tasks(tasks: list[str], *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """UTF-8 bytes → token ids (pad 0), truncated to ``max_tokens``; returns (ids, mask)."""
-    ids = torch.zeros(len(tasks), max_tokens, dtype=torch.long)
-    for i, text in enumerate(tasks):
-        raw = list(text.encode("utf-8"))[:max_tokens]
-        ids[i, : len(raw)] = torch.tensor(raw, dtype=torch.long) + TEXT_OFFSET
-    return ids, ids != 0
+from loongforge_embodied.policies.byte_tokens import encode_tasks
+from loongforge_embodied.policies.groot.config import GrootArch
 
 
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:

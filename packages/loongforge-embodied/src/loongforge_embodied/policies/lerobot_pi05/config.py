@@ -10,8 +10,10 @@ Gemma variants: LeRobot's joint layer hard-codes the 8 in a reshape.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from loongforge_embodied.policies.arch import ArchMixin
 
 VARIANTS = ("gemma_2b", "gemma_300m")
 NUM_HEADS, NUM_KV_HEADS = 8, 1  # LeRobot's compute_layer_complete reshapes to ``1 * 8 * head_dim``
@@ -20,7 +22,7 @@ SIZE_FIELDS = ("lm_width", "lm_depth", "lm_mlp", "expert_width", "expert_depth",
 
 
 @dataclass(frozen=True)
-class LeRobotPI05Arch:
+class LeRobotPI05Arch(ArchMixin):
     """``image_size``/``num_cameras``/``state_dim``/``action_dim`` are the dataset's (images are resized with
     padding to ``resolution``; state and actions are zero-padded to ``max_state_dim``/``max_action_dim``)."""
 
@@ -81,18 +83,6 @@ class LeRobotPI05Arch:
     def shrunk(self) -> bool:
         """True when any size field is set: LeRobot's size lookups are redirected while building."""
         return any(getattr(self, f) for f in SIZE_FIELDS)
-
-    def with_overrides(self, **kw: Any) -> LeRobotPI05Arch:
-        known = {f.name for f in fields(self)}
-        bad = sorted(set(kw) - known)
-        if bad:
-            raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
-        return replace(self, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("stats")
-        return d
 
 
 PRESETS: dict[str, LeRobotPI05Arch] = {

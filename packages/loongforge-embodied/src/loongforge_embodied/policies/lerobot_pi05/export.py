@@ -10,12 +10,12 @@ the Hub (``make_pi05_pre_post_processors(config, dataset_stats)`` builds them wh
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loongforge_embodied.policies.lerobot_export import staged_dir
 from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
 
 SIDECAR = "loongforge.json"
@@ -27,29 +27,24 @@ EMBED = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens
 def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str, torch.Tensor],
                      features: dict[str, Any]) -> Path:
     """Write atomically (staging dir + rename). ``features``: the camera keys."""
-    from loongforge.checkpoint.atomic import fsync_tree, replace_dir
     from safetensors.torch import save_file
 
     from loongforge_embodied.policies.lerobot_pi05.build import pi05_config
 
     out_dir = Path(out_dir)
-    staging = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    pi05_config(arch, cameras=list(features["cameras"]))._save_pretrained(staging)
-    model = {k: v.contiguous() for k, v in weights.items() if not k.startswith(STATS_PREFIX)}
-    # NOTE: PaliGemma ties lm_head to the token table and LeRobot's loader copies lm_head over embed_tokens
-    # (``_fix_pytorch_state_dict_keys``); ours is frozen and unused in training, so write the trained table.
-    model[LM_HEAD] = model[EMBED].clone()
-    save_file(model, str(staging / "model.safetensors"))
-    stats = {}
-    for k, v in weights.items():
-        if k.startswith(STATS_PREFIX):
-            name = k[len(STATS_PREFIX):]
-            stats[name] = v[: arch.state_dim if name.startswith("state") else arch.action_dim].tolist()
-    (staging / SIDECAR).write_text(json.dumps({"arch": arch.to_dict(), "stats": stats}, indent=1))
-    fsync_tree(staging)
-    replace_dir(staging, out_dir)
+    with staged_dir(out_dir) as staging:
+        pi05_config(arch, cameras=list(features["cameras"]))._save_pretrained(staging)
+        model = {k: v.contiguous() for k, v in weights.items() if not k.startswith(STATS_PREFIX)}
+        # NOTE: PaliGemma ties lm_head to the token table and LeRobot's loader copies lm_head over embed_tokens
+        # (``_fix_pytorch_state_dict_keys``); ours is frozen and unused in training, so write the trained table.
+        model[LM_HEAD] = model[EMBED].clone()
+        save_file(model, str(staging / "model.safetensors"))
+        stats = {}
+        for k, v in weights.items():
+            if k.startswith(STATS_PREFIX):
+                name = k[len(STATS_PREFIX):]
+                stats[name] = v[: arch.state_dim if name.startswith("state") else arch.action_dim].tolist()
+        (staging / SIDECAR).write_text(json.dumps({"arch": arch.to_dict(), "stats": stats}, indent=1))
     return out_dir
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-# NOTE: token ids: 0 = pad, 1..256 = UTF-8 bytes of the task, then ``state_bins`` ids for the discretised state
-# (pi05 puts the proprioceptive state into the language prefix as tokens instead of a continuous projection).
-TEXT_OFFSET = 1
-BYTE_VOCAB = 256
+from loongforge_embodied.policies.arch import ArchMixin
+from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET
+
+# NOTE: token ids: 0 = pad, 1..256 = UTF-8 bytes of the task (``byte_tokens``), then ``state_bins`` ids for the
+# discretised state (pi05 puts the proprioceptive state into the language prefix as tokens instead of a
+# continuous projection).
 
 
 @dataclass(frozen=True)
-class TinyVLAArch:
+class TinyVLAArch(ArchMixin):
     """Sizes of the three components: ``vision`` (SigLIP), ``language`` (Gemma prefix), ``expert`` (Gemma
     flow-matching action expert). ``state_dim``/``action_dim``/``num_cameras`` come from the dataset."""
 
@@ -51,18 +53,6 @@ class TinyVLAArch:
     @property
     def image_tokens(self) -> int:
         return self.num_cameras * (self.image_size // self.patch_size) ** 2
-
-    def with_overrides(self, **kw: Any) -> TinyVLAArch:
-        known = {f.name for f in fields(self)}
-        bad = sorted(set(kw) - known)
-        if bad:
-            raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
-        return replace(self, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("stats")
-        return d
 
 
 PRESETS: dict[str, TinyVLAArch] = {

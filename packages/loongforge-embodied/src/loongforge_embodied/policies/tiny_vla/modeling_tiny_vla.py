@@ -6,55 +6,17 @@ model's buffers, so an exported directory is self-contained.
 
 from __future__ import annotations
 
-from collections import deque
-
-import torch
 from lerobot.policies.pretrained import PreTrainedPolicy
 
+from loongforge_embodied.policies.lerobot_glue import ArchPolicyMixin
 from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAConfig
 from loongforge_embodied.policies.tiny_vla.model import STAT_KEYS, TinyVLAModel
 from loongforge_embodied.policies.tiny_vla.processor_tiny_vla import prepare_batch
 
 
-class TinyVLAPolicy(PreTrainedPolicy):
+class TinyVLAPolicy(ArchPolicyMixin, PreTrainedPolicy):
     config_class = TinyVLAConfig
     name = "loongforge_tiny_vla"
-
-    def __init__(self, config: TinyVLAConfig, **kwargs):
-        super().__init__(config)
-        self.model = TinyVLAModel(config.arch())
-        self._queue: deque[torch.Tensor] = deque(maxlen=config.n_action_steps)
-
-    def get_optim_params(self):
-        return self.parameters()
-
-    def reset(self) -> None:
-        self._queue.clear()
-
-    def _inputs(self, batch: dict) -> dict[str, torch.Tensor]:
-        raw = {"images": torch.stack([batch[k] for k in self.config.camera_keys], dim=1),
-               "state": batch["observation.state"], "task": batch.get("task") or [""] * len(batch["observation.state"])}
-        if "action" in batch:
-            raw["actions"] = batch["action"]
-            raw["action_pad"] = batch.get("action_is_pad", torch.zeros(batch["action"].shape[:2], dtype=torch.bool,
-                                                                        device=batch["action"].device))
-        stats = {k: getattr(self.model, k) for k in STAT_KEYS}
-        dev = stats["state_mean"].device
-        out = prepare_batch({k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in raw.items()},
-                            arch=self.model.arch, stats=stats)
-        return {k: v.to(dev) for k, v in out.items()}
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        loss = self.model(self._inputs(batch)).mean()
-        return loss, {"loss": float(loss.detach())}
-
-    @torch.no_grad()
-    def predict_action_chunk(self, batch: dict, **kwargs) -> torch.Tensor:
-        return self.model.unnormalize_actions(self.model.sample_actions(self._inputs(batch)))
-
-    @torch.no_grad()
-    def select_action(self, batch: dict, **kwargs) -> torch.Tensor:
-        if not self._queue:
-            chunk = self.predict_action_chunk(batch)[:, : self.config.n_action_steps]
-            self._queue.extend(chunk.transpose(0, 1))
-        return self._queue.popleft()
+    model_class = TinyVLAModel
+    stat_keys = STAT_KEYS
+    prepare_batch = staticmethod(prepare_batch)

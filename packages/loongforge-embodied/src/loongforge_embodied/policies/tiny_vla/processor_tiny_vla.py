@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from loongforge_embodied.policies.tiny_vla.config import BYTE_VOCAB, TEXT_OFFSET, TinyVLAArch
+from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET, encode_tasks
+from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
 
 STATE_RANGE = 3.0  # normalised state is clipped to ±3 std before binning
-
-
-def encode_tasks(tasks: list[str], *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """UTF-8 bytes → token ids (pad 0), truncated to ``max_tokens``; returns (ids, mask)."""
-    ids = torch.zeros(len(tasks), max_tokens, dtype=torch.long)
-    for i, text in enumerate(tasks):
-        raw = list(text.encode("utf-8"))[:max_tokens]
-        ids[i, : len(raw)] = torch.tensor(raw, dtype=torch.long) + TEXT_OFFSET
-    return ids, ids != 0
 
 
 def state_tokens(state: torch.Tensor, *, bins: int) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""What every policy's size dataclass shares: recipe overrides validated by field name, and the dict form
+written into exports. No torch, no LeRobot import (recipes resolve here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import Field, asdict, fields, replace
+from typing import Any, Self
+
+
+class ArchMixin:
+    """Mixin of a policy's frozen size dataclass (``TinyVLAArch``, ``GrootArch``, ...).
+
+    Every such dataclass carries ``stats`` (normalisation statistics, filled at run time): it is not a size, so
+    it is neither overridable by name in the error message, nor exported, nor mirrored into LeRobot's config.
+    """
+
+    @classmethod
+    def size_fields(cls) -> tuple[Field, ...]:
+        """The fields that configure the model, in declaration order (all but ``stats``)."""
+        return tuple(f for f in fields(cls) if f.name != "stats")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        """The arch of a dict such as an export's ``config.json``: other keys are ignored, missing ones default."""
+        return cls(**{f.name: d[f.name] for f in cls.size_fields() if f.name in d})
+
+    def with_overrides(self, **kw: Any) -> Self:
+        """A copy with ``kw`` replaced; an unknown name raises and lists the allowed ones."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(kw) - known)
+        if bad:
+            raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sizes as plain values (no ``stats``)."""
+        d = asdict(self)
+        d.pop("stats")
+        return d

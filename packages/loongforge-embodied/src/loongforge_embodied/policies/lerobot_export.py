@@ -1,0 +1,68 @@
+"""Policy directories LeRobot loads (``config.json`` + ``model.safetensors``), written atomically.
+
+``write_pretrained`` / ``load_model`` serve the policies whose LeRobot wrapper is an
+:class:`~loongforge_embodied.policies.lerobot_glue.ArchPolicyMixin` (tiny_vla, groot); ``staged_dir`` also serves
+lerobot_pi05, which writes LeRobot's own pi05 layout. LeRobot is imported only to write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from loongforge_embodied.policies.arch import ArchMixin
+
+PREFIX = "model."  # an ArchPolicyMixin policy holds the network as ``self.model``
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str | Path) -> Iterator[Path]:
+    """Yield an empty ``<out_dir>.tmp``; on normal exit fsync it and rename it over ``out_dir``, so a reader
+    never sees a half-written export (a failed write leaves the staging dir for the next write to clear)."""
+    from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+
+    out_dir = Path(out_dir)
+    staging = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    yield staging
+    fsync_tree(staging)
+    replace_dir(staging, out_dir)
+
+
+def write_pretrained(out_dir: str | Path, *, config_class: type, arch: ArchMixin, weights: dict[str, torch.Tensor],
+                     features: dict[str, Any]) -> Path:
+    """``config_class`` (an ``ArchPolicyConfig``) filled from ``arch`` and ``features`` (the camera keys), plus
+    ``weights`` under :data:`PREFIX`."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    with staged_dir(out_dir) as staging:
+        inputs = {k: PolicyFeature(type=FeatureType.VISUAL, shape=(3, arch.image_size, arch.image_size))
+                  for k in features["cameras"]}
+        inputs["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,))
+        action = PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))
+        config = config_class(**arch.to_dict(), camera_keys=list(features["cameras"]), device="cpu",
+                              n_action_steps=arch.chunk_size, input_features=inputs, output_features={"action": action})
+        config._save_pretrained(staging)
+        save_file({PREFIX + k: v for k, v in weights.items()}, str(staging / "model.safetensors"))
+    return out_dir
+
+
+def load_model(path: str | Path, *, arch_class: type[ArchMixin], model_class: type[torch.nn.Module]):
+    """Our own loader (no LeRobot import): the bare ``model_class`` of an exported directory, strictly."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    model = model_class(arch_class.from_dict(json.loads((path / "config.json").read_text())))
+    sd = {k[len(PREFIX):]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(PREFIX)}
+    model.load_state_dict(sd, strict=True)
+    return model
