@@ -10,6 +10,12 @@ is printed last. Writes a markdown table to ``--out``.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/fp8_allgather.py --steps 200 \\
         --out benchmarks/results/fp8_allgather_$(date +%F)_h200.md
+
+``--codec-only`` (one GPU, no torchrun) times the encode / decode alone, the torch code against the fused
+Triton kernels (``loongforge_kernels.fp8_delta``), and checks that both give the same bytes; the full run adds
+the same section to its table.
+
+    python benchmarks/fp8_allgather.py --codec-only [--codec-numel 67108864 --codec-world 2]
 """
 
 from __future__ import annotations
@@ -79,6 +85,54 @@ def run(variant: str, args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
 
 
+def codec(args: argparse.Namespace) -> dict:
+    """Encode (one rank's slab) and decode (all ``world`` slabs, writing the gathered output) on this GPU, no
+    collective: the hook's torch code vs the fused kernels, ms by ``triton.testing.do_bench`` (median)."""
+    from loongforge_embodied.fp8_allgather import _apply_deltas, _encode_delta
+    from loongforge_kernels import fp8_delta
+    from triton.testing import do_bench
+
+    world, slab = args.codec_world, args.codec_numel // args.codec_world
+    gen = torch.Generator("cuda").manual_seed(0)
+    recon0 = (torch.randn(world, slab, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = (recon0[0].float() + 1e-3 * torch.randn(slab, device="cuda", generator=gen)).bfloat16()
+    out = torch.empty_like(recon0)
+
+    def torch_decode(recon, gathered):
+        _apply_deltas(recon, gathered)
+        out.copy_(recon)
+
+    paths = {
+        "torch": (lambda: _encode_delta(x, recon0[0]), torch_decode),
+        "triton": (
+            lambda: fp8_delta.encode_fp8_delta(x, recon0[0], impl="triton"),
+            lambda recon, gathered: fp8_delta.apply_fp8_deltas(recon, gathered, out=out, impl="triton"),
+        ),
+    }
+    res: dict = {"numel": world * slab, "world": world}
+    got = {}
+    for name, (enc, dec) in paths.items():
+        payload = enc()
+        gathered = payload.expand(world, -1).contiguous()  # every rank's payload, here all the same bytes
+        recon = recon0.clone()
+        dec(recon, gathered)
+        got[name] = (payload, recon.view(torch.int16).clone())
+        res[f"{name}_encode_ms"] = do_bench(enc, warmup=10, rep=100, return_mode="median")
+        res[f"{name}_decode_ms"] = do_bench(lambda dec=dec, r=recon, g=gathered: dec(r, g), warmup=10,
+                                            rep=100, return_mode="median")
+    res["bit_identical"] = all(torch.equal(a, b) for a, b in zip(got["torch"], got["triton"], strict=True))
+    return res
+
+
+def codec_lines(c: dict) -> list[str]:
+    return [f"## Encode / decode alone (one GPU, {c['numel'] / 2**20:.0f}M bf16 elements over {c['world']} "
+            "slabs, no collective)", "",
+            "| | torch (eager) | fused Triton | torch / triton |", "|---|---:|---:|---:|",
+            *(f"| {k} ms | {c[f'torch_{k}_ms']:.3f} | {c[f'triton_{k}_ms']:.3f} | "
+              f"{c[f'torch_{k}_ms'] / c[f'triton_{k}_ms']:.2f}x |" for k in ("encode", "decode")),
+            "", f"Payload and reconstruction bit-identical: {c['bit_identical']}.", ""]
+
+
 def table(res: dict, args: argparse.Namespace) -> str:
     b, f = res["bf16"], res["fp8"]
     rows = [("bytes all-gathered / step / rank (MB)", "bytes_per_step", "{:.1f}", 1e-6),
@@ -97,7 +151,10 @@ def table(res: dict, args: argparse.Namespace) -> str:
     lines += ["", f"Relative loss delta at the end: {res['rel_loss_end']:+.2e}; over the last 10 steps: "
               f"{res['rel_loss_last10']:+.2e}; max over all steps: {res['rel_loss_max']:.2e}.",
               f"FP8 gathers: {f['gathers']} ({f['primes']} bf16 primes); steady-state byte ratio "
-              f"{f['steady_ratio']:.4f}.", "", f"**Bytes ratio fp8/bf16: {res['bytes_ratio']:.4f}x**", ""]
+              f"{f['steady_ratio']:.4f}.", ""]
+    if "codec" in res:
+        lines += codec_lines(res["codec"])
+    lines += [f"**Bytes ratio fp8/bf16: {res['bytes_ratio']:.4f}x**", ""]
     return "\n".join(lines)
 
 
@@ -111,10 +168,21 @@ def main() -> None:
     ap.add_argument("--arch", default=ARCH, help="overrides of the preset's sizes")
     ap.add_argument("--reprime-every", type=int, default=0)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--out", required=True, help="markdown file to write the table to")
+    ap.add_argument("--out", help="markdown file to write the table to (required unless --codec-only)")
+    ap.add_argument("--codec-only", action="store_true", help="time encode / decode alone on one GPU")
+    ap.add_argument("--codec-numel", type=int, default=64 * 2**20, help="elements over all slabs")
+    ap.add_argument("--codec-world", type=int, default=2, help="slabs (ranks) the decode adds up")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_allgather benchmark needs CUDA GPUs (launch with torchrun --nproc_per_node 2)")
+    if args.codec_only:
+        c = codec(args)
+        print("\n".join(codec_lines(c)))
+        print(f"decode torch / triton: {c['torch_decode_ms'] / c['triton_decode_ms']:.2f}x; "
+              f"encode torch / triton: {c['torch_encode_ms'] / c['triton_encode_ms']:.2f}x")
+        return
+    if not args.out:
+        ap.error("--out is required")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -122,6 +190,10 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank0 = dist.get_rank() == 0
     res: dict = {"gpu": torch.cuda.get_device_name(), "world": dist.get_world_size()}
+    if rank0:
+        res["codec"] = codec(args)
+        torch.cuda.empty_cache()
+        print("codec:", json.dumps(res["codec"]), flush=True)
     for variant in ("bf16", "fp8"):
         res[variant] = run(variant, args)
         if rank0:

@@ -89,6 +89,36 @@ def test_delta_against_reconstruction_does_not_drift():
     assert drift.max() > 4 * err.max(), (drift.max(), err.max())
 
 
+@pytest.mark.parametrize("numel", [1, 255, 257, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_codec_is_the_fused_kernels_reference(numel, dtype):
+    """The torch encode / decode here and ``loongforge_kernels``' references (which its Triton kernels match
+    bit for bit, tests/test_fp8_delta.py there) give the same bytes: the CUDA path is interchangeable."""
+    from loongforge_embodied.fp8_allgather import _apply_deltas, _encode_delta
+    from loongforge_kernels.references import apply_fp8_deltas_ref, encode_fp8_delta_ref
+
+    g = torch.Generator().manual_seed(numel)
+    mag = 10.0 ** torch.randint(-42, 30, (2, numel), generator=g).float()
+    x, ref = (torch.randn(2, numel, generator=g) * mag).to(dtype)
+    ref[::3] = x[::3]
+    payload = _encode_delta(x, ref)
+    assert torch.equal(payload, encode_fp8_delta_ref(x, ref))
+    recon = torch.stack([ref, x])
+    gathered = torch.stack([payload, _encode_delta(ref, x)])
+    a, b = recon.clone(), recon.clone()
+    _apply_deltas(a, gathered)
+    apply_fp8_deltas_ref(b, gathered)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_fused_codec_only_on_cuda():
+    from loongforge_embodied.fp8_allgather import _fused_codec
+    from loongforge_kernels import fp8_delta
+
+    assert _fused_codec(torch.device("cpu")) is None
+    assert _fused_codec(torch.device("cuda", 0)) is fp8_delta
+
+
 # ----------------------------------------------------------------------------------------------- recipe
 def test_recipe_rejects_fp8_allgather_without_fsdp2():
     from loongforge.errors import RecipeError

@@ -129,3 +129,44 @@ def test_sparse_mla_gpu(heads, causal):
             got.float(), want, atol=2e-2 * scale, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}"
         )
         assert (got.float() - want).norm() <= 1e-2 * want.norm(), name
+
+
+@pytest.mark.parametrize("hw_cvt", [True, False], ids=["cvt", "integer-rounding"])
+def test_fp8_delta_gpu_bit_identical(hw_cvt, monkeypatch):
+    """Delta-FP8 codec at 64M elements (bf16, not a multiple of 256): the Triton payload and reconstruction
+    equal the torch reference's bytes. ``cvt`` is the path CUDA runs (the GPU's conversions); the integer
+    rounding is the interpreter's path, compiled."""
+    from loongforge_kernels import fp8_delta
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 (e4m3) conversions need SM >= 8.9")
+    monkeypatch.setattr(fp8_delta, "_launch", lambda device: (fp8_delta.ROWS["cuda"], hw_cvt))
+    n = 64 * 2**20 + 77
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    # one optimizer step of drift on weights of mixed magnitude; zero, subnormal and huge blocks
+    mag = 10.0 ** torch.randint(-4, 1, (n // 256 + 1, 1), device="cuda", generator=gen).float()
+    master = (rand(n // 256 + 1, 256) * mag).view(-1)[:n]
+    x, r = master.bfloat16(), (master + 1e-3 * rand(n)).bfloat16()
+    r[:256] = x[:256]
+    x[256:512], r[256:512] = (rand(256) * 1e-40).bfloat16(), 0  # bf16 subnormals, both signs
+    x[512:768], r[512:768] = (rand(256) * 1e30).bfloat16(), (rand(256) * 1e30).bfloat16()
+    got = fp8_delta.encode_fp8_delta(x, r, impl="triton")
+    want = ref.encode_fp8_delta_ref(x, r)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} payload bytes differ"
+
+    world, m = 2, n // 2
+    gathered = torch.stack(
+        [ref.encode_fp8_delta_ref(x[i * m : (i + 1) * m], r[i * m : (i + 1) * m]) for i in (0, 1)]
+    )
+    recon = r[: world * m].view(world, m).clone()
+    out = torch.empty_like(recon)
+    want_r = recon.clone()
+    fp8_delta.apply_fp8_deltas(recon, gathered, out=out, impl="triton")
+    ref.apply_fp8_deltas_ref(want_r, gathered)
+    diff = (recon.view(torch.int16) != want_r.view(torch.int16)).sum().item()
+    assert diff == 0, f"{diff} of {recon.numel()} reconstructed values differ"
+    assert torch.equal(out.view(torch.int16), recon.view(torch.int16))

@@ -23,7 +23,10 @@ backward reduce-scatter and the sharded fp32 master weights are unchanged.
 
 Costs: ``R`` is one full copy of the trainable parameters in the gather dtype on every rank (FSDP otherwise
 keeps only shards between gathers), and two passes over the group per gather (encode the shard, decode all
-shards). The win is bandwidth: worth it where the link, not the GPU, bounds the all-gather (across nodes).
+shards). On CUDA each pass is one fused Triton kernel (``loongforge_kernels.fp8_delta``, which also writes the
+gathered parameters), bit-identical to the torch code here; ``LOONGFORGE_KERNELS=torch`` selects its torch
+reference instead. The win is bandwidth: worth it where the link, not the GPU, bounds the all-gather (across
+nodes).
 GPU only: FP8 needs SM >= 8.9; ``allow_cpu=True`` exists for the gloo tests alone.
 """
 
@@ -50,14 +53,16 @@ def quantize_blockwise(x: torch.Tensor, *, block: int = BLOCK) -> tuple[torch.Te
     """Flatten ``x`` and quantize it to E4M3 in blocks of ``block`` elements (the last block zero-padded).
 
     Returns ``(q, scales)``: ``q`` float8_e4m3fn of ``ceil(n / block) * block`` elements, ``scales`` fp32 with
-    one ``amax / 448`` per block. Per element, ``|dequant - x| <= max(|x| / 16, scale / 1024)``."""
+    one ``amax * fl32(1/448)`` per block. Per element, ``|dequant - x| <= max(|x| / 16, scale / 1024)``."""
     flat = x.reshape(-1).float()
     nb = max(1, math.ceil(flat.numel() / block))
     if flat.numel() != nb * block:
         flat = torch.nn.functional.pad(flat, (0, nb * block - flat.numel()))
     blocks = flat.view(nb, block)
-    scales = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1).div_(FP8_MAX).clamp_min_(_TINY)
-    # NOTE: amax / (amax / 448) may round to 448 + 1 ulp; E4M3 rounds anything below 480 to 448, so no clamp.
+    # NOTE: times the fp32 1/448 rather than ``div_(448)``: torch's CUDA div by a scalar multiplies by the
+    # reciprocal and its CPU div divides, so only this gives the same bytes on both (and in the fused kernel).
+    scales = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1).mul_(1 / FP8_MAX).clamp_min_(_TINY)
+    # NOTE: amax / scale may round to 448 + a few ulp; E4M3 rounds anything below 464 to 448, so no clamp.
     return (blocks / scales[:, None]).to(FP8).view(-1), scales
 
 
@@ -93,6 +98,19 @@ def _apply_deltas(recon: torch.Tensor, gathered: torch.Tensor) -> None:
     scales = gathered[:, nb * BLOCK:].view(torch.float32)
     dq = q.float().view(world, nb, BLOCK).mul_(scales[:, :, None]).view(world, nb * BLOCK)
     recon.add_(dq[:, :n])
+
+
+def _fused_codec(device: torch.device):
+    """``loongforge_kernels.fp8_delta`` (fused Triton encode / decode, bit-identical to the two functions
+    above) for CUDA tensors; None on CPU or without the package, where the torch code above runs.
+    NOTE: imported here, not at the top: CPU-only uses (the gloo tests) never load triton."""
+    if device.type != "cuda":
+        return None
+    try:
+        from loongforge_kernels import fp8_delta
+    except ImportError:
+        return None
+    return fp8_delta
 
 
 # ----------------------------------------------------------------------------------------------- FSDP hook
@@ -161,11 +179,15 @@ class _GroupAllGather:
         rows = self.recon.view(world, -1)
         # NOTE: ``inp`` is a view into ``out`` (FSDP copies the shard in at this rank's offset): encode it before
         # ``out`` is overwritten.
-        payload = _encode_delta(inp, rows[rank])
+        codec = _fused_codec(inp.device)
+        payload = _encode_delta(inp, rows[rank]) if codec is None else codec.encode_fp8_delta(inp, rows[rank])
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=inp.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
-        _apply_deltas(rows, gathered.view(world, -1))
-        out.copy_(self.recon)
+        if codec is None:
+            _apply_deltas(rows, gathered.view(world, -1))
+            out.copy_(self.recon)
+        else:  # one pass: updates the reconstruction and writes the gathered parameters
+            codec.apply_fp8_deltas(rows, gathered.view(world, -1), out=out.view(world, -1))
         st.bytes_sent += gathered.numel()
 
 

@@ -84,7 +84,8 @@ def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str)
     )
 
 
-# Pointer dtypes and constexprs per kernel, at the shapes the benchmarks use (bf16 activations).
+# (pointer dtypes, constexprs, num_warps[, other compile options]) per kernel, at the shapes the benchmarks use
+# (bf16 activations).
 _COMPILE_SPECS = {
     "rms_norm._rms_norm_fwd_kernel": ({"W": "*fp32", "RSTD": "*fp32"}, {"BLOCK": 2048, "ROWS": 2}, 8),
     "rms_norm._rms_norm_bwd_kernel": (
@@ -138,12 +139,28 @@ for _mode in (0, 1, 2):
         )
 
 
-def compile_all_kernels(arch: int = 90) -> list[str]:
-    """Compile every Triton kernel for CUDA ``sm_<arch>`` without a GPU (Triton bundles ptxas).
+# The delta-FP8 codec: the CUDA path (GPU conversions) and the integer-rounding path the interpreter runs,
+# with the launch options of fp8_delta.py (no FMA contraction).
+_NO_FMA = {"enable_fp_fusion": False}
+for _hw in (True, False):
+    _COMPILE_SPECS[f"fp8_delta._encode_kernel#{_hw}"] = (
+        {"Q": "*u8", "S": "*fp32"},
+        {"HW_CVT": _hw, "ROWS": 8, "BLOCK": 256},
+        4,
+        _NO_FMA,
+    )
+    _COMPILE_SPECS[f"fp8_delta._decode_kernel#{_hw}"] = (
+        {"G": "*u8", "GS": "*fp32"},
+        {"HAS_OUT": True, "HW_CVT": _hw, "ROWS": 8, "BLOCK": 256},
+        4,
+        _NO_FMA,
+    )
 
-    The interpreter runs kernels as numpy and accepts code the compiler rejects; this catches that in CI.
-    Must run in a process where triton was imported without ``TRITON_INTERPRET``.
-    """
+
+def compile_kernel(key: str, arch: int = 90):
+    """Compile the ``_COMPILE_SPECS[key]`` kernel for CUDA ``sm_<arch>`` without a GPU (Triton bundles ptxas);
+    returns Triton's compiled kernel (``.asm["ptx"]`` holds the PTX). Needs triton imported without
+    ``TRITON_INTERPRET``."""
     import importlib
     import inspect
 
@@ -151,22 +168,29 @@ def compile_all_kernels(arch: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    done = []
-    for key, (ptrs, consts, warps) in _COMPILE_SPECS.items():
-        module_name, kernel_name = key.partition("#")[0].split(".")
-        kernel = getattr(importlib.import_module(f"loongforge_kernels.{module_name}"), kernel_name)
-        params = list(inspect.signature(kernel.fn).parameters)
-        sig = {}
-        for p in params:
-            if p in consts:
-                sig[p] = "constexpr"
-            elif p.isupper():
-                sig[p] = ptrs.get(p, "*bf16")
-            else:
-                sig[p] = "fp32" if p in ("eps", "w_offset") else "i32"
-        src = ASTSource(
-            fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}
-        )
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-        done.append(key)
-    return done
+    ptrs, consts, warps, *options = _COMPILE_SPECS[key]
+    module_name, kernel_name = key.partition("#")[0].split(".")
+    kernel = getattr(importlib.import_module(f"loongforge_kernels.{module_name}"), kernel_name)
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {}
+    for p in params:
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p.isupper():
+            sig[p] = ptrs.get(p, "*bf16")
+        else:
+            sig[p] = "fp32" if p in ("eps", "w_offset") else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    opts = {"num_warps": warps, **(options[0] if options else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def compile_all_kernels(arch: int = 90) -> list[str]:
+    """Compile every Triton kernel for CUDA ``sm_<arch>`` without a GPU.
+
+    The interpreter runs kernels as numpy and accepts code the compiler rejects; this catches that in CI.
+    Must run in a process where triton was imported without ``TRITON_INTERPRET``.
+    """
+    for key in _COMPILE_SPECS:
+        compile_kernel(key, arch)
+    return list(_COMPILE_SPECS)

@@ -130,3 +130,34 @@ def sparse_mla_ref(
         return o
     lse = (m + torch.log(denom)).reshape(t, h).detach()
     return o, lse
+
+
+FP8_BLOCK = 256  # elements per scale of the delta-FP8 codec
+
+
+def encode_fp8_delta_ref(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``x - ref`` (fp32) as uint8 ``[float8_e4m3fn bytes (nb*256) | fp32 scales (4*nb)]``, blocks of 256.
+
+    Per block ``scale = max(amax * fl32(1/448), tiny)``, value ``e4m3(d / scale)``; the padding encodes 0.
+    NOTE: ``mul_(1 / 448)``, not ``div_(448)``: torch's CUDA ``div_`` by a scalar multiplies by the fp32
+    reciprocal and its CPU ``div_`` divides, so only the product is the same on both (and in the kernel)."""
+    n = x.numel()
+    nb = max(1, -(-n // FP8_BLOCK))
+    d = torch.zeros(nb * FP8_BLOCK, dtype=torch.float32, device=x.device)
+    d[:n].copy_(x.reshape(-1))
+    d[:n].sub_(ref.reshape(-1))
+    blocks = d.view(nb, FP8_BLOCK)
+    scales = blocks.abs().amax(1).mul_(1 / 448).clamp_min_(torch.finfo(torch.float32).tiny)
+    q = (blocks / scales[:, None]).to(torch.float8_e4m3fn)
+    return torch.cat((q.view(-1).view(torch.uint8), scales.view(torch.uint8)))
+
+
+def apply_fp8_deltas_ref(recon: torch.Tensor, gathered: torch.Tensor) -> None:
+    """``recon`` (world, n) += the deltas in ``gathered`` (world, payload bytes): fp32 ``q * scale``, then
+    ``recon + that`` in fp32 rounded once to ``recon``'s dtype, in place."""
+    world, n = recon.shape
+    nb = max(1, -(-n // FP8_BLOCK))
+    q = gathered[:, : nb * FP8_BLOCK].view(torch.float8_e4m3fn)
+    scales = gathered[:, nb * FP8_BLOCK :].view(torch.float32)
+    dq = q.float().view(world, nb, FP8_BLOCK).mul_(scales[:, :, None]).view(world, nb * FP8_BLOCK)
+    recon.add_(dq[:, :n])
