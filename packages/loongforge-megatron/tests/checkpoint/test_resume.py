@@ -60,7 +60,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_during_save(recipe_file: Path, out: Path, *, step: int, timeout_s: float = 180) -> None:
+def kill_during_save(recipe_file: Path, out: Path, *, step: int, timeout_s: float = 360) -> None:
     """Run 2 ranks with the holding worker; SIGKILL the process tree once both ranks sit inside the save of ``step``."""
     flag = out.parent / f"{out.name}.hold"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HOLD_SAVE_STEP": str(step),
