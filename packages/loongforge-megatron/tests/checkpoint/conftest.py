@@ -1,16 +1,12 @@
-"""Helpers for checkpoint tests: tiny recipes, CLI launches in their own process group, forked gloo ranks."""
+"""Helpers for checkpoint tests: tiny recipes and CLI launches in their own process group (forked ranks: the
+``ranks`` fixture in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -47,52 +43,6 @@ def cli(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: Path, kwargs: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        torch.save(fn(rank=rank, world=world, **kwargs), out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
-
-
-def run_ranks(fn: Callable[..., Any], *, world: int, out: Path, timeout_s: float = 240, **kwargs: Any) -> list[Any]:
-    """``fn(rank=, world=, **kwargs)`` in ``world`` forked gloo ranks with a watchdog; each rank's result.
-
-    NOTE: fork so the children reuse the parent's megatron-core import (same helper as tests/engine).
-    """
-    import megatron.core.models.gpt  # noqa: F401  (import once, before forking)
-    import torch
-    from loongforge_megatron.engine.parallel_state import free_port
-
-    ctx = mp.get_context("fork")
-    port = free_port()
-    out.mkdir(parents=True, exist_ok=True)
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, out, kwargs)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    errors = [(out / f"rank{r}.err").read_text() for r in range(world) if (out / f"rank{r}.err").exists()]
-    if errors:
-        pytest.fail("rank failed:\n" + "\n".join(errors))
-    if any(p.exitcode != 0 for p in procs):
-        pytest.fail(f"rank exit codes {[p.exitcode for p in procs]} (timeout {timeout_s}s = deadlock?)")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 @pytest.fixture(scope="session")
 def recipe():
     """:func:`write_recipe`."""
@@ -103,10 +53,3 @@ def recipe():
 def loongforge_cli():
     """:func:`cli`."""
     return cli
-
-
-@pytest.fixture(scope="session")
-def ranks():
-    """:func:`run_ranks`."""
-    return run_ranks
-
