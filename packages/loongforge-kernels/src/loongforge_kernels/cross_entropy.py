@@ -92,12 +92,18 @@ def _ce_loss_grad_kernel(
         tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
 
 
+def _row_launch(n_vocab: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the one-program-per-row kernels: a row is swept in BLOCK-wide pieces."""
+    block = min(next_pow2(n_vocab), 32768 if device.type == "cuda" else 65536)
+    return block, 32 if block >= 32768 else 8
+
+
 def _stats(logits, labels, *, vocab_start, ignore_index, impl):
     """Per row: max, sum of exp(x - max), and the target logit (0 when the target is in another shard)."""
     n, v = logits.shape
     if impl == "triton":
         mx, se, tgt = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
-        block = min(next_pow2(v), 32768 if logits.device.type == "cuda" else 65536)
+        block, warps = _row_launch(v, logits.device)
         _ce_stats_kernel[(n,)](
             logits,
             labels,
@@ -109,7 +115,7 @@ def _stats(logits, labels, *, vocab_start, ignore_index, impl):
             vocab_start,
             ignore_index,
             BLOCK=block,
-            num_warps=32 if block >= 32768 else 8,
+            num_warps=warps,
         )
         return mx, se, tgt
     x = logits.float()
@@ -125,7 +131,7 @@ def _grad_in_place(logits, labels, lse, scale, *, vocab_start, impl):
     """logits <- (softmax(logits) - onehot(label)) * scale[row], softmax taken with the global ``lse``."""
     n, v = logits.shape
     if impl == "triton":
-        block = min(next_pow2(v), 32768 if logits.device.type == "cuda" else 65536)
+        block, warps = _row_launch(v, logits.device)
         _ce_grad_kernel[(n,)](
             logits,
             labels,
@@ -135,7 +141,7 @@ def _grad_in_place(logits, labels, lse, scale, *, vocab_start, impl):
             v,
             vocab_start,
             BLOCK=block,
-            num_warps=32 if block >= 32768 else 8,
+            num_warps=warps,
         )
         return
     g = torch.exp(logits.float() - lse[:, None])
@@ -193,7 +199,7 @@ def _run_chunks(
         del logits  # NOTE: free the previous chunk before allocating the next (one chunk alive at a time)
         logits = h @ w.t()
         if impl == "triton" and group is None and grad_scale is not None:
-            block = min(next_pow2(v_local), 32768 if logits.device.type == "cuda" else 65536)
+            block, warps = _row_launch(v_local, logits.device)
             _ce_loss_grad_kernel[(end - start,)](
                 logits,
                 lab,
@@ -203,7 +209,7 @@ def _run_chunks(
                 v_local,
                 ignore_index,
                 BLOCK=block,
-                num_warps=32 if block >= 32768 else 8,
+                num_warps=warps,
             )
             _chunk_grads(logits, h, w, grad_h, grad_w, start, end)
             continue

@@ -135,6 +135,7 @@ class RMSNormFunction(torch.autograd.Function):
         rows_per_prog = -(-n_rows // n_progs) if n_rows else 0
         dw_part = torch.empty(n_progs, n_cols, dtype=torch.float32, device=x2.device)
         if n_rows:
+            rows = _rows_per_tile(ctx.block, "bwd")
             _rms_norm_bwd_kernel[(n_progs,)](
                 dy2,
                 x2,
@@ -150,8 +151,8 @@ class RMSNormFunction(torch.autograd.Function):
                 ctx.offset,
                 rows_per_prog,
                 BLOCK=ctx.block,
-                ROWS=_rows_per_tile(ctx.block, "bwd"),
-                num_warps=num_warps_for(ctx.block * _rows_per_tile(ctx.block, "bwd")),
+                ROWS=rows,
+                num_warps=num_warps_for(ctx.block * rows),
             )
         else:
             dw_part.zero_()
