@@ -20,7 +20,7 @@ def _holding_save(obj, f, *args, **kwargs):
     step = int(os.environ["HOLD_SAVE_STEP"])
     if ".tmp-" in str(f) and f"step_{step:08d}" in str(f):
         flag = Path(f"{os.environ['HOLD_FLAG']}.{os.environ['RANK']}")
-        tmp = flag.with_suffix(".tmp")
+        tmp = flag.with_name(f"{flag.name}.tmp")  # per rank: with_suffix would give both ranks one name
         tmp.write_text(str(os.getpid()))
         tmp.rename(flag)
         time.sleep(600)  # the test kills the process tree here
