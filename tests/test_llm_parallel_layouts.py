@@ -20,7 +20,8 @@ REL_TOL = 1e-5  # relative, per step; reduction order differs between layouts
 
 LAYOUTS = {
     "tp2_sp": ("llama", ["parallel.tp=2", "parallel.sp=true"]),
-    "pp2_vpp2": ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
+    # uneven and interleaved: stage 0 holds 2 layers (1 per chunk), stage 1 holds 4 (2 per chunk)
+    "pp2_vpp2_uneven": ("llama", ["parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"]),
     "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
     "cp2": ("llama", ["parallel.cp=2"]),
     "ep2_moe": ("qwen3_moe", ["parallel.ep=2"]),
@@ -35,7 +36,7 @@ def save_hf(family: str, out: Path) -> Path:
 
     torch.manual_seed(0)
     if family == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "num_hidden_layers": 6}))  # 6: room for an uneven split
     else:
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=32, norm_topk_prob=True))

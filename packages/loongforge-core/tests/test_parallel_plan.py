@@ -95,3 +95,33 @@ def test_components_colocated_and_disjoint():
         resolve_plan(world_size=8, components={"vision": {"num_ranks": 2}, "language": {"num_ranks": 4}})
     with pytest.raises(ParallelPlanError, match="components.vision: tp\\*pp\\*cp = 3"):
         resolve_plan(world_size=8, components={"vision": {"tp": 3}})
+
+
+def test_uneven_pipeline_split():
+    from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
+
+    # DeepSeek-V3's 61 layers on 16 stages: 4 on the first, 1 on the last, 4 on each of the 14 middle stages
+    counts = chunk_layer_counts(61, pp=16, first=4, last=1)
+    assert counts == [[4] + [4] * 14 + [1]] and sum(counts[0]) == 61
+    # only the first stage set: the other stages split the rest
+    assert chunk_layer_counts(10, pp=4, first=1) == [[1, 3, 3, 3]]
+    # with vpp every stage's layers split over its chunks; chunk (pp_rank, vpp_rank) takes layers in vpp-major order
+    counts = chunk_layer_counts(12, pp=3, vpp=2, first=2, last=2)
+    assert counts == [[1, 4, 1], [1, 4, 1]]
+    ranges = layer_ranges(counts)
+    assert ranges[(0, 0)] == range(0, 1) and ranges[(1, 0)] == range(1, 5) and ranges[(0, 1)] == range(6, 7)
+    plan = resolve_plan(world_size=4, pp=4, first_stage_layers=1)
+    plan.check_model(num_layers=10, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("kw,num_layers,match", [
+    ({"pp": 1, "first_stage_layers": 2}, 8, "first_stage_layers = 2 needs pipeline parallelism"),
+    ({"pp": 4, "first_stage_layers": 2}, 9, r"9 layers - first 2 - last 0 = 7 layers do not split evenly over 3"),
+    ({"pp": 2, "first_stage_layers": 2, "last_stage_layers": 2}, 5, "must add up to the model's 5 layers"),
+    ({"pp": 2, "first_stage_layers": 6}, 5, "exceed the model's 5 layers"),
+    ({"pp": 2, "vpp": 2, "first_stage_layers": 3}, 7, "first_stage_layers = 3 is not divisible by vpp = 2"),
+    ({"pp": 2}, 7, "give parallel.first_stage_layers / parallel.last_stage_layers for an uneven split"),
+])
+def test_uneven_pipeline_split_errors_name_the_key(kw, num_layers, match):
+    with pytest.raises(ParallelPlanError, match=match):
+        resolve_plan(world_size=kw["pp"], **kw).check_model(num_layers=num_layers, num_attention_heads=2)

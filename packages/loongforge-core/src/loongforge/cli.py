@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=None)
+    p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline split: layers on stage 0")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline split: layers on the last stage")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
     return parser
 
@@ -158,7 +160,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from loongforge.backend import get_backend
 
     get_backend(args.backend).convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                                      ep=args.ep, etp=args.etp, force=args.force)
+                                      ep=args.ep, etp=args.etp, force=args.force,
+                                      first_stage_layers=args.first_stage_layers,
+                                      last_stage_layers=args.last_stage_layers)
     print(f"wrote {args.dst}")
     return 0
 

@@ -15,7 +15,7 @@ def test_pipeline_layout_plain_and_interleaved():
     assert list(lay.layers_of(pp_rank=0, vpp_rank=1)) == [4, 5]
     assert lay.locate(5) == (0, 1, 1)
     assert lay.global_layer(1, pp_rank=1, vpp_rank=1) == 7
-    with pytest.raises(CheckpointError, match="cannot be split evenly"):
+    with pytest.raises(CheckpointError, match=r"6 layers, not divisible by pp \* vpp = 4 \* 1"):
         PipelineLayout(6, pp=4)
 
 
@@ -50,3 +50,20 @@ def test_for_rank_filters():
     names = {p.megatron for p in got}
     assert "emb" not in names and "head" in names
     assert {n for n in names if "experts" in n} == {"decoder.layers.1.experts.0.fc1", "decoder.layers.1.experts.1.fc1"}
+
+
+def test_pipeline_layout_uneven():
+    # 6 layers, pp=3, first stage 1, last stage 1: the middle stage holds 4
+    lay = PipelineLayout(6, pp=3, first=1, last=1)
+    assert [lay.locate(i) for i in (0, 1, 4, 5)] == [(0, 0, 0), (1, 0, 0), (1, 0, 3), (2, 0, 0)]
+    assert list(lay.layers_of(pp_rank=1)) == [1, 2, 3, 4]
+    params = [p for p in _map().expand(num_layers=4, num_experts=4, pp=2, first_stage_layers=1)
+              if p.megatron.endswith("fc.weight")]
+    assert [(p.hf[next(iter(p.hf))], p.megatron, p.where.pp_rank) for p in params] == [
+        ("model.layers.0.fc.weight", "decoder.layers.0.fc.weight", 0),
+        ("model.layers.1.fc.weight", "decoder.layers.0.fc.weight", 1),
+        ("model.layers.2.fc.weight", "decoder.layers.1.fc.weight", 1),
+        ("model.layers.3.fc.weight", "decoder.layers.2.fc.weight", 1),
+    ]
+    with pytest.raises(CheckpointError, match="must add up"):
+        PipelineLayout(6, pp=2, first=2, last=2)

@@ -84,7 +84,7 @@ class MegatronBackend(Backend):
         force = layout.pop("force", False)
         etp = layout.pop("etp", None) or layout["tp"]
         if to == "hf":
-            megatron_to_hf(src, dst, force=force)
+            megatron_to_hf(src, dst, force=force)  # the source's layout file says how it was split
         elif (Path(src) / "config.json").is_file():
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:

@@ -33,12 +33,14 @@ if TYPE_CHECKING:
 
 # Layout keys that must match for a data-parallel reshard (everything that changes what a rank holds).
 _MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep", "etp")
+_PIPELINE_SPLIT = ("first_stage_layers", "last_stage_layers")  # recorded only when set (older saves lack them)
 
 
 def _layout(job: MegatronJob) -> dict[str, int]:
     p = job.plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
-            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer)}
+            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer),
+            **{k: getattr(p, k) for k in _PIPELINE_SPLIT if getattr(p, k) is not None}}
 
 
 def _coords() -> dict[str, int]:
@@ -75,11 +77,11 @@ def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[st
     old = meta["layout"]
     if old == layout:
         return rank
-    differs = [k for k in _MODEL_PARALLEL if old[k] != layout[k]]
+    differs = [k for k in _MODEL_PARALLEL + _PIPELINE_SPLIT if old.get(k) != layout.get(k)]
     if differs:
         raise CheckpointError(
-            f"the checkpoint was saved with {', '.join(f'{k}={old[k]}' for k in differs)} but this run uses "
-            f"{', '.join(f'{k}={layout[k]}' for k in differs)}; only the data-parallel size may change on resume "
+            f"the checkpoint was saved with {', '.join(f'{k}={old.get(k)}' for k in differs)} but this run uses "
+            f"{', '.join(f'{k}={layout.get(k)}' for k in differs)}; only the data-parallel size may change on resume "
             "(export to HF and continue with checkpoint.load to change the model-parallel layout)"
         )
     if old["distributed_optimizer"] or layout["distributed_optimizer"]:

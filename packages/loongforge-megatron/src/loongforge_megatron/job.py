@@ -119,8 +119,10 @@ class MegatronJob(Job):
             self.step_index = self.checkpointer.resume()
         if self.log:
             n = arch.num_params()
+            split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
+                f" (first {plan.first_stage_layers or '-'} / last {plan.last_stage_layers or '-'} layers)")
             self.log.info(f"[megatron] {arch.family} {n / 1e6:.1f}M params | spec {self.spec_name} | tp {plan.tp} pp {plan.pp}"
-                          f" vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
+                          f"{split} vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
                           f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
 
     def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:

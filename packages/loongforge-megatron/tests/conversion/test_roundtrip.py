@@ -138,3 +138,39 @@ def test_bad_parallel_sizes(tiny_hf, tmp_path):
         hf_to_megatron(tiny_hf("llama"), tmp_path / "a", pp=3)
     with pytest.raises(CheckpointError, match="not divisible by ep=3"):
         hf_to_megatron(tiny_hf("qwen3_moe"), tmp_path / "b", ep=3)
+
+
+@pytest.mark.parametrize("family,pp,vpp,first,last", [
+    ("llama", 2, 1, 1, None),  # 1 + 3
+    ("deepseek_v3", 3, 1, 1, 1),  # 1 + 2 + 1: the dense first layer alone on stage 0
+    ("qwen3_moe", 2, 2, None, 2),  # 2 + 2 with vpp: chunks of 1 layer each
+])
+def test_uneven_pipeline_split_roundtrip(tiny_hf, tmp_path, family, pp, vpp, first, last):
+    """first/last-stage layer counts (DeepSeek-V3's 61 layers need one): shards land where megatron builds them,
+    the layout file records the split, online shards equal offline ones, and HF comes back bit-exact."""
+    from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
+    from loongforge_megatron.conversion import shard_state_dict_for_rank
+
+    src = tiny_hf(family)
+    layout = hf_to_megatron(src, tmp_path / "mg", pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    loaded = MegatronLayout.load(tmp_path / "mg")
+    assert (loaded.first_stage_layers, loaded.last_stage_layers) == (first, last)
+    shards = read_all(tmp_path / "mg")
+    ranges = layer_ranges(chunk_layer_counts(4, pp=pp, vpp=vpp, first=first, last=last))
+    for (tp, p, ep, v), sd in shards.items():
+        local = {int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")}
+        assert local == set(range(len(ranges[(p, v)]))), (p, v, local)
+        online = shard_state_dict_for_rank(src, tp_rank=tp, tp_size=1, pp_rank=p, pp_size=pp, ep_rank=ep,
+                                           vpp_rank=v, vpp_size=vpp, first_stage_layers=first, last_stage_layers=last)
+        assert online.keys() == sd.keys() and all(torch.equal(online[k], sd[k]) for k in sd)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    assert_same_hf(src, tmp_path / "hf")
+    reshard(tmp_path / "mg", tmp_path / "even", pp=2)  # uneven -> even
+    megatron_to_hf(tmp_path / "even", tmp_path / "hf2")
+    assert_same_hf(src, tmp_path / "hf2")
+    assert layout == loaded
+
+
+def test_uneven_split_bad_sizes_name_the_key(tiny_hf, tmp_path):
+    with pytest.raises(CheckpointError, match="layout: first_stage_layers \\+ last_stage_layers exceed"):
+        hf_to_megatron(tiny_hf("llama"), tmp_path / "mg", pp=2, first_stage_layers=3, last_stage_layers=3)

@@ -27,6 +27,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str]] = {
     "tp2_sp": ({"tp": 2, "sp": True}, "dense"),
     "pp2": ({"pp": 2}, "dense"),
     "pp2_vpp2": ({"pp": 2, "vpp": 2}, "dense"),
+    "pp2_uneven": ({"pp": 2, "first_stage_layers": 1}, "dense"),  # 1 + 3 layers
     "dp2_distopt": ({"distributed_optimizer": True}, "dense"),
     "ep2_moe": ({"ep": 2}, "moe"),
     "pp2_tied": ({"pp": 2}, "tied"),
@@ -62,6 +63,8 @@ def transformer_config(plan: Any, *, kind: str):
         tensor_model_parallel_size=plan.tp,
         pipeline_model_parallel_size=plan.pp,
         virtual_pipeline_model_parallel_size=plan.vpp if plan.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=plan.first_stage_layers,
+        num_layers_in_last_pipeline_stage=plan.last_stage_layers,
         sequence_parallel=plan.sp,
         expert_model_parallel_size=plan.ep,
         expert_tensor_parallel_size=plan.etp,

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from loongforge.checkpoint.mapping import SINGLE, Expert, Rule
-from loongforge.errors import CheckpointError
+from loongforge.errors import CheckpointError, ParallelPlanError
+from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
 
 
 @dataclass(frozen=True)
@@ -71,38 +72,39 @@ def _fill(pattern: str, values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Megatron's standard layer assignment: ``num_layers`` split evenly into ``pp * vpp`` model chunks.
+    """Megatron's layer assignment: ``num_layers`` split into ``pp * vpp`` model chunks, evenly or with set
+    first/last-stage sizes (:mod:`loongforge.parallel.layers`).
 
-    Chunk ``c = vpp_rank * pp + pp_rank`` holds global layers ``c*n .. c*n+n-1`` (n = layers per chunk), so
-    with vpp > 1 the stages take chunks in interleaved order. Local indices restart at 0 in every chunk.
+    Chunk ``c = vpp_rank * pp + pp_rank`` holds the next consecutive global layers, so with vpp > 1 the stages
+    take chunks in interleaved order. Local indices restart at 0 in every chunk.
     """
 
     num_layers: int
     pp: int = 1
     vpp: int = 1
+    first: int | None = None  # layers on the first stage (uneven split); None: even
+    last: int | None = None  # layers on the last stage
 
     def __post_init__(self) -> None:
-        if self.num_layers % (self.pp * self.vpp):
-            raise CheckpointError(
-                f"{self.num_layers} layers cannot be split evenly into pp={self.pp} x vpp={self.vpp} chunks"
-            )
-
-    @property
-    def per_chunk(self) -> int:
-        return self.num_layers // (self.pp * self.vpp)
+        try:
+            counts = chunk_layer_counts(self.num_layers, pp=self.pp, vpp=self.vpp, first=self.first, last=self.last,
+                                        prefix="layout")
+        except ParallelPlanError as e:
+            raise CheckpointError(str(e)) from None
+        object.__setattr__(self, "_ranges", layer_ranges(counts))
 
     def locate(self, layer: int) -> tuple[int, int, int]:
         """Global layer -> (pp_rank, vpp_rank, local index)."""
-        chunk, local = divmod(layer, self.per_chunk)
-        vpp_rank, pp_rank = divmod(chunk, self.pp)
-        return pp_rank, vpp_rank, local
+        for (pp_rank, vpp_rank), r in self._ranges.items():  # type: ignore[attr-defined]
+            if layer in r:
+                return pp_rank, vpp_rank, layer - r.start
+        raise CheckpointError(f"layer {layer} is outside the model's {self.num_layers} layers")
 
     def global_layer(self, local: int, *, pp_rank: int, vpp_rank: int = 0) -> int:
-        return (vpp_rank * self.pp + pp_rank) * self.per_chunk + local
+        return self.layers_of(pp_rank=pp_rank, vpp_rank=vpp_rank)[local]
 
     def layers_of(self, *, pp_rank: int, vpp_rank: int = 0) -> range:
-        start = self.global_layer(0, pp_rank=pp_rank, vpp_rank=vpp_rank)
-        return range(start, start + self.per_chunk)
+        return self._ranges[(pp_rank, vpp_rank)]  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,11 @@ class NameMap:
     entries: list[Entry] = field(default_factory=list)
 
     def expand(
-        self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1
+        self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,
+        first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     ) -> Iterator[Param]:
         """Every concrete parameter in HF order (stage by stage), each with its placement."""
-        layout = PipelineLayout(num_layers, pp, vpp)
+        layout = PipelineLayout(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
         first, last = Placement(0, 0, None), Placement(pp - 1, vpp - 1, None)
         for e in self.entries:
             if e.stage == "first":
@@ -145,10 +148,12 @@ class NameMap:
     def for_rank(
         self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,
         pp_rank: int, vpp_rank: int = 0, ep_rank: int = 0,
+        first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     ) -> list[Param]:
         """The parameters one (pp, vpp, ep) rank holds."""
         out = []
-        for p in self.expand(num_layers=num_layers, num_experts=num_experts, pp=pp, vpp=vpp, ep=ep):
+        for p in self.expand(num_layers=num_layers, num_experts=num_experts, pp=pp, vpp=vpp, ep=ep,
+                             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers):
             w = p.where
             if (w.pp_rank, w.vpp_rank) == (pp_rank, vpp_rank) and w.ep_rank in (None, ep_rank):
                 out.append(p)

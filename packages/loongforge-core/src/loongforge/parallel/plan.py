@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from loongforge.errors import ParallelPlanError
+from loongforge.parallel.layers import chunk_layer_counts
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -31,6 +32,8 @@ class ParallelPlan:
     ep: int = 1
     etp: int = 1
     dp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     sp: bool = False
     distributed_optimizer: bool = False
     recompute: str = "none"
@@ -84,11 +87,8 @@ class ParallelPlan:
             raise ParallelPlanError(f"model has {num_attention_heads} attention heads, not divisible by tp = {self.tp}")
         if groups % self.tp:
             raise ParallelPlanError(f"model has {groups} query groups (KV heads), not divisible by tp = {self.tp}")
-        chunks = self.pp * self.vpp
-        if num_layers % chunks:
-            raise ParallelPlanError(
-                f"model has {num_layers} layers, not divisible by pp * vpp = {self.pp} * {self.vpp} = {chunks}"
-            )
+        chunk_layer_counts(num_layers, pp=self.pp, vpp=self.vpp, first=self.first_stage_layers,
+                           last=self.last_stage_layers)
         if self.ep > 1 or self.etp != self.tp:
             if not num_experts:
                 raise ParallelPlanError(f"ep = {self.ep}, etp = {self.etp} need a MoE model (model has no experts)")
@@ -116,6 +116,8 @@ def resolve_plan(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     cp: int = 1,
     ep: int = 1,
     etp: int | None = None,
@@ -130,7 +132,8 @@ def resolve_plan(
     prefix: str = "parallel",
 ) -> ParallelPlan:
     """Validate sizes against ``world_size`` and derive dp. Raises :class:`ParallelPlanError`."""
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp), ("dp", dp)):
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp), ("dp", dp),
+                        ("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
         _positive(name, value)
     if not isinstance(world_size, int) or world_size < 1:
         raise ParallelPlanError(f"world size must be a positive integer (got {world_size!r})")
@@ -151,6 +154,9 @@ def resolve_plan(
         )
     if vpp > 1 and pp == 1:
         raise ParallelPlanError(f"{prefix}.vpp = {vpp} needs pipeline parallelism (pp > 1, got pp = 1)")
+    for name, value in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
+        if value is not None and pp == 1:
+            raise ParallelPlanError(f"{prefix}.{name} = {value} needs pipeline parallelism (pp > 1, got pp = 1)")
     if sp and tp == 1:
         raise ParallelPlanError(f"{prefix}.sp = true needs tensor parallelism (tp > 1, got tp = 1)")
     expert_grid = etp * ep * pp
@@ -176,6 +182,8 @@ def resolve_plan(
         tp=tp,
         pp=pp,
         vpp=vpp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
         cp=cp,
         ep=ep,
         etp=etp,

@@ -44,6 +44,10 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="tensor parallel size")
     pp: int = Field(1, ge=1, description="pipeline parallel size")
     vpp: int | None = Field(None, ge=1, description="virtual pipeline chunks per pipeline rank (interleaved 1F1B)")
+    first_stage_layers: int | None = Field(
+        None, ge=1, description="uneven pipeline split: decoder layers on the first stage (the rest split evenly)"
+    )
+    last_stage_layers: int | None = Field(None, ge=1, description="uneven pipeline split: decoder layers on the last stage")
     cp: int = Field(1, ge=1, description="context parallel size")
     ep: int = Field(1, ge=1, description="expert parallel size")
     etp: int | None = Field(None, ge=1, description="expert tensor parallel size (default: tp)")

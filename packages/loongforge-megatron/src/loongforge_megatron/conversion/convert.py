@@ -56,6 +56,7 @@ def hf_to_megatron(
     hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, family: str | None = None,
     tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
     make_vocab_size_divisible_by: int = 128, force: bool = False,
+    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
 ) -> MegatronLayout:
     """Shard an HF checkpoint into the offline megatron layout (one safetensors file per rank).
 
@@ -67,7 +68,8 @@ def hf_to_megatron(
     fam = get_family(family, hf_config=hf_config)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
     )
     source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
     source.check_names(key_of(p) for p in layout.params())
@@ -107,6 +109,7 @@ def megatron_to_hf(
 def reshard(
     src_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None, force: bool = False,
+    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
 ) -> MegatronLayout:
     """Re-shard an offline megatron checkpoint to another (tp, pp, vpp, ep, etp), streaming through HF space
     one group at a time (no full-model materialisation)."""
@@ -114,7 +117,8 @@ def reshard(
     old = MegatronLayout.load(src_dir)
     new = MegatronLayout(
         old.family, old.hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-        make_vocab_size_divisible_by=old.make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=old.make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
     )
     staging = _staging(out_dir, force)
     try:

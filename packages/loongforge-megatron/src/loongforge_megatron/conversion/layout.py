@@ -36,6 +36,8 @@ class MegatronLayout:
     vpp: int = 1
     ep: int = 1
     etp: int | None = None  # None: megatron's default, expert TP = TP
+    first_stage_layers: int | None = None  # uneven pipeline split (megatron's num_layers_in_first_pipeline_stage)
+    last_stage_layers: int | None = None
     make_vocab_size_divisible_by: int = 128
     megatron_config: dict[str, Any] = field(default_factory=dict)
 
@@ -72,7 +74,8 @@ class MegatronLayout:
     def params(self) -> Iterator[Param]:
         """Every concrete parameter, placed on this layout's stages and EP ranks."""
         return self.name_map().expand(
-            num_layers=self.num_layers, num_experts=self.num_experts, pp=self.pp, vpp=self.vpp, ep=self.ep
+            num_layers=self.num_layers, num_experts=self.num_experts, pp=self.pp, vpp=self.vpp, ep=self.ep,
+            first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
         )
 
     def ranks(self) -> Iterator[Rank]:

@@ -28,6 +28,7 @@ def shard_state_dict_for_rank(
     hf_dir: str | os.PathLike, *, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
     ep_rank: int = 0, ep_size: int = 1, etp_size: int | None = None, vpp_rank: int = 0, vpp_size: int = 1,
     family: str | None = None, make_vocab_size_divisible_by: int = 128,
+    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None, dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Exactly one rank's megatron state dict (one virtual chunk when vpp_size > 1), reading only the HF
@@ -38,7 +39,8 @@ def shard_state_dict_for_rank(
     fam = get_family(family, hf_config=hf_config)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp_size, pp=pp_size, vpp=vpp_size, ep=ep_size, etp=etp_size,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
     )
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size and 0 <= ep_rank < ep_size and 0 <= vpp_rank < vpp_size):
         raise CheckpointError(f"rank (tp={tp_rank}, pp={pp_rank}, ep={ep_rank}, vpp={vpp_rank}) is outside the layout")
@@ -81,13 +83,15 @@ def _dict_source(layout: MegatronLayout, state_dicts: Mapping[Rank, Mapping[str,
 def gather_to_hf(
     state_dicts: Mapping[Rank, Mapping[str, torch.Tensor]], *, hf_config: dict, family: str | None = None,
     tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
-    make_vocab_size_divisible_by: int = 128,
+    make_vocab_size_divisible_by: int = 128, first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF tensors from per-rank megatron state dicts keyed by ``(tp, pp, ep, vpp)`` rank. Only the ranks
     that hold a shard are read: for ep > 1 non-expert tensors come from EP rank 0; for etp=1 experts from TP
     rank 0."""
     layout = _layout(hf_config, family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                     first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     source = _dict_source(layout, state_dicts)
     out: dict[str, torch.Tensor] = {}
     for p in hf_params(layout):
@@ -100,14 +104,16 @@ def gather_to_hf_dir(
     state_dicts: Mapping[Rank, Mapping[str, torch.Tensor]], out_dir: str | os.PathLike, *, hf_config: dict,
     family: str | None = None, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
     make_vocab_size_divisible_by: int = 128, assets_from: str | os.PathLike | None = None,
-    max_shard_bytes: int = 5 * 2**30, force: bool = False,
+    max_shard_bytes: int = 5 * 2**30, force: bool = False, first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> Path:
     """Like ``gather_to_hf`` but streams straight into an HF directory (config.json from ``hf_config``,
     tokenizer and other assets copied from ``assets_from``)."""
     import json
 
     layout = _layout(hf_config, family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                     first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
     def put_assets(staging: Path) -> None:
         if assets_from is not None:
