@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 from loongforge.errors import ParallelPlanError
 from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
