@@ -78,3 +78,21 @@ def test_layout_matches_single_process(layout, references, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=REL_TOL), (layout, a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (layout, a["step"])
     assert all(r["loss"] == r["loss"] and r["grad_norm"] < 1e6 for r in got)  # finite
+    if family == "qwen3_moe":
+        check_router_load(got, ref, tmp_path / layout / "moe_imbalance.json")
+
+
+def check_router_load(got: list[dict], ref: list[dict], summary: Path) -> None:
+    """Every routed token is counted once across the 2 EP ranks: per layer, tokens x top-k over the run; the
+    per-expert imbalance of the EP run equals the single-process one (same weights, same tokens)."""
+    import yaml
+
+    recipe = yaml.safe_load((summary.parent / "recipe.yaml").read_text())
+    tokens = recipe["train"]["steps"] * recipe["train"]["global_batch_size"] * recipe["data"]["seq_length"]
+    stats = json.loads(summary.read_text())
+    assert stats["ep_size"] == 2 and len(stats["tokens_per_expert"]) == TINY["num_hidden_layers"]
+    assert [sum(row) for row in stats["tokens_per_expert"]] == [tokens * 2] * TINY["num_hidden_layers"]  # top-2
+    assert all(v is not None and v >= 0 for v in stats["ep"] + stats["expert"])
+    for a, b in zip(got, ref, strict=True):
+        assert a["moe_expert_imbalance"] == pytest.approx(b["moe_expert_imbalance"], rel=0.02)  # a near-tie may route one token differently
+        assert a["moe_ep_imbalance"] >= 0 and "moe_ep_imbalance" not in b

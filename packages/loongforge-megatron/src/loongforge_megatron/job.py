@@ -111,6 +111,12 @@ class MegatronJob(Job):
 
             self.forward_step_fn = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=self.acc)
         self.flops_per_token = arch.flops_per_token(recipe.data.seq_length)
+        self.router_load = None
+        if arch.is_moe:
+            from loongforge_megatron.engine.router_load import RouterLoad
+
+            self.router_load = RouterLoad(unwrapped(self), num_layers=arch.num_layers, num_experts=arch.num_experts,
+                                          ep=plan.ep, device=self.device)
         self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
         from loongforge_megatron.checkpointing import Checkpointer
 
@@ -229,6 +235,11 @@ class MegatronJob(Job):
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
+        if self.router_load is not None:
+            load = self.router_load.collect()
+            metrics["moe_expert_imbalance"] = load["max_expert"]
+            if self.plan.ep > 1:
+                metrics["moe_ep_imbalance"] = load["max_ep"]
         every = self.recipe.train.eval_interval
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
             metrics["val_loss"] = self.evaluate()
@@ -263,7 +274,19 @@ class MegatronJob(Job):
                 self.checkpointer.save(self.step_index)
         if c.save_at_end:
             self.checkpointer.save(self.step_index, final=True)
+        if self.router_load is not None and self.runtime.is_main:
+            self._write_router_load()
         return {"step": self.step_index, **last}
+
+    def _write_router_load(self) -> None:
+        """``moe_imbalance.json`` in the run directory: per-layer imbalance and tokens per expert over the run."""
+        import json
+        import os
+
+        path = self.runtime.output_dir / "moe_imbalance.json"
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"ep_size": self.plan.ep, **self.router_load.summary()}))
+        tmp.replace(path)
 
     def close(self) -> None:
         from loongforge_megatron import engine
