@@ -66,3 +66,35 @@ def test_hsdp_needs_shard_size_and_divisibility():
 def test_unknown_arch_field_is_a_recipe_error():
     with pytest.raises(LoongForgeError, match="unknown architecture fields"):
         load_recipe(RECIPE, ["model.arch={lm_hiden: 32}"])
+
+
+def test_fsdp2_upcasts_mixed_dtype_weights(tmp_path):
+    """A policy that keeps some trainable weights in bf16 and others in fp32 (LeRobot's PI05 "bfloat16") shards
+    under fsdp2 with fp32 master weights instead of failing in FSDP's uniform-dtype assertion."""
+    import torch
+    import torch.distributed as dist
+    from loongforge_embodied.parallel import parallelize
+    from torch import nn
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4).to(torch.bfloat16)
+            self.b = nn.Linear(4, 2)  # fp32, like LeRobot's norms / vision tower
+
+        def wrap_units(self):
+            return [self.a, self.b]
+
+        def forward(self, x):
+            return self.b(self.a(x.to(self.a.weight.dtype)).float())  # follows its weights, as LeRobot does
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Mixed()
+        par = parallelize(model, strategy="fsdp2", world_size=1, device=torch.device("cpu"), precision="fp32")
+        assert par.notes == ["fsdp2: trainable weights were bfloat16, float32; sharded master weights are float32"]
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        par.module(torch.randn(3, 4)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

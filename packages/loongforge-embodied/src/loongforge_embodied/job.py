@@ -88,6 +88,8 @@ class EmbodiedJob(Job):
                             image_shift=r.data.image_shift)
         self._batches = iter(data.loader)
         if self.log:
+            for note in self.model.notes:
+                self.log.info(f"[embodied] {note}")
             n = sum(p.numel() for p in raw.parameters())
             self.log.info(
                 f"[embodied] {r.model.policy}/{r.model.preset} {n / 1e6:.2f}M params | {self.model.strategy} on "

@@ -28,6 +28,7 @@ class Parallelized:
     mesh: object | None = None
     units: list[nn.Module] = field(default_factory=list)
     allgather: AllGatherHook | None = None  # delta-FP8 all-gathers (call ``allgather.step()`` per optimizer step)
+    notes: list[str] = field(default_factory=list)  # what wrapping changed, for the run log
 
     @contextlib.contextmanager
     def no_sync(self, skip: bool) -> Iterator[None]:
@@ -103,6 +104,17 @@ def _fully_shard(model, *, strategy, world_size, device, precision, shard_size, 
     # NOTE: params are gathered in bf16 but gradients are reduced in fp32 (master weights stay fp32).
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
+    notes = []
+    trainable_dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(trainable_dtypes) > 1:
+        # NOTE: FSDP2 shards one dtype per unit, and a policy may keep some weights in bf16 and others in fp32
+        # (LeRobot's PI05 "bfloat16": vision tower, projector and norms fp32). Sharded master weights become fp32;
+        # with precision bf16 the mixed-precision policy still gathers and computes in bf16.
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in trainable_dtypes))
+        notes.append(f"{strategy}: trainable weights were {names}; sharded master weights are float32")
     frozen = {p for p in model.parameters() if not p.requires_grad}
     units = [u for u in model.wrap_units() if any(p.requires_grad for p in u.parameters())]
     for u in units:
@@ -117,7 +129,7 @@ def _fully_shard(model, *, strategy, world_size, device, precision, shard_size, 
                 u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
             if i > 0:
                 u.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
-    return Parallelized(model, model, strategy, mesh=mesh, units=units)
+    return Parallelized(model, model, strategy, mesh=mesh, units=units, notes=notes)
 
 
 @torch.no_grad()

@@ -39,7 +39,8 @@ class LeRobotPI05Arch(ArchMixin):
     paligemma_variant: str = "gemma_2b"
     action_expert_variant: str = "gemma_300m"
     # 1: PI05Config.dtype "bfloat16" (LeRobot's split: bf16 but the vision tower, projector and norms in fp32);
-    # 0: "float32" master weights (FSDP2/HSDP shard one dtype per unit; train.precision bf16 still computes in bf16)
+    # 0: "float32" master weights (train.precision bf16 still computes in bf16). fsdp2/hsdp shard one dtype per
+    # unit, so they keep fp32 master weights either way (``parallel._fully_shard`` upcasts and logs it).
     bf16_params: int = 1
     quantile_norm: int = 1  # 1: state/action normalised with q01/q99 (pi05's QUANTILES); 0: mean/std
     sdpa: int = 1  # 1: our SDPA twin of LeRobot's joint attention layer; 0: LeRobot's eager attention
