@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed to issues 5 and 6, in phases that each fit one device call (<= 10 minutes).
+#
+#   bash benchmarks/device_session.sh PHASE [OUT]      # OUT defaults to $OUT (the device tool's return folder)
+#
+# Run on the device machine from the repository root, carrying the wheel folders (see README "GPU runs"):
+#   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel
+#   .whl2 lerobot 0.6.1 + draccus, mergedeep, toml, termcolor, gymnasium, farama-notifications
+#   .whl3 datasets, dill, multiprocess, jsonlines, av              (phase e2e only: LeRobotDataset decoding)
+#   .vla_data/pusht224                                             (phase e2e only: `loongforge data prepare
+#         recipes/embodied/tiny_vla_pusht.yaml data.root=.vla_data/pusht224 data.repo_id=local/pusht224
+#         data.record.episodes=10 data.record.max_steps=100 data.record.image_size=224`)
+# Phases:
+#   check  (1 GPU, ~5 min)  fused FP8 codec GPU test + codec timing; flce kernel vs eager/compile;
+#                           pi05 model step, ours vs LeRobot's PI05Policy, batch 16
+#   e2e    (1 GPU, ~9 min)  pi05 end to end on the recorded dataset (data loading included), ours then LeRobot's
+#   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
+# Every step has its own timeout and its own log under OUT, so a slow step costs only itself.
+set -uo pipefail
+phase=${1:?phase: check | e2e | fp8}
+[[ $phase =~ ^(check|e2e|fp8)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8)" >&2; exit 2; }
+out=${2:-${OUT:?give OUT}}
+mkdir -p "$out"
+site=/tmp/site
+wheels=(.whl/*.whl .whl2/*.whl)
+[[ $phase == e2e ]] && wheels+=(.whl3/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
+  2>&1 | tail -3
+PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')$site
+export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2
+  shift 2
+  echo "=== $name (timeout ${secs}s): $*"
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  tail -n 25 "$out/$name.log"
+}
+
+case $phase in
+  check)
+    step fp8_delta_test 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-kernels/tests/test_gpu.py -k fp8_delta
+    step fp8_codec 60 python3 benchmarks/fp8_allgather.py --codec-only
+    step flce 150 python3 benchmarks/kernels_bench.py --only flce --out "$out/kernels_flce.md"
+    step pi05_step 240 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
+    ;;
+  e2e)
+    step pi05_e2e_ours 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 4 --only ours --data-root .vla_data/pusht224 --workers 8
+    step pi05_e2e_lerobot 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  fp8)
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device KINDS.md)
+    step fp8_allgather 540 python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+      benchmarks/fp8_allgather.py --steps 200 --out "$out/fp8_allgather.md"
+    ;;
+  *)
+    echo "unknown phase '$phase' (check | e2e | fp8)" >&2
+    exit 2
+    ;;
+esac
