@@ -259,3 +259,20 @@ def test_ddp_and_fsdp2_match_single_process(tmp_path, env):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for strategy, losses in json.loads(out.read_text()).items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)
+
+
+def test_sampling_matches_lerobot_predict_action_chunk(tiny):
+    """Inference: our ``sample_actions`` (SDPA joint layer, KV-cached prefix) gives LeRobot's
+    ``PI05Policy.predict_action_chunk`` on the same weights, frames, prompt and noise seed."""
+    arch, model, raw, _, inp = tiny
+    policy = _lerobot_policy(arch, model)
+    batch = {"observation.images.cam0": raw["images"][:, 0], "observation.state": raw["state"],
+             "observation.language.tokens": inp["lang_tokens"],
+             "observation.language.attention_mask": inp["lang_mask"]}
+    torch.manual_seed(7)
+    theirs = policy.predict_action_chunk(batch)
+    torch.manual_seed(7)
+    ours = model.eval().sample_actions(inp)
+    model.train()
+    assert ours.shape == theirs.shape == (3, arch.chunk_size, arch.action_dim)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)

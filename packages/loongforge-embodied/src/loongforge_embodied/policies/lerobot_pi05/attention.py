@@ -154,11 +154,50 @@ def joint_layer_adaptation():
     )
 
 
+MASK_NAME = "pi-gemma-mask-kwargs"
+PI_GEMMA = "lerobot.policies.pi_gemma"
+
+
+def _mask_with_new_kwargs(original: Callable, *args: Any, cache_position: Any = None, past_key_values: Any = None,
+                          **kwargs: Any):
+    """LeRobot's ``create_causal_mask(cache_position=…, past_key_values=…)`` call in the signature of
+    transformers >= 5.6 (``cache=…``; the cache position is derived from the cache)."""
+    return original(*args, cache=past_key_values, **kwargs)
+
+
+def mask_kwargs_adaptation():
+    """LeRobot 0.6.1 (which pins transformers < 5.6) builds ``PiGemmaModel``'s mask with the old keywords; newer
+    transformers reject ``cache_position``, so every KV-cached prefix pass (``sample_actions``: inference)
+    fails. ``None`` where the installed transformers still takes them. Training never reaches this call with
+    a cache, but it is the same call, so the shim is transparent there."""
+    import inspect
+
+    from transformers import masking_utils
+
+    params = inspect.signature(masking_utils.create_causal_mask).parameters
+    if "cache_position" in params or "cache" not in params:
+        return None
+    return replace_attr(
+        MASK_NAME, f"{PI_GEMMA}.create_causal_mask", lambda original: functools.partial(_mask_with_new_kwargs, original),
+        description="LeRobot's PiGemmaModel mask call (cache_position=, past_key_values=) in transformers >= 5.6's "
+                    "keywords (cache=)",
+        expect=lambda original: original is masking_utils.create_causal_mask and _pi_gemma_calls_old_kwargs(),
+    )
+
+
+def _pi_gemma_calls_old_kwargs() -> bool:
+    from lerobot.policies.pi_gemma import PiGemmaModel
+
+    return source_has("create_causal_mask(", "cache_position=cache_position,",
+                      "past_key_values=past_key_values,")(PiGemmaModel.forward)
+
+
 def install() -> None:
-    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected)."""
+    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), and the
+    mask-keyword shim where the installed transformers needs it."""
     global _installed
     if _installed is None:
-        s = AdaptationSet([joint_layer_adaptation()])
+        s = AdaptationSet([a for a in (joint_layer_adaptation(), mask_kwargs_adaptation()) if a is not None])
         s.__enter__()
         _installed = s
 

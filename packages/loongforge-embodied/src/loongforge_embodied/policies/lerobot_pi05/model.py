@@ -124,7 +124,8 @@ class LeRobotPI05Model(nn.Module):
         """LeRobot's Euler sampler (KV-cached prefix); returns normalised actions (B, chunk, action_dim).
 
         NOTE: LeRobot 0.6.1's prefix pass (``PiGemmaModel.forward``) calls ``create_causal_mask(cache_position=…)``,
-        which transformers 5.24 (our lock; LeRobot's ``pi`` extra pins <5.6) rejects: inference fails here, as in LeRobot."""
+        which transformers 5.24 (our lock; LeRobot's ``pi`` extra pins <5.6) rejects; the ``pi-gemma-mask-kwargs``
+        adaptation (``attention.mask_kwargs_adaptation``) translates the call."""
         images, img_masks, tokens, masks = self._inputs(batch)
         out = self.model.sample_actions(images, img_masks, tokens, masks, num_steps=steps)
         return out[:, :, : self.arch.action_dim]
