@@ -276,3 +276,28 @@ def test_sampling_matches_lerobot_predict_action_chunk(tiny):
     model.train()
     assert ours.shape == theirs.shape == (3, arch.chunk_size, arch.action_dim)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_load_accepts_either_siglip_layout(tiny, tmp_path):
+    """A LeRobot pi05 checkpoint saved under transformers < 5.6 (LeRobot's pin: SigLIP under
+    ``vision_tower.vision_model.``) loads into the 5.24 layout (no ``vision_model.``); the same rule maps the
+    other way where the installed transformers nests the tower."""
+    from loongforge_embodied.policies.lerobot_pi05.export import (
+        LM_HEAD,
+        VISION,
+        VISION_INNER,
+        load_model,
+        write_pretrained,
+    )
+    from safetensors.torch import load_file, save_file
+
+    arch, model, *_ = tiny
+    out = write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(), features={"cameras": ["cam0"]})
+    sd = load_file(str(out / "model.safetensors"))
+    old = {k.replace(VISION, VISION_INNER, 1) if VISION in k else k: v for k, v in sd.items()}
+    assert sum(VISION_INNER in k for k in old) > 4
+    save_file(old, str(out / "model.safetensors"))
+    loaded = load_model(out).state_dict()
+    for k, v in model.state_dict().items():
+        if not k.startswith("stats.") and k != LM_HEAD:  # the export writes the (trained) token table there
+            assert torch.equal(loaded[k], v), k

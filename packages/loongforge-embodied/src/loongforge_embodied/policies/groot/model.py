@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loongforge_embodied.policies.arch import siglip_encoder_layers
 from loongforge_embodied.policies.groot.action_head import FlowMatchingActionHead
 from loongforge_embodied.policies.groot.backbone import EagleBackbone
 from loongforge_embodied.policies.groot.config import GrootArch
@@ -39,7 +40,8 @@ class GrootModel(nn.Module):
 
     def wrap_units(self) -> list[nn.Module]:
         """Transformer blocks in execution order: FSDP2 shards and activation checkpointing apply per block."""
-        return [*self.backbone.vision.tower.encoder.layers, *self.backbone.language.layers, *self.action_head.blocks()]
+        return [*siglip_encoder_layers(self.backbone.vision.tower), *self.backbone.language.layers,
+                *self.action_head.blocks()]
 
     def enable_activation_checkpointing(self) -> None:
         for m in (self.backbone.vision.tower, self.backbone.language):
