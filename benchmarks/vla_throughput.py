@@ -173,7 +173,8 @@ def main() -> None:
     run = {"ours": args.only in (None, "ours"), "lerobot_step": args.only in (None, "peer", "lerobot_step"),
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
-                 "data_root": args.data_root, "workers": args.workers}
+                 "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
+                 "recompute": args.recompute}
     if run["ours"]:
         res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                  workers=args.workers, data_root=args.data_root, policy=args.policy,
@@ -195,12 +196,24 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     gpu = res["gpu"].replace(" ", "-").lower()
-    with open(out / f"vla_throughput_{time.strftime('%Y%m%d')}_{gpu}.jsonl", "a") as f:
+    log = out / f"vla_throughput_{time.strftime('%Y%m%d')}_{gpu}.jsonl"
+    with open(log, "a") as f:
         f.write(json.dumps(res) + "\n")
+    # NOTE: with --only, the other side comes from the latest earlier record of the same setup in today's file
+    # (the e2e sides run as two processes of one command, each needing the whole GPU).
+    merged = dict(res)
+    if args.only:
+        same = ("batch", "data_root", "workers", "compile", "policy", "recompute")
+        for line in log.read_text().splitlines()[:-1]:
+            rec = json.loads(line)
+            if all(rec.get(k) == res.get(k) for k in same):
+                merged.update({k: v for k, v in rec.items() if k in ("ours", "lerobot_step", "lerobot_e2e")
+                               and k not in res})
     for peer, what in (("lerobot_e2e", "end to end"), ("lerobot_step", "model step")):
-        if "ours" in res and peer in res:
-            ratio = res["ours"]["samples_per_s"] / res[peer]["samples_per_s"]
-            print(f"ratio {what} ours/{peer}: {ratio:.2f}x")
+        if "ours" in merged and peer in merged:
+            ratio = merged["ours"]["samples_per_s"] / merged[peer]["samples_per_s"]
+            print(f"ratio {what} ours/{peer}: {ratio:.2f}x ({merged['ours']['samples_per_s']:.1f} vs "
+                  f"{merged[peer]['samples_per_s']:.1f} samples/s, batch {res['batch']})")
 
 
 if __name__ == "__main__":
