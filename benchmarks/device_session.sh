@@ -15,10 +15,11 @@
 #                           pi05 model step, ours vs LeRobot's PI05Policy, batch 16
 #   e2e    (1 GPU, ~9 min)  pi05 end to end on the recorded dataset (data loading included), ours then LeRobot's
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
+#   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself.
 set -uo pipefail
-phase=${1:?phase: check | e2e | fp8}
-[[ $phase =~ ^(check|e2e|fp8)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile}
+[[ $phase =~ ^(check|e2e|fp8|compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -54,6 +55,12 @@ case $phase in
       --warmup 4 --only ours --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  compile)
+    step pi05_compile_b16 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 5 --only ours --compile
+    step pi05_compile_b32 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \
+      --warmup 5 --only ours --compile
     ;;
   fp8)
     export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device KINDS.md)
