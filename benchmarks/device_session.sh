@@ -16,8 +16,10 @@
 #   e2e    (1 GPU, ~9 min)  pi05 end to end on the recorded dataset (data loading included), ours then LeRobot's
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
 #   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
-# Every step has its own timeout and its own log under OUT, so a slow step costs only itself.
+# Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
+# a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
+shopt -s nullglob
 phase=${1:?phase: check | e2e | fp8 | compile}
 [[ $phase =~ ^(check|e2e|fp8|compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
@@ -25,8 +27,14 @@ mkdir -p "$out"
 site=/tmp/site
 wheels=(.whl/*.whl .whl2/*.whl)
 [[ $phase == e2e ]] && wheels+=(.whl3/*.whl)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
-  2>&1 | tail -3
+for dir in .whl .whl2 $([[ $phase == e2e ]] && echo .whl3); do
+  [[ -n $(echo $dir/*.whl) ]] || { echo "no wheels in $dir: carry it (see the header)" >&2; exit 3; }
+done
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "${wheels[@]}" > "$out/pip.log" 2>&1; then
+  tail -5 "$out/pip.log"
+  exit 3
+fi
 PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')$site
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -36,37 +44,38 @@ step() {  # step NAME SECONDS CMD...
   shift 2
   echo "=== $name (timeout ${secs}s): $*"
   local t0=$SECONDS
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$secs" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "=== $name: exit $rc after $((SECONDS - t0))s"
   tail -n 25 "$out/$name.log"
+  # vla_throughput.py appends its records to benchmarks/results/ of this copy of the repo: keep them in OUT now,
+  # so a later step that runs past the call's limit cannot lose them.
+  cp benchmarks/results/vla_throughput_*.jsonl "$out"/ 2>/dev/null || true
 }
 
 case $phase in
   check)
-    step fp8_delta_test 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    step fp8_delta_test 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       packages/loongforge-kernels/tests/test_gpu.py -k fp8_delta
-    step fp8_codec 60 python3 benchmarks/fp8_allgather.py --codec-only
-    step flce 150 python3 benchmarks/kernels_bench.py --only flce --out "$out/kernels_flce.md"
-    step pi05_step 240 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
+    step fp8_codec 40 python3 benchmarks/fp8_allgather.py --codec-only
+    step flce 130 python3 benchmarks/kernels_bench.py --only flce --out "$out/kernels_flce.md"
+    step pi05_step 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
     ;;
   e2e)
-    step pi05_e2e_ours 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+    step pi05_e2e_ours 240 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 4 --only ours --data-root .vla_data/pusht224 --workers 8
-    step pi05_e2e_lerobot 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+    step pi05_e2e_lerobot 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     ;;
   compile)
-    step pi05_compile_b16 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+    step pi05_compile_b16 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 5 --only ours --compile
-    step pi05_compile_b32 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \
+    step pi05_compile_b32 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \
       --warmup 5 --only ours --compile
     ;;
   fp8)
     export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device KINDS.md)
-    step fp8_allgather 540 python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+    step fp8_allgather 520 python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
       benchmarks/fp8_allgather.py --steps 200 --out "$out/fp8_allgather.md"
     ;;
 esac
-# vla_throughput.py appends its records to benchmarks/results/ of this copy of the repo: bring them back.
-cp benchmarks/results/vla_throughput_*.jsonl "$out"/ 2>/dev/null || true

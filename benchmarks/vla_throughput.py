@@ -151,6 +151,20 @@ def _num_cameras(data_root: str) -> int:
     return sum(f["dtype"] in ("image", "video") for f in feats.values())
 
 
+def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
+    """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
+    with ``res`` itself), and the time of the run each borrowed side comes from."""
+    same = ("batch", "data_root", "workers", "compile", "policy", "recompute")
+    merged, paired = dict(res), {}
+    for line in log.read_text().splitlines()[:-1]:
+        rec = json.loads(line)
+        if all(rec.get(k) == res.get(k) for k in same):
+            for k in ("ours", "lerobot_step", "lerobot_e2e"):
+                if k in rec and k not in res:
+                    merged[k], paired[k] = rec[k], rec.get("time", "?")
+    return merged, paired
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -174,7 +188,7 @@ def main() -> None:
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
                  "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
-                 "recompute": args.recompute}
+                 "recompute": args.recompute, "time": time.strftime("%H:%M:%S")}
     if run["ours"]:
         res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                  workers=args.workers, data_root=args.data_root, policy=args.policy,
@@ -201,19 +215,14 @@ def main() -> None:
         f.write(json.dumps(res) + "\n")
     # NOTE: with --only, the other side comes from the latest earlier record of the same setup in today's file
     # (the e2e sides run as two processes of one command, each needing the whole GPU).
-    merged = dict(res)
-    if args.only:
-        same = ("batch", "data_root", "workers", "compile", "policy", "recompute")
-        for line in log.read_text().splitlines()[:-1]:
-            rec = json.loads(line)
-            if all(rec.get(k) == res.get(k) for k in same):
-                merged.update({k: v for k, v in rec.items() if k in ("ours", "lerobot_step", "lerobot_e2e")
-                               and k not in res})
+    merged, paired = merge_earlier(log, res) if args.only else (dict(res), {})
     for peer, what in (("lerobot_e2e", "end to end"), ("lerobot_step", "model step")):
         if "ours" in merged and peer in merged:
             ratio = merged["ours"]["samples_per_s"] / merged[peer]["samples_per_s"]
+            earlier = "; ".join(f"{k} from the run at {t}" for k, t in paired.items() if k in ("ours", peer))
             print(f"ratio {what} ours/{peer}: {ratio:.2f}x ({merged['ours']['samples_per_s']:.1f} vs "
-                  f"{merged[peer]['samples_per_s']:.1f} samples/s, batch {res['batch']})")
+                  f"{merged[peer]['samples_per_s']:.1f} samples/s, batch {res['batch']}"
+                  + (f"; {earlier})" if earlier else ")"))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ REL_TOL = 1e-5  # relative, per step; reduction order differs between layouts
 
 LAYOUTS = {
     "tp2_sp": ("llama", ["parallel.tp=2", "parallel.sp=true"]),
+    "pp2_vpp2": ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
     # uneven and interleaved: stage 0 holds 2 layers (1 per chunk), stage 1 holds 4 (2 per chunk)
     "pp2_vpp2_uneven": ("llama", ["parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"]),
     "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
@@ -91,6 +92,7 @@ def check_router_load(got: list[dict], ref: list[dict], summary: Path) -> None:
     tokens = recipe["train"]["steps"] * recipe["train"]["global_batch_size"] * recipe["data"]["seq_length"]
     stats = json.loads(summary.read_text())
     assert stats["ep_size"] == 2 and len(stats["tokens_per_expert"]) == TINY["num_hidden_layers"]
+    assert (stats["first_step"], stats["last_step"]) == (1, recipe["train"]["steps"])
     assert [sum(row) for row in stats["tokens_per_expert"]] == [tokens * 2] * TINY["num_hidden_layers"]  # top-2
     assert all(v is not None and v >= 0 for v in stats["ep"] + stats["expert"])
     for a, b in zip(got, ref, strict=True):

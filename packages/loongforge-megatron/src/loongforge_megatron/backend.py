@@ -79,12 +79,19 @@ class MegatronBackend(Backend):
         return prepare(recipe, force=force)
 
     def convert(self, src: str, dst: str, *, to: str, **layout: Any) -> None:
+        from loongforge.errors import CheckpointError
+
         from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf, reshard
+        from loongforge_megatron.conversion.layout import LAYOUT_FILE
 
         force = layout.pop("force", False)
         etp = layout.pop("etp", None) or layout["tp"]
         if to == "hf":
-            megatron_to_hf(src, dst, force=force)  # the source's layout file says how it was split
+            split = [k for k in ("first_stage_layers", "last_stage_layers") if layout.get(k) is not None]
+            if split:
+                raise CheckpointError(f"--{split[0].replace('_', '-')} applies to --to megatron; with --to hf the "
+                                      f"source's {LAYOUT_FILE} says how it was split")
+            megatron_to_hf(src, dst, force=force)
         elif (Path(src) / "config.json").is_file():
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:

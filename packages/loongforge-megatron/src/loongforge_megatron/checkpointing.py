@@ -26,21 +26,33 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint, require_complete
-from loongforge.errors import CheckpointError
+from loongforge.errors import CheckpointError, ParallelPlanError
+from loongforge.parallel.layers import chunk_layer_counts
 
 if TYPE_CHECKING:
     from loongforge_megatron.job import MegatronJob
 
 # Layout keys that must match for a data-parallel reshard (everything that changes what a rank holds).
 _MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep", "etp")
-_PIPELINE_SPLIT = ("first_stage_layers", "last_stage_layers")  # recorded only when set (older saves lack them)
+SPLIT = "layers_per_chunk"  # decoder layers of every (vpp, pp) chunk; saves before uneven splits lack it (even)
 
 
 def _layout(job: MegatronJob) -> dict[str, int]:
     p = job.plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
             "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer),
-            **{k: getattr(p, k) for k in _PIPELINE_SPLIT if getattr(p, k) is not None}}
+            SPLIT: chunk_layer_counts(job.arch.num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
+                                      last=p.last_stage_layers)}
+
+
+def _split_of(saved: dict[str, Any], num_layers: int) -> list[list[int]] | None:
+    """The saved run's layers per chunk (a save without the record used megatron's even split)."""
+    if SPLIT in saved:
+        return saved[SPLIT]
+    try:
+        return chunk_layer_counts(num_layers, pp=saved["pp"], vpp=saved["vpp"])
+    except ParallelPlanError:
+        return None
 
 
 def _coords() -> dict[str, int]:
@@ -74,10 +86,11 @@ def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[st
     Same layout: the rank itself. Different data-parallel size only: the lowest saved rank with the same
     model-parallel coordinates (its model and optimizer state are what every data-parallel replica holds).
     """
-    old = meta["layout"]
+    old = dict(meta["layout"])
+    old[SPLIT] = _split_of(old, sum(map(sum, layout[SPLIT])))
     if old == layout:
         return rank
-    differs = [k for k in _MODEL_PARALLEL + _PIPELINE_SPLIT if old.get(k) != layout.get(k)]
+    differs = [k for k in (*_MODEL_PARALLEL, SPLIT) if old.get(k) != layout.get(k)]
     if differs:
         raise CheckpointError(
             f"the checkpoint was saved with {', '.join(f'{k}={old.get(k)}' for k in differs)} but this run uses "

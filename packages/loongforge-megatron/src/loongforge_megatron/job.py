@@ -115,14 +115,17 @@ class MegatronJob(Job):
         if arch.is_moe:
             from loongforge_megatron.engine.router_load import RouterLoad
 
+            # NOTE: tokens are seen again by every TP rank without SP, and by the recompute of full recompute.
+            repeat = (plan.tp if plan.tp > 1 and not plan.sp else 1) * (2 if plan.recompute == "full" else 1)
             self.router_load = RouterLoad(unwrapped(self), num_layers=arch.num_layers, num_experts=arch.num_experts,
-                                          ep=plan.ep, device=self.device)
+                                          ep=plan.ep, device=self.device, repeat=repeat)
         self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
         from loongforge_megatron.checkpointing import Checkpointer
 
         self.checkpointer = Checkpointer(self)
         if recipe.checkpoint.resume == "auto":
             self.step_index = self.checkpointer.resume()
+        self._router_first_step = self.step_index + 1
         if self.log:
             n = arch.num_params()
             split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
@@ -285,7 +288,9 @@ class MegatronJob(Job):
 
         path = self.runtime.output_dir / "moe_imbalance.json"
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"ep_size": self.plan.ep, **self.router_load.summary()}))
+        # NOTE: the counts cover this process's steps only (a resumed run starts counting at its resume step).
+        steps = {"first_step": self._router_first_step, "last_step": self.step_index}
+        tmp.write_text(json.dumps({"ep_size": self.plan.ep, **steps, **self.router_load.summary()}))
         tmp.replace(path)
 
     def close(self) -> None:

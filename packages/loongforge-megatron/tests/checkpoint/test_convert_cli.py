@@ -39,3 +39,22 @@ def test_convert_bad_source_is_one_line_error(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--to", "megatron", "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_convert_uneven_split_flags(tmp_path, tiny_hf, capsys):
+    """--first-stage-layers through the CLI; with --to hf the flags are refused (the layout file decides)."""
+    import json
+
+    hf = tiny_hf("llama", tmp_path / "hf", num_hidden_layers=3)
+    mg = tmp_path / "mg"
+    capsys.readouterr()  # transformers' save progress bar
+    assert main(["convert", str(hf), str(mg), "--to", "megatron", "--pp", "2"]) == 2  # 3 layers over 2 stages
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--first-stage-layers" in err, err
+    assert main(["convert", str(hf), str(mg), "--to", "megatron", "--pp", "2", "--first-stage-layers", "1"]) == 0
+    assert json.loads((mg / "loongforge_layout.json").read_text())["first_stage_layers"] == 1
+    capsys.readouterr()  # the conversion's progress lines
+    assert main(["convert", str(mg), str(tmp_path / "back"), "--to", "hf", "--first-stage-layers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "applies to --to megatron" in err and err.count("\n") == 1, err
+    assert main(["convert", str(mg), str(tmp_path / "back"), "--to", "hf"]) == 0

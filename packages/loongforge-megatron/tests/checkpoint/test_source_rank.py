@@ -8,8 +8,17 @@ from loongforge_megatron.checkpointing import source_rank
 
 
 def layout(**kw):
-    base = {"world_size": 4, "tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 2, "dp": 2, "distributed_optimizer": 0}
+    """What a run writes now (with its layers per chunk: 4 layers here)."""
+    base = {"world_size": 4, "tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 2, "dp": 2, "distributed_optimizer": 0,
+            "layers_per_chunk": [[4]]}
     return {**base, **kw}
+
+
+def old_save(**kw):
+    """What a run saved before uneven pipeline splits existed (no layers-per-chunk record: even split)."""
+    out = layout(**kw)
+    del out["layers_per_chunk"]
+    return out
 
 
 def coords(tp, dp):
@@ -17,7 +26,7 @@ def coords(tp, dp):
 
 
 # megatron's default order: tp fastest, then dp.
-SAVED = {"layout": layout(), "ranks": [coords(0, 0), coords(1, 0), coords(0, 1), coords(1, 1)]}
+SAVED = {"layout": old_save(), "ranks": [coords(0, 0), coords(1, 0), coords(0, 1), coords(1, 1)]}
 
 
 def test_same_layout_reads_own_file():
@@ -44,3 +53,13 @@ def test_distributed_optimizer_dp_change_is_refused():
     saved = {**SAVED, "layout": layout(distributed_optimizer=1)}
     with pytest.raises(CheckpointError, match="distributed optimizer"):
         source_rank(saved, layout=layout(world_size=2, dp=1, distributed_optimizer=1), coords=coords(0, 0), rank=0)
+
+
+def test_pipeline_split_is_compared_by_layers_not_by_keys():
+    ranks = [coords(0, 0), coords(1, 0), coords(0, 1), coords(1, 1)]
+    pp2 = dict(world_size=8, pp=2)
+    even = {"layout": old_save(**pp2), "ranks": ranks}
+    # an old even save resumes under a run that states the same split explicitly (first_stage_layers=2 of 4)
+    assert source_rank(even, layout=layout(**pp2, layers_per_chunk=[[2, 2]]), coords=coords(1, 1), rank=3) == 3
+    with pytest.raises(CheckpointError, match=r"layers_per_chunk=\[\[2, 2\]\] but this run uses layers_per_chunk=\[\[1, 3\]\]"):
+        source_rank(even, layout=layout(**pp2, layers_per_chunk=[[1, 3]]), coords=coords(1, 1), rank=3)

@@ -134,8 +134,8 @@ def test_mismatched_architecture_names_the_tensor(tiny_hf, tmp_path):
 
 
 def test_bad_parallel_sizes(tiny_hf, tmp_path):
-    with pytest.raises(CheckpointError, match="4 layers, not divisible by pp \\* vpp = 3 \\* 1 = 3; give "
-                       "layout.first_stage_layers / layout.last_stage_layers"):
+    with pytest.raises(CheckpointError, match="4 layers, not divisible by pp \\* vpp = 3 \\* 1 = 3; give first_stage_layers"
+                       " / last_stage_layers \\(convert: --first-stage-layers / --last-stage-layers\\)"):
         hf_to_megatron(tiny_hf("llama"), tmp_path / "a", pp=3)
     with pytest.raises(CheckpointError, match="not divisible by ep=3"):
         hf_to_megatron(tiny_hf("qwen3_moe"), tmp_path / "b", ep=3)

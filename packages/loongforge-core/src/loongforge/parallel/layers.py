@@ -30,9 +30,11 @@ def chunk_layer_counts(
     if first is None and last is None:
         chunks = pp * vpp
         if num_layers % chunks:
+            hint = (f"{prefix}.first_stage_layers / {prefix}.last_stage_layers" if prefix != "layout" else
+                    "first_stage_layers / last_stage_layers (convert: --first-stage-layers / --last-stage-layers)")
             raise ParallelPlanError(
-                f"model has {num_layers} layers, not divisible by pp * vpp = {pp} * {vpp} = {chunks}; give "
-                f"{prefix}.first_stage_layers / {prefix}.last_stage_layers for an uneven split"
+                f"model has {num_layers} layers, not divisible by pp * vpp = {pp} * {vpp} = {chunks}; give {hint} "
+                "for an uneven split"
             )
         return [[num_layers // chunks] * pp for _ in range(vpp)]
     middle_stages = pp - (first is not None) - (last is not None)

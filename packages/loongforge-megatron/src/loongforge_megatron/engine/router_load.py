@@ -8,8 +8,9 @@ over all ranks (one all-reduce) and turns it into imbalance = max / mean - 1 per
 - over expert-parallel ranks (``ep``, when ep > 1): the same for the contiguous blocks of ``num_experts / ep``
   experts each EP rank holds, i.e. the straggler factor of the All2All and the expert GEMMs.
 
-Counting is exact for tokens routed, up to one constant factor per run that the ratio cancels: without sequence
-parallelism every TP rank routes the same tokens, and full recompute routes each micro-batch twice.
+The hook sees each routed token ``repeat`` times in a run where that is constant: without sequence parallelism
+every TP rank routes the same tokens, and full recompute routes each micro-batch again in backward. The counts
+are divided by it, so they are tokens; the ratios would not change either way.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ class RouterLoad:
     """Expert loads of every MoE layer of this rank's model chunks (all ranks call :meth:`collect` together)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], *, num_layers: int, num_experts: int, ep: int,
-                 device: torch.device):
+                 device: torch.device, repeat: int = 1):
         from megatron.core.transformer.moe.router import Router
 
         if num_experts % ep:
             raise ValueError(f"{num_experts} experts do not split over ep = {ep}")
-        self.num_experts, self.ep = num_experts, ep
+        self.num_experts, self.ep, self.repeat = num_experts, ep, repeat
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # whole run, on the host
         self._handles = []
@@ -57,7 +58,7 @@ class RouterLoad:
         self.counts.zero_()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
-        counts = counts.cpu()
+        counts = counts.cpu() // self.repeat
         self.total += counts
         return imbalance(counts, ep=self.ep)
 
