@@ -195,6 +195,7 @@ def test_recipe_trains_through_cli_and_exports_for_lerobot(tiny, tmp_path, monke
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
     from loongforge.cli import main
     from loongforge.metrics import read_metrics
+    from safetensors import safe_open
     from loongforge_embodied.policies.lerobot_pi05.build import shrunk_sizes
     from loongforge_embodied.policies.lerobot_pi05.export import arch_from_dir, load_model
 
@@ -212,6 +213,9 @@ def test_recipe_trains_through_cli_and_exports_for_lerobot(tiny, tmp_path, monke
     hf = out / "hf"
     assert json.loads((hf / "config.json").read_text())["type"] == "pi05"
     assert json.loads((hf / "loongforge.json").read_text())["stats"]["action_std"] == [1.0, 1.0]
+    # SigLIP is written in the layout of transformers < 5.6 (LeRobot's pin), whatever transformers is installed
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert any(".vision_tower.vision_model." in k for k in f.keys())
     with shrunk_sizes(arch_from_dir(hf)):
         policy = PI05Policy.from_pretrained(hf, strict=True)
     ours = load_model(hf).state_dict()

@@ -19,6 +19,7 @@ compiled body when the job compiled the unit.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -170,8 +171,6 @@ def mask_kwargs_adaptation():
     transformers reject ``cache_position``, so every KV-cached prefix pass (``sample_actions``: inference)
     fails. ``None`` where the installed transformers still takes them. Training never reaches this call with
     a cache, but it is the same call, so the shim is transparent there."""
-    import inspect
-
     from transformers import masking_utils
 
     params = inspect.signature(masking_utils.create_causal_mask).parameters
@@ -192,12 +191,45 @@ def _pi_gemma_calls_old_kwargs() -> bool:
                       "past_key_values=past_key_values,")(PiGemmaModel.forward)
 
 
+SIGLIP_NAME = "pi05-siglip-names"
+
+
+def siglip_names_adaptation():
+    """LeRobot's ``PI05Policy._fix_pytorch_state_dict_keys`` followed by SigLIP's names in the installed
+    transformers' layout. ``None`` where transformers still nests the tower under ``vision_model`` (< 5.6, what
+    LeRobot 0.6.1 supports and what checkpoints, ours included, are written in)."""
+    if _siglip_nests():
+        return None
+
+    def factory(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def fix_keys(self, state_dict, model_config):
+            from loongforge_embodied.policies.lerobot_pi05.export import match_vision_tower_names
+
+            return match_vision_tower_names(original(self, state_dict, model_config), self.state_dict().keys())
+
+        return fix_keys
+
+    return replace_attr(
+        SIGLIP_NAME, f"{MODELING}.PI05Policy._fix_pytorch_state_dict_keys", factory,
+        description="LeRobot's pi05 key fixes, then SigLIP names in the installed transformers' layout",
+        expect=source_has("fixed_state_dict[new_key] = value", "return fixed_state_dict"),
+    )
+
+
+def _siglip_nests() -> bool:
+    from transformers.models.siglip.modeling_siglip import SiglipVisionModel
+
+    return "self.vision_model = " in inspect.getsource(SiglipVisionModel.__init__)
+
+
 def install() -> None:
     """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), and the
     mask-keyword shim where the installed transformers needs it."""
     global _installed
     if _installed is None:
-        s = AdaptationSet([a for a in (joint_layer_adaptation(), mask_kwargs_adaptation()) if a is not None])
+        found = (joint_layer_adaptation(), mask_kwargs_adaptation(), siglip_names_adaptation())
+        s = AdaptationSet([a for a in found if a is not None])
         s.__enter__()
         _installed = s
 

@@ -1,6 +1,9 @@
 """Export / load in LeRobot's own pi05 layout: ``config.json`` (``PI05Config``, type ``pi05``) +
 ``model.safetensors`` (``PI05Policy``'s names), which ``PI05Policy.from_pretrained(dir)`` loads strictly.
 
+SigLIP's names follow transformers < 5.6 (``vision_tower.vision_model.``), the range LeRobot 0.6.1 supports; under
+transformers >= 5.6 the ``pi05-siglip-names`` adaptation (``attention.py``) lets LeRobot's loader read them.
+
 ``loongforge.json`` next to them keeps what ``PI05Config`` cannot hold: the dataset's normalisation statistics
 and, for shrunken test models, their sizes (load those in LeRobot with ``build.shrunk_sizes(arch)`` active).
 LeRobot's pre/post-processor files are not written: its pi05 pre-processor loads the PaliGemma tokenizer from
@@ -35,6 +38,9 @@ def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str,
     with staged_dir(out_dir) as staging:
         pi05_config(arch, cameras=list(features["cameras"]))._save_pretrained(staging)
         model = {k: v.contiguous() for k, v in weights.items() if not k.startswith(STATS_PREFIX)}
+        # NOTE: LeRobot 0.6.1 supports transformers < 5.6 only, where SigLIP sits under ``vision_model.``: write
+        # that layout whatever transformers built our model (its loader maps no names).
+        model = nest_vision_tower_names(model)
         # NOTE: PaliGemma ties lm_head to the token table and LeRobot's loader copies lm_head over embed_tokens
         # (``_fix_pytorch_state_dict_keys``); ours is frozen and unused in training, so write the trained table.
         model[LM_HEAD] = model[EMBED].clone()
@@ -73,6 +79,11 @@ def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:
 
 VISION = "paligemma.model.vision_tower."
 VISION_INNER = VISION + "vision_model."  # SiglipVisionModel's wrapper in transformers < 5.6 (LeRobot's pin)
+
+
+def nest_vision_tower_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SigLIP tower names in the layout of transformers < 5.6 (LeRobot 0.6.1's supported range)."""
+    return match_vision_tower_names(sd, [VISION_INNER])
 
 
 def match_vision_tower_names(sd: dict[str, torch.Tensor], expected) -> dict[str, torch.Tensor]:
