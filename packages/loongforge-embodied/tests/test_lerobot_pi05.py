@@ -195,9 +195,9 @@ def test_recipe_trains_through_cli_and_exports_for_lerobot(tiny, tmp_path, monke
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
     from loongforge.cli import main
     from loongforge.metrics import read_metrics
-    from safetensors import safe_open
     from loongforge_embodied.policies.lerobot_pi05.build import shrunk_sizes
     from loongforge_embodied.policies.lerobot_pi05.export import arch_from_dir, load_model
+    from safetensors import safe_open
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "run"
