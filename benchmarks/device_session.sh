@@ -59,7 +59,8 @@ case $phase in
       packages/loongforge-kernels/tests/test_gpu.py -k fp8_delta
     step fp8_codec 40 python3 benchmarks/fp8_allgather.py --codec-only
     step flce 130 python3 benchmarks/kernels_bench.py --only flce --out "$out/kernels_flce.md"
-    step pi05_step 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
+    step pi05_step 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4 \
+      --profile
     ;;
   e2e)
     step pi05_e2e_ours 240 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \

@@ -108,7 +108,7 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 
 
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
-               policy: str = "lerobot_pi05", recompute: bool = False) -> dict:
+               policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False) -> dict:
     from loongforge.api import build_job, load_recipe
 
     over = [f"train.steps={steps + warmup}", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
@@ -124,11 +124,25 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
     with tempfile.TemporaryDirectory() as tmp:
         job, _ = build_job(recipe, output_dir=tmp)
         try:
-            return {**_time(job.step, batch=batch, steps=steps, warmup=warmup,
-                            params=sum(p.numel() for p in job.model.raw.parameters())),
-                    "policy": recipe.model.policy, "recompute": recompute}
+            res = {**_time(job.step, batch=batch, steps=steps, warmup=warmup,
+                           params=sum(p.numel() for p in job.model.raw.parameters())),
+                   "policy": recipe.model.policy, "recompute": recompute}
+            if profile:
+                _profile(job.step)
+            return res
         finally:
             job.close()
+
+
+def _profile(step, steps: int = 2) -> None:
+    """CUDA kernel time of ``steps`` more steps, top kernels (where our step's GPU time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
 
 
 def _time(step, *, batch: int, steps: int, warmup: int, params: int) -> dict:
@@ -178,6 +192,7 @@ def main() -> None:
     ap.add_argument("--repo-id", default=None, help="the dataset's repo id for LeRobot (default local/<folder>)")
     ap.add_argument("--policy", default="lerobot_pi05", help="ours: lerobot_pi05 (LeRobot's PI05Pytorch) | tiny_vla")
     ap.add_argument("--recompute", action="store_true", help="ours: activation checkpointing (parallel.recompute=full)")
+    ap.add_argument("--profile", action="store_true", help="ours: print a CUDA kernel profile of two more steps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("vla_throughput needs a CUDA GPU")
@@ -192,7 +207,7 @@ def main() -> None:
     if run["ours"]:
         res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                  workers=args.workers, data_root=args.data_root, policy=args.policy,
-                                 recompute=args.recompute)
+                                 recompute=args.recompute, profile=args.profile)
         print("ours:", json.dumps(res["ours"]), flush=True)
         torch.cuda.empty_cache()
     if run["lerobot_step"]:
