@@ -283,25 +283,20 @@ def test_sampling_matches_lerobot_predict_action_chunk(tiny):
 
 
 def test_load_accepts_either_siglip_layout(tiny, tmp_path):
-    """A LeRobot pi05 checkpoint saved under transformers < 5.6 (LeRobot's pin: SigLIP under
-    ``vision_tower.vision_model.``) loads into the 5.24 layout (no ``vision_model.``); the same rule maps the
-    other way where the installed transformers nests the tower."""
-    from loongforge_embodied.policies.lerobot_pi05.export import (
-        LM_HEAD,
-        VISION,
-        VISION_INNER,
-        load_model,
-        write_pretrained,
-    )
+    """Exports carry SigLIP in the layout of transformers < 5.6 (LeRobot's pin: under ``vision_model.``); a
+    checkpoint in either layout loads into the installed one (5.24 here: flat)."""
+    from loongforge_embodied.policies import siglip_names
+    from loongforge_embodied.policies.lerobot_pi05.export import LM_HEAD, load_model, write_pretrained
     from safetensors.torch import load_file, save_file
 
     arch, model, *_ = tiny
     out = write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(), features={"cameras": ["cam0"]})
-    sd = load_file(str(out / "model.safetensors"))
-    old = {k.replace(VISION, VISION_INNER, 1) if VISION in k else k: v for k, v in sd.items()}
-    assert sum(VISION_INNER in k for k in old) > 4
-    save_file(old, str(out / "model.safetensors"))
-    loaded = load_model(out).state_dict()
-    for k, v in model.state_dict().items():
-        if not k.startswith("stats.") and k != LM_HEAD:  # the export writes the (trained) token table there
-            assert torch.equal(loaded[k], v), k
+    nested = load_file(str(out / "model.safetensors"))
+    assert siglip_names.is_nested(nested) and not siglip_names.is_nested(model.state_dict())
+    assert siglip_names.roots(nested) == {"model.paligemma_with_expert.paligemma.model.vision_tower."}
+    for layout in (nested, siglip_names.to_layout(nested, nested=False)):
+        save_file(layout, str(out / "model.safetensors"))
+        loaded = load_model(out).state_dict()
+        for k, v in model.state_dict().items():
+            if not k.startswith("stats.") and k != LM_HEAD:  # the export writes the (trained) token table there
+                assert torch.equal(loaded[k], v), k

@@ -98,3 +98,21 @@ def test_fsdp2_upcasts_mixed_dtype_weights(tmp_path):
         assert all(p.grad is not None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_siglip_names_nest_and_flatten_every_tower():
+    from loongforge_embodied.policies import siglip_names
+
+    flat = {"model.vision.embeddings.patch_embedding.weight": 1, "model.vision.encoder.layers.0.mlp.fc1.weight": 2,
+            "model.vision.post_layernorm.weight": 3, "model.vision_proj.weight": 4,  # not part of the tower
+            "model.b.vision.tower.embeddings.patch_embedding.weight": 5, "model.b.vision.tower.head.probe": 6}
+    nested = siglip_names.to_layout(flat, nested=True)
+    assert nested == {"model.vision.vision_model.embeddings.patch_embedding.weight": 1,
+                      "model.vision.vision_model.encoder.layers.0.mlp.fc1.weight": 2,
+                      "model.vision.vision_model.post_layernorm.weight": 3, "model.vision_proj.weight": 4,
+                      "model.b.vision.tower.vision_model.embeddings.patch_embedding.weight": 5,
+                      "model.b.vision.tower.vision_model.head.probe": 6}
+    assert siglip_names.roots(nested) == siglip_names.roots(flat) == {"model.vision.", "model.b.vision.tower."}
+    assert siglip_names.is_nested(nested) and not siglip_names.is_nested(flat)
+    assert siglip_names.to_layout(nested, nested=False) == flat
+    assert siglip_names.match(nested, flat.keys()) == flat and siglip_names.match(flat, nested) == nested

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loongforge_embodied.policies import siglip_names
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,7 +55,9 @@ def write_pretrained(out_dir: str | Path, *, config_class: type, arch: ArchMixin
         config = config_class(**arch.to_dict(), camera_keys=list(features["cameras"]), device="cpu",
                               n_action_steps=arch.chunk_size, input_features=inputs, output_features={"action": action})
         config._save_pretrained(staging)
-        save_file({PREFIX + k: v for k, v in weights.items()}, str(staging / "model.safetensors"))
+        # NOTE: SigLIP in the layout of transformers < 5.6, LeRobot 0.6.1's range (``siglip_names``).
+        named = siglip_names.to_layout({PREFIX + k: v for k, v in weights.items()}, nested=True)
+        save_file(named, str(staging / "model.safetensors"))
     return out_dir
 
 
@@ -64,5 +68,5 @@ def load_model(path: str | Path, *, arch_class: type[ArchMixin], model_class: ty
     path = Path(path)
     model = model_class(arch_class.from_dict(json.loads((path / "config.json").read_text())))
     sd = {k[len(PREFIX):]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(PREFIX)}
-    model.load_state_dict(sd, strict=True)
+    model.load_state_dict(siglip_names.match(sd, model.state_dict().keys()), strict=True)
     return model

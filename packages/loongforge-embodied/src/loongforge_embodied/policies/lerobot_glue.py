@@ -97,6 +97,20 @@ class ArchPolicyMixin:
         self.model = self.model_class(config.arch())
         self._queue: deque[torch.Tensor] = deque(maxlen=config.n_action_steps)
 
+    @classmethod
+    def _load_as_safetensor(cls, model, model_file: str, map_location: str, strict: bool):
+        """LeRobot's loader, with SigLIP's names mapped to the installed transformers' layout (``siglip_names``)."""
+        from lerobot.policies.utils import log_model_loading_keys
+        from lerobot.utils.device_utils import resolve_safetensors_device
+        from safetensors.torch import load_file
+
+        from loongforge_embodied.policies import siglip_names
+
+        sd = load_file(model_file, device=resolve_safetensors_device(map_location))
+        missing, unexpected = model.load_state_dict(siglip_names.match(sd, model.state_dict().keys()), strict=strict)
+        log_model_loading_keys(missing, unexpected)
+        return model
+
     def get_optim_params(self):
         return self.parameters()
 

@@ -204,9 +204,9 @@ def siglip_names_adaptation():
     def factory(original: Callable) -> Callable:
         @functools.wraps(original)
         def fix_keys(self, state_dict, model_config):
-            from loongforge_embodied.policies.lerobot_pi05.export import match_vision_tower_names
+            from loongforge_embodied.policies import siglip_names
 
-            return match_vision_tower_names(original(self, state_dict, model_config), self.state_dict().keys())
+            return siglip_names.match(original(self, state_dict, model_config), self.state_dict().keys())
 
         return fix_keys
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.lerobot_export import staged_dir
 from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
 
@@ -40,7 +41,7 @@ def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str,
         model = {k: v.contiguous() for k, v in weights.items() if not k.startswith(STATS_PREFIX)}
         # NOTE: LeRobot 0.6.1 supports transformers < 5.6 only, where SigLIP sits under ``vision_model.``: write
         # that layout whatever transformers built our model (its loader maps no names).
-        model = nest_vision_tower_names(model)
+        model = siglip_names.to_layout(model, nested=True)
         # NOTE: PaliGemma ties lm_head to the token table and LeRobot's loader copies lm_head over embed_tokens
         # (``_fix_pytorch_state_dict_keys``); ours is frozen and unused in training, so write the trained table.
         model[LM_HEAD] = model[EMBED].clone()
@@ -77,30 +78,6 @@ def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:
     )
 
 
-VISION = "paligemma.model.vision_tower."
-VISION_INNER = VISION + "vision_model."  # SiglipVisionModel's wrapper in transformers < 5.6 (LeRobot's pin)
-
-
-def nest_vision_tower_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """SigLIP tower names in the layout of transformers < 5.6 (LeRobot 0.6.1's supported range)."""
-    return match_vision_tower_names(sd, [VISION_INNER])
-
-
-def match_vision_tower_names(sd: dict[str, torch.Tensor], expected) -> dict[str, torch.Tensor]:
-    """SigLIP tower names in the installed transformers' layout: < 5.6 nests the tower under ``vision_model.``,
-    5.24 does not, and LeRobot's loader maps neither. A checkpoint saved on one side loads on the other."""
-    expected = set(expected)
-    nested = any(VISION_INNER in k for k in expected)
-    out = {}
-    for k, v in sd.items():
-        if nested and VISION in k and VISION_INNER not in k:
-            k = k.replace(VISION, VISION_INNER, 1)
-        elif not nested and VISION_INNER in k:
-            k = k.replace(VISION_INNER, VISION, 1)
-        out[k] = v
-    return out
-
-
 def load_model(path: str | Path):
     """The bare :class:`LeRobotPI05Model` from our export or from a local LeRobot pi05 checkpoint dir (keys
     fixed the way ``PI05Policy.from_pretrained`` fixes them; missing statistics keep their defaults)."""
@@ -114,7 +91,7 @@ def load_model(path: str | Path):
     model = LeRobotPI05Model(arch_from_dir(path))
     sd = PI05Policy._fix_pytorch_state_dict_keys(model, load_file(str(path / "model.safetensors")), model.config)
     sd = {k if k.startswith("model.") else f"model.{k}": v for k, v in sd.items()}
-    sd = match_vision_tower_names(sd, model.state_dict().keys())
+    sd = siglip_names.match(sd, model.state_dict().keys())
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.startswith(STATS_PREFIX)]
     if missing or unexpected:
