@@ -20,7 +20,7 @@ REL_TOL = 1e-5  # relative, per step; reduction order differs between layouts
 
 LAYOUTS = {
     "tp2_sp": ("llama", ["parallel.tp=2", "parallel.sp=true"]),
-    "pp2_vpp2": ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
+    "pp2_vpp3": ("llama", ["parallel.pp=2", "parallel.vpp=3"]),  # even and interleaved: 6 chunks of 1 layer
     # uneven and interleaved: stage 0 holds 2 layers (1 per chunk), stage 1 holds 4 (2 per chunk)
     "pp2_vpp2_uneven": ("llama", ["parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"]),
     "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
