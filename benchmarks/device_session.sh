@@ -3,7 +3,9 @@
 #
 #   bash benchmarks/device_session.sh PHASE [OUT]      # OUT defaults to $OUT (the device tool's return folder)
 #
-# Run on the device machine from the repository root, carrying the wheel folders (see README "GPU runs"):
+# Run on the device machine from the repository root, carrying these git-ignored folders (fill them here with
+# `pip download --no-deps --only-binary :all: --python-version 3.12 -d .whl <pkg>==<version>`; our own packages
+# come from packages/*/src through PYTHONPATH):
 #   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel
 #   .whl2 lerobot 0.6.1 + draccus, mergedeep, toml, termcolor, gymnasium, farama-notifications
 #   .whl3 datasets, dill, multiprocess, jsonlines, av              (phase e2e only: LeRobotDataset decoding)
