@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline split: layers on stage 0")
     p.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline split: layers on the last stage")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
+
+    p = sub.add_parser("place-experts", help="renumber a MoE checkpoint's experts to balance expert-parallel ranks")
+    p.add_argument("src", help="HF MoE checkpoint directory")
+    p.add_argument("dst")
+    p.add_argument("--loads", required=True, help="a training run's moe_imbalance.json (tokens per expert)")
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel size the placement is for")
+    p.add_argument("--backend", default="megatron")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
     return parser
 
 
@@ -167,6 +175,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_place_experts(args: argparse.Namespace) -> int:
+    from loongforge.backend import get_backend
+
+    report = get_backend(args.backend).place_experts(args.src, args.dst, loads=args.loads, ep=args.ep, force=args.force)
+    for layer, r in report["layers"].items():
+        print(f"layer {layer}: EP-rank imbalance {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f}")
+    print(f"wrote {args.dst} (placement in expert_placement.json)")
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "validate": _cmd_validate,
@@ -175,6 +193,7 @@ COMMANDS = {
     "plot": _cmd_plot,
     "data": _cmd_data,
     "convert": _cmd_convert,
+    "place-experts": _cmd_place_experts,
 }
 
 

@@ -96,3 +96,8 @@ class MegatronBackend(Backend):
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:
             reshard(src, dst, etp=etp, force=force, **layout)
+
+    def place_experts(self, src: str, dst: str, *, loads: str, ep: int, force: bool = False) -> dict:
+        from loongforge_megatron.moe_placement import rebalance_hf
+
+        return rebalance_hf(src, dst, loads=loads, ep=ep, force=force)
