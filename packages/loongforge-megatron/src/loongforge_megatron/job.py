@@ -284,14 +284,13 @@ class MegatronJob(Job):
     def _write_router_load(self) -> None:
         """``moe_imbalance.json`` in the run directory: per-layer imbalance and tokens per expert over the run."""
         import json
-        import os
 
-        path = self.runtime.output_dir / "moe_imbalance.json"
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        from loongforge.checkpoint.atomic import write_atomic
+
         # NOTE: the counts cover this process's steps only (a resumed run starts counting at its resume step).
         steps = {"first_step": self._router_first_step, "last_step": self.step_index}
-        tmp.write_text(json.dumps({"ep_size": self.plan.ep, **steps, **self.router_load.summary()}))
-        tmp.replace(path)
+        write_atomic(self.runtime.output_dir / "moe_imbalance.json",
+                     json.dumps({"ep_size": self.plan.ep, **steps, **self.router_load.summary()}))
 
     def close(self) -> None:
         from loongforge_megatron import engine

@@ -61,11 +61,12 @@ def plan_layer(loads: Sequence[float], *, ep: int, groups: int = 1) -> list[int]
 
 
 def rank_imbalance(loads: Sequence[float], order: Sequence[int], *, ep: int) -> float:
-    """max / mean - 1 of the EP ranks' loads under ``order``."""
-    per = len(order) // ep
-    ranks = [sum(loads[e] for e in order[r * per:(r + 1) * per]) for r in range(ep)]
-    mean = sum(ranks) / ep
-    return max(ranks) / mean - 1 if mean else 0.0
+    """max / mean - 1 of the EP ranks' loads under ``order`` (the training metric's formula; 0 for no load)."""
+    import torch
+
+    from loongforge_megatron.engine.router_load import imbalance
+
+    return imbalance(torch.tensor([[loads[e] for e in order]], dtype=torch.float64), ep=ep)["ep"][0] or 0.0
 
 
 def rebalance_hf(src: str | Path, dst: str | Path, *, loads: str | Path, ep: int, force: bool = False) -> dict:

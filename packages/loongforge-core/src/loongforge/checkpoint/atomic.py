@@ -56,7 +56,8 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync and rename (readers never see a partial file)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -108,9 +109,9 @@ def atomic_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     fsync_tree(staging)
-    _write_atomic(staging / MARKER, json.dumps({"created_ns": time.time_ns(), "name": name}))
+    write_atomic(staging / MARKER, json.dumps({"created_ns": time.time_ns(), "name": name}))
     replace_dir(staging, final)
-    _write_atomic(root / LATEST, name)
+    write_atomic(root / LATEST, name)
     if keep_last is not None:
         apply_retention(root, keep_last=keep_last)
 

@@ -38,9 +38,3 @@ class ArchMixin:
         d = asdict(self)
         d.pop("stats")
         return d
-
-
-def siglip_encoder_layers(tower: Any) -> Any:
-    """The encoder layers of a transformers ``SiglipVisionModel``: 5.24 holds the encoder itself, versions
-    before 5.6 (LeRobot 0.6.1's pin) nest it under ``vision_model``."""
-    return getattr(tower, "vision_model", tower).encoder.layers

@@ -49,6 +49,20 @@ def to_layout(sd: Mapping[str, V], *, nested: bool) -> dict[str, V]:
     return out
 
 
+def encoder_layers(tower: Any) -> Any:
+    """The encoder layers of a ``SiglipVisionModel`` in either layout."""
+    return getattr(tower, "vision_model", tower).encoder.layers
+
+
+def installed_nests() -> bool:
+    """Whether the installed transformers nests ``SiglipVisionModel`` under ``vision_model`` (< 5.6)."""
+    import inspect
+
+    from transformers.models.siglip.modeling_siglip import SiglipVisionModel
+
+    return "self.vision_model = " in inspect.getsource(SiglipVisionModel.__init__)
+
+
 def match(sd: Mapping[str, V], expected: Iterable[Any]) -> dict[str, V]:
     """``sd`` in the layout of the model whose state-dict names are ``expected``."""
     return to_layout(sd, nested=is_nested(expected))

@@ -31,18 +31,13 @@ class RouterLoad:
 
         if num_experts % ep:
             raise ValueError(f"{num_experts} experts do not split over ep = {ep}")
-        self.num_experts, self.ep, self.repeat = num_experts, ep, repeat
+        self.ep, self.repeat = ep, repeat
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # whole run, on the host
-        self._handles = []
         for module in modules:
             for m in module.modules():
                 if isinstance(m, Router):
-                    self._handles.append(m.register_forward_hook(self._count))
-
-    @property
-    def num_routers(self) -> int:
-        return len(self._handles)
+                    m.register_forward_hook(self._count)
 
     def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not module.training:
@@ -65,11 +60,6 @@ class RouterLoad:
     def summary(self) -> dict[str, Any]:
         """Imbalance of the whole run's loads, per layer, and the loads themselves (tokens per expert)."""
         return {**imbalance(self.total, ep=self.ep), "tokens_per_expert": self.total.tolist()}
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 def imbalance(counts: torch.Tensor, *, ep: int) -> dict[str, Any]:

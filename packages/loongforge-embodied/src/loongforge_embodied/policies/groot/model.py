@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loongforge_embodied.policies.arch import siglip_encoder_layers
+from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.groot.action_head import FlowMatchingActionHead
 from loongforge_embodied.policies.groot.backbone import EagleBackbone
 from loongforge_embodied.policies.groot.config import GrootArch
@@ -40,7 +40,7 @@ class GrootModel(nn.Module):
 
     def wrap_units(self) -> list[nn.Module]:
         """Transformer blocks in execution order: FSDP2 shards and activation checkpointing apply per block."""
-        return [*siglip_encoder_layers(self.backbone.vision.tower), *self.backbone.language.layers,
+        return [*siglip_names.encoder_layers(self.backbone.vision.tower), *self.backbone.language.layers,
                 *self.action_head.blocks()]
 
     def enable_activation_checkpointing(self) -> None:

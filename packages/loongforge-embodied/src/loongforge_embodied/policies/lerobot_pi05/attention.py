@@ -198,14 +198,14 @@ def siglip_names_adaptation():
     """LeRobot's ``PI05Policy._fix_pytorch_state_dict_keys`` followed by SigLIP's names in the installed
     transformers' layout. ``None`` where transformers still nests the tower under ``vision_model`` (< 5.6, what
     LeRobot 0.6.1 supports and what checkpoints, ours included, are written in)."""
-    if _siglip_nests():
+    from loongforge_embodied.policies import siglip_names
+
+    if siglip_names.installed_nests():
         return None
 
     def factory(original: Callable) -> Callable:
         @functools.wraps(original)
         def fix_keys(self, state_dict, model_config):
-            from loongforge_embodied.policies import siglip_names
-
             return siglip_names.match(original(self, state_dict, model_config), self.state_dict().keys())
 
         return fix_keys
@@ -217,15 +217,9 @@ def siglip_names_adaptation():
     )
 
 
-def _siglip_nests() -> bool:
-    from transformers.models.siglip.modeling_siglip import SiglipVisionModel
-
-    return "self.vision_model = " in inspect.getsource(SiglipVisionModel.__init__)
-
-
 def install() -> None:
     """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), and the
-    mask-keyword shim where the installed transformers needs it."""
+    mask-keyword and SigLIP-name shims where the installed transformers needs them."""
     global _installed
     if _installed is None:
         found = (joint_layer_adaptation(), mask_kwargs_adaptation(), siglip_names_adaptation())

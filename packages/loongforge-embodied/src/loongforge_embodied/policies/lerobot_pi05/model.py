@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loongforge_embodied.policies.arch import siglip_encoder_layers
+from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
 
 STAT_KEYS = ("state_mean", "state_std", "state_q01", "state_q99", "action_mean", "action_std", "action_q01",
@@ -80,7 +80,7 @@ class LeRobotPI05Model(nn.Module):
     def wrap_units(self) -> list[nn.Module]:
         """FSDP2 / compile units in execution order. The joint step enters a pair's two units itself
         (``attention._entered``): LeRobot calls the layers' submodules, never the layers."""
-        vision = siglip_encoder_layers(self._pwe.paligemma.model.vision_tower)
+        vision = siglip_names.encoder_layers(self._pwe.paligemma.model.vision_tower)
         pairs = [u for pair in zip(self._prefix_layers(), self._expert_layers(), strict=True) for u in pair]
         return [*vision, *pairs]
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge_embodied.policies.arch import siglip_encoder_layers
+from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
 
 STAT_KEYS = ("state_mean", "state_std", "action_mean", "action_std")
@@ -84,7 +84,7 @@ class TinyVLAModel(nn.Module):
 
     def wrap_units(self) -> list[nn.Module]:
         """Transformer blocks in execution order: FSDP2 shards and activation checkpointing apply per block."""
-        return [*siglip_encoder_layers(self.vision), *self.language.layers, *self.expert.layers]
+        return [*siglip_names.encoder_layers(self.vision), *self.language.layers, *self.expert.layers]
 
     def enable_activation_checkpointing(self) -> None:
         for m in (self.vision, self.language, self.expert):
