@@ -18,12 +18,13 @@
 #   e2e    (1 GPU, ~9 min)  pi05 end to end on the recorded dataset (data loading included), ours then LeRobot's
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
 #   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
+#   step   (1 GPU, ~8 min)  pi05 model step ours vs LeRobot's (no profile), then ours with train.compile, batch 16
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile}
-[[ $phase =~ ^(check|e2e|fp8|compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step}
+[[ $phase =~ ^(check|e2e|fp8|compile|step)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -69,6 +70,11 @@ case $phase in
       --warmup 4 --only ours --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  step)
+    step pi05_step 220 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
+    step pi05_compile_b16 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 5 --only ours --compile
     ;;
   compile)
     step pi05_compile_b16 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \

@@ -4,7 +4,7 @@ All train a pi05-shaped, randomly initialised policy in bf16 with AdamW + grad c
 Ours: the ``embodied`` backend's job on the ``pi05`` preset, data loading included (DataLoader workers, pinned
 memory; synthetic frames, or the recorded dataset given by ``--data-root``).
 Peers: ``lerobot_step``, the model step alone: ``PI05Policy`` stepped the way ``lerobot-train`` does
-(forward → backward → clip → step) on a synthetic batch already on the GPU; ``lerobot_e2e`` (only with
+(bf16 autocast forward → backward → clip → step) on a synthetic batch already on the GPU; ``lerobot_e2e`` (only with
 ``--data-root``), LeRobot's own loop end to end: ``lerobot_train.train`` on the same recorded dataset, data loading
 and preprocessing included (see ``lerobot_peer.py``). Prints samples/s, GPU busy % (if pynvml is present) and the
 ratios last (with ``--data-root`` ours includes data loading in both ratios); appends a JSON line to
@@ -84,14 +84,17 @@ def bench_lerobot_step(*, batch: int, steps: int, warmup: int, cameras: int = 2)
               "observation.language.attention_mask": torch.ones(batch, 200, dtype=torch.bool, device=dev)})
 
     def step():
-        loss, _ = policy.forward(b)
+        # NOTE: lerobot_train.update_policy runs forward under accelerator.autocast(), which is bf16 autocast when
+        # policy.dtype is bfloat16 (LeRobot 0.6.1); without it the fp32-kept parts (SigLIP, norms) run in fp32.
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = policy.forward(b)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _time(step, batch=batch, steps=steps, warmup=warmup,
-                 params=sum(p.numel() for p in policy.parameters()))
+    return {**_time(step, batch=batch, steps=steps, warmup=warmup,
+                    params=sum(p.numel() for p in policy.parameters())), "autocast": "bf16"}
 
 
 def bench_lerobot_e2e(*, data_root: str, repo_id: str, batch: int, steps: int, warmup: int, workers: int) -> dict:
