@@ -24,13 +24,13 @@
 set -uo pipefail
 shopt -s nullglob
 phase=${1:?phase: check | e2e | fp8 | compile | step}
-[[ $phase =~ ^(check|e2e|fp8|compile|step)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step)" >&2; exit 2; }
+[[ $phase =~ ^(check|e2e|fp8|compile|step|e2e_compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
 wheels=(.whl/*.whl .whl2/*.whl)
-[[ $phase == e2e ]] && wheels+=(.whl3/*.whl)
-for dir in .whl .whl2 $([[ $phase == e2e ]] && echo .whl3); do
+[[ $phase == e2e* ]] && wheels+=(.whl3/*.whl)
+for dir in .whl .whl2 $([[ $phase == e2e* ]] && echo .whl3); do
   [[ -n $(echo $dir/*.whl) ]] || { echo "no wheels in $dir: carry it (see the header)" >&2; exit 3; }
 done
 if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
@@ -70,6 +70,10 @@ case $phase in
       --warmup 4 --only ours --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  e2e_compile)
+    step pi05_e2e_ours_compile 400 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 5 --only ours --compile --data-root .vla_data/pusht224 --workers 8
     ;;
   step)
     step pi05_step 220 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
