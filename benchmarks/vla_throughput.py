@@ -2,7 +2,8 @@
 
 All train a pi05-shaped, randomly initialised policy in bf16 with AdamW + grad clip at the same batch size.
 Ours: the ``embodied`` backend's job on the ``pi05`` preset, data loading included (DataLoader workers, pinned
-memory; synthetic frames, or the recorded dataset given by ``--data-root``).
+memory; synthetic frames, or the recorded dataset given by ``--data-root``), stepped as ``loongforge train`` steps it:
+the loss is read (a host sync) only on the steps the recipe logs (``logging.interval``).
 Peers: ``lerobot_step``, the model step alone: ``PI05Policy`` stepped the way ``lerobot-train`` does
 (bf16 autocast forward → backward → clip → step) on a synthetic batch already on the GPU; ``lerobot_e2e`` (only with
 ``--data-root``), LeRobot's own loop end to end: ``lerobot_train.train`` on the same recorded dataset, data loading
@@ -113,6 +114,7 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
                policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False) -> dict:
     from loongforge.api import build_job, load_recipe
+    from loongforge.metrics import is_logged_step
 
     over = [f"train.steps={steps + warmup}", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
             "train.precision=bf16", "model.preset=pi05", f"train.compile={str(compile).lower()}",
@@ -126,12 +128,17 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
     recipe = load_recipe(ROOT / "recipes" / "embodied" / OUR_RECIPES.get(policy, "tiny_vla_synthetic.yaml"), over)
     with tempfile.TemporaryDirectory() as tmp:
         job, _ = build_job(recipe, output_dir=tmp)
+        interval, calls = recipe.logging.interval, iter(range(1, 1 << 30))
+
+        def step():  # NOTE: as `loongforge train` runs it: only the steps the recipe logs read the loss
+            return job.step(report=is_logged_step(next(calls), interval, recipe.train.steps))
+
         try:
-            res = {**_time(job.step, batch=batch, steps=steps, warmup=warmup,
+            res = {**_time(step, batch=batch, steps=steps, warmup=warmup,
                            params=sum(p.numel() for p in job.model.raw.parameters())),
-                   "policy": recipe.model.policy, "recompute": recompute}
+                   "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval}
             if profile:
-                _profile(job.step)
+                _profile(step)
             return res
         finally:
             job.close()

@@ -116,3 +116,38 @@ def test_siglip_names_nest_and_flatten_every_tower():
     assert siglip_names.is_nested(nested) and not siglip_names.is_nested(flat)
     assert siglip_names.to_layout(nested, nested=False) == flat
     assert siglip_names.match(nested, flat.keys()) == flat and siglip_names.match(flat, nested) == nested
+
+
+def test_unreported_steps_do_the_same_work_without_reading_the_loss(tmp_path):
+    """``step(report=False)`` is the same optimizer step without the host sync; ``run()`` reads the loss only on
+    the steps it logs (and before saves), and the logged losses equal a step-by-step run's."""
+    import json
+
+    from loongforge.api import build_job, load_recipe
+
+    over = ["train.steps=5", "checkpoint.resume=never", "checkpoint.save_at_end=false", "logging.console=false",
+            "logging.tensorboard=false", "logging.interval=2", "checkpoint.save_interval=3"]
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path / "a")
+    try:
+        reference = [job.step()["loss"] for _ in range(5)]
+    finally:
+        job.close()
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path / "b")
+    try:
+        assert job.step(report=False) == {} and job.step(report=False) == {}
+        third = job.step()
+        assert third["loss"] == reference[2] and third["step_time"] > 0
+    finally:
+        job.close()
+    job, runtime = build_job(load_recipe(RECIPE, over), output_dir=tmp_path / "c")
+    try:
+        last = job.run()
+    finally:
+        job.close()
+        runtime.logger.close()
+    run_dir = runtime.output_dir
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 4, 5]
+    assert [r["loss"] for r in logged] == [reference[i - 1] for i in (1, 2, 4, 5)]
+    assert last["step"] == 5 and last["loss"] == reference[4]
+    assert (runtime.checkpoint_dir / "step_00000003").is_dir()

@@ -28,6 +28,12 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def is_logged_step(step: int, interval: int, total_steps: int | None) -> bool:
+    """Whether 1-based ``step`` is recorded: every ``interval``-th, the first and the last. The same on every rank,
+    so a backend may skip its host syncs (reading the loss) on the other steps."""
+    return step % interval == 0 or step == total_steps or step == 1
+
+
 class MetricsLogger:
     """Writes metrics of logged steps. Disabled (a no-op) on non-zero ranks."""
 
@@ -60,7 +66,7 @@ class MetricsLogger:
             print(message, file=sys.stderr, flush=True)
 
     def should_log(self, step: int) -> bool:
-        return step % self.interval == 0 or step == self.total_steps or step == 1
+        return is_logged_step(step, self.interval, self.total_steps)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (1-based optimizer step)."""

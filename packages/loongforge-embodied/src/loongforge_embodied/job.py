@@ -24,6 +24,7 @@ class EmbodiedJob(Job):
         self._owns_pg = not dist.is_initialized()
         runtime.init_distributed()
         self._ready = False
+        self._clock: tuple[float, int] | None = None  # (time, step index) since which step_time is measured
         try:
             self._build()
         except BaseException:
@@ -116,12 +117,17 @@ class EmbodiedJob(Job):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def step(self) -> dict[str, float]:
+    def step(self, *, report: bool = True) -> dict[str, float]:
+        """One optimizer step; returns its metrics. With ``report=False`` nothing waits for the device (the loss
+        and grad norm are not read) and it returns ``{}``, so the host queues the next step while this one runs;
+        the next reported step's ``step_time`` is the mean over the steps since the last report (like Megatron's
+        per-interval timing). ``run()`` reports the steps that ``logging.interval`` records and those before saves."""
         from loongforge_embodied.optim import lr_at
         from loongforge_embodied.parallel import all_reduce_sum, clip_grad_norm
 
         t = self.recipe.train
-        t0 = time.perf_counter()
+        if self._clock is None:
+            self._clock = (time.perf_counter(), self.step_index)
         lr = lr_at(self.step_index, t)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -144,9 +150,13 @@ class EmbodiedJob(Job):
         if self.ema is not None:
             self._update_ema(t.ema_decay)
         self.step_index += 1
+        if not report:
+            return {}
         loss = float(all_reduce_sum(loss_sum) / t.global_batch_size)
         self.acc.synchronize()
-        dt = time.perf_counter() - t0
+        start, start_step = self._clock
+        self._clock = None
+        dt = (time.perf_counter() - start) / (self.step_index - start_step)
         metrics: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": float(gnorm), "step_time": dt,
                                    "samples_per_s": t.global_batch_size / dt}
         if self.model.allgather is not None:
@@ -175,11 +185,16 @@ class EmbodiedJob(Job):
         return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
 
     def run(self) -> dict[str, Any]:
+        from loongforge.metrics import is_logged_step
+
         c, steps = self.recipe.checkpoint, self.recipe.train.steps
         last: dict[str, Any] = {}
         while self.step_index < steps:
-            last = self.step()
-            if c.save_interval and self.step_index % c.save_interval == 0 and self.step_index < steps:
+            nxt = self.step_index + 1
+            saving = bool(c.save_interval) and nxt % c.save_interval == 0 and nxt < steps
+            metrics = self.step(report=saving or is_logged_step(nxt, self.recipe.logging.interval, steps))
+            last = metrics or last
+            if saving:
                 self.save()
         if c.save_at_end:
             self.save()
