@@ -63,9 +63,11 @@ def references(tmp_path_factory):
     def get(family: str) -> tuple[Path, list[dict]]:
         if family not in cache:
             hf_dir = save_hf(family, tmp_path_factory.mktemp(f"hf-{family}"))
-            cache[family] = hf_dir, train(family, [], tmp_path_factory.mktemp("ref"), 1, hf_dir)
+            get.run_dir[family] = tmp_path_factory.mktemp("ref")
+            cache[family] = hf_dir, train(family, [], get.run_dir[family], 1, hf_dir)
         return cache[family]
 
+    get.run_dir = {}  # family -> the reference run's output directory
     return get
 
 
@@ -123,3 +125,17 @@ def test_expert_placement_round_trip(references, tmp_path):
         assert placed[int(k)] == [measured[int(k)][old] for old in r["order"]], k  # same tokens, renumbered experts
     expected = max(rank_imbalance(measured[int(k)], r["order"], ep=2) for k, r in plan.items())
     assert after[0]["moe_ep_imbalance"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_router_load_survives_resume(references, tmp_path):
+    """The per-expert token counts are saved with the checkpoint: a run that resumes from step 3 of 5 writes the
+    same ``moe_imbalance.json`` counts (and first step) as 5 steps straight."""
+    hf_dir, _ = references("qwen3_moe")
+    first = train("qwen3_moe", ["checkpoint.save_interval=3"], tmp_path / "run", 1, hf_dir)  # saves step 3 only
+    rerun = train("qwen3_moe", ["checkpoint.save_interval=3"], tmp_path / "run", 1, hf_dir)  # resumes at step 3
+    assert [r["step"] for r in rerun] == [1, 2, 3, 4, 5, 4, 5]
+    assert [r["loss"] for r in rerun[5:]] == [r["loss"] for r in first[3:5]]  # exact resume
+    straight = json.loads((references.run_dir["qwen3_moe"] / "moe_imbalance.json").read_text())
+    got = json.loads((tmp_path / "run" / "moe_imbalance.json").read_text())
+    assert (got["first_step"], got["last_step"]) == (1, 5)
+    assert got["tokens_per_expert"] == straight["tokens_per_expert"]

@@ -128,6 +128,8 @@ class Checkpointer:
             "optimizer": job.optimizer.state_dict(),
             "scheduler": job.scheduler.state_dict(),
             "rng": _rng_state(job),
+            **({"router_load": {"tokens_per_expert": job.router_load.total.clone(), "first_step": job._router_first_step}}
+               if job.router_load is not None else {}),
         }
 
     def save(self, step: int, *, final: bool = False) -> Path | None:
@@ -186,6 +188,13 @@ class Checkpointer:
         self.job.optimizer.load_state_dict(state["optimizer"])
         self.job.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(self.job, state["rng"])
+        saved_load = state.get("router_load")
+        load = self.job.router_load
+        # NOTE: the counts are global sums (all ranks hold the same), so they carry over any resharding; older
+        # checkpoints have none, and then moe_imbalance.json covers the steps from the resume on (its first_step).
+        if load is not None and saved_load is not None and saved_load["tokens_per_expert"].shape == load.total.shape:
+            load.total.copy_(saved_load["tokens_per_expert"])
+            self.job._router_first_step = int(saved_load["first_step"])
         if self.job.log:
             resharded = "" if meta["layout"] == layout else f" (data-parallel size {meta['layout']['dp']} -> {layout['dp']})"
             self.job.log.info(f"[checkpoint] resumed from {path}{resharded}")

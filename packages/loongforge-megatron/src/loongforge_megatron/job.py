@@ -123,9 +123,11 @@ class MegatronJob(Job):
         from loongforge_megatron.checkpointing import Checkpointer
 
         self.checkpointer = Checkpointer(self)
+        self._router_first_step = 1  # the first step moe_imbalance.json covers (a resume restores it)
         if recipe.checkpoint.resume == "auto":
             self.step_index = self.checkpointer.resume()
-        self._router_first_step = self.step_index + 1
+            if self.router_load is not None and self.router_load.total.sum() == 0:
+                self._router_first_step = self.step_index + 1  # a checkpoint without router counts
         if self.log:
             n = arch.num_params()
             split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
@@ -287,7 +289,7 @@ class MegatronJob(Job):
 
         from loongforge.checkpoint.atomic import write_atomic
 
-        # NOTE: the counts cover this process's steps only (a resumed run starts counting at its resume step).
+        # NOTE: a resume restores the counts saved with the checkpoint; first_step says where they start.
         steps = {"first_step": self._router_first_step, "last_step": self.step_index}
         write_atomic(self.runtime.output_dir / "moe_imbalance.json",
                      json.dumps({"ep_size": self.plan.ep, **steps, **self.router_load.summary()}))
