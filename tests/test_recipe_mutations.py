@@ -84,3 +84,12 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
                     assert str(path[0]) in err, (key, err)
             checked += 1
     assert checked >= 3
+
+
+@pytest.mark.parametrize("recipe", ["llm/tiny/llama_tiny.yaml", "embodied/tiny_vla_synthetic.yaml"])
+def test_per_component_layouts_are_refused_where_unused(recipe, capsys):
+    """``parallel.components`` (per-component layouts of VLMs) is an error in backends whose models have one
+    layout, not silently ignored."""
+    code = main(["validate", str(ROOT / recipe), "parallel.components={vision: {tp: 1}}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "parallel.components" in err and err.count("\n") == 1, err

@@ -48,6 +48,7 @@ def test_lr_schedule():
     ("parallel.shard_size=1", "parallel.shard_size"),
     ("train.stage=lora", "train.stage"),
     ("parallel.recompute=selective", "parallel.recompute"),
+    ("parallel.components={vision: {tp: 1}}", "parallel.components"),
 ])
 def test_recipe_rejections_name_the_key(override, key):
     with pytest.raises(RecipeError) as err:

@@ -33,6 +33,10 @@ class EmbodiedBackend(Backend):
             if getattr(p, key) != 1:
                 raise RecipeError(f"the embodied backend is data-parallel only (got {getattr(p, key)}); "
                                   "shard with parallel.strategy fsdp2 / hsdp instead", key=f"parallel.{key}")
+        if p.components:
+            raise RecipeError(f"the embodied backend uses one data-parallel strategy for the whole policy "
+                              f"(got parallel.components: {', '.join(sorted(p.components))}); remove it",
+                              key="parallel.components")
         if p.distributed_optimizer:
             raise RecipeError("use parallel.strategy zero1 for a sharded optimizer in the embodied backend",
                               key="parallel.distributed_optimizer")

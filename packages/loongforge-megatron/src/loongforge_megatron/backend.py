@@ -35,6 +35,11 @@ class MegatronBackend(Backend):
             raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
+        if recipe.parallel.components:
+            names = ", ".join(sorted(recipe.parallel.components))
+            raise RecipeError(f"parallel.components ({names}) sets per-component layouts for models built of "
+                              "components (VLMs); this backend's models are decoder-only LMs with one layout: "
+                              "remove parallel.components", key="parallel.components")
         if recipe.parallel.cp > 1 and recipe.data.format == "sft":
             raise RecipeError("packed SFT uses block-diagonal attention masks, which context parallelism does not "
                               "support yet; use cp: 1 for sft", key="parallel.cp")
