@@ -86,10 +86,25 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
     assert checked >= 3
 
 
-@pytest.mark.parametrize("recipe", ["llm/tiny/llama_tiny.yaml", "embodied/tiny_vla_synthetic.yaml"])
-def test_per_component_layouts_are_refused_where_unused(recipe, capsys):
-    """``parallel.components`` (per-component layouts of VLMs) is an error in backends whose models have one
-    layout, not silently ignored."""
-    code = main(["validate", str(ROOT / recipe), "parallel.components={vision: {tp: 1}}"])
+@pytest.mark.parametrize(("recipe", "override"), [
+    ("llm/tiny/llama_tiny.yaml", "parallel.components={vision: {tp: 1}}"),
+    ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
+    ("llm/tiny/llama_tiny.yaml", "train.compile=true"),
+    ("embodied/tiny_vla_synthetic.yaml", "parallel.components={vision: {tp: 1}}"),
+    ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),
+    ("embodied/tiny_vla_synthetic.yaml", "train.eval_interval=2"),
+])
+def test_keys_a_backend_does_not_use_are_refused(recipe, override, capsys):
+    """A shared key the recipe's backend ignores (``Backend.unused_keys``) is an error naming it, not a silent no-op;
+    setting it to its default is fine."""
+    key = override.split("=")[0]
+    code = main(["validate", str(ROOT / recipe), override])
     err = capsys.readouterr().err
-    assert code == 2 and "parallel.components" in err and err.count("\n") == 1, err
+    assert code == 2 and f"key '{key}'" in err and "not used by the" in err and err.count("\n") == 1, err
+    from loongforge.backend import get_backend_class
+
+    assert key in get_backend_class(resolve_extends(ROOT / recipe)["backend"]).unused_keys
+
+
+def test_an_unused_key_at_its_default_is_accepted(capsys):
+    assert main(["validate", str(ROOT / "llm/tiny/llama_tiny.yaml"), "parallel.strategy=auto"]) == 0, capsys.readouterr()

@@ -40,6 +40,9 @@ class Backend(ABC):
     name: ClassVar[str] = "base"
     model_schema: ClassVar[type[BaseModel] | None] = None
     data_schema: ClassVar[type[BaseModel] | None] = None
+    #: keys of the shared sections this backend does not use (dotted key -> why, or what to use instead): a recipe
+    #: that sets one to anything but its default is refused rather than silently ignored.
+    unused_keys: ClassVar[dict[str, str]] = {}
 
     @classmethod  # noqa: B027 - optional override
     def check_recipe(cls, recipe: Recipe) -> None:

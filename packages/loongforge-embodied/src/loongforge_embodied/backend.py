@@ -22,6 +22,15 @@ class EmbodiedBackend(Backend):
     name = "embodied"
     model_schema = ModelConfig
     data_schema = DataConfig
+    unused_keys = {
+        "parallel.components": "it uses one data-parallel strategy for the whole policy",
+        "parallel.etp": "it is data-parallel only (shard with parallel.strategy fsdp2 / hsdp)",
+        "parallel.recompute_layers": "parallel.recompute full checkpoints each block the policy declares",
+        "train.eval_interval": "it has no validation pass",
+        "train.eval_steps": "it has no validation pass",
+        "kernels.spec": "it is the megatron backend's layer spec",
+        "kernels.provider": "its policies run torch modules (the FP8 all-gather picks its own codec)",
+    }
 
     @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
@@ -33,10 +42,6 @@ class EmbodiedBackend(Backend):
             if getattr(p, key) != 1:
                 raise RecipeError(f"the embodied backend is data-parallel only (got {getattr(p, key)}); "
                                   "shard with parallel.strategy fsdp2 / hsdp instead", key=f"parallel.{key}")
-        if p.components:
-            raise RecipeError(f"the embodied backend uses one data-parallel strategy for the whole policy "
-                              f"(got parallel.components: {', '.join(sorted(p.components))}); remove it",
-                              key="parallel.components")
         if p.distributed_optimizer:
             raise RecipeError("use parallel.strategy zero1 for a sharded optimizer in the embodied backend",
                               key="parallel.distributed_optimizer")

@@ -21,6 +21,14 @@ class MegatronBackend(Backend):
     name = "megatron"
     model_schema = ModelConfig
     data_schema = DataConfig
+    unused_keys = {
+        "parallel.strategy": "it shards with parallel.distributed_optimizer; leave parallel.strategy auto",
+        "parallel.shard_size": "hsdp shard groups are an embodied-backend setting; use parallel.dp / distributed_optimizer",
+        "parallel.components": "per-component layouts are for models built of components (VLMs); this backend's "
+                               "models are decoder-only LMs with one layout",
+        "train.compile": "its speed comes from kernels.spec / kernels.provider (fused kernels), not torch.compile",
+        "train.ema_decay": "it keeps no EMA weights",
+    }
 
     @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
@@ -29,17 +37,10 @@ class MegatronBackend(Backend):
             raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (got '{data.format}')", key="data.format")
         if stage == "cpt" and not recipe.checkpoint.load:
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
-        if recipe.parallel.strategy not in ("auto",):
-            raise RecipeError("the megatron backend shards with parallel.distributed_optimizer; leave parallel.strategy auto", key="parallel.strategy")
         if "peft" in recipe.checkpoint.save_format and stage != "lora":
             raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
-        if recipe.parallel.components:
-            names = ", ".join(sorted(recipe.parallel.components))
-            raise RecipeError(f"parallel.components ({names}) sets per-component layouts for models built of "
-                              "components (VLMs); this backend's models are decoder-only LMs with one layout: "
-                              "remove parallel.components", key="parallel.components")
         if recipe.parallel.cp > 1 and recipe.data.format == "sft":
             raise RecipeError("packed SFT uses block-diagonal attention masks, which context parallelism does not "
                               "support yet; use cp: 1 for sft", key="parallel.cp")

@@ -209,12 +209,25 @@ def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_sc
         except LoongForgeError as exc:
             raise RecipeError(str(exc), key=section, file=file) from None
     try:
+        _refuse_unused(recipe, backend_cls.unused_keys, backend=recipe.backend)
         backend_cls.check_recipe(recipe)
     except RecipeError as exc:
         if exc.file is None and file:
             raise RecipeError(exc.message, key=exc.key, file=file) from None
         raise
     return recipe
+
+
+def _refuse_unused(recipe: Recipe, unused: dict[str, str], *, backend: str) -> None:
+    """``RecipeError`` for the first key of ``unused`` that the recipe sets to something other than its default."""
+    for key, why in unused.items():
+        *parents, leaf = key.split(".")
+        section = recipe
+        for name in parents:
+            section = getattr(section, name)
+        field = type(section).model_fields[leaf]
+        if getattr(section, leaf) != field.get_default(call_default_factory=True):
+            raise RecipeError(f"not used by the {backend} backend: {why}", key=key)
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, backend_schemas: bool = True) -> Recipe:
