@@ -6,9 +6,10 @@ sample's stream position, so a sample is identical whichever rank or micro-batch
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,17 @@ class SyntheticSource:
                 "action_pad": torch.zeros(a.chunk_size, dtype=torch.bool), "task": self.task}
 
 
+@cache
+def video_backend() -> str:
+    """LeRobot's video decoder: ``torchcodec`` where it loads, else ``pyav``. Probed quietly: LeRobot's own default
+    logs the whole loader traceback when torchcodec is installed without FFmpeg's shared libraries."""
+    try:
+        importlib.import_module("torchcodec")
+        return "torchcodec"
+    except (ImportError, OSError, RuntimeError):
+        return "pyav"
+
+
 class LeRobotSource:
     """A local LeRobotDataset v3 read with delta-timestamp windows: the action chunk of each frame."""
 
@@ -54,7 +66,8 @@ class LeRobotSource:
         self.cameras = cameras or list(meta.camera_keys)
         self.meta = meta
         window = {"action": [i / meta.fps for i in range(arch.chunk_size)]}
-        self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False)
+        self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False,
+                                 video_backend=video_backend())
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +58,14 @@ def record_pusht(
     if root.exists():
         shutil.rmtree(root)
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    # NOTE: pygame (which gym-pusht imports when it first renders) imports the deprecated pkg_resources.
+    warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+    import datasets
     import gym_pusht  # noqa: F401 - registers the env
     import gymnasium as gym
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from loongforge_embodied.data.dataset import video_backend
 
     env = gym.make("gym_pusht/PushT-v0", obs_type="pixels_agent_pos", render_mode="rgb_array",
                    observation_width=image_size, observation_height=image_size)
@@ -72,7 +78,9 @@ def record_pusht(
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     # NOTE: images (PNG in parquet), not video: decoding needs no ffmpeg and small frames stay small.
-    ds = LeRobotDataset.create(repo_id, fps=10, root=tmp, features=features, use_videos=False, robot_type="pusht_sim")
+    datasets.disable_progress_bars()  # NOTE: one "Map" bar per saved episode otherwise
+    ds = LeRobotDataset.create(repo_id, fps=10, root=tmp, features=features, use_videos=False, robot_type="pusht_sim",
+                               video_backend=video_backend())
     for ep in range(episodes):
         obs, _ = env.reset(seed=seed + ep)
         phase: dict = {}
