@@ -139,3 +139,13 @@ def test_router_load_survives_resume(references, tmp_path):
     got = json.loads((tmp_path / "run" / "moe_imbalance.json").read_text())
     assert (got["first_step"], got["last_step"]) == (1, 5)
     assert got["tokens_per_expert"] == straight["tokens_per_expert"]
+
+
+def test_resume_follows_the_recipes_lr_schedule(references, tmp_path):
+    """A run extended on resume (3 steps saved, rerun with 5) takes the recipe's schedule from there: steps 4-5 get
+    the learning rates of a 5-step run, not the finished 3-step cosine's minimum (only progress is restored)."""
+    hf_dir, ref = references("llama")
+    train("llama", ["train.steps=3", "checkpoint.save_at_end=true"], tmp_path / "run", 1, hf_dir)
+    resumed = train("llama", [], tmp_path / "run", 1, hf_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in resumed[3:]] == pytest.approx([r["lr"] for r in ref[3:]], rel=1e-12)

@@ -125,4 +125,9 @@ def build_scheduler(
         wd_incr_style=weight_decay_style,
         wsd_decay_steps=None if wsd_decay_steps is None else wsd_decay_steps * gbs,
         lr_wsd_decay_style=wsd_decay_style if decay_style == "WSD" else None,
+        # NOTE: on resume the recipe's schedule wins and only the progress (samples seen) comes from the
+        # checkpoint, so a run extended with more train.steps (or a new lr) follows the recipe, as the embodied
+        # backend does. megatron's default keeps the checkpoint's values silently.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
