@@ -152,3 +152,21 @@ def test_unreported_steps_do_the_same_work_without_reading_the_loss(tmp_path):
     assert [r["loss"] for r in logged] == [reference[i - 1] for i in (1, 2, 4, 5)]
     assert last["step"] == 5 and last["loss"] == reference[4]
     assert (runtime.checkpoint_dir / "step_00000003").is_dir()
+
+
+def test_resume_into_another_models_run_is_a_clear_error(tmp_path):
+    """A run directory whose checkpoint holds another policy, or other shapes, is refused in one line (DCP's own
+    CheckpointException is a BaseException that would end in a traceback)."""
+    from loongforge.api import build_job, load_recipe
+
+    over = ["train.steps=3", "checkpoint.save_at_end=true", "logging.console=false", "logging.tensorboard=false"]
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path)
+    try:
+        job.run()
+    finally:
+        job.close()
+    groot = RECIPE.with_name("tiny_groot_synthetic.yaml")
+    with pytest.raises(LoongForgeError, match="holds a 'tiny_vla' policy, this recipe builds 'groot'"):
+        build_job(load_recipe(groot, over), output_dir=tmp_path)
+    with pytest.raises(LoongForgeError, match="does not match this recipe's model .*Size mismatch"):
+        build_job(load_recipe(RECIPE, [*over, "model.arch={lm_hidden: 48}"]), output_dir=tmp_path)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from loongforge.errors import CheckpointError
+from torch.distributed.checkpoint.api import CheckpointException
 from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ def save(job: EmbodiedJob, step: int) -> Path:
     """Save the resume state of optimizer step ``step`` into ``checkpoints/step_<step>`` (collective)."""
     rt = job.runtime
     name = f"step_{step:08d}"
-    meta = {"step": step, "world_size": rt.world_size, "strategy": job.model.strategy}
+    meta = {"step": step, "world_size": rt.world_size, "strategy": job.model.strategy, "model": _model_id(job)}
     if rt.is_main:
         with atomic_checkpoint(rt.checkpoint_dir, name, keep_last=job.recipe.checkpoint.keep_last) as staging:
             dist.broadcast_object_list([str(staging)], src=0)
@@ -79,16 +81,30 @@ def resume(job: EmbodiedJob) -> int:
     if path is None:
         return 0
     meta = json.loads((path / META).read_text())
+    saved, mine = meta.get("model"), _model_id(job)
+    if saved is not None and saved != mine:
+        raise CheckpointError(f"{path} holds a '{saved['policy']}' policy, this recipe builds '{mine['policy']}': "
+                              "use another --output, or checkpoint.resume=never")
     state = _state(job, allocate=True)
     same_world = meta["world_size"] == job.runtime.world_size
     if not same_world:
         # NOTE: a different world size reshards model/optimizer (DCP does); RNG streams are per rank, so reseed.
         state = {k: v for k, v in state.items() if not k.startswith("rng_rank")}
-    dcp.load(state, checkpoint_id=path)
-    job.model.raw.load_state_dict(state["model"])
+    try:
+        dcp.load(state, checkpoint_id=path)
+        job.model.raw.load_state_dict(state["model"])
+    except (CheckpointException, RuntimeError) as exc:  # NOTE: CheckpointException is a BaseException
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} does not match this recipe's model ({first[:300]}); use another --output, "
+                              "or checkpoint.resume=never") from None
     if same_world:
         torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
     return int(meta["step"])
+
+
+def _model_id(job: EmbodiedJob) -> dict[str, Any]:
+    """What must match for a resume (shapes are checked by the load itself)."""
+    return {"policy": job.recipe.model.policy}
 
 
 def full_state_dict(job: EmbodiedJob, *, use_ema: bool) -> dict[str, torch.Tensor]:
