@@ -149,3 +149,18 @@ def test_resume_follows_the_recipes_lr_schedule(references, tmp_path):
     resumed = train("llama", [], tmp_path / "run", 1, hf_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert [r["lr"] for r in resumed[3:]] == pytest.approx([r["lr"] for r in ref[3:]], rel=1e-12)
+
+
+def test_resume_into_another_models_run_is_a_clear_error(tmp_path):
+    """Resuming a run directory whose checkpoint has other shapes ends in one line, exit 2 (not a state-dict
+    traceback)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "loongforge", "train", str(RECIPES / "llama_tiny.yaml"), "--output", str(tmp_path)]
+    done = subprocess.run([*base, "train.steps=2", "checkpoint.save_at_end=true"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bad = subprocess.run([*base, "train.steps=3", "model.ffn_hidden_size=96"], capture_output=True, text=True,
+                         timeout=600, env=env)
+    last = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert last.startswith("error: ") and "does not match this recipe's model (size mismatch for" in last, last

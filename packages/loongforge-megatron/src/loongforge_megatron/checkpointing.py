@@ -184,7 +184,13 @@ class Checkpointer:
         from loongforge_megatron.job import unwrapped
 
         for module, sd in zip(unwrapped(self.job), state["model"], strict=True):
-            module.load_state_dict(sd)
+            try:
+                module.load_state_dict(sd)
+            except RuntimeError as exc:  # NOTE: shapes or names differ: the recipe changed the model
+                lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                detail = lines[1] if len(lines) > 1 else lines[0] if lines else type(exc).__name__
+                raise CheckpointError(f"{path} does not match this recipe's model ({detail[:300]}); use another "
+                                      "--output, or checkpoint.resume=never") from None
         self.job.optimizer.load_state_dict(state["optimizer"])
         self.job.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(self.job, state["rng"])
