@@ -69,3 +69,21 @@ def test_placed_checkpoint_computes_the_same_logits(tmp_path, tiny_hf, family, l
     assert main(["place-experts", str(src), str(tmp_path / "x"), "--loads", str(tmp_path / "bad.json"), "--ep", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "bad.json" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("content", [
+    [1, 2], {"tokens_per_expert": 5}, {"tokens_per_expert": [None, [1, 2, 3, 4]]},
+    {"tokens_per_expert": [["a", 2, 3, 4]] * 2}, {"tokens_per_expert": [[1, 2]] * 2},
+    {"tokens_per_expert": [[1, 2, 3, 4, 5, 6]] * 2}, {"tokens_per_expert": [[1, 2, 3]] * 2},
+    {"tokens_per_expert": [[1, -2, 3, 4]] * 2},
+])
+def test_malformed_loads_are_one_line_errors(tmp_path, tiny_hf, content, capsys):
+    src = tiny_hf("qwen3_moe", tmp_path / "hf")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    if isinstance(content, dict) and isinstance(content["tokens_per_expert"], list):
+        content = {"tokens_per_expert": (content["tokens_per_expert"] * layers)[:layers]}
+    (tmp_path / "loads.json").write_text(json.dumps(content))
+    capsys.readouterr()
+    code = main(["place-experts", str(src), str(tmp_path / "x"), "--loads", str(tmp_path / "loads.json"), "--ep", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "loads.json" in err and err.count("\n") == 1, err

@@ -69,6 +69,16 @@ def rank_imbalance(loads: Sequence[float], order: Sequence[int], *, ep: int) -> 
     return imbalance(torch.tensor([[loads[e] for e in order]], dtype=torch.float64), ep=ep)["ep"][0] or 0.0
 
 
+def _load_row(row: object, *, layer: int, num_experts: int, where: str | Path) -> list[float]:
+    """One MoE layer's loads: ``num_experts`` non-negative numbers (``CheckpointError`` naming the layer else)."""
+    ok = isinstance(row, list) and all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in row)
+    if not ok or len(row) != num_experts:
+        shown = f"{len(row)} values" if isinstance(row, list) else repr(row)[:40]
+        raise CheckpointError(f"{where}: layer {layer} must give {num_experts} non-negative token counts (one per "
+                              f"expert of the model), got {shown}")
+    return [float(x) for x in row]
+
+
 def rebalance_hf(src: str | Path, dst: str | Path, *, loads: str | Path, ep: int, force: bool = False) -> dict:
     """Write ``src`` (an HF MoE checkpoint) to ``dst`` with every MoE layer's experts renumbered for ``ep`` ranks by
     the loads in ``loads`` (a run's ``moe_imbalance.json``). Returns (and writes as ``dst/expert_placement.json``)
@@ -82,7 +92,7 @@ def rebalance_hf(src: str | Path, dst: str | Path, *, loads: str | Path, ep: int
     config = read_hf_config(src)
     try:
         per_layer = json.loads(Path(loads).read_text())["tokens_per_expert"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{loads}: not a run's moe_imbalance.json ({type(e).__name__}: {e})") from None
     groups = int(config.get("n_group") or 1)
     reader = SafetensorsReader(src)
@@ -90,11 +100,14 @@ def rebalance_hf(src: str | Path, dst: str | Path, *, loads: str | Path, ep: int
     moe_layers = sorted({int(m.group(2)) for k in names if (m := _EXPERT.match(k))})
     if not moe_layers:
         raise CheckpointError(f"{src}: no routed experts (model.layers.N.mlp.experts.E.*) to place")
-    if len(per_layer) != config["num_hidden_layers"]:
-        raise CheckpointError(f"{loads}: loads of {len(per_layer)} layers, but {src} has {config['num_hidden_layers']}")
+    if not isinstance(per_layer, list) or len(per_layer) != config["num_hidden_layers"]:
+        got = f"{len(per_layer)} layers" if isinstance(per_layer, list) else type(per_layer).__name__
+        raise CheckpointError(f"{loads}: tokens_per_expert must list one row per layer ({config['num_hidden_layers']} "
+                              f"in {src}), got {got}")
+    num_experts = 1 + max(int(m.group(3)) for k in names if (m := _EXPERT.match(k)))
     orders, report = {}, {"ep": ep, "groups": groups, "layers": {}}
     for layer in moe_layers:
-        row = [float(x) for x in per_layer[layer]]
+        row = _load_row(per_layer[layer], layer=layer, num_experts=num_experts, where=loads)
         order = plan_layer(row, ep=ep, groups=groups)
         orders[layer] = order
         report["layers"][str(layer)] = {
