@@ -170,3 +170,13 @@ def test_resume_into_another_models_run_is_a_clear_error(tmp_path):
         build_job(load_recipe(groot, over), output_dir=tmp_path)
     with pytest.raises(LoongForgeError, match="does not match this recipe's model .*Size mismatch"):
         build_job(load_recipe(RECIPE, [*over, "model.arch={lm_hidden: 48}"]), output_dir=tmp_path)
+
+
+def test_missing_lerobot_dataset_is_refused_at_validation(tmp_path):
+    """A ``lerobot`` data root that does not exist (and nothing to record) fails validation naming data.root,
+    instead of LeRobot trying the hub at train time."""
+    with pytest.raises(RecipeError, match="'/nonexistent' does not exist") as info:
+        load_recipe(RECIPE, ["data.format=lerobot", "data.root=/nonexistent"])
+    assert info.value.key == "data.root"
+    with pytest.raises(RecipeError, match="is not a LeRobotDataset"):
+        load_recipe(RECIPE, ["data.format=lerobot", f"data.root={tmp_path}"])

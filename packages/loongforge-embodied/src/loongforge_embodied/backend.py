@@ -63,6 +63,11 @@ class EmbodiedBackend(Backend):
             raise RecipeError("every component is frozen: nothing to train", key="model.freeze")
         if recipe.model.load and not (Path(recipe.model.load) / "model.safetensors").is_file():
             raise RecipeError(f"'{recipe.model.load}' has no model.safetensors (an exported policy dir)", key="model.load")
+        d = recipe.data
+        if d.format == "lerobot" and d.record is None and not (Path(d.root or "") / "meta" / "info.json").is_file():
+            what = "does not exist" if not Path(d.root or "").exists() else "is not a LeRobotDataset (no meta/info.json)"
+            raise RecipeError(f"'{d.root}' {what}; record one with data.record (loongforge data prepare) or point "
+                              "data.root at a local LeRobotDataset v3", key="data.root")
         if recipe.checkpoint.load:
             raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "
                               "OUTPUT/checkpoints; checkpoint.load is not used", key="checkpoint.load")
