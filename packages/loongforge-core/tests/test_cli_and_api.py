@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import loongforge
+import pytest
 from loongforge.cli import main
+from loongforge.errors import LoongForgeError
 from loongforge.metrics import read_metrics
 
 
@@ -50,8 +52,15 @@ def test_launcher_builds_torchrun_command(tmp_path):
     from loongforge.launcher import LaunchConfig, torchrun_command
 
     cmd = torchrun_command(LaunchConfig(nproc=2, max_restarts=3), recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "loongforge.launcher"]  # torchrun's run() on torchrun's own argument parser
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=3" in cmd
+    from torch.distributed.run import parse_args
+
+    parsed = parse_args(cmd[3:])  # NOTE: the arguments are torchrun's, as PyTorch users know them
+    assert (parsed.nproc_per_node, parsed.max_restarts, parsed.module) == ("2", 3, True)
+    for bad in (LaunchConfig(nproc=0), LaunchConfig(nproc=2, max_restarts=-1)):
+        with pytest.raises(LoongForgeError, match="--nproc must be|--max-restarts must be"):
+            torchrun_command(bad, recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
     cmd = torchrun_command(LaunchConfig(nproc=8, nnodes="2", node_rank=1, rdzv_endpoint="h:29400"),
                            recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
     assert "--rdzv-endpoint=h:29400" in cmd and "--node-rank=1" in cmd and "--standalone" not in cmd

@@ -4,7 +4,7 @@ Example::
 
     import loongforge
 
-    recipe = loongforge.load_recipe("recipes/quickstart/llama_tiny.yaml", ["train.steps=20"])
+    recipe = loongforge.load_recipe("recipes/quickstart/llama_stdlib.yaml", ["train.steps=20"])
     metrics = loongforge.train(recipe, output_dir="runs/nb")          # one process, in this process
     job, runtime = loongforge.build_job(recipe, output_dir="runs/nb2")  # or drive it step by step
     for _ in range(3):
@@ -24,6 +24,7 @@ from loongforge.errors import LoongForgeError
 from loongforge.launcher import LaunchConfig, launch
 from loongforge.recipe import Recipe, dump_recipe, load_recipe
 from loongforge.runtime import Runtime
+from loongforge.worker import FAILED
 
 __all__ = ["build_job", "default_output_dir", "load_recipe", "run_in_process", "train", "write_run_recipe"]
 
@@ -33,11 +34,11 @@ def default_output_dir(recipe_path: str | Path | None) -> Path:
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def write_run_recipe(recipe: Recipe, output_dir: str | Path) -> Path:
+def write_run_recipe(recipe: Recipe, output_dir: str | Path, *, name: str = "recipe.yaml") -> Path:
     """Write the fully resolved recipe to ``OUTPUT/recipe.yaml`` (atomically)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "recipe.yaml"
+    path = out / name
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(dump_recipe(recipe))
     tmp.replace(path)
@@ -54,9 +55,9 @@ def build_job(recipe: Recipe, *, output_dir: str | Path) -> tuple[Job, Runtime]:
 
 def run_in_process(recipe: Recipe, *, output_dir: str | Path, write_recipe: bool = True) -> dict[str, Any]:
     """Train ``recipe`` in this process (one rank of a launched job, or the whole job when world size is 1)."""
-    if write_recipe:
-        write_run_recipe(recipe, output_dir)
     job, runtime = build_job(recipe, output_dir=output_dir)
+    if write_recipe:  # NOTE: after the build: a recipe that cannot build or resume here leaves RUN/recipe.yaml alone
+        write_run_recipe(recipe, output_dir)
     try:
         return job.run()
     finally:
@@ -90,7 +91,8 @@ def train(
         get_accelerator(recipe.accelerator.name, options=recipe.accelerator.options, env=recipe.accelerator.env)
     if config.single_process:
         return run_in_process(recipe, output_dir=out)
-    recipe_file = write_run_recipe(recipe, out)
+    recipe_file = write_run_recipe(recipe, out, name="recipe.launch.yaml")  # rank 0 writes recipe.yaml once built
+    (out / FAILED).unlink(missing_ok=True)
     code = launch(config, recipe_file=recipe_file, output_dir=out)
     if code != 0:
         raise LoongForgeError(f"training failed on one of {world} processes (exit code {code}); see the messages above")

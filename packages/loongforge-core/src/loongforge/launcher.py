@@ -1,8 +1,10 @@
 """Run a recipe: in this process for one process, through torch.distributed's elastic launcher otherwise.
 
-NOTE: no home-made launcher. For N > 1 (or several nodes) we exec ``python -m torch.distributed.run`` — the
-same program as ``torchrun``, with the flags PyTorch users know (rendezvous, restarts) — on
-``python -m loongforge.worker``, which loads the already-resolved ``RUN/recipe.yaml``.
+NOTE: no home-made launcher. For N > 1 (or several nodes) we exec ``python -m loongforge.launcher``: torch's own
+``torchrun`` (``torch.distributed.run``: its argument parser and ``run``, with the flags PyTorch users know —
+rendezvous, restarts) — whose only addition is that a failed worker ends it with the worker's exit code instead of
+a ``ChildFailedError`` traceback (the worker already printed its one-line error). Workers run
+``python -m loongforge.worker`` on the already-resolved recipe.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ class LaunchConfig:
 
 
 def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command line for ``config``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc}", f"--nnodes={config.nnodes}"]
+    """The ``python -m loongforge.launcher ...`` (torchrun's arguments) command line for ``config``."""
+    if config.nproc < 1:
+        raise LoongForgeError(f"--nproc must be at least 1 (got {config.nproc})")
+    if config.max_restarts < 0:
+        raise LoongForgeError(f"--max-restarts must be 0 or more (got {config.max_restarts})")
+    cmd = [sys.executable, "-m", "loongforge.launcher", f"--nproc-per-node={config.nproc}", f"--nnodes={config.nnodes}"]
     if config.rdzv_endpoint:
         cmd += [
             f"--node-rank={config.node_rank}",
@@ -65,3 +71,25 @@ def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
     env["LOONGFORGE_LAUNCHED"] = "1"
     proc = subprocess.run(torchrun_command(config, recipe_file=recipe_file, output_dir=output_dir), env=env)
     return proc.returncode
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torchrun on ``argv``; a failed worker gives its exit code (its error is already on stderr), no traceback."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # NOTE: its "failed (exitcode: 2) local_rank: 0 ..." line repeats what the worker and our summary say.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        codes = [f.exitcode for f in exc.failures.values() if isinstance(f.exitcode, int) and f.exitcode > 0]
+        return max(codes, default=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

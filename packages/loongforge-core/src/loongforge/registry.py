@@ -26,6 +26,11 @@ KNOWN_PROVIDERS = {
 }
 
 
+def install_hint(package: str) -> str:
+    """How to install one of the workspace's packages (not on PyPI yet: from a LoongForge checkout)."""
+    return f"pip install ./packages/{package} (from a LoongForge checkout; `uv sync` installs the whole workspace)"
+
+
 @dataclass
 class Entry:
     """One registered entry: where it comes from and, once loaded, the object or the load error."""
@@ -106,7 +111,7 @@ class Registry:
         if key not in entries:
             hint = KNOWN_PROVIDERS.get((self.group, key))
             if hint:
-                raise PluginError(f"{self.group} '{key}' is not installed: pip install {hint}")
+                raise PluginError(f"{self.group} '{key}' is not installed: {install_hint(hint)}")
             close = difflib.get_close_matches(key, entries, n=1)
             allowed = ", ".join(sorted(entries)) or "none installed"
             suggestion = f" (did you mean '{close[0]}'?)" if close else ""

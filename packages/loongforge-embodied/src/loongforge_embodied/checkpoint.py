@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint
 from loongforge.errors import CheckpointError
 from torch.distributed.checkpoint.api import CheckpointException
-from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint
 
 if TYPE_CHECKING:
     from loongforge_embodied.job import EmbodiedJob

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,10 @@ from loongforge_megatron.config import DataConfig, ModelConfig
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
     from loongforge.runtime import Runtime
+
+
+def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
+    return "No CUDA runtime is found" not in record.getMessage()
 
 
 class MegatronBackend(Backend):
@@ -75,6 +80,8 @@ class MegatronBackend(Backend):
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
         warnings.filterwarnings("ignore", category=SyntaxWarning)
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron(\.|$)")
+        # NOTE: megatron imports torch.utils.cpp_extension, which warns on CPU-only hosts that it found no CUDA.
+        logging.getLogger("torch.utils.cpp_extension").addFilter(_not_no_cuda_notice)
         from loongforge_megatron.job import MegatronJob
 
         return MegatronJob(recipe, runtime)

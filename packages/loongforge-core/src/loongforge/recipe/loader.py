@@ -160,7 +160,9 @@ def _check_plugin_names(recipe: Recipe, *, file: str | None) -> None:
             continue
         hint = registry.KNOWN_PROVIDERS.get((reg.group, value))
         if hint:
-            raise RecipeError(f"'{value}' is not installed: pip install {hint}", key=key, file=file)
+            from loongforge.registry import install_hint
+
+            raise RecipeError(f"'{value}' is not installed: {install_hint(hint)}", key=key, file=file)
         known = ["auto", *reg.keys()]
         close = difflib.get_close_matches(value, known, n=1)
         suggestion = f" (did you mean '{close[0]}'?)" if close else ""

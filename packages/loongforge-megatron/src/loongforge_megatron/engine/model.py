@@ -7,12 +7,17 @@ is a TransformerLayer spec that GPTModel takes directly. Revisit when megatron s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from loongforge_megatron.engine.layer_spec import TorchNorm
+
+
+def _not_deprecation_notice(record: logging.LogRecord) -> bool:
+    return "GPTModel IS DEPRECATED" not in record.getMessage()
 
 
 def _block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
@@ -64,6 +69,8 @@ def build_model(
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
     config = transformer_config
+    # NOTE: the choice of GPTModel is deliberate (module docstring); its per-build notice is console noise.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_deprecation_notice)
     if not config.calculate_per_token_loss:
         raise ValueError(
             "transformer_config.calculate_per_token_loss must be True (token-weighted loss over micro-batches "
