@@ -64,3 +64,22 @@ def test_launcher_builds_torchrun_command(tmp_path):
     cmd = torchrun_command(LaunchConfig(nproc=8, nnodes="2", node_rank=1, rdzv_endpoint="h:29400"),
                            recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
     assert "--rdzv-endpoint=h:29400" in cmd and "--node-rank=1" in cmd and "--standalone" not in cmd
+
+
+def test_metrics_reader_survives_a_partial_last_line_and_names_a_corrupt_one(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # a run killed mid-write
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\ngarbage\n{"step": 3, "loss": 1.0}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl:2: not a metrics record" in err and err.count("\n") == 1
+
+
+def test_convert_names_a_missing_or_unconvertible_source(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out"), "--to", "megatron", "--tp", "2"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "rank_00000.pt").write_bytes(b"")
+    assert main(["convert", str(ckpt), str(tmp_path / "out"), "--to", "hf"]) == 2
+    assert "is a training checkpoint" in capsys.readouterr().err

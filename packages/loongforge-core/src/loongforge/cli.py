@@ -165,8 +165,18 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from loongforge.backend import get_backend
+    from pathlib import Path
 
+    from loongforge.backend import get_backend
+    from loongforge.errors import CheckpointError
+
+    src = Path(args.src)
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist (SRC: an HF model directory, or a `loongforge convert` output "
+                              "for --to hf / resharding)")
+    if (src / "latest").is_file() or any(src.glob("rank_*.pt")):
+        raise CheckpointError(f"{src} is a training checkpoint (resume state), not a convertible layout: train "
+                              "with checkpoint.save_format [dist, hf] for HF weights")
     get_backend(args.backend).convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp,
                                       ep=args.ep, etp=args.etp, force=args.force,
                                       first_stage_layers=args.first_stage_layers,
@@ -218,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `loongforge recipes | head -1`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # NOTE: so the interpreter's final flush does not fail again
+        return 0
     except Exception as exc:
         if os.environ.get("LOONGFORGE_DEBUG"):
             raise

@@ -127,8 +127,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
         raise LoongForgeError(f"{path} not found: is '{run_dir}' a LoongForge run directory?")
     by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    for i, (n, line) in enumerate(lines):
+        try:
             rec = json.loads(line)
-            by_step[int(rec["step"])] = rec
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            if i == len(lines) - 1:  # NOTE: a run killed mid-write leaves a partial last line: the rest is good
+                break
+            from loongforge.errors import LoongForgeError
+
+            raise LoongForgeError(f"{path}:{n}: not a metrics record ({type(exc).__name__}: {exc})") from None
+        by_step[step] = rec
     return [by_step[k] for k in sorted(by_step)]

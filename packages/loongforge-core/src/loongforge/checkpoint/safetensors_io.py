@@ -231,7 +231,7 @@ class ShardedSafetensorsWriter:
     ):
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not force:
-            raise CheckpointError(f"{self.out_dir}: destination is not empty (pass force=True to overwrite)")
+            raise CheckpointError(f"{self.out_dir}: destination is not empty (--force, or force=True, overwrites it)")
         self.staging_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         self.staging_dir.mkdir(parents=True)

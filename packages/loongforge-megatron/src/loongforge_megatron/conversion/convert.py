@@ -39,7 +39,7 @@ def copy_assets(src: Path, dst: Path) -> None:
 
 def _staging(out_dir: Path, force: bool) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise CheckpointError(f"{out_dir}: destination is not empty (pass force=True to overwrite)")
+        raise CheckpointError(f"{out_dir}: destination is not empty (--force, or force=True, overwrites it)")
     staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
