@@ -29,6 +29,18 @@ from loongforge.worker import FAILED
 __all__ = ["build_job", "default_output_dir", "load_recipe", "run_in_process", "train", "write_run_recipe"]
 
 
+def validate_for(recipe: Recipe, *, world_size: int, file: str | Path | None = None) -> None:
+    """The backend's validation for ``world_size`` processes; layout errors name the recipe file."""
+    from loongforge.errors import ParallelPlanError
+
+    try:
+        get_backend(recipe.backend).validate(recipe, world_size=world_size)
+    except ParallelPlanError as exc:
+        if file is None:
+            raise
+        raise ParallelPlanError(f"{file}: parallel layout: {exc}") from None
+
+
 def default_output_dir(recipe_path: str | Path | None) -> Path:
     stem = Path(recipe_path).stem if recipe_path else "run"
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -83,7 +95,7 @@ def train(
     out = Path(output_dir) if output_dir else default_output_dir(path)
     config = launch_config or LaunchConfig(nproc=recipe.parallel.min_world_size())
     world = config.nproc * (int(config.nnodes) if str(config.nnodes).isdigit() else 1)
-    get_backend(recipe.backend).validate(recipe, world_size=world)
+    validate_for(recipe, world_size=world, file=path)
     if config.single_process or str(config.nnodes) == "1":
         # fail here with one line (not once per worker) when the device or its runtime is missing
         from loongforge.accelerator import get_accelerator

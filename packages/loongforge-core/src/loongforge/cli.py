@@ -94,12 +94,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from loongforge.backend import get_backend
+    from loongforge.api import validate_for
     from loongforge.recipe import dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     world = args.world_size or recipe.parallel.min_world_size()
-    get_backend(recipe.backend).validate(recipe, world_size=world)
+    validate_for(recipe, world_size=world, file=args.recipe)
     if args.show:
         sys.stdout.write(dump_recipe(recipe))
     else:
