@@ -105,3 +105,10 @@ def test_no_traceback_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+
+
+def test_a_key_given_twice_is_an_error(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("backend: toy\ntrain: {steps: 3}\ntrain: {steps: 5}\n")
+    with pytest.raises(RecipeError, match="line 3, column 1: key 'train' appears twice"):
+        load_recipe(p, backend_schemas=False)

@@ -28,13 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a recipe")
     p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="a.b.c=value overrides")
     p.add_argument("--output", "-o", default=None, help="run directory (default: runs/<recipe>-<time>)")
     _add_launch_args(p)
 
     p = sub.add_parser("validate", help="validate a recipe (and print it fully resolved with --show)")
     p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", default=[])
     p.add_argument("--show", action="store_true", help="print the resolved recipe with every default")
     p.add_argument("--world-size", type=int, default=None, help="check the parallel plan for this many processes")
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     dp = dsub.add_parser("prepare", help="prepare the data a recipe's data section describes")
     dp.add_argument("recipe")
-    dp.add_argument("overrides", nargs="*")
+    dp.add_argument("overrides", nargs="*", default=[])
     dp.add_argument("--force", action="store_true", help="rebuild even if the prepared data exists")
 
     p = sub.add_parser("convert", help="convert checkpoints between HF and a backend's layout")
