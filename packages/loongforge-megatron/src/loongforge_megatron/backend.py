@@ -65,9 +65,37 @@ class MegatronBackend(Backend):
                 f"interleaved pipeline (vpp = {plan.vpp}) needs micro-batches per step divisible by pp = {plan.pp}",
                 key="train.global_batch_size",
             )
+        if arch.is_vlm:
+            self._check_vlm(recipe, plan, arch)
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    @staticmethod
+    def _check_vlm(recipe: Recipe, plan: Any, arch: Any) -> None:
+        """What the first VLM (LLaVA) path supports: TP / DP / distributed optimizer, pretrain or CPT on
+        synthetic image-text data, resumable checkpoints and HF export."""
+        from loongforge_megatron.engine.llava import image_seq_length
+
+        for key, value, allowed in (("parallel.pp", plan.pp, 1), ("parallel.cp", plan.cp, 1), ("parallel.ep", plan.ep, 1)):
+            if value != allowed:
+                raise RecipeError(f"LLaVA models train with tensor and data parallelism only (got {value})", key=key)
+        if plan.sp:
+            raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
+        if recipe.train.stage not in ("pretrain", "cpt"):
+            raise RecipeError(f"LLaVA models support train.stage pretrain / cpt (got '{recipe.train.stage}')",
+                              key="train.stage")
+        if recipe.data.format != "synthetic":
+            raise RecipeError(f"LLaVA models train on data.format synthetic (image-text samples) for now (got "
+                              f"'{recipe.data.format}')", key="data.format")
+        if recipe.kernels.spec not in ("auto", "local"):
+            raise RecipeError(f"LLaVA models use megatron's local layer specs (got '{recipe.kernels.spec}')",
+                              key="kernels.spec")
+        if arch.rope_scaling_factor is not None:
+            raise RecipeError("LLaVA with rope scaling is not supported", key="model")
+        if recipe.data.seq_length <= image_seq_length(arch) + 2:
+            raise RecipeError(f"data.seq_length must exceed the {image_seq_length(arch)} image embeddings plus text",
+                              key="data.seq_length")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         import warnings

@@ -75,7 +75,7 @@ def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, 
     plan = job.plan
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[job.config.params_dtype]
     config = hf_config(job.arch, torch_dtype=dtype)
-    layout = MegatronLayout(get_family(job.arch.family, hf_config=config).name, config, tp=plan.tp, pp=plan.pp,
+    layout = MegatronLayout(get_family(hf_config=config).name, config, tp=plan.tp, pp=plan.pp,
                             vpp=plan.vpp, ep=plan.ep, etp=plan.etp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
                             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers)
     r = _ranks()

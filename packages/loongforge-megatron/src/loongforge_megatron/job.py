@@ -69,22 +69,12 @@ class MegatronJob(Job):
         cpu = self.acc.device_type == "cpu"
         self.precision = self.acc.resolve_precision(recipe.train.precision)
         self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
-        self.spec_name = self._spec_name()
-        spec = self._layer_spec()
+        self.spec_name = "local" if arch.is_vlm else self._spec_name()
         self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
-        self.model = engine.build_model(
-            transformer_config=self.config,
-            layer_spec=spec,
-            vocab_size=self.vocab_size,
-            max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
-            rotary_base=arch.rope_theta,
-            share_embeddings_and_output_weights=arch.tie_embeddings,
-            vpp=plan.vpp,
-            use_distributed_optimizer=plan.distributed_optimizer,
-            device=self.device,
-            rope_scaling_factor=arch.rope_scaling_factor,
-            pre_wrap=self._before_ddp,
-        )
+        if arch.is_vlm:
+            self._build_vlm()
+        else:
+            self._build_lm()
         t = recipe.train
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
@@ -98,15 +88,24 @@ class MegatronJob(Job):
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         num_valid = (t.steps // t.eval_interval + 1) * t.eval_steps * t.global_batch_size if t.eval_interval else None
-        dataset, valid = build_dataset(recipe, tokenizer=self.tokenizer, vocab_size=arch.vocab_size,
-                                       num_samples=t.steps * t.global_batch_size, num_valid=num_valid)
+        if arch.is_vlm:
+            from loongforge_megatron.engine.llava import SyntheticImageText
+
+            dataset, valid = SyntheticImageText(arch=arch, seq_length=recipe.data.seq_length, seed=t.seed), None
+        else:
+            dataset, valid = build_dataset(recipe, tokenizer=self.tokenizer, vocab_size=arch.vocab_size,
+                                           num_samples=t.steps * t.global_batch_size, num_valid=num_valid)
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
         self.schedule = BatchSchedule(dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, **dp)
         self.valid_schedule = (BatchSchedule(valid, global_batch_size=t.global_batch_size,
                                              micro_batch_size=t.micro_batch_size, **dp) if valid is not None else None)
 
         self.forward_step_fn = None
-        if self.spec_name == "loongforge":
+        if arch.is_vlm:
+            from loongforge_megatron.engine.llava import forward_step
+
+            self.forward_step_fn = forward_step
+        elif self.spec_name == "loongforge":
             from loongforge_megatron.spec.output import forward_step_with_fused_loss
 
             self.forward_step_fn = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=self.acc)
@@ -132,9 +131,37 @@ class MegatronJob(Job):
             n = arch.num_params()
             split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
                 f" (first {plan.first_stage_layers or '-'} / last {plan.last_stage_layers or '-'} layers)")
-            self.log.info(f"[megatron] {arch.family} {n / 1e6:.1f}M params | spec {self.spec_name} | tp {plan.tp} pp {plan.pp}"
+            self.log.info(f"[megatron] {'llava' if arch.is_vlm else arch.family} {n / 1e6:.1f}M params | spec {self.spec_name} | tp {plan.tp} pp {plan.pp}"
                           f"{split} vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
                           f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
+
+    def _build_lm(self) -> None:
+        from loongforge_megatron import engine
+
+        arch, plan = self.arch, self.plan
+        self.model = engine.build_model(
+            transformer_config=self.config,
+            layer_spec=self._layer_spec(),
+            vocab_size=self.vocab_size,
+            max_sequence_length=max(arch.max_position_embeddings, self.recipe.data.seq_length),
+            rotary_base=arch.rope_theta,
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            vpp=plan.vpp,
+            use_distributed_optimizer=plan.distributed_optimizer,
+            device=self.device,
+            rope_scaling_factor=arch.rope_scaling_factor,
+            pre_wrap=self._before_ddp,
+        )
+
+    def _build_vlm(self) -> None:
+        """LLaVA: megatron's LLaVAModel (local specs); initial HF weights are loaded before DDP wraps it."""
+        from loongforge_megatron.engine.llava import build_llava
+
+        self.model = build_llava(
+            language=self.config, arch=self.arch, vocab_size=self.vocab_size,
+            max_sequence_length=max(self.arch.max_position_embeddings, self.recipe.data.seq_length),
+            device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
+            pre_wrap=self._before_ddp)
 
     def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:
         """Initial weights and LoRA adapters go in before megatron DDP builds its grad buffers."""

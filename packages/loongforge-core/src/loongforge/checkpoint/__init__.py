@@ -17,6 +17,7 @@ from loongforge.checkpoint.mapping import (
     FusedQKV,
     GatedMLP,
     Replicated,
+    Reshaped,
     RowParallel,
     Rule,
     VocabParallel,
@@ -31,7 +32,7 @@ from loongforge.checkpoint.safetensors_io import (
 
 __all__ = [
     "ColumnParallel", "Entry", "Expert", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
-    "Placement", "Replicated", "RowParallel", "Rule", "SafetensorsReader", "ShardedSafetensorsWriter",
+    "Placement", "Replicated", "Reshaped", "RowParallel", "Rule", "SafetensorsReader", "ShardedSafetensorsWriter",
     "StreamingSafetensorsFile", "VocabParallel", "apply_retention", "atomic_checkpoint", "check_shapes",
     "complete_checkpoints", "latest_checkpoint", "padded_vocab_size", "require_complete",
 ]

@@ -70,6 +70,24 @@ class Replicated(Rule):
 
 
 @dataclass(frozen=True)
+class Reshaped(Rule):
+    """Replicated, with another shape on the backend side (e.g. CLIP's class embedding [h] <-> megatron's
+    class token [1, 1, h]).
+
+    HF ``hf_shape``  ->  every rank ``shape``
+    """
+
+    shape: tuple[int, ...]
+    hf_shape: tuple[int, ...]
+
+    def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
+        return hf_tensors[SINGLE].reshape(self.shape)
+
+    def to_hf(self, shards):
+        return {SINGLE: shards[0].reshape(self.hf_shape)}
+
+
+@dataclass(frozen=True)
 class ColumnParallel(Rule):
     """Split the output dimension (dim 0) evenly; weights and biases of column-parallel linears.
 

@@ -38,6 +38,14 @@ class Family:
     megatron_config: Callable[[HFConfig], dict[str, dict[str, Any]]]
     num_experts: Callable[[HFConfig], int] = lambda h: 0
     ignore_hf: Callable[[HFConfig, str], bool] = field(default=lambda h, name: "rotary_emb.inv_freq" in name)
+    # the language model's part of the config (a VLM nests it as text_config), for layer count and vocab
+    text_config: Callable[[HFConfig], HFConfig] = lambda h: h
+    # a checkpoint's tensor name -> the name map's spelling (e.g. transformers 5 drops LLaVA's ``vision_model.``)
+    hf_alias: Callable[[str], str] | None = None
+    # HF tensors an export adds that the megatron model has no parameter for (name -> tensor)
+    hf_extra: Callable[[HFConfig], dict[str, Any]] = lambda h: {}
+    # the config.json an HF export writes for a source config (e.g. LLaVA's CLIP tower cut to the layers it runs)
+    export_config: Callable[[HFConfig], HFConfig] = lambda h: h
 
 
 def head_dim(h: HFConfig) -> int:

@@ -98,8 +98,9 @@ def megatron_to_hf(
     def put_assets(staging: Path) -> None:
         if assets.is_dir():
             copy_assets(assets, staging)
-        if not (staging / "config.json").is_file():
-            (staging / "config.json").write_text(json.dumps(layout.hf_config, indent=2))
+        config = staging / "config.json"
+        source_config = json.loads(config.read_text()) if config.is_file() else layout.hf_config
+        config.write_text(json.dumps(get_family(layout.family).export_config(source_config), indent=2))
 
     to_hf_dir(file_source(src_dir, layout), layout, out_dir, max_shard_bytes=max_shard_bytes, force=force,
               assets=put_assets)

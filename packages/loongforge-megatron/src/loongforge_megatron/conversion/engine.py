@@ -104,12 +104,39 @@ class Progress:
             print(f"[loongforge {self.label}] {self.done}/{self.total} tensor groups", file=sys.stderr, flush=True)
 
 
+class AliasedReader:
+    """A reader whose tensor names are ``alias(name)`` of the file's (one spelling for several HF versions)."""
+
+    def __init__(self, reader: SafetensorsReader, alias: Callable[[str], str]):
+        self._reader, self.path = reader, reader.path
+        self._file_name = {alias(k): k for k in reader.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self._file_name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._reader.get(self._file_name[name])
+
+    def read_rows(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        return self._reader.read_rows(self._file_name[name], row, out)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._reader.shape(self._file_name[name])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._reader.dtype(self._file_name[name])
+
+
 class HFSource:
     """Reads groups from an HF safetensors directory (lazily, one tensor at a time)."""
 
     def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict):
-        self.reader = SafetensorsReader(hf_dir)
         self.family, self.hf_config = get_family(family), hf_config
+        reader = SafetensorsReader(hf_dir)
+        self.reader = reader if self.family.hf_alias is None else AliasedReader(reader, self.family.hf_alias)
 
     def check_names(self, needed: Iterable[Key]) -> None:
         """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""
@@ -292,12 +319,16 @@ def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str 
 
 def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes: int, force: bool,
               assets: Callable[[Path], None] | None = None) -> None:
-    """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded)."""
+    """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded), plus the
+    family's ``hf_extra`` tensors (HF modules the megatron model does not have)."""
     params = hf_params(layout)
     specs: dict[str, Spec] = {}
     for p in params:
         for r, spec in source.spec(p).items():
             specs[p.hf[r]] = spec
+    dtype = next(iter(specs.values()))[0] if specs else torch.float32
+    extra = {k: t.to(dtype) for k, t in get_family(layout.family).hf_extra(layout.hf_config).items()}
+    specs.update({k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
     writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force)
     try:
         progress = Progress(len(params), "export")
@@ -305,6 +336,8 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
             source.write_rows(p, lambda role, row, t, p=p: writer.add_rows(p.hf[role], row, t))
             release_freed_memory()
             progress.step()
+        for k, t in extra.items():
+            writer.add(k, t)
         if assets is not None:
             assets(writer.staging_dir)
     except BaseException:

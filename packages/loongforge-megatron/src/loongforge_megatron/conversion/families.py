@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion import deepseek_v3, llama, qwen3, qwen3_moe
+from loongforge_megatron.conversion import deepseek_v3, llama, llava, qwen3, qwen3_moe
 from loongforge_megatron.conversion.common import Family, HFConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY, llava.FAMILY)}
 
 
 def get_family(name: str | None = None, *, hf_config: HFConfig | None = None) -> Family:

@@ -55,8 +55,12 @@ class MegatronLayout:
             object.__setattr__(self, "megatron_config", get_family(self.family).megatron_config(self.hf_config))
 
     @property
+    def text_config(self) -> dict[str, Any]:
+        return get_family(self.family).text_config(self.hf_config)
+
+    @property
     def num_layers(self) -> int:
-        return self.hf_config["num_hidden_layers"]
+        return self.text_config["num_hidden_layers"]
 
     @property
     def num_experts(self) -> int:
@@ -65,7 +69,7 @@ class MegatronLayout:
     @property
     def padded_vocab_size(self) -> int:
         return padded_vocab_size(
-            self.hf_config["vocab_size"], divisible_by=self.make_vocab_size_divisible_by, tp_size=self.tp
+            self.text_config["vocab_size"], divisible_by=self.make_vocab_size_divisible_by, tp_size=self.tp
         )
 
     def name_map(self) -> NameMap:

@@ -55,6 +55,10 @@ class Arch(BaseModel):
     qk_nope_head_dim: int | None = Field(None, ge=1)
     qk_rope_head_dim: int | None = Field(None, ge=1)
     v_head_dim: int | None = Field(None, ge=1)
+    # VLM (LLaVA): the language model above plus a CLIP vision tower and an MLP projector, in HF's LlavaConfig
+    # spelling: vision_config (CLIPVisionConfig fields), projector_hidden_act, vision_feature_layer,
+    # vision_feature_select_strategy, image_token_index, image_seq_length, multimodal_projector_bias.
+    vision: dict | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -67,6 +71,10 @@ class Arch(BaseModel):
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision is not None
 
     @property
     def is_mla(self) -> bool:

@@ -50,6 +50,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3-tiny": dict(family="deepseek_v3", num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, vocab_size=512, max_position_embeddings=256, norm_eps=1e-6,
                              num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_ffn=32, moe_first_dense_layers=1, moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling=2.5, moe_num_groups=2, moe_group_topk=1,
                              q_lora_rank=32, kv_lora_rank=16, qk_norm=True, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    # LLaVA (VLM): a Llama language model + CLIP vision tower + MLP projector (Arch.vision: HF LlavaConfig fields)
+    "llava-1.5-7b": dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, vocab_size=32064, max_position_embeddings=4096,
+                         vision=dict(vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+                                     projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default", image_token_index=32000, image_seq_length=576)),
+    "llava-tiny": dict(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256, max_position_embeddings=256,
+                       vision=dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+                                   projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default", image_token_index=255, image_seq_length=16)),
 }
 
 

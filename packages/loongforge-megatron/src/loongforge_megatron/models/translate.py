@@ -40,6 +40,32 @@ def arch_from_hf(hf_dir: str | Path) -> Arch:
     if not path.is_file():
         raise RecipeError(f"no config.json in HF model directory '{hf_dir}'", key="model.hf")
     cfg = json.loads(path.read_text())
+    if cfg.get("model_type") == "llava":
+        return _llava_arch(cfg, path)
+    return _arch_from_config(cfg, path)
+
+
+LLAVA_FIELDS = ("projector_hidden_act", "vision_feature_layer", "vision_feature_select_strategy", "image_token_index",
+                "image_seq_length", "multimodal_projector_bias")
+
+
+def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
+    """LLaVA: the text config as the language model, the vision config and projector fields as ``Arch.vision``."""
+    text, vision = dict(cfg.get("text_config") or {}), dict(cfg.get("vision_config") or {})
+    text.setdefault("model_type", "llama")
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise RecipeError(f"{path}: LLaVA with a '{vision.get('model_type')}' vision tower is not supported (CLIP only)",
+                          key="model.hf")
+    arch = _arch_from_config(text, path)
+    if arch.family != "llama":
+        raise RecipeError(f"{path}: LLaVA with a '{text['model_type']}' language model is not supported (llama)",
+                          key="model.hf")
+    extra = {k: cfg[k] for k in LLAVA_FIELDS if k in cfg}
+    extra["image_token_index"] = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+    return arch.model_copy(update={"vision": {"vision_config": vision, **extra}})
+
+
+def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     model_type = cfg.get("model_type")
     family = HF_MODEL_TYPES.get(model_type)
     if family is None:
@@ -104,6 +130,8 @@ def arch_from_hf(hf_dir: str | Path) -> Arch:
 
 def hf_config(arch: Arch, *, torch_dtype: str = "float32") -> dict[str, Any]:
     """An HF ``config.json`` dict for ``arch`` (what an HF export writes)."""
+    if arch.is_vlm:
+        return _llava_hf_config(arch, torch_dtype=torch_dtype)
     cfg: dict[str, Any] = dict(
         architectures=[HF_ARCHITECTURES[arch.family]],
         model_type=arch.family,
@@ -235,3 +263,22 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
         )
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def _llava_hf_config(arch: Arch, *, torch_dtype: str) -> dict[str, Any]:
+    """LlavaConfig of a LLaVA arch. The CLIP tower is written with the layers the model runs and
+    ``vision_feature_layer = -1`` (the same features as a deeper tower read at -2: megatron's tower holds no more)."""
+    from loongforge_megatron.conversion.llava import vision_layers_used
+
+    v = arch.vision
+    text = hf_config(arch.model_copy(update={"vision": None}), torch_dtype=torch_dtype)
+    text.pop("architectures", None)
+    vision = {"model_type": "clip_vision_model", **v["vision_config"],
+              "num_hidden_layers": vision_layers_used({"vision_config": v["vision_config"], **v})}
+    return {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": text,
+        "vision_config": vision, "image_token_index": v["image_token_index"],
+        "image_seq_length": v.get("image_seq_length"), "projector_hidden_act": v.get("projector_hidden_act", "gelu"),
+        "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "multimodal_projector_bias": True,
+        "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": torch_dtype,
+    }

@@ -1,0 +1,146 @@
+"""LLaVA (``LlavaForConditionalGeneration``: CLIP vision tower + MLP projector + Llama) <-> megatron-core's
+``LLaVAModel`` (local specs). Verified against transformers in ``docs/design/vlm_llava_on_megatron.md``.
+
+megatron's CLIP tower has no "feature layer": it is built with only the layers LLaVA reads
+(``vision_feature_layer = -2``: all but the last) and no post-layernorm, so those HF tensors are not mapped
+(``ignore_hf``). HF names follow the hub's llava-hf checkpoints (``vision_tower.vision_model.*``); transformers 5
+writes ``vision_tower.*`` without ``vision_model.``, which ``hf_alias`` maps. Pipeline parallelism is not supported
+(the vision entries sit on the first stage with explicit layer indices).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+from loongforge.checkpoint import ColumnParallel, Entry, FusedQKV, NameMap, Replicated, Reshaped, RowParallel
+from loongforge.errors import CheckpointError
+
+from loongforge_megatron.conversion.common import (
+    Family,
+    HFConfig,
+    base_megatron_config,
+    dense_mlp,
+    ends,
+    gqa_attention,
+    norms,
+)
+
+V = "vision_tower.vision_model."
+_VISION_LAYER = re.compile(r"^vision_tower\.vision_model\.encoder\.layers\.(\d+)\.")
+
+
+def text_config(h: HFConfig) -> HFConfig:
+    return {"model_type": "llama", **(h.get("text_config") or {})}
+
+
+def vision_layers_used(h: HFConfig) -> int:
+    """How many CLIP layers LLaVA reads: ``hidden_states[vision_feature_layer]`` is the output of that many."""
+    n, k = h["vision_config"]["num_hidden_layers"], h.get("vision_feature_layer", -2)
+    if not isinstance(k, int):
+        raise CheckpointError(f"llava: vision_feature_layer {k!r} (several layers) is not supported")
+    used = n + 1 + k if k < 0 else k
+    if not 1 <= used <= n:
+        raise CheckpointError(f"llava: vision_feature_layer {k} does not select one of the {n} CLIP layers")
+    return used
+
+
+def _vision(h: HFConfig) -> list[Entry]:
+    v = h["vision_config"]
+    heads, hidden = v["num_attention_heads"], v["hidden_size"]
+    qkv = FusedQKV(num_heads=heads, num_query_groups=heads, head_dim=hidden // heads)
+    out = [
+        Entry("vision_model.conv1.weight", V + "embeddings.patch_embedding.weight", Replicated(), stage="first"),
+        Entry("vision_model.class_token", V + "embeddings.class_embedding",
+              Reshaped(shape=(1, 1, hidden), hf_shape=(hidden,)), stage="first"),
+        Entry("vision_model.position_embeddings.weight", V + "embeddings.position_embedding.weight", Replicated(),
+              stage="first"),
+        Entry("vision_model.ln_pre.weight", V + "pre_layrnorm.weight", Replicated(), stage="first"),
+        Entry("vision_model.ln_pre.bias", V + "pre_layrnorm.bias", Replicated(), stage="first"),
+    ]
+    for i in range(vision_layers_used(h)):
+        m, hf = f"vision_model.decoder.layers.{i}.", f"{V}encoder.layers.{i}."
+        rules = [
+            ("input_layernorm.weight", "layer_norm1.weight", Replicated()),
+            ("input_layernorm.bias", "layer_norm1.bias", Replicated()),
+            ("self_attention.linear_qkv.weight", {r: f"self_attn.{r}_proj.weight" for r in "qkv"}, qkv),
+            ("self_attention.linear_qkv.bias", {r: f"self_attn.{r}_proj.bias" for r in "qkv"}, qkv),
+            ("self_attention.linear_proj.weight", "self_attn.out_proj.weight", RowParallel()),
+            ("self_attention.linear_proj.bias", "self_attn.out_proj.bias", Replicated()),
+            ("pre_mlp_layernorm.weight", "layer_norm2.weight", Replicated()),
+            ("pre_mlp_layernorm.bias", "layer_norm2.bias", Replicated()),
+            ("mlp.linear_fc1.weight", "mlp.fc1.weight", ColumnParallel()),
+            ("mlp.linear_fc1.bias", "mlp.fc1.bias", ColumnParallel()),
+            ("mlp.linear_fc2.weight", "mlp.fc2.weight", RowParallel()),
+            ("mlp.linear_fc2.bias", "mlp.fc2.bias", Replicated()),
+        ]
+        for meg, names, rule in rules:
+            hf_names = hf + names if isinstance(names, str) else {r: hf + n for r, n in names.items()}
+            out.append(Entry(m + meg, hf_names, rule, stage="first"))
+    p, q = "vision_projection.encoder.", "multi_modal_projector."
+    out += [
+        Entry(p + "linear_fc1.weight", q + "linear_1.weight", ColumnParallel(), stage="first"),
+        Entry(p + "linear_fc1.bias", q + "linear_1.bias", ColumnParallel(), stage="first"),
+        Entry(p + "linear_fc2.weight", q + "linear_2.weight", RowParallel(), stage="first"),
+        Entry(p + "linear_fc2.bias", q + "linear_2.bias", Replicated(), stage="first"),
+    ]
+    return out
+
+
+def _language(entry: Entry) -> Entry:
+    """A Llama entry moved under LLaVA's names: ``language_model.`` on both sides (HF: ``language_model.model.*``,
+    ``language_model.lm_head``)."""
+    pats = {r: "language_model." + n for r, n in entry.hf_patterns().items()}
+    hf = pats[next(iter(pats))] if isinstance(entry.hf, str) else pats
+    return replace(entry, megatron="language_model." + entry.megatron, hf=hf)
+
+
+def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    if h.get("vision_feature_select_strategy", "default") != "default" or not h.get("multimodal_projector_bias", True):
+        raise CheckpointError("llava: only vision_feature_select_strategy 'default' with projector biases is supported")
+    t = text_config(h)
+    if t.get("attention_bias") or t.get("mlp_bias"):
+        raise CheckpointError("llava: a language model with attention_bias / mlp_bias is not supported")
+    first, last = ends(t, divisible_by=divisible_by)
+    language = first + norms() + gqa_attention(t) + dense_mlp() + last
+    return NameMap(_vision(h) + [_language(e) for e in language])
+
+
+def megatron_config(h: HFConfig) -> dict:
+    cfg = base_megatron_config(text_config(h))
+    cfg["vision"] = {"vision_config": h["vision_config"], "vision_layers": vision_layers_used(h),
+                     "image_token_index": h.get("image_token_index", h.get("image_token_id"))}
+    return cfg
+
+
+def ignore_hf(h: HFConfig, name: str) -> bool:
+    """CLIP layers past the feature layer and the post-layernorm (only HF's pooler reads them)."""
+    if name.startswith(V + "post_layernorm.") or "rotary_emb.inv_freq" in name:
+        return True
+    m = _VISION_LAYER.match(name)
+    return bool(m) and int(m.group(1)) >= vision_layers_used(h)
+
+
+def hf_extra(h: HFConfig) -> dict[str, torch.Tensor]:
+    """CLIP's post-layernorm, which only HF's pooler reads (LLaVA takes the pre-norm hidden states): megatron's
+    tower has none, so the export writes an identity (weight 1, bias 0) to keep the HF checkpoint complete."""
+    n = h["vision_config"]["hidden_size"]
+    return {V + "post_layernorm.weight": torch.ones(n), V + "post_layernorm.bias": torch.zeros(n)}
+
+
+def export_config(h: HFConfig) -> HFConfig:
+    """The exported CLIP tower has the layers the model runs, read at ``vision_feature_layer = -1`` (the same
+    features as the source's deeper tower at -2)."""
+    used = vision_layers_used(h)
+    return {**h, "vision_config": {**h["vision_config"], "num_hidden_layers": used}, "vision_feature_layer": -1}
+
+
+def hf_alias(name: str) -> str:
+    if name.startswith("vision_tower.") and not name.startswith(V):
+        return V + name[len("vision_tower."):]
+    return name
+
+
+FAMILY = Family("llava", ("llava",), name_map, megatron_config, ignore_hf=ignore_hf, text_config=text_config,
+                hf_alias=hf_alias, hf_extra=hf_extra, export_config=export_config)

@@ -1,0 +1,186 @@
+"""VLM (LLaVA) on megatron-core: ``LLaVAModel`` with local specs, its forward step, and synthetic image-text data.
+
+The configs and conventions are the ones verified against transformers' ``LlavaForConditionalGeneration`` in
+``docs/design/vlm_llava_on_megatron.md``: the CLIP tower is built with only the layers LLaVA reads, its class token
+is dropped, and the language model, vision tower and projector share the tensor-parallel group (megatron-core 0.19
+has no separate encoder TP). Pipeline / context / sequence parallelism are not supported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from loongforge_megatron.engine.step import _to_device, loss_func
+
+
+def image_size(arch: Any) -> tuple[int, int]:
+    """(image side in pixels, patch side)."""
+    v = arch.vision["vision_config"]
+    return v.get("image_size", 224), v.get("patch_size", 32)
+
+
+def image_seq_length(arch: Any) -> int:
+    """Image embeddings per image after the class token is dropped (what one image token expands to)."""
+    side, patch = image_size(arch)
+    return (side // patch) ** 2
+
+
+def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
+    """megatron TransformerConfigs of the CLIP tower and the projector, sharing the language config's precision,
+    parallel sizes and fusion flags."""
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu
+
+    from loongforge_megatron.conversion.llava import vision_layers_used
+
+    v = arch.vision["vision_config"]
+    acts = {"quick_gelu": quick_gelu, "gelu": F.gelu}
+    if v.get("hidden_act", "quick_gelu") not in acts or arch.vision.get("projector_hidden_act", "gelu") != "gelu":
+        raise ValueError(f"llava: vision activation '{v.get('hidden_act')}' / projector activation "
+                         f"'{arch.vision.get('projector_hidden_act')}' (supported: quick_gelu or gelu / gelu)")
+    heads = v["num_attention_heads"]
+    common = dict(num_query_groups=None, add_bias_linear=True, gated_linear_unit=False, qk_layernorm=False)
+    vision = dataclasses.replace(
+        language, num_layers=vision_layers_used({"vision_config": v, **arch.vision}), hidden_size=v["hidden_size"],
+        ffn_hidden_size=v["intermediate_size"], num_attention_heads=heads, kv_channels=v["hidden_size"] // heads,
+        normalization="LayerNorm", layernorm_epsilon=v.get("layer_norm_eps", 1e-5), add_qkv_bias=True,
+        activation_func=acts[v.get("hidden_act", "quick_gelu")], **common)
+    vision.vision_model_type = "clip"  # NOTE: read by LLaVAModel; not a TransformerConfig field
+    # NOTE: the projector is an MLP; its (unused) head count must still divide by TP.
+    projection = dataclasses.replace(
+        language, num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=language.hidden_size,
+        num_attention_heads=language.num_attention_heads, activation_func=F.gelu, **common)
+    return vision, projection
+
+
+@contextlib.contextmanager
+def _without_te_norms(cpu: bool) -> Iterator[None]:
+    """While building: CLIP's ln_pre/ln_post as megatron's WrappedTorchNorm (without TransformerEngine its default
+    is torch.nn.LayerNorm, which rejects megatron's ``config=`` argument and LLaVAModel cannot pass another), and on
+    CPU ``tensor.cuda()`` as the identity (CLIPViTModel.__init__ moves its position ids to CUDA)."""
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from loongforge_megatron.device_adapters.cpu_torch import cuda_copy_as_identity
+
+    original = llava_model.CLIPViTModel
+    llava_model.CLIPViTModel = functools.partial(original, ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm)
+    try:
+        with cuda_copy_as_identity() if cpu else contextlib.nullcontext():
+            yield
+    finally:
+        llava_model.CLIPViTModel = original
+
+
+def _not_work_in_progress(record: logging.LogRecord) -> bool:
+    return "LLaVA is work in progress" not in record.getMessage()
+
+
+def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
+                use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
+                pre_wrap: Any = None) -> list[torch.nn.Module]:
+    """``[DDP(LLaVAModel)]`` for this rank (one chunk: no pipeline parallelism)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    from loongforge_megatron.engine.model import _not_deprecation_notice
+
+    # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
+    logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_not_work_in_progress)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_deprecation_notice)
+    vision, projection = vision_configs(language, arch)
+    side, patch = image_size(arch)
+    with _without_te_norms(device.type == "cpu"):
+        model = LLaVAModel(
+            language_transformer_config=language,
+            language_transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            language_vocab_size=vocab_size,
+            language_max_sequence_length=max_sequence_length,
+            vision_transformer_config=vision,
+            vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+            drop_vision_class_token=True,
+            vision_projection_config=projection,
+            vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            vision_projection_type="mlp",
+            parallel_output=True,  # NOTE: False with labels at TP > 1 adds ln(TP) to the loss (gathered logits)
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            language_position_embedding_type="rope",
+            language_rotary_percent=1.0,
+            language_rotary_base=int(arch.rope_theta),
+            img_h=side,
+            img_w=side,
+            patch_dim=patch,
+            image_token_index=arch.vision["image_token_index"],
+        )
+    from megatron.core.enums import ModelType
+
+    model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
+    model.to(device)
+    if pre_wrap is not None:
+        pre_wrap([model])  # NOTE: initial weights go in before DDP builds its grad buffers
+    ddp = DistributedDataParallel(
+        config=language,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                                 use_distributed_optimizer=use_distributed_optimizer),
+        module=model)
+    ddp.broadcast_params()
+    return [ddp]
+
+
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
+    """megatron's ``forward_step_func`` for LLaVAModel: images + text with one image token per image; the model
+    expands the image tokens and returns per-token losses with the matching loss mask."""
+    device = next(model.parameters()).device
+    batch = _to_device(next(data_iterator), device)
+    images = batch["images"].to(next(model.parameters()).dtype)
+    losses, loss_mask = model(
+        images=images, input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+        labels=batch["labels"], loss_mask=batch["loss_mask"],
+        sound_clips=torch.empty(0, device=device),  # NOTE: "no sound"; None would ask torch.cuda for a device
+    )
+    return losses, functools.partial(loss_func, loss_mask)
+
+
+class SyntheticImageText:
+    """Deterministic image-text samples: ``[BOS, <image>, caption...]`` where the caption tokens are a function of
+    the image (its mean colour per quadrant, quantised), so the loss can fall. ``seq_length`` is the length after
+    the image token expands (text tokens = seq_length - image embeddings + 1). Labels are shifted like GPT's."""
+
+    def __init__(self, *, arch: Any, seq_length: int, seed: int):
+        self.side = image_size(arch)[0]
+        self.image_token = arch.vision["image_token_index"]
+        self.vocab = min(arch.vocab_size, self.image_token) if self.image_token >= 0 else arch.vocab_size
+        self.text_len = seq_length - image_seq_length(arch) + 1
+        if self.text_len < 3:
+            raise ValueError(f"data.seq_length {seq_length} leaves no room for text after "
+                             f"{image_seq_length(arch)} image embeddings")
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
+        levels = torch.randint(0, 4, (2, 2, 3), generator=g).float()  # quadrant colours
+        image = levels.repeat_interleave(self.side // 2, 0).repeat_interleave(self.side // 2, 1).permute(2, 0, 1)
+        image = image / 3.0 + 0.05 * torch.randn(3, self.side, self.side, generator=g)
+        words = (levels.flatten().long() + 4 * torch.arange(12)) % max(self.vocab - 2, 1) + 2
+        caption = words.repeat(-(-(self.text_len - 2) // 12))[: self.text_len - 2]
+        tokens = torch.cat([torch.tensor([1, self.image_token]), caption])
+        labels = torch.cat([tokens[1:], torch.tensor([0])])
+        loss_mask = torch.ones(self.text_len)
+        loss_mask[0] = 0.0  # BOS predicts the image token: not a target
+        loss_mask[-1] = 0.0  # nothing follows the last token
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "images": image.float(),
+                "position_ids": torch.arange(self.text_len)}

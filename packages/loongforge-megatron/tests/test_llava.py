@@ -1,0 +1,144 @@
+"""LLaVA (VLM) on megatron-core: CPT from a checkpoint transformers saved gives transformers' first-step loss (fp32),
+TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synthetic image-caption data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import loongforge
+import pytest
+import torch
+import yaml
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "vlm" / "llava_tiny.yaml"
+IMAGE_TOKEN, IMAGE_SEQ = 255, 16
+
+
+def save_llava(out: Path) -> Path:
+    """A tiny LlavaForConditionalGeneration with every weight perturbed (no norm left at 1, no bias at 0)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, hidden_act="quick_gelu")
+    text = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       tie_word_embeddings=False)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                      projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      image_seq_length=IMAGE_SEQ, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = name.endswith("norm.weight") or "layer_norm" in name or "layrnorm" in name
+            p.copy_((1.0 if norm else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+def hf_batch(batches: list[dict]) -> dict[str, torch.Tensor]:
+    """Our micro-batches (one image token per image, GPT-shifted labels + loss mask) as one HF batch: the image
+    token expanded to its embeddings, labels unshifted at the expanded positions (-100 elsewhere). megatron never
+    trains the position after the image (its loss mask there is forced to 0), so neither does the HF batch."""
+    ids, labels = [], []
+    for b in batches:
+        for tokens, lab, mask in zip(b["tokens"], b["labels"], b["loss_mask"], strict=True):
+            row_ids, targets = [], {}
+            for t, y, m in zip(tokens.tolist(), lab.tolist(), mask.tolist(), strict=True):
+                image = t == IMAGE_TOKEN
+                row_ids += [t] * (IMAGE_SEQ if image else 1)
+                if m and not image:
+                    targets[len(row_ids)] = y  # predicted at this token's (last) position: HF's label one later
+            ids.append(row_ids)
+            labels.append([targets.get(i, -100) for i in range(len(row_ids))])
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+            "pixel_values": torch.cat([b["images"] for b in batches])}
+
+
+def test_cpt_first_step_loss_equals_transformers(tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    hf_dir = save_llava(tmp_path / "hf")
+    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2", "train.warmup_steps=0",
+            "accelerator=cpu", "logging.console=false"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        ours = job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+    model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(**hf_batch(batches)).loss.item()
+    assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+
+def _train(out: Path, *overrides: str, nproc: int = 1) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "loongforge", "train", str(RECIPE), "--output", str(out), "--nproc", str(nproc),
+           "accelerator=cpu", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tp2_matches_one_process_and_the_loss_falls(tmp_path):
+    one = _train(tmp_path / "one", "logging.interval=1")
+    two = _train(tmp_path / "tp2", "logging.interval=1", "parallel.tp=2", nproc=2)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert one[-1]["loss"] < 0.7 * one[0]["loss"], (one[0]["loss"], one[-1]["loss"])
+    recipe = yaml.safe_load((tmp_path / "tp2" / "recipe.yaml").read_text())
+    assert recipe["model"]["preset"] == "llava-tiny" and recipe["parallel"]["tp"] == 2
+
+
+def test_unsupported_layouts_are_refused(capsys):
+    from loongforge.cli import main
+
+    for override, key in (("parallel.pp=2", "parallel.pp"), ("parallel.sp=true", "parallel.sp"),
+                          ("train.stage=lora", "train.stage")):
+        assert main(["validate", str(RECIPE), override, "parallel.tp=2" if "sp" in override else "train.seed=1",
+                     "--world-size", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"key '{key}'" in err and err.count("\n") == 1, err
+
+
+def test_hf_export_round_trips_through_transformers(tmp_path):
+    """After a CPT step, the online HF export (LlavaForConditionalGeneration, CLIP tower cut to the layers LLaVA runs)
+    computes in transformers the loss our next step computes; offline HF -> megatron (tp 2) -> HF keeps the function."""
+    from loongforge.cli import main
+    from loongforge_megatron.hf_io import export_hf
+    from transformers import LlavaForConditionalGeneration
+
+    hf_dir = save_llava(tmp_path / "hf")
+    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
+    try:
+        job.step()
+        export_hf(job, tmp_path / "exported")
+        batches = job.schedule.microbatches(1, device=torch.device("cpu"))
+        ours = job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
+    assert exported.config.vision_config.num_hidden_layers == 2 and exported.config.vision_feature_layer == -1
+    with torch.no_grad():
+        ref = exported(**hf_batch(batches)).loss.item()
+    assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+    assert main(["convert", str(hf_dir), str(tmp_path / "mg"), "--to", "megatron", "--tp", "2"]) == 0
+    assert main(["convert", str(tmp_path / "mg"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    batch = hf_batch(batches)
+    logits = []
+    for d in (hf_dir, tmp_path / "back"):
+        model = LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"]).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6)
