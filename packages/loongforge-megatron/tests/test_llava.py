@@ -18,16 +18,16 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "vlm" / "llava_tiny.y
 IMAGE_TOKEN, IMAGE_SEQ = 255, 16
 
 
-def save_llava(out: Path) -> Path:
+def save_llava(out: Path, *, vocab: int = 256, image_token: int = IMAGE_TOKEN) -> Path:
     """A tiny LlavaForConditionalGeneration with every weight perturbed (no norm left at 1, no bias at 0)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=32, patch_size=8, hidden_act="quick_gelu")
-    text = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                        tie_word_embeddings=False)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
                       projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
                       image_seq_length=IMAGE_SEQ, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def save_llava(out: Path) -> Path:
     return out
 
 
-def hf_batch(batches: list[dict]) -> dict[str, torch.Tensor]:
+def hf_batch(batches: list[dict], image_token: int = IMAGE_TOKEN) -> dict[str, torch.Tensor]:
     """Our micro-batches (one image token per image, GPT-shifted labels + loss mask) as one HF batch: the image
     token expanded to its embeddings, labels unshifted at the expanded positions (-100 elsewhere). megatron never
     trains the position after the image (its loss mask there is forced to 0), so neither does the HF batch."""
@@ -50,7 +50,7 @@ def hf_batch(batches: list[dict]) -> dict[str, torch.Tensor]:
         for tokens, lab, mask in zip(b["tokens"], b["labels"], b["loss_mask"], strict=True):
             row_ids, targets = [], {}
             for t, y, m in zip(tokens.tolist(), lab.tolist(), mask.tolist(), strict=True):
-                image = t == IMAGE_TOKEN
+                image = t == image_token
                 row_ids += [t] * (IMAGE_SEQ if image else 1)
                 if m and not image:
                     targets[len(row_ids)] = y  # predicted at this token's (last) position: HF's label one later
@@ -142,3 +142,45 @@ def test_hf_export_round_trips_through_transformers(tmp_path):
         with torch.no_grad():
             logits.append(model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"]).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6)
+
+
+def test_image_text_conversations_train_like_transformers(tmp_path):
+    """data.format llava: LLaVA-style JSON records (image files + human/gpt turns with <image>), the tokenizer's
+    chat template, CLIP preprocessing; the first CPT step's loss equals transformers' on the same batch."""
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    from loongforge_megatron.data.tokenizer import train_bpe
+
+    colours = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "white": (240, 240, 240)}
+    data = tmp_path / "data"
+    data.mkdir()
+    records = []
+    for i, (name, rgb) in enumerate(list(colours.items()) * 2):
+        Image.new("RGB", (40 + 4 * i, 40), rgb).save(data / f"img{i}.png")  # resized + cropped to 32 by CLIP
+        records.append({"image": f"img{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat colour is this?"}, {"from": "gpt", "value": f"It is {name}."}]})
+    (data / "records.json").write_text(json.dumps(records))
+    hf_dir = tmp_path / "hf"
+    tok = train_bpe([r["conversations"][1]["value"] + " What colour is this?" for r in records], vocab_size=300,
+                    out_dir=hf_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.save_pretrained(hf_dir)
+    image_token = tok.convert_tokens_to_ids("<image>")
+    save_llava(hf_dir, vocab=len(tok), image_token=image_token)
+    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", "data.format=llava",
+            f"data.path={data / 'records.json'}", "data.seq_length=64"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        ours = job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+    assert all((b["tokens"] == image_token).sum(1).eq(1).all() for b in batches)
+    assert sum(int(b["loss_mask"].sum()) for b in batches) >= 8  # the answers, not the prompts
+    model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(**hf_batch(batches, image_token)).loss.item()
+    assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)

@@ -67,6 +67,9 @@ class MegatronBackend(Backend):
             )
         if arch.is_vlm:
             self._check_vlm(recipe, plan, arch)
+        elif recipe.data.format == "llava":
+            raise RecipeError("data.format llava (image-text conversations) needs a LLaVA model (e.g. model.preset "
+                              "llava-tiny or model.hf of a LLaVA checkpoint)", key="data.format")
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
@@ -83,11 +86,14 @@ class MegatronBackend(Backend):
         if plan.sp:
             raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
         if recipe.train.stage not in ("pretrain", "cpt"):
-            raise RecipeError(f"LLaVA models support train.stage pretrain / cpt (got '{recipe.train.stage}')",
-                              key="train.stage")
-        if recipe.data.format != "synthetic":
-            raise RecipeError(f"LLaVA models train on data.format synthetic (image-text samples) for now (got "
-                              f"'{recipe.data.format}')", key="data.format")
+            raise RecipeError(f"LLaVA models support train.stage pretrain / cpt (got '{recipe.train.stage}'; "
+                              "data.format llava already trains on the assistant turns only)", key="train.stage")
+        if recipe.train.eval_interval:
+            raise RecipeError("LLaVA models have no validation pass yet; remove train.eval_interval",
+                              key="train.eval_interval")
+        if recipe.data.format not in ("synthetic", "llava"):
+            raise RecipeError(f"LLaVA models train on data.format llava (image-text conversations) or synthetic "
+                              f"(got '{recipe.data.format}')", key="data.format")
         if recipe.kernels.spec not in ("auto", "local"):
             raise RecipeError(f"LLaVA models use megatron's local layer specs (got '{recipe.kernels.spec}')",
                               key="kernels.spec")

@@ -93,9 +93,10 @@ class BlendItem(Section):
 
 
 class DataConfig(Section):
-    """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic."""
+    """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic, llava
+    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file)."""
 
-    format: Literal["pretrain", "sft", "synthetic"] = "pretrain"
+    format: Literal["pretrain", "sft", "synthetic", "llava"] = "pretrain"
     path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
     blend: list[BlendItem] = Field(default_factory=list, description="weighted dataset prefixes (default: PATH/train)")
     seq_length: int = Field(1024, ge=8)

@@ -88,7 +88,13 @@ class MegatronJob(Job):
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         num_valid = (t.steps // t.eval_interval + 1) * t.eval_steps * t.global_batch_size if t.eval_interval else None
-        if arch.is_vlm:
+        if arch.is_vlm and recipe.data.format == "llava":
+            from loongforge_megatron.engine.llava import ImageTextConversations
+
+            dataset, valid = ImageTextConversations(recipe.data.path, tokenizer=self.tokenizer, arch=arch,
+                                                    seq_length=recipe.data.seq_length,
+                                                    processor_dir=recipe.model.hf), None
+        elif arch.is_vlm:
             from loongforge_megatron.engine.llava import SyntheticImageText
 
             dataset, valid = SyntheticImageText(arch=arch, seq_length=recipe.data.seq_length, seed=t.seed), None
@@ -230,7 +236,7 @@ class MegatronJob(Job):
         data = self.recipe.data
         if data.format == "synthetic":
             return None
-        if data.path and not is_prepared(data.path):
+        if data.format != "llava" and data.path and not is_prepared(data.path):  # llava: a records file as is
             if self.runtime.is_main:
                 prepare(self.recipe)
             dist.barrier()

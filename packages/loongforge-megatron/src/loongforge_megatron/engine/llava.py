@@ -184,3 +184,79 @@ class SyntheticImageText:
         loss_mask[-1] = 0.0  # nothing follows the last token
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "images": image.float(),
                 "position_ids": torch.arange(self.text_len)}
+
+
+class ImageTextConversations:
+    """LLaVA-style records from a JSON / JSONL file: ``{"image": path, "conversations": [{"from": "human",
+    "value": "<image>\\n..."}, {"from": "gpt", "value": ...}, ...]}`` (image paths relative to the file).
+
+    Text goes through the tokenizer's chat template; the loss covers the assistant turns only (the SFT rule of the
+    ``sft`` format); the prompt holds ``<image>`` once, which the tokenizer must map to the model's image token.
+    Images go through CLIP's preprocessing (the HF model's ``preprocessor_config.json`` when there is one). Rows
+    are padded (or cut) to the text length that expands to ``data.seq_length``.
+    """
+
+    def __init__(self, path: str, *, tokenizer: Any, arch: Any, seq_length: int, processor_dir: str | None = None):
+        import json
+        from pathlib import Path
+
+        from loongforge.errors import RecipeError
+
+        from loongforge_megatron.data.sft import to_messages, tokenize_conversation
+
+        file = Path(path)
+        if not file.is_file():
+            raise RecipeError(f"'{path}' is not a file of image-text records (JSON list or JSONL)", key="data.path")
+        text = file.read_text()
+        try:
+            records = json.loads(text) if text.lstrip().startswith("[") else [
+                json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{path}: invalid JSON ({exc})", key="data.path") from None
+        if not records:
+            raise RecipeError(f"{path}: no records", key="data.path")
+        self.image_token = arch.vision["image_token_index"]
+        self.text_len = seq_length - image_seq_length(arch) + 1
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.processor = _clip_processor(processor_dir, image_size(arch)[0])
+        self.samples = []
+        for n, rec in enumerate(records, 1):
+            if not isinstance(rec, dict) or "image" not in rec:
+                raise RecipeError(f"{path}: record {n} has no 'image'", key="data.path")
+            ids, mask = tokenize_conversation(tokenizer, to_messages(rec, "sharegpt"))
+            if ids.count(self.image_token) != 1:
+                raise RecipeError(f"{path}: record {n} holds {ids.count(self.image_token)} image tokens (id "
+                                  f"{self.image_token}) after tokenization; its prompt needs '<image>' once and the "
+                                  "tokenizer must map it to the model's image_token_index", key="data.path")
+            image = file.parent / rec["image"]
+            if not image.is_file():
+                raise RecipeError(f"{path}: record {n}: image '{image}' not found", key="data.path")
+            self.samples.append((image, ids, mask))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        image, ids, mask = self.samples[idx]
+        with Image.open(image) as im:
+            pixels = self.processor(images=im.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        n = self.text_len
+        ids, mask = ids[: n + 1], mask[: n + 1]
+        ids = ids + [self.pad] * (n + 1 - len(ids))
+        mask = mask + [0] * (n + 1 - len(mask))
+        tokens = torch.tensor(ids[:n])
+        return {"tokens": tokens, "labels": torch.tensor(ids[1:]), "loss_mask": torch.tensor(mask[1:], dtype=torch.float),
+                "images": pixels.float(), "position_ids": torch.arange(n)}
+
+
+def _clip_processor(model_dir: str | None, side: int):
+    """CLIP's image preprocessing: the model's own config when it has one, else CLIP's defaults at ``side``."""
+    from pathlib import Path
+
+    from transformers import CLIPImageProcessor
+
+    if model_dir and (Path(model_dir) / "preprocessor_config.json").is_file():
+        return CLIPImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
