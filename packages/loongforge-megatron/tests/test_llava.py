@@ -147,10 +147,9 @@ def test_hf_export_round_trips_through_transformers(tmp_path):
 def test_image_text_conversations_train_like_transformers(tmp_path):
     """data.format llava: LLaVA-style JSON records (image files + human/gpt turns with <image>), the tokenizer's
     chat template, CLIP preprocessing; the first CPT step's loss equals transformers' on the same batch."""
+    from loongforge_megatron.data.tokenizer import train_bpe
     from PIL import Image
     from transformers import LlavaForConditionalGeneration
-
-    from loongforge_megatron.data.tokenizer import train_bpe
 
     colours = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "white": (240, 240, 240)}
     data = tmp_path / "data"
