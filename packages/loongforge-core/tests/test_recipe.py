@@ -112,3 +112,12 @@ def test_a_key_given_twice_is_an_error(tmp_path):
     p.write_text("backend: toy\ntrain: {steps: 3}\ntrain: {steps: 5}\n")
     with pytest.raises(RecipeError, match="line 3, column 1: key 'train' appears twice"):
         load_recipe(p, backend_schemas=False)
+
+
+
+def test_yaml_merge_keys_still_work(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("backend: toy\n_t: &t {steps: 3, lr: 0.01}\ntrain:\n  <<: *t\n  steps: 5\n")
+    from loongforge.recipe.loader import read_yaml
+
+    assert read_yaml(p)["train"] == {"steps": 5, "lr": 0.01}

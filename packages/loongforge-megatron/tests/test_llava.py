@@ -183,3 +183,29 @@ def test_image_text_conversations_train_like_transformers(tmp_path):
     with torch.no_grad():
         ref = model(**hf_batch(batches, image_token)).loss.item()
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+
+def test_bf16_trains_and_hub_configs_are_completed(tmp_path):
+    """bf16 (conv1 and the norms are built in fp32 by megatron: the model is cast whole), and a llava-hf config.json
+    that lists only non-default text/vision fields (as llava-1.5-7b-hf does) resolves to the full architecture."""
+    losses = [r["loss"] for r in _train(tmp_path / "bf16", "train.precision=bf16", "train.steps=4", "logging.interval=1")]
+    assert all(0 < v < 10 for v in losses), losses
+    hub = {"model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
+           "text_config": {"model_type": "llama", "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                           "vocab_size": 32064},
+           "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                             "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14, "projection_dim": 768},
+           "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
+    from loongforge_megatron.conversion.convert import read_hf_config
+    from loongforge_megatron.conversion.layout import MegatronLayout
+    from loongforge_megatron.models.translate import arch_from_hf
+
+    arch = arch_from_hf(tmp_path / "hub")
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.vocab_size) == (32, 4096, 32, 32064)
+    layout = MegatronLayout("llava", read_hf_config(tmp_path / "hub"), tp=2)
+    names = [p.megatron for p in layout.params()]
+    assert "vision_model.decoder.layers.22.mlp.linear_fc2.bias" in names
+    assert "vision_model.decoder.layers.23.mlp.linear_fc2.bias" not in names  # vision_feature_layer -2

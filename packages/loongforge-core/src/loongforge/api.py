@@ -104,7 +104,8 @@ def train(
     if config.single_process:
         return run_in_process(recipe, output_dir=out)
     recipe_file = write_run_recipe(recipe, out, name="recipe.launch.yaml")  # rank 0 writes recipe.yaml once built
-    (out / FAILED).unlink(missing_ok=True)
+    for stale in out.glob(f"{FAILED}.*"):
+        stale.unlink(missing_ok=True)
     code = launch(config, recipe_file=recipe_file, output_dir=out)
     if code != 0:
         raise LoongForgeError(f"training failed on one of {world} processes (exit code {code}); see the messages above")

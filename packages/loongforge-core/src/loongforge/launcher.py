@@ -86,7 +86,16 @@ def _torchrun(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
-        codes = [f.exitcode for f in exc.failures.values() if isinstance(f.exitcode, int) and f.exitcode > 0]
+        import signal
+
+        codes = []
+        for rank, failure in sorted(exc.failures.items()):
+            code = failure.exitcode if isinstance(failure.exitcode, int) else 1
+            if code < 0:  # NOTE: killed by a signal: nothing of its own reached stderr
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+                sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
+                code = 128 - code
+            codes.append(code)
         return max(codes, default=1)
     return 0
 

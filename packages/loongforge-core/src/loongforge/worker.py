@@ -1,8 +1,9 @@
 """Entry point of one training process started by the elastic launcher (``python -m loongforge.worker``).
 
 A user error (``LoongForgeError``) is one line on stderr and exit code 2. When several ranks fail, the first one
-to record ``OUTPUT/.failed`` prints; ranks that fail with the same message, or only because a failed peer closed
-its connections, stay quiet, so the console shows the cause once, not one traceback per rank.
+to record ``OUTPUT/.failed.<restart>`` prints; ranks that fail with the same message, or only because a failed
+peer closed its connections, stay quiet, so the console shows the cause once, not one traceback per rank. Any
+other exception keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,18 +16,32 @@ from pathlib import Path
 
 from loongforge.errors import LoongForgeError
 
-FAILED = ".failed"  # OUTPUT/.failed: the first failing rank's one-line error (this launch only)
+FAILED = ".failed"  # OUTPUT/.failed.<restart>: the first failing rank's one-line error (one launch attempt)
+# what a rank sees when a failed peer's process is gone: a consequence, not a cause
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def marker_path(output: str | Path) -> Path:
+    return Path(output) / f"{FAILED}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _claim(marker: Path, message: str) -> str | None:
-    """Record ``message`` as the launch's failure; returns the message recorded first by another rank, if any."""
+    """Record ``message`` as this attempt's failure; returns the message another rank recorded first, if any."""
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}")
+    tmp.write_text(message)
     try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.link(tmp, marker)  # NOTE: atomic and exclusive: a reader never sees a half-written marker
+        return None
     except FileExistsError:
         return marker.read_text()
-    with os.fdopen(fd, "w") as f:
-        f.write(message)
-    return None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistBackendError", ())) or any(s in str(exc) for s in _PEER_LOST)
 
 
 def _peer_failed(marker: Path, wait_s: float = 3.0) -> bool:
@@ -46,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from loongforge.api import load_recipe, run_in_process
 
-    marker = Path(args.output) / FAILED
+    marker = marker_path(args.output)
     rank = int(os.environ.get("RANK", 0))
     try:
         recipe = load_recipe(args.recipe)
@@ -56,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         if _claim(marker, message) != message:
             sys.stderr.write(message)  # NOTE: one write: lines of several ranks must not interleave
         return 2
-    except Exception:
-        if _peer_failed(marker):
-            return 2  # NOTE: a consequence (e.g. "Connection closed by peer"): the cause is already printed
+    except Exception as exc:
+        if _peer_lost(exc) and _peer_failed(marker):
+            return 2  # NOTE: a consequence of a peer's error, which is already printed
         raise
     return 0
 

@@ -94,6 +94,8 @@ def resume(job: EmbodiedJob) -> int:
         dcp.load(state, checkpoint_id=path)
         job.model.raw.load_state_dict(state["model"])
     except (CheckpointException, RuntimeError) as exc:  # NOTE: CheckpointException is a BaseException
+        if isinstance(exc, torch.OutOfMemoryError | getattr(dist, "DistBackendError", torch.OutOfMemoryError)):
+            raise  # NOTE: not a mismatch: resume=never would throw progress away
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} does not match this recipe's model ({first[:300]}); use another --output, "
                               "or checkpoint.resume=never") from None

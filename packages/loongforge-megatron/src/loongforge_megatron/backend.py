@@ -99,6 +99,10 @@ class MegatronBackend(Backend):
                               key="kernels.spec")
         if arch.rope_scaling_factor is not None:
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
+        heads = arch.vision["vision_config"]["num_attention_heads"]
+        for what, n in (("CLIP attention heads", heads), ("CLIP ffn size", arch.vision["vision_config"]["intermediate_size"])):
+            if n % plan.tp:
+                raise RecipeError(f"{what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
         if recipe.data.seq_length <= image_seq_length(arch) + 2:
             raise RecipeError(f"data.seq_length must exceed the {image_seq_length(arch)} image embeddings plus text",
                               key="data.seq_length")

@@ -24,8 +24,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # NOTE: ``<<: *base`` merges; explicit keys override it
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the base loader reports it
+                break
+            if repeated:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark)
             seen.add(key)

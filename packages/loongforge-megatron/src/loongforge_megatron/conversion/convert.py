@@ -26,7 +26,12 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    return json.loads(path.read_text())
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") == "llava":
+        from loongforge_megatron.conversion.llava import complete_config
+
+        cfg = complete_config(cfg)
+    return cfg
 
 
 def copy_assets(src: Path, dst: Path) -> None:

@@ -31,6 +31,16 @@ V = "vision_tower.vision_model."
 _VISION_LAYER = re.compile(r"^vision_tower\.vision_model\.encoder\.layers\.(\d+)\.")
 
 
+def complete_config(h: HFConfig) -> HFConfig:
+    """The config with transformers' defaults filled in: hub checkpoints (llava-hf/llava-1.5-7b-hf) list only the
+    fields of text_config / vision_config that differ from Llama's and CLIP's defaults."""
+    from transformers import LlavaConfig
+
+    full = LlavaConfig.from_dict(h).to_dict()
+    full["image_token_index"] = h.get("image_token_index", h.get("image_token_id", full.get("image_token_index")))
+    return {k: v for k, v in full.items() if v is not None}
+
+
 def text_config(h: HFConfig) -> HFConfig:
     return {"model_type": "llama", **(h.get("text_config") or {})}
 

@@ -126,7 +126,8 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
-    model.to(device)
+    # NOTE: CLIP's conv1 and the (Wrapped)TorchNorms are built in fp32 whatever params_dtype says.
+    model.to(device=device, dtype=language.params_dtype)
     if pre_wrap is not None:
         pre_wrap([model])  # NOTE: initial weights go in before DDP builds its grad buffers
     ddp = DistributedDataParallel(
@@ -217,13 +218,21 @@ class ImageTextConversations:
             raise RecipeError(f"{path}: no records", key="data.path")
         self.image_token = arch.vision["image_token_index"]
         self.text_len = seq_length - image_seq_length(arch) + 1
+        tokenizer = _with_text_chat_template(tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.processor = _clip_processor(processor_dir, image_size(arch)[0])
         self.samples = []
         for n, rec in enumerate(records, 1):
             if not isinstance(rec, dict) or "image" not in rec:
                 raise RecipeError(f"{path}: record {n} has no 'image'", key="data.path")
-            ids, mask = tokenize_conversation(tokenizer, to_messages(rec, "sharegpt"))
+            try:
+                ids, mask = tokenize_conversation(tokenizer, to_messages(rec, "sharegpt"))
+            except (ValueError, TypeError) as exc:  # e.g. the template rejects a role order
+                raise RecipeError(f"{path}: record {n}: the chat template failed ({exc})".splitlines()[0],
+                                  key="data.path") from None
+            if ids.count(self.image_token) == 1 and ids.index(self.image_token) >= self.text_len:
+                raise RecipeError(f"{path}: record {n}: '<image>' comes after the first {self.text_len} tokens "
+                                  "that fit data.seq_length; shorten the prompt or raise seq_length", key="data.path")
             if ids.count(self.image_token) != 1:
                 raise RecipeError(f"{path}: record {n} holds {ids.count(self.image_token)} image tokens (id "
                                   f"{self.image_token}) after tokenization; its prompt needs '<image>' once and the "
@@ -249,6 +258,41 @@ class ImageTextConversations:
         tokens = torch.tensor(ids[:n])
         return {"tokens": tokens, "labels": torch.tensor(ids[1:]), "loss_mask": torch.tensor(mask[1:], dtype=torch.float),
                 "images": pixels.float(), "position_ids": torch.arange(n)}
+
+
+# LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT: ...</s>"), for tokenizers whose own template takes
+# only processor-style content lists (llava-hf's) or that have none.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} {% elif m['role'] == 'user' %}"
+    "USER: {{ m['content'] }} {% else %}ASSISTANT: {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def _with_text_chat_template(tokenizer: Any) -> Any:
+    """``tokenizer`` if its chat template renders plain-string content (with ``<image>``), else a copy with
+    LLaVA-1.5's template."""
+    import copy
+    import sys
+
+    from loongforge_megatron.data.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+    if tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE:  # NOTE: load_tokenizer's stand-in for "none"
+        tok = copy.copy(tokenizer)
+        tok.chat_template = LLAVA_CHAT_TEMPLATE
+        return tok
+    probe = [{"role": "user", "content": "<image>\nx"}, {"role": "assistant", "content": "y"}]
+    try:
+        ok = "<image>" in tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # noqa: BLE001 - no template, or one for content lists only
+        ok = False
+    if ok:
+        return tokenizer
+    tok = copy.copy(tokenizer)
+    tok.chat_template = LLAVA_CHAT_TEMPLATE
+    print("[data] llava: the tokenizer's chat template does not render text content; using LLaVA-1.5's "
+          "'USER: ... ASSISTANT: ...' format", file=sys.stderr)
+    return tok
 
 
 def _clip_processor(model_dir: str | None, side: int):

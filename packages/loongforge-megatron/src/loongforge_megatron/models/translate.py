@@ -51,6 +51,9 @@ LLAVA_FIELDS = ("projector_hidden_act", "vision_feature_layer", "vision_feature_
 
 def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
     """LLaVA: the text config as the language model, the vision config and projector fields as ``Arch.vision``."""
+    from loongforge_megatron.conversion.llava import complete_config
+
+    cfg = complete_config(cfg)
     text, vision = dict(cfg.get("text_config") or {}), dict(cfg.get("vision_config") or {})
     text.setdefault("model_type", "llama")
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
@@ -278,7 +281,8 @@ def _llava_hf_config(arch: Arch, *, torch_dtype: str) -> dict[str, Any]:
     return {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": text,
         "vision_config": vision, "image_token_index": v["image_token_index"],
-        "image_seq_length": v.get("image_seq_length"), "projector_hidden_act": v.get("projector_hidden_act", "gelu"),
+        **({"image_seq_length": v["image_seq_length"]} if v.get("image_seq_length") else {}),
+        "projector_hidden_act": v.get("projector_hidden_act", "gelu"),
         "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "multimodal_projector_bias": True,
         "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": torch_dtype,
     }
