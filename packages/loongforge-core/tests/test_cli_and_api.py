@@ -83,3 +83,18 @@ def test_convert_names_a_missing_or_unconvertible_source(tmp_path, capsys):
     (ckpt / "rank_00000.pt").write_bytes(b"")
     assert main(["convert", str(ckpt), str(tmp_path / "out"), "--to", "hf"]) == 2
     assert "is a training checkpoint" in capsys.readouterr().err
+
+
+def test_launcher_names_a_rank_killed_by_a_signal(tmp_path, capfd):
+    """A worker killed by a signal (OOM killer, segfault) prints nothing itself: the launcher names it (exit
+    128+signal); ranks torchrun stops after another rank's own failure are not reported as causes."""
+    from loongforge.launcher import _torchrun
+
+    script = tmp_path / "w.py"
+    script.write_text("import os, signal, sys\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert _torchrun(["--standalone", "--nproc-per-node=2", "--monitor-interval=0.1", str(script)]) == 137
+    err = capfd.readouterr().err
+    assert "rank 1 (pid" in err and "killed by SIGKILL" in err, err
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '0':\n    sys.exit(2)\ntime.sleep(30)\n")
+    assert _torchrun(["--standalone", "--nproc-per-node=2", "--monitor-interval=0.1", str(script)]) == 2
+    assert "killed by" not in capfd.readouterr().err

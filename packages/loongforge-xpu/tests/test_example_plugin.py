@@ -48,7 +48,7 @@ def test_example_plugin_installs_alone_and_trains(tmp_path):
     recipe.write_text("backend: megatron\nmodel: {preset: llama-tiny}\n")
     needs = run([cli, "validate", recipe])
     assert needs.returncode == 2 and needs.stderr.count("\n") == 1, needs.stderr
-    assert "pip install loongforge-megatron" in needs.stderr and "Traceback" not in needs.stderr
+    assert "pip install ./packages/loongforge-megatron" in needs.stderr and "Traceback" not in needs.stderr
     # the embodied backend resolves without megatron-core
     dry = run([uv, "pip", "install", "--dry-run", "--python", py, "-c", tmp_path / "pins.txt",
                REPO / "packages" / "loongforge-embodied"])

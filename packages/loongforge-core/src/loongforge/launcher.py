@@ -88,15 +88,17 @@ def _torchrun(argv: list[str]) -> int:
     except ChildFailedError as exc:
         import signal
 
-        codes = []
-        for rank, failure in sorted(exc.failures.items()):
-            code = failure.exitcode if isinstance(failure.exitcode, int) else 1
-            if code < 0:  # NOTE: killed by a signal: nothing of its own reached stderr
+        failures = sorted(exc.failures.items())
+        codes = [f.exitcode if isinstance(f.exitcode, int) else 1 for _, f in failures]
+        if any(c > 0 for c in codes):
+            # NOTE: a rank failed on its own (its error is on stderr); ranks torchrun then stopped with a signal
+            # are its clean-up, not another cause.
+            return max(c for c in codes if c > 0)
+        for (rank, failure), code in zip(failures, codes, strict=True):
+            if code < 0:  # NOTE: killed by a signal (OOM killer, segfault): nothing of its own reached stderr
                 name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
                 sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
-                code = 128 - code
-            codes.append(code)
-        return max(codes, default=1)
+        return max((128 - c for c in codes if c < 0), default=1)
     return 0
 
 
