@@ -209,3 +209,31 @@ def test_bf16_trains_and_hub_configs_are_completed(tmp_path):
     names = [p.megatron for p in layout.params()]
     assert "vision_model.decoder.layers.22.mlp.linear_fc2.bias" in names
     assert "vision_model.decoder.layers.23.mlp.linear_fc2.bias" not in names  # vision_feature_layer -2
+
+
+def test_image_text_records_are_shuffled_per_epoch_and_checked(tmp_path):
+    """Every epoch visits each record once, in a seeded order that changes between epochs; a bad record is a
+    one-line error naming it when it is read."""
+    from types import SimpleNamespace
+
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.data.tokenizer import train_bpe
+    from loongforge_megatron.engine.llava import ImageTextConversations
+    from PIL import Image
+
+    tok = train_bpe(["a b c d what is this"] * 4, vocab_size=280, out_dir=tmp_path / "tok")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(tmp_path / "x.png")
+    records = [{"image": "x.png", "conversations": [{"from": "human", "value": "<image>\nwhat is this"},
+                                                    {"from": "gpt", "value": f"{'abcd'[i % 4]}"}]} for i in range(6)]
+    records.append({"image": "missing.png", "conversations": records[0]["conversations"]})
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    arch = SimpleNamespace(vision={"image_token_index": tok.convert_tokens_to_ids("<image>"),
+                                   "vision_config": {"image_size": 32, "patch_size": 8}})
+    ds = ImageTextConversations(str(tmp_path / "r.json"), tokenizer=tok, arch=arch, seq_length=64, seed=3)
+    first, second = [ds._record(i) for i in range(7)], [ds._record(7 + i) for i in range(7)]
+    assert sorted(first) == sorted(second) == list(range(7)) and first != second
+    bad = first.index(6)
+    with pytest.raises(RecipeError, match="record 7: image .*missing.png' not found"):
+        ds[bad]
+    assert ds[first.index(0)]["tokens"].shape == (64 - 16 + 1,)

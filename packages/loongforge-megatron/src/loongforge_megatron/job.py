@@ -94,7 +94,7 @@ class MegatronJob(Job):
             dataset, valid = ImageTextConversations(recipe.data.path, tokenizer=self.tokenizer, arch=arch,
                                                     seq_length=recipe.data.seq_length,
                                                     processor_dir=recipe.model.hf or recipe.checkpoint.load
-                                                    or recipe.data.tokenizer), None
+                                                    or recipe.data.tokenizer, seed=t.seed), None
         elif arch.is_vlm:
             from loongforge_megatron.engine.llava import SyntheticImageText
 

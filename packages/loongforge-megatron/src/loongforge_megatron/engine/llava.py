@@ -194,61 +194,77 @@ class ImageTextConversations:
     Text goes through the tokenizer's chat template; the loss covers the assistant turns only (the SFT rule of the
     ``sft`` format); the prompt holds ``<image>`` once, which the tokenizer must map to the model's image token.
     Images go through CLIP's preprocessing (the HF model's ``preprocessor_config.json`` when there is one). Rows
-    are padded (or cut) to the text length that expands to ``data.seq_length``.
+    are padded (or cut) to the text length that expands to ``data.seq_length``. Records are visited in a seeded
+    random order, a new one every epoch (a function of the sample index, so resume is exact); each is tokenized
+    when first read (the first one at start, so a template or tokenizer mismatch shows before training).
     """
 
-    def __init__(self, path: str, *, tokenizer: Any, arch: Any, seq_length: int, processor_dir: str | None = None):
+    def __init__(self, path: str, *, tokenizer: Any, arch: Any, seq_length: int, processor_dir: str | None = None,
+                 seed: int = 0):
         import json
         from pathlib import Path
 
         from loongforge.errors import RecipeError
 
-        from loongforge_megatron.data.sft import to_messages, tokenize_conversation
-
-        file = Path(path)
-        if not file.is_file():
+        self.file = Path(path)
+        if not self.file.is_file():
             raise RecipeError(f"'{path}' is not a file of image-text records (JSON list or JSONL)", key="data.path")
-        text = file.read_text()
+        text = self.file.read_text()
         try:
-            records = json.loads(text) if text.lstrip().startswith("[") else [
+            self.records = json.loads(text) if text.lstrip().startswith("[") else [
                 json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
             raise RecipeError(f"{path}: invalid JSON ({exc})", key="data.path") from None
-        if not records:
-            raise RecipeError(f"{path}: no records", key="data.path")
+        if not isinstance(self.records, list) or not self.records:
+            raise RecipeError(f"{path}: no records (expected a JSON list or one JSON object per line)", key="data.path")
         self.image_token = arch.vision["image_token_index"]
         self.text_len = seq_length - image_seq_length(arch) + 1
-        tokenizer = _with_text_chat_template(tokenizer)
+        self.tokenizer = _with_text_chat_template(tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.processor = _clip_processor(processor_dir, image_size(arch)[0])
-        self.samples = []
-        for n, rec in enumerate(records, 1):
-            if not isinstance(rec, dict) or "image" not in rec:
-                raise RecipeError(f"{path}: record {n} has no 'image'", key="data.path")
-            try:
-                ids, mask = tokenize_conversation(tokenizer, to_messages(rec, "sharegpt"))
-            except (ValueError, TypeError) as exc:  # e.g. the template rejects a role order
-                raise RecipeError(f"{path}: record {n}: the chat template failed ({exc})".splitlines()[0],
-                                  key="data.path") from None
-            if ids.count(self.image_token) == 1 and ids.index(self.image_token) >= self.text_len:
-                raise RecipeError(f"{path}: record {n}: '<image>' comes after the first {self.text_len} tokens "
-                                  "that fit data.seq_length; shorten the prompt or raise seq_length", key="data.path")
-            if ids.count(self.image_token) != 1:
-                raise RecipeError(f"{path}: record {n} holds {ids.count(self.image_token)} image tokens (id "
-                                  f"{self.image_token}) after tokenization; its prompt needs '<image>' once and the "
-                                  "tokenizer must map it to the model's image_token_index", key="data.path")
-            image = file.parent / rec["image"]
-            if not image.is_file():
-                raise RecipeError(f"{path}: record {n}: image '{image}' not found", key="data.path")
-            self.samples.append((image, ids, mask))
+        self.seed = seed
+        self._epoch: tuple[int, list[int]] | None = None
+        self._tokenized(0)
+
+    def _tokenized(self, n: int) -> tuple[Any, list[int], list[int]]:
+        """(image path, token ids, assistant mask) of record ``n`` (0-based), checked."""
+        from loongforge.errors import RecipeError
+
+        from loongforge_megatron.data.sft import to_messages, tokenize_conversation
+
+        rec, where = self.records[n], f"{self.file}: record {n + 1}"
+        if not isinstance(rec, dict) or "image" not in rec:
+            raise RecipeError(f"{where} has no 'image'", key="data.path")
+        try:
+            ids, mask = tokenize_conversation(self.tokenizer, to_messages(rec, "sharegpt"))
+        except (ValueError, TypeError) as exc:  # e.g. the template rejects a role order
+            raise RecipeError(f"{where}: the chat template failed ({exc})".splitlines()[0], key="data.path") from None
+        if ids.count(self.image_token) != 1:
+            raise RecipeError(f"{where} holds {ids.count(self.image_token)} image tokens (id {self.image_token}) after "
+                              "tokenization; its prompt needs '<image>' once and the tokenizer must map it to the "
+                              "model's image_token_index", key="data.path")
+        if ids.index(self.image_token) >= self.text_len:
+            raise RecipeError(f"{where}: '<image>' comes after the first {self.text_len} tokens that fit "
+                              "data.seq_length; shorten the prompt or raise seq_length", key="data.path")
+        image = self.file.parent / rec["image"]
+        if not image.is_file():
+            raise RecipeError(f"{where}: image '{image}' not found", key="data.path")
+        return image, ids, mask
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return 1 << 40  # NOTE: epochs follow one another; the record order is reshuffled in each
+
+    def _record(self, idx: int) -> int:
+        epoch, i = divmod(idx, len(self.records))
+        if self._epoch is None or self._epoch[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch = (epoch, torch.randperm(len(self.records), generator=g).tolist())
+        return self._epoch[1][i]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         from PIL import Image
 
-        image, ids, mask = self.samples[idx]
+        image, ids, mask = self._tokenized(self._record(idx))
         with Image.open(image) as im:
             pixels = self.processor(images=im.convert("RGB"), return_tensors="pt")["pixel_values"][0]
         n = self.text_len
