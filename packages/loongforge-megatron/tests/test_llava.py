@@ -60,22 +60,35 @@ def hf_batch(batches: list[dict], image_token: int = IMAGE_TOKEN) -> dict[str, t
             "pixel_values": torch.cat([b["images"] for b in batches])}
 
 
-def test_cpt_first_step_loss_equals_transformers(tmp_path):
-    from transformers import LlavaForConditionalGeneration
+def cpt_overrides(hf_dir: Path, *extra: str) -> list[str]:
+    """Continue training the HF checkpoint ``hf_dir`` for 2 steps on CPU (no warmup, quiet)."""
+    return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
 
-    hf_dir = save_llava(tmp_path / "hf")
-    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2", "train.warmup_steps=0",
-            "accelerator=cpu", "logging.console=false"]
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
+
+def first_step(tmp_path: Path, overrides: list[str]) -> tuple[list[dict], float]:
+    """(the micro-batches of step 1, our loss of step 1)."""
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=tmp_path / "run")
     try:
         batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-        ours = job.step()["loss"]
+        return batches, job.step()["loss"]
     finally:
         job.close()
         runtime.logger.close()
+
+
+def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
+    from transformers import LlavaForConditionalGeneration
+
     model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = model(**hf_batch(batches)).loss.item()
+        return model(**batch).loss.item()
+
+
+def test_cpt_first_step_loss_equals_transformers(tmp_path):
+    hf_dir = save_llava(tmp_path / "hf")
+    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir))
+    ref = hf_loss(hf_dir, hf_batch(batches))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
 
@@ -113,12 +126,11 @@ def test_hf_export_round_trips_through_transformers(tmp_path):
     computes in transformers the loss our next step computes; offline HF -> megatron (tp 2) -> HF keeps the function."""
     from loongforge.cli import main
     from loongforge_megatron.hf_io import export_hf
-    from transformers import LlavaForConditionalGeneration
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     hf_dir = save_llava(tmp_path / "hf")
-    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
-            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false"]
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt_overrides(hf_dir)),
+                                        output_dir=tmp_path / "run")
     try:
         job.step()
         export_hf(job, tmp_path / "exported")
@@ -127,10 +139,9 @@ def test_hf_export_round_trips_through_transformers(tmp_path):
     finally:
         job.close()
         runtime.logger.close()
-    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
-    assert exported.config.vision_config.num_hidden_layers == 2 and exported.config.vision_feature_layer == -1
-    with torch.no_grad():
-        ref = exported(**hf_batch(batches)).loss.item()
+    exported = LlavaConfig.from_pretrained(tmp_path / "exported")
+    assert exported.vision_config.num_hidden_layers == 2 and exported.vision_feature_layer == -1
+    ref = hf_loss(tmp_path / "exported", hf_batch(batches))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
     assert main(["convert", str(hf_dir), str(tmp_path / "mg"), "--to", "megatron", "--tp", "2"]) == 0
@@ -149,8 +160,7 @@ def test_image_text_conversations_train_like_transformers(tmp_path):
     chat template, CLIP preprocessing; the first CPT step's loss equals transformers' on the same batch."""
     from loongforge_megatron.data.tokenizer import train_bpe
     from PIL import Image
-    from transformers import LlavaForConditionalGeneration
-
+    
     colours = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "white": (240, 240, 240)}
     data = tmp_path / "data"
     data.mkdir()
@@ -167,21 +177,11 @@ def test_image_text_conversations_train_like_transformers(tmp_path):
     tok.save_pretrained(hf_dir)
     image_token = tok.convert_tokens_to_ids("<image>")
     save_llava(hf_dir, vocab=len(tok), image_token=image_token)
-    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
-            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", "data.format=llava",
-            f"data.path={data / 'records.json'}", "data.seq_length=64"]
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "run")
-    try:
-        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-        ours = job.step()["loss"]
-    finally:
-        job.close()
-        runtime.logger.close()
+    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir, "data.format=llava",
+                                                       f"data.path={data / 'records.json'}", "data.seq_length=64"))
     assert all((b["tokens"] == image_token).sum(1).eq(1).all() for b in batches)
     assert sum(int(b["loss_mask"].sum()) for b in batches) >= 8  # the answers, not the prompts
-    model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = model(**hf_batch(batches, image_token)).loss.item()
+    ref = hf_loss(hf_dir, hf_batch(batches, image_token))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
 

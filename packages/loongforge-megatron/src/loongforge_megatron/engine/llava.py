@@ -286,28 +286,25 @@ LLAVA_CHAT_TEMPLATE = (
 
 
 def _with_text_chat_template(tokenizer: Any) -> Any:
-    """``tokenizer`` if its chat template renders plain-string content (with ``<image>``), else a copy with
-    LLaVA-1.5's template."""
+    """``tokenizer`` if it has its own chat template and that renders plain-string content (with ``<image>``),
+    else a copy with LLaVA-1.5's template."""
     import copy
     import sys
 
     from loongforge_megatron.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
-    if tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE:  # NOTE: load_tokenizer's stand-in for "none"
-        tok = copy.copy(tokenizer)
-        tok.chat_template = LLAVA_CHAT_TEMPLATE
-        return tok
-    probe = [{"role": "user", "content": "<image>\nx"}, {"role": "assistant", "content": "y"}]
-    try:
-        ok = "<image>" in tokenizer.apply_chat_template(probe, tokenize=False)
-    except Exception:  # noqa: BLE001 - no template, or one for content lists only
-        ok = False
-    if ok:
-        return tokenizer
+    own = tokenizer.chat_template != DEFAULT_CHAT_TEMPLATE  # NOTE: load_tokenizer's stand-in for "none"
+    if own:
+        probe = [{"role": "user", "content": "<image>\nx"}, {"role": "assistant", "content": "y"}]
+        try:
+            if "<image>" in tokenizer.apply_chat_template(probe, tokenize=False):
+                return tokenizer
+        except Exception:  # noqa: BLE001 - a template for content lists only
+            pass
+        print("[data] llava: the tokenizer's chat template does not render text content; using LLaVA-1.5's "
+              "'USER: ... ASSISTANT: ...' format", file=sys.stderr)
     tok = copy.copy(tokenizer)
     tok.chat_template = LLAVA_CHAT_TEMPLATE
-    print("[data] llava: the tokenizer's chat template does not render text content; using LLaVA-1.5's "
-          "'USER: ... ASSISTANT: ...' format", file=sys.stderr)
     return tok
 
 

@@ -55,7 +55,6 @@ def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
 
     cfg = complete_config(cfg)
     text, vision = dict(cfg.get("text_config") or {}), dict(cfg.get("vision_config") or {})
-    text.setdefault("model_type", "llama")
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise RecipeError(f"{path}: LLaVA with a '{vision.get('model_type')}' vision tower is not supported (CLIP only)",
                           key="model.hf")
@@ -63,8 +62,7 @@ def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
     if arch.family != "llama":
         raise RecipeError(f"{path}: LLaVA with a '{text['model_type']}' language model is not supported (llama)",
                           key="model.hf")
-    extra = {k: cfg[k] for k in LLAVA_FIELDS if k in cfg}
-    extra["image_token_index"] = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+    extra = {k: cfg[k] for k in LLAVA_FIELDS if k in cfg}  # NOTE: complete_config spells the image token one way
     return arch.model_copy(update={"vision": {"vision_config": vision, **extra}})
 
 
