@@ -19,12 +19,13 @@
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
 #   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
 #   step   (1 GPU, ~8 min)  pi05 model step ours vs LeRobot's (no profile), then ours with train.compile, batch 16
+#   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|e2e_compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | e2e_compile}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|e2e_compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | e2e_compile)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -79,6 +80,12 @@ case $phase in
     step pi05_step 220 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
     step pi05_compile_b16 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 5 --only ours --compile
+    ;;
+  graphs)
+    step pi05_compile_graphs 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 10 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead
+    step pi05_compile_profile 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 10 \
+      --warmup 5 --only ours --compile --profile
     ;;
   compile)
     step pi05_compile_b16 260 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \

@@ -112,12 +112,14 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 
 
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
-               policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False) -> dict:
+               policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False,
+               compile_mode: str = "default") -> dict:
     from loongforge.api import build_job, load_recipe
     from loongforge.metrics import is_logged_step
 
     over = [f"train.steps={steps + warmup}", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
             "train.precision=bf16", "model.preset=pi05", f"train.compile={str(compile).lower()}",
+            f"train.compile_mode={compile_mode}",
             f"data.num_workers={workers}", "checkpoint.resume=never", "checkpoint.save_at_end=false",
             "logging.console=false", "logging.tensorboard=false", f"data.synthetic_samples={batch * 64}",
             f"parallel.recompute={'full' if recompute else 'none'}"]
@@ -136,7 +138,8 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
         try:
             res = {**_time(step, batch=batch, steps=steps, warmup=warmup,
                            params=sum(p.numel() for p in job.model.raw.parameters())),
-                   "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval}
+                   "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval,
+                   "compile_mode": compile_mode}
             if profile:
                 _profile(step)
             return res
@@ -145,14 +148,17 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
 
 
 def _profile(step, steps: int = 2) -> None:
-    """CUDA kernel time of ``steps`` more steps, top kernels (where our step's GPU time goes)."""
+    """Kernel time and host time of ``steps`` more steps: the top kernels (where the GPU time goes) and the top
+    host operators by their own CPU time (what keeps the GPU waiting when it is not busy)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
+    table = prof.key_averages()
+    print(table.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80), flush=True)
 
 
 def _time(step, *, batch: int, steps: int, warmup: int, params: int) -> dict:
@@ -178,7 +184,7 @@ def _num_cameras(data_root: str) -> int:
 def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
     with ``res`` itself), and the time of the run each borrowed side comes from."""
-    same = ("batch", "data_root", "workers", "compile", "policy", "recompute")
+    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute")
     merged, paired = dict(res), {}
     for line in log.read_text().splitlines()[:-1]:
         rec = json.loads(line)
@@ -197,6 +203,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "peer", "lerobot_step", "lerobot_e2e"], default=None,
                     help="one side only ('peer': both LeRobot peers)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-mode", default="default",
+                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                    help="ours: train.compile_mode (reduce-overhead: CUDA graphs per compiled unit)")
     ap.add_argument("--workers", type=int, default=6, help="DataLoader workers, ours and lerobot_e2e")
     ap.add_argument("--data-root", default=None, help="a recorded LeRobotDataset instead of synthetic frames")
     ap.add_argument("--repo-id", default=None, help="the dataset's repo id for LeRobot (default local/<folder>)")
@@ -212,12 +221,12 @@ def main() -> None:
     run = {"ours": args.only in (None, "ours"), "lerobot_step": args.only in (None, "peer", "lerobot_step"),
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
-                 "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
+                 "compile_mode": args.compile_mode, "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
                  "recompute": args.recompute, "time": time.strftime("%H:%M:%S")}
     if run["ours"]:
         res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                  workers=args.workers, data_root=args.data_root, policy=args.policy,
-                                 recompute=args.recompute, profile=args.profile)
+                                 recompute=args.recompute, profile=args.profile, compile_mode=args.compile_mode)
         print("ours:", json.dumps(res["ours"]), flush=True)
         torch.cuda.empty_cache()
     if run["lerobot_step"]:

@@ -62,8 +62,10 @@ class EmbodiedJob(Job):
         if rt.plan.recompute == "full":
             raw.enable_activation_checkpointing()
         if t.compile:
+            mode = None if t.compile_mode == "default" else t.compile_mode
             for unit in raw.wrap_units():
-                unit.compile()
+                unit.compile(mode=mode)
+                unit._loongforge_compile_mode = mode  # NOTE: read by bodies compiled outside the unit's forward
         self.model = parallelize(
             raw, strategy=r.parallel.strategy, world_size=rt.world_size, device=self.device, precision=self.precision,
             comm_hook=r.model.comm_hook, shard_size=r.parallel.shard_size,

@@ -32,6 +32,7 @@ class MegatronBackend(Backend):
         "parallel.components": "per-component layouts are for models built of components (VLMs); this backend's "
                                "models are decoder-only LMs with one layout",
         "train.compile": "its speed comes from kernels.spec / kernels.provider (fused kernels), not torch.compile",
+        "train.compile_mode": "it does not torch.compile (see train.compile)",
         "train.ema_decay": "it keeps no EMA weights",
     }
 

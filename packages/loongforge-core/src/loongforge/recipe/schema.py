@@ -122,6 +122,9 @@ class TrainConfig(Section):
     eval_steps: int = Field(1, ge=1)
     lora: LoraConfig | None = None
     compile: bool = Field(False, description="torch.compile the model (embodied backend)")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"
+    )
     ema_decay: float | None = Field(None, gt=0, lt=1)
 
     @model_validator(mode="after")
@@ -132,6 +135,8 @@ class TrainConfig(Section):
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
             )
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode {self.compile_mode!r} needs compile: true")
         decay = self.decay_steps or self.steps
         if self.warmup_steps and self.warmup_steps >= decay:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than decay_steps/steps ({decay})")

@@ -122,8 +122,8 @@ def _entered(module: torch.nn.Module, fn: Callable) -> Callable:
 
 
 @functools.cache
-def _compiled(body: Callable) -> Callable:
-    return torch.compile(body)
+def _compiled(body: Callable, mode: str | None) -> Callable:
+    return torch.compile(body, mode=mode)
 
 
 def _dispatcher(original: Callable) -> Callable:
@@ -134,7 +134,7 @@ def _dispatcher(original: Callable) -> Callable:
                             rotary_emb=rotary_emb)
         body = sdpa_layer_complete if mode == "sdpa" else original
         if layers[0]._compiled_call_impl is not None:  # the job compiled this unit (``unit.compile()``)
-            body = _compiled(body)
+            body = _compiled(body, getattr(layers[0], "_loongforge_compile_mode", None))
         run = functools.partial(body, layers=layers, rotary_emb=rotary_emb)
         for layer in reversed(layers):  # the expert unit innermost
             run = _entered(layer, run)
