@@ -55,7 +55,7 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
     lf = _liger()
     out: list[Case] = []
 
-    def add(kernel, shape, inputs, ours, eager, *, liger=None, nbytes=0.0, flops=0.0):
+    def add(kernel, shape, inputs, ours, eager, *, liger=None, tilelang=None, nbytes=0.0, flops=0.0):
         if only and kernel not in only:
             return
         impls = {"loongforge": ours, "eager": eager}
@@ -63,6 +63,8 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
             impls["compile"] = _compiled(eager)
         if liger is not None:
             impls["liger"] = liger
+        if tilelang is not None:
+            impls["tilelang"] = tilelang
         out.append(Case(kernel, shape, inputs, impls, nbytes, flops))
 
     tokens = 256 if quick else 16384
@@ -153,7 +155,13 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
     # bwd twice that (the recomputed QK^T not counted).
     t_s, h_s, k_s, dv_s, dr_s = (4096, 64, 2048, 512, 64) if not quick else (64, 4, 24, 32, 16)
     if not only or "sparse_mla" in only:
+        from loongforge_kernels.tilelang_sparse_mla import tilelang_unavailable_reason
+
         idx_s = lk.dsa_topk_indices(torch.rand(t_s, t_s, device=device), k_s, causal=False)
+        # the TileLang kernels are a second GPU implementation of the op (optional tilelang, SM >= 9.0)
+        tl_reason = tilelang_unavailable_reason(device)
+        if tl_reason:
+            print(f"sparse_mla: tilelang row skipped: {tl_reason}", flush=True)
         add(
             "sparse_mla",
             f"T {t_s} H {h_s} topk {k_s} D {dv_s}+{dr_s} bf16",
@@ -163,6 +171,9 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
             ],
             lambda q, kv: lk.sparse_mla_attention(q, kv, idx_s, None, dv_s, impl="triton"),
             lambda q, kv: ref.sparse_mla_ref(q, kv, idx_s, None, dv_s),
+            tilelang=None
+            if tl_reason
+            else (lambda q, kv: lk.sparse_mla_attention(q, kv, idx_s, None, dv_s, impl="tilelang")),
             flops=6 * t_s * h_s * k_s * (dv_s + dr_s + dv_s),
         )
     return out
@@ -237,7 +248,7 @@ def run_case(case: Case, device: str) -> None:
             ms = _timer(step, device)
             # NOTE: only our kernels and compile are replayed as graphs: a peer that syncs with the host inside
             # its step (Liger's fused CE) fails capture and leaves the CUDA RNG in capture state.
-            gpu_ms = _graph_timer(step, device) if name in ("loongforge", "compile") else None
+            gpu_ms = _graph_timer(step, device) if name in ("loongforge", "compile", "tilelang") else None
         except Exception as exc:  # one failing peer must not hide the others
             case.rows.append(
                 {"impl": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"}
@@ -279,11 +290,12 @@ def report(all_cases: list[Case], device_name: str) -> str:
         "## Ratios (targets: >= 1.2x eager, >= 1.0x compile; fused CE peak memory <= 0.25x eager)",
         "",
         "Wall = `do_bench` of the Python call (launch overhead included); GPU = the same fwd+bwd replayed as a "
-        "CUDA graph.",
+        "CUDA graph. Each ratio is the peer's time over loongforge's (the Triton kernels); tilelang is our "
+        "second implementation of sparse MLA.",
         "",
         "| kernel | shape | vs eager (wall) | vs compile (wall) | vs compile (GPU) | vs liger (wall) "
-        "| vs liger (GPU) | peak mem / eager |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| vs liger (GPU) | vs tilelang (wall) | vs tilelang (GPU) | peak mem / eager |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in all_cases:
         by = {r["impl"]: r for r in c.rows if "error" not in r}
@@ -303,7 +315,8 @@ def report(all_cases: list[Case], device_name: str) -> str:
         )
         lines.append(
             f"| {c.kernel} | {c.shape} | {ratio('eager')} | {ratio('compile')} | {ratio('compile', 'gpu_ms')} "
-            f"| {ratio('liger')} | {ratio('liger', 'gpu_ms')} | {mem} |"
+            f"| {ratio('liger')} | {ratio('liger', 'gpu_ms')} | {ratio('tilelang')} | {ratio('tilelang', 'gpu_ms')} "
+            f"| {mem} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -131,6 +131,80 @@ def test_sparse_mla_gpu(heads, causal):
         assert (got.float() - want).norm() <= 1e-2 * want.norm(), name
 
 
+def _sparse_mla_fwd_bwd(q, kv, idx, do, sm_scale, d_v, impl):
+    """o, lse, dq, dkv of one implementation (``ref``: the reference on fp32 copies, the truth)."""
+    if impl == "ref":
+        qq, kk = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+        o, lse = ref.sparse_mla_ref(qq, kk, idx, sm_scale, d_v, return_lse=True)
+        o.backward(do.float())
+    else:
+        qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        o, lse = lk.sparse_mla_attention(qq, kk, idx, sm_scale, d_v, return_lse=True, impl=impl)
+        o.backward(do)
+    return o.detach(), lse, qq.grad, kk.grad
+
+
+# (T, H, G, topk, T_kv, sm_scale, dtype)
+TILELANG_SHAPES = [
+    (64, 64, 1, 2048, 4096, None, torch.bfloat16),  # DeepSeek-V3.2: 64 heads, 512 + 64, topk 2048
+    (33, 16, 1, 100, 300, 0.1, torch.bfloat16),  # topk not a multiple of the kv block
+    (17, 10, 2, 70, 90, None, torch.float16),  # 5 heads per group (padded to 16), two groups, fp16
+    (8, 128, 1, 256, 512, 0.05, torch.bfloat16),  # two head blocks per group
+]
+
+
+@pytest.mark.parametrize(
+    "t,h,g,topk,n_kv,sm_scale,dtype",
+    TILELANG_SHAPES,
+    ids=["deepseek", "H16-k100", "G2-H10-fp16", "H128"],
+)
+def test_sparse_mla_tilelang_gpu(t, h, g, topk, n_kv, sm_scale, dtype):
+    """The TileLang kernels (fwd + bwd) vs the fp32 reference, and vs the Triton kernels, with masked indices:
+    -1 padding, indices == T_kv, a query with none valid, one row selected topk times."""
+    from loongforge_kernels.tilelang_sparse_mla import tilelang_unavailable_reason
+
+    reason = tilelang_unavailable_reason("cuda")
+    if reason:
+        pytest.skip(reason)
+    d_v, d_rope = 512, 64
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(t, h, d_v + d_rope, device="cuda", generator=gen).to(dtype)
+    kv = torch.randn(n_kv, g, d_v + d_rope, device="cuda", generator=gen).to(dtype)
+    do = torch.randn(t, h, d_v, device="cuda", generator=gen).to(dtype)
+    idx = lk.dsa_topk_indices(torch.rand(t, g, n_kv, device="cuda", generator=gen), topk, causal=False)
+    idx[1] = -1  # no valid index: o = 0, lse = -inf, no grads
+    idx[2, :, ::3] = -1
+    idx[3, :, 1::5] = n_kv  # out of range: masked
+    idx[4] = idx[4, :, :1]  # one row, topk times
+
+    o, lse, dq, dkv = _sparse_mla_fwd_bwd(q, kv, idx, do, sm_scale, d_v, "tilelang")
+    assert o.dtype == dtype and dq.dtype == dtype and dkv.dtype == dtype and lse.dtype == torch.float32
+    assert torch.all(o[1] == 0) and torch.all(torch.isneginf(lse[1])) and torch.all(dq[1] == 0)
+    o_r, lse_r, dq_r, dkv_r = _sparse_mla_fwd_bwd(q, kv, idx, do, sm_scale, d_v, "ref")
+    o_t, lse_t, dq_t, dkv_t = _sparse_mla_fwd_bwd(q, kv, idx, do, sm_scale, d_v, "triton")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_r))
+    finite = torch.isfinite(lse_r)
+    torch.testing.assert_close(lse[finite], lse_r[finite], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse[finite], lse_t[finite], atol=1e-3, rtol=1e-3)
+    for name, got, want, triton_out in (
+        ("o", o, o_r, o_t),
+        ("dq", dq, dq_r, dq_t),
+        ("dkv", dkv, dkv_r, dkv_t),
+    ):
+        # half-precision inputs, fp32 truth: max error within 2% of the largest value, 1% in the L2 norm; the
+        # two kernels round p and dS alike, so they agree with each other as closely
+        for other, label in ((want, "ref"), (triton_out.float(), "triton")):
+            scale = other.abs().max().item()
+            torch.testing.assert_close(
+                got.float(),
+                other,
+                atol=2e-2 * scale,
+                rtol=2e-2,
+                msg=lambda m, n=name, lb=label: f"{n} vs {lb}: {m}",
+            )
+            assert (got.float() - other).norm() <= 1e-2 * other.norm(), (name, label)
+
+
 @pytest.mark.parametrize("hw_cvt", [True, False], ids=["cvt", "integer-rounding"])
 def test_fp8_delta_gpu_bit_identical(hw_cvt, monkeypatch):
     """Delta-FP8 codec at 64M elements (bf16, not a multiple of 256): the Triton payload and reconstruction

@@ -5,10 +5,12 @@ Small dims (d_v 32 + d_rope 16) keep Triton's interpreter fast; tests/test_gpu.p
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 
+import loongforge_kernels as lk
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +186,153 @@ for which, kernel in (("fwd", sm._sparse_mla_fwd_kernel), ("bwd", sm._sparse_mla
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(r.stdout.splitlines()) == sum(len(c) for c in CUDA_CONFIGS.values()), r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- TileLang
+# The TileLang kernels (tilelang_sparse_mla.py) need a GPU to run (tests/test_gpu.py); here: that the module and
+# the dispatch work without tilelang, and, where tilelang and nvcc are installed, that every kernel compiles.
+
+
+@pytest.fixture
+def no_tilelang(monkeypatch):
+    """Make ``import tilelang`` fail (as in CI, where the optional extra is not installed)."""
+    from loongforge_kernels import tilelang_sparse_mla as tsm
+
+    cached = tsm._import_error  # tests may replace it; its cache must not keep this fixture's answer
+    monkeypatch.setitem(sys.modules, "tilelang", None)
+    cached.cache_clear()
+    yield tsm
+    cached.cache_clear()
+
+
+def _fake_hopper(monkeypatch):
+    """Pretend a CUDA SM 9.0 device is present (only the availability checks look at it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor where only the dispatch looks: device, dtype, shape."""
+
+    def __init__(self, dtype=torch.bfloat16, d=576):
+        self.device, self.dtype, self.shape = torch.device("cuda"), dtype, (1, 1, d)
+
+
+def test_tilelang_module_imports_without_tilelang(no_tilelang):
+    """The module imports, names why it cannot run, and builds nothing, with tilelang unimportable."""
+    code = (
+        "import sys; sys.modules['tilelang'] = None\n"
+        "import loongforge_kernels.tilelang_sparse_mla as tsm\n"
+        "from loongforge_kernels.providers import TileLangProvider\n"
+        "print(tsm._import_error())\n"
+        "print(sorted(TileLangProvider().ops()))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tilelang is not importable" in r.stdout and "['sparse_mla_attention']" in r.stdout, r.stdout
+    assert "tilelang is not importable" in no_tilelang._import_error()
+    assert "CUDA" in no_tilelang.tilelang_unavailable_reason("cpu")
+
+
+def test_tilelang_explicit_on_cpu_raises(no_tilelang):
+    q, kv, idx = _inputs(3, 2, 1, 5, 4, torch.bfloat16)
+    with pytest.raises(lk.KernelUnavailableError, match="TileLang kernels requested but unusable: .*CUDA"):
+        sparse_mla_attention(q, kv, idx, None, D_V, impl="tilelang")
+
+
+def test_tilelang_unavailable_reasons(no_tilelang, monkeypatch):
+    tsm = no_tilelang
+    _fake_hopper(monkeypatch)
+    assert "tilelang is not importable" in tsm.tilelang_unavailable_reason("cuda")
+    monkeypatch.setattr(tsm, "_import_error", lambda: None)
+    assert tsm.tilelang_unavailable_reason("cuda") is None
+    assert tsm.unsupported_reason(_FakeCuda(), 512) is None
+    assert "bf16 or fp16" in tsm.unsupported_reason(_FakeCuda(torch.float32), 512)
+    assert "multiples of 16" in tsm.unsupported_reason(_FakeCuda(d=520), 512)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "SM >= 9.0" in tsm.tilelang_unavailable_reason("cuda")
+
+
+def test_auto_uses_tilelang_only_when_it_can_run(no_tilelang, monkeypatch):
+    """``auto`` on CUDA: TileLang when it can run the call, else Triton; never on CPU or when pinned."""
+    from loongforge_kernels import sparse_mla
+
+    tsm = no_tilelang
+    _fake_hopper(monkeypatch)
+    monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
+    assert not sparse_mla._use_tilelang(None, _FakeCuda(), 512)  # tilelang missing: Triton
+    assert sparse_mla._use_tilelang("tilelang", _FakeCuda(), 512)  # explicit: its own error names why
+    monkeypatch.setattr(tsm, "_import_error", lambda: None)
+    assert sparse_mla._use_tilelang(None, _FakeCuda(), 512)
+    assert sparse_mla._use_tilelang("auto", _FakeCuda(), 512)
+    assert not sparse_mla._use_tilelang(None, _FakeCuda(torch.float32), 512)  # fp32: Triton's exact path
+    assert not sparse_mla._use_tilelang("triton", _FakeCuda(), 512)
+    monkeypatch.setenv("LOONGFORGE_KERNELS", "triton")
+    assert not sparse_mla._use_tilelang(None, _FakeCuda(), 512)
+    monkeypatch.delenv("LOONGFORGE_KERNELS")
+    q, kv, idx = _inputs(4, 2, 1, 6, 7, torch.float32)
+    assert not sparse_mla._use_tilelang(None, q, D_V)  # CPU tensors
+    torch.testing.assert_close(
+        sparse_mla_attention(q, kv, idx, None, D_V), sparse_mla_ref(q, kv, idx, None, D_V)
+    )
+
+
+def test_tilelang_provider(no_tilelang, monkeypatch):
+    """The provider serves sparse MLA only; core's select_op skips or rejects it like any provider."""
+    from loongforge_kernels.providers import TileLangProvider
+
+    prov = TileLangProvider()
+    assert prov.name == "tilelang" and set(prov.ops()) == {"sparse_mla_attention"}
+    assert prov.ops()["sparse_mla_attention"].keywords["impl"] == "tilelang"
+    assert "CUDA" in prov.unavailable_reason("cpu")
+    registry = pytest.importorskip("loongforge.registry", reason="loongforge core not importable")
+    from loongforge.errors import PluginError
+    from loongforge.kernels import select_op
+
+    registry.kernels.reset()
+    if "tilelang" not in registry.kernels:
+        pytest.skip("the tilelang entry point is not installed yet: reinstall loongforge-kernels (uv sync)")
+    assert registry.kernels.get("tilelang") is TileLangProvider
+    with pytest.raises(PluginError, match="cannot run on cpu"):
+        select_op("sparse_mla_attention", provider="tilelang", device_type="cpu")
+    monkeypatch.setattr(TileLangProvider, "unavailable_reason", lambda self, device_type: None)
+    with pytest.raises(PluginError, match="has no op 'rms_norm'"):
+        select_op("rms_norm", provider="tilelang", device_type="cuda")
+    assert (
+        select_op("sparse_mla_attention", provider="tilelang", device_type="cuda").keywords["impl"]
+        == "tilelang"
+    )
+
+
+def test_tilelang_compiles_for_hopper():
+    """Every TileLang kernel lowers and compiles (nvcc) for sm_90a at DeepSeek's shape and at odd ones, and
+    fits Hopper's shared memory. Needs tilelang and nvcc, not a GPU (tilelang finds nvcc through CUDA_HOME,
+    PATH or the nvidia-cuda-nvcc wheel)."""
+    if importlib.util.find_spec("tilelang") is None:
+        pytest.skip("tilelang not installed (pip install 'loongforge-kernels[tilelang]' nvidia-cuda-nvcc)")
+    code = f"""
+import tilelang
+from tvm.target import Target
+from loongforge_kernels import tilelang_sparse_mla as tsm
+tilelang.disable_cache()  # a cache hit has no device module to read the shared memory from
+target = Target({{"kind": "cuda", "arch": "sm_90a"}})
+# (heads per group, groups, d_v, d_rope, topk, sm_scale, dtype): DeepSeek; topk not a multiple of the kv block
+# and 16 heads; 5 heads per group (padded) in 2 groups, fp16, small dims; no rope channels and 2 head blocks
+shapes = [(64, 1, 512, 64, 2048, 576**-0.5, "bfloat16"), (16, 1, 512, 64, 100, 0.1, "bfloat16"),
+          (5, 2, 32, 16, 37, 0.2, "float16"), (128, 1, 512, 0, 64, 0.3, "bfloat16")]
+for sh in shapes:
+    progs = [("fwd", tsm.fwd_program(*sh, **tsm.FWD), [-2, -1]), ("bwd", tsm.bwd_program(*sh, **tsm.BWD), [-1]),
+             ("delta", tsm.delta_program(sh[2], sh[6], **tsm.DELTA), [-1])]
+    for name, prog, out_idx in progs:
+        kernel = tsm.compile_program(prog, out_idx, target=target)
+        funcs = kernel.artifact.device_mod.functions.values()
+        smem = max((int(f.attrs["dyn_shared_memory_buf"]) for f in funcs
+                    if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs), default=0)
+        assert smem <= {227 * 1024}, (name, sh, smem)
+        assert "__global__" in kernel.get_kernel_source()
+        print("compiled", name, sh, smem)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sum(line.startswith("compiled ") for line in r.stdout.splitlines()) == 12, r.stdout[-4000:]

@@ -61,6 +61,7 @@ class EmbodiedJob(Job):
         raw.to(self.device)
         if rt.plan.recompute == "full":
             raw.enable_activation_checkpointing()
+        self._graphs = t.compile and t.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         if t.compile:
             mode = None if t.compile_mode == "default" else t.compile_mode
             for unit in raw.wrap_units():
@@ -137,6 +138,10 @@ class EmbodiedJob(Job):
         loss_sum = torch.zeros((), device=self.device)
         for m in range(self.accum):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self._batches).items()}
+            if self._graphs:
+                # NOTE: a new forward: the CUDA graphs' outputs of the last one are dead (loss_sum holds a copy), so
+                # cudagraph trees may replay on their fast path (without it they warn of "pending backwards").
+                torch.compiler.cudagraph_mark_step_begin()
             with self.model.no_sync(skip=m < self.accum - 1):
                 with self._autocast():
                     per_sample = self.model.module(batch)

@@ -68,3 +68,23 @@ class TritonProvider:
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         return _ops("triton")
+
+
+class TileLangProvider:
+    """The TileLang kernels (optional ``tilelang`` package, CUDA SM >= 9.0): sparse MLA attention only.
+
+    ``select_op`` treats a missing op as "not served": an explicit ``tilelang`` raises for the others, ``auto``
+    walks on to the next provider.
+    """
+
+    name: ClassVar[str] = "tilelang"
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        from loongforge_kernels.tilelang_sparse_mla import tilelang_unavailable_reason
+
+        return tilelang_unavailable_reason(device_type)
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        from loongforge_kernels import sparse_mla_attention
+
+        return {"sparse_mla_attention": partial(sparse_mla_attention, impl="tilelang")}

@@ -5,14 +5,19 @@ D = d_v + d_rope (DeepSeek: 512 + 64), kv [T_kv, G, D] shared by the H / G heads
 d_v channels), indices [T, G, topk] (< 0 or >= T_kv: masked; causality is expressed by the indices). Output
 o [T, H, d_v]; the fp32 lse [T, H] (natural log, -inf for a query with no valid index) is kept for backward.
 
-NOTE: this is the Triton fallback of the TileLang design (tile-lang ``examples/deepseek_v32`` sparse_mla_fwd /
-sparse_mla_bwd, and FlashMLA's sparse kernels), with the same tiling: one program per (query token, kv group,
-block of heads), topk walked in blocks of BLOCK_K gathered kv rows, online softmax in fp32 (exp2); the backward
-recomputes p from lse, accumulates dq in the program and scatters dkv into an fp32 buffer with atomics (kv rows
-are shared across queries, so dkv's summation order, and its last bits, vary from run to run). TileLang itself
-is not used: it JIT-compiles through TVM and nvcc, cannot run on the CPU-only CI machine (no interpreter to test
-it against the reference) and cannot be installed on the GPU machine; a TileLang kernel would be another
-provider of the same op with this file's reference and tests.
+Two GPU implementations share this contract, the reference and the tests: the Triton kernels below, and the
+TileLang kernels of :mod:`loongforge_kernels.tilelang_sparse_mla` (``impl="tilelang"``; tilelang is an optional
+dependency, ``pip install 'loongforge-kernels[tilelang]'``, and JIT-compiles through TVM and nvcc for SM >= 9.0).
+``auto`` on CUDA takes TileLang when it can run the call (importable, Hopper or newer, bf16 / fp16, head dims
+multiples of 16), else Triton; ``LOONGFORGE_KERNELS=triton`` / ``impl="triton"`` pins Triton. TileLang has no
+CPU interpreter: without a GPU its kernels can only be compiled for sm_90a (tests/test_sparse_mla.py, where
+tilelang and nvcc are installed); tests/test_gpu.py runs them against the reference.
+
+NOTE: both follow the TileLang design (tile-lang ``examples/deepseek_v32`` sparse_mla_fwd / sparse_mla_bwd,
+and FlashMLA's sparse kernels): one program per (query token, kv group, block of heads), topk walked in blocks
+of BLOCK_K gathered kv rows, online softmax in fp32 (exp2); the backward recomputes p from lse, accumulates dq
+in the program and scatters dkv into an fp32 buffer with atomics (kv rows are shared across queries, so dkv's
+summation order, and its last bits, vary from run to run).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import functools
 
 import torch
 
-from loongforge_kernels._dispatch import jit, next_pow2, resolve, tl
+from loongforge_kernels._dispatch import jit, next_pow2, requested, resolve, tl
 from loongforge_kernels.references import sparse_mla_ref
 
 LOG2E = 1.4426950408889634
@@ -410,10 +415,15 @@ def sparse_mla_attention(
     q [T, H, D], kv [T_kv, G, D] (value = its first ``d_v`` channels), indices [T, G, topk] int (< 0 or
     >= T_kv: masked; a query with none valid gets zeros). ``sm_scale`` defaults to D**-0.5 (TileLang's
     example; DeepSeek-V3.2 passes its own). Returns o [T, H, d_v], and the fp32 lse [T, H] with ``return_lse``.
-    Grads flow to q and kv; ``impl`` overrides ``LOONGFORGE_KERNELS``.
+    Grads flow to q and kv; ``impl`` (``auto``, ``torch``, ``triton`` or ``tilelang``) overrides
+    ``LOONGFORGE_KERNELS``.
     """
     _validate(q, kv, indices, d_v)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if _use_tilelang(impl, q, d_v):
+        from loongforge_kernels.tilelang_sparse_mla import sparse_mla_attention_tilelang
+
+        return sparse_mla_attention_tilelang(q, kv, indices, scale, d_v, return_lse)
     if resolve(impl, q) == "torch":
         return sparse_mla_ref(q, kv, indices, scale, d_v, return_lse=return_lse)
     q_c = q if q.stride(-1) == 1 else q.contiguous()
@@ -422,6 +432,17 @@ def sparse_mla_attention(
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
     o, lse = SparseMLAFunction.apply(q_c, kv_c, idx, scale, d_v)
     return (o, lse) if return_lse else o
+
+
+def _use_tilelang(impl: str | None, q: torch.Tensor, d_v: int) -> bool:
+    """``impl="tilelang"`` always (it raises with the reason if it cannot run); ``auto`` on CUDA when it can."""
+    if impl == "tilelang":
+        return True
+    if q.device.type != "cuda" or (impl or requested()) != "auto":
+        return False
+    from loongforge_kernels.tilelang_sparse_mla import unsupported_reason
+
+    return unsupported_reason(q, d_v) is None
 
 
 def dsa_topk_indices(index_scores: torch.Tensor, topk: int, causal: bool = True) -> torch.Tensor:

@@ -7,15 +7,18 @@ query with no valid index). Backward: dq, and dkv summed in an fp32 buffer with 
 
 Tiling (one CTA per (query token, block of heads, kv group); the group's heads share the gathered kv rows):
 
-- forward: BLOCK_H heads (16..64, the heads of a group rounded up to a power of two; more heads take more
-  CTAs along grid y) x BLOCK_K = 64 gathered kv rows per step, 256 threads, 2 pipeline stages (the gathers
-  become cp.async). q stays in shared memory; the [BLOCK_H, d_v] fp32 accumulator in registers; online
-  softmax in fp32 with exp2 (scores pre-scaled by sm_scale * log2 e); p is rounded to q's dtype for P @ V.
-  Shared memory at DeepSeek's 64 heads, 512 + 64: q 72 KiB + 2 x 72 KiB kv + 8 KiB p = 224 KiB (of 227).
-- backward: BLOCK_H heads (16..64) x BLOCK_K = 32 kv rows, 256 threads, no pipelining (the main loop holds
-  dq [BLOCK_H, D] and the block's dkv [BLOCK_K, D] in fp32 registers). p is recomputed from the saved lse;
-  dS = p * (dP - delta) * sm_scale; dq accumulates in registers over topk, dkv of each block is added to
-  global memory with fp32 atomics (so dkv's last bits vary from run to run, as with the Triton kernel).
+- forward: BLOCK_H heads (16..64: the heads of a group rounded up to a power of two; more heads take more
+  CTAs along grid y) x BLOCK_K = 32 gathered kv rows per step, 8 warps, 3 pipeline stages (the gathers lower
+  to cp.async, prefetched two blocks ahead). q stays in shared memory, the [BLOCK_H, d_v] fp32 accumulator in
+  registers; online softmax in fp32 with exp2 (scores pre-scaled by sm_scale * log2 e); p is rounded to q's
+  dtype for P @ V. At DeepSeek's 64 heads, 512 + 64: q 72 KiB + 3 x 36 KiB kv + 4 KiB p (186 KiB with the
+  reduction scratch), 255 registers, no spills (ptxas, sm_90a).
+- backward: BLOCK_H heads x BLOCK_K = 32 kv rows, 8 warps, not pipelined: the loop holds dq [BLOCK_H, D] and
+  the block's dkv [BLOCK_K, D] in fp32 registers (180 KiB shared memory, 255 registers, 16 B spilled at
+  DeepSeek's shape). p is recomputed from the saved lse; dS = p * (dP - delta) * sm_scale; dq accumulates
+  over topk, each block's dkv rows are added to global memory with fp32 atomics (vectorized pairs), so dkv's
+  last bits vary from run to run, as with the Triton kernel.
+- fewer warps when a GEMM tile is too small to split 8 ways (TileLang gives each warp >= 16 x 8 of it).
 - delta = rowsum(o * dO) over (token, head) rows: 32 rows per CTA, d_v walked in chunks of 128.
 
 Masking: padded heads (the heads of a group not a multiple of BLOCK_H) load zeros and are never stored; the
@@ -40,10 +43,10 @@ LN2 = 0.6931471805599453
 MIN_TILELANG = (0, 1, 15)
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-# Tiling, see the module docstring. NOTE: chosen for sm_90 at d_v 512 + d_rope 64 without a GPU to tune on:
-# BLOCK_K 64 x 2 stages is the most the forward's 227 KiB of shared memory holds next to 64 heads of q; the
-# backward keeps 32 rows so that dq (64 x 576) and dkv (32 x 576) fp32 fit 256 threads' registers.
-FWD = dict(block_k=64, max_warps=8, stages=2)
+# Tiling, see the module docstring. NOTE: chosen from ptxas / shared memory on sm_90a at 64 heads x (512 + 64)
+# without a GPU to time them: a forward BLOCK_K of 64 with 2 stages spills (12 B) and needs 226 of the 227 KiB
+# of shared memory; 32 x 3 stages spills nothing. A backward BLOCK_K of 64 spills 1 KiB, 16 halves the MMA N.
+FWD = dict(block_k=32, max_warps=8, stages=3)
 BWD = dict(block_k=32, max_warps=8)
 DELTA = dict(rows=32, chunk=128, threads=128)
 MAX_BLOCK_H = 64
@@ -69,7 +72,11 @@ def num_warps(max_warps: int, *gemm_outputs: tuple[int, int]) -> int:
     """
     warps = max_warps
     while warps > 1 and not all(
-        any(m % (16 * wm) == 0 and n % (8 * (warps // wm)) == 0 for wm in range(1, warps + 1) if warps % wm == 0)
+        any(
+            m % (16 * wm) == 0 and n % (8 * (warps // wm)) == 0
+            for wm in range(1, warps + 1)
+            if warps % wm == 0
+        )
         for m, n in gemm_outputs
     ):
         warps //= 2
@@ -81,7 +88,8 @@ def _import_error() -> str | None:
     try:
         import tilelang
     except Exception as exc:  # not installed, or a broken install (missing libs, incompatible torch)
-        return f"tilelang is not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); pip install 'loongforge-kernels[tilelang]'"
+        why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+        return f"tilelang is not importable ({why}); pip install 'loongforge-kernels[tilelang]'"
     version = tuple(int(p) for p in tilelang.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     if version < MIN_TILELANG:
         return f"tilelang {tilelang.__version__} is older than {'.'.join(map(str, MIN_TILELANG))}"
@@ -96,7 +104,7 @@ def tilelang_unavailable_reason(device_type: str) -> str | None:
         return "CUDA is not available"
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
-        return f"the TileLang sparse MLA kernels are built and tested for SM >= 9.0 (Hopper); this GPU is SM {major}.{minor}"
+        return f"the TileLang kernels are built for SM >= 9.0 (Hopper); this GPU is SM {major}.{minor}"
     return _import_error()
 
 
@@ -134,7 +142,7 @@ def fwd_program(heads_per_group, groups, d_v, d_rope, topk, sm_scale, dtype, *, 
         Q: T.Tensor([n_tok, heads, dim], dtype),
         KV: T.Tensor([n_kv, groups, dim], dtype),
         Idx: T.Tensor([n_tok, groups, topk], "int32"),
-        O: T.Tensor([n_tok, heads, d_v], dtype),
+        Out: T.Tensor([n_tok, heads, d_v], dtype),
         Lse: T.Tensor([n_tok, heads], acc_t),
     ):
         with T.Kernel(n_tok, n_hb, groups, threads=threads) as (t, hb, g):
@@ -147,9 +155,10 @@ def fwd_program(heads_per_group, groups, d_v, d_rope, topk, sm_scale, dtype, *, 
             valid = T.alloc_fragment([bk], "bool")
             s = T.alloc_fragment([bh, bk], acc_t)
             acc = T.alloc_fragment([bh, d_v], acc_t)
-            m = T.alloc_fragment([bh], acc_t)  # running max of the (log2-scaled) scores, -inf until one is valid
+            # running max of the log2-scaled scores (-inf until one is valid), and its NaN-free use in exp2
+            m = T.alloc_fragment([bh], acc_t)
             m_prev = T.alloc_fragment([bh], acc_t)
-            m_safe = T.alloc_fragment([bh], acc_t)  # m, or 0 while no score is valid (keeps exp2 NaN-free)
+            m_safe = T.alloc_fragment([bh], acc_t)  # m, or 0 while no score is valid
             lsum = T.alloc_fragment([bh], acc_t)  # running sum of exp2(s - m)
             l_blk = T.alloc_fragment([bh], acc_t)
             alpha = T.alloc_fragment([bh], acc_t)
@@ -201,10 +210,12 @@ def fwd_program(heads_per_group, groups, d_v, d_rope, topk, sm_scale, dtype, *, 
 
             for i, d in T.Parallel(bh, d_v):
                 if h_lo + i < hpg:
-                    O[t, g * hpg + h_lo + i, d] = T.cast(acc[i, d] / lsum[i] if lsum[i] > 0 else 0.0, dtype)
+                    Out[t, g * hpg + h_lo + i, d] = T.cast(acc[i, d] / lsum[i] if lsum[i] > 0 else 0.0, dtype)
             for i in T.Parallel(bh):
                 if h_lo + i < hpg:
-                    Lse[t, g * hpg + h_lo + i] = (m[i] + T.log2(lsum[i])) * LN2 if lsum[i] > 0 else -T.infinity(acc_t)
+                    Lse[t, g * hpg + h_lo + i] = (
+                        (m[i] + T.log2(lsum[i])) * LN2 if lsum[i] > 0 else -T.infinity(acc_t)
+                    )
 
     return sparse_mla_fwd
 
@@ -219,7 +230,7 @@ def delta_program(d_v, dtype, *, rows, chunk, threads):
 
     @T.prim_func
     def sparse_mla_delta(
-        O: T.Tensor([n_rows, d_v], dtype),
+        Out: T.Tensor([n_rows, d_v], dtype),
         dO: T.Tensor([n_rows, d_v], dtype),
         Delta: T.Tensor([n_rows], acc_t),
     ):
@@ -231,7 +242,7 @@ def delta_program(d_v, dtype, *, rows, chunk, threads):
                 for i, j in T.Parallel(rows, chunk):
                     r, d = bx * rows + i, c * chunk + j
                     if r < n_rows and d < d_v:
-                        acc[i, j] += T.cast(O[r, d], acc_t) * T.cast(dO[r, d], acc_t)
+                        acc[i, j] += T.cast(Out[r, d], acc_t) * T.cast(dO[r, d], acc_t)
             T.reduce_sum(acc, delta, dim=1)
             for i in T.Parallel(rows):
                 if bx * rows + i < n_rows:
@@ -314,7 +325,9 @@ def bwd_program(heads_per_group, groups, d_v, d_rope, topk, sm_scale, dtype, *, 
                 if d_rope:
                     T.gemm(q_r, k_r, p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(bh, bk):
-                    p[i, j] = T.exp2(p[i, j] * scale_log2 - lse2[i]) if rows[j] >= 0 and h_lo + i < hpg else 0.0
+                    p[i, j] = (
+                        T.exp2(p[i, j] * scale_log2 - lse2[i]) if rows[j] >= 0 and h_lo + i < hpg else 0.0
+                    )
                 # dS = p * (dO . v - delta) * sm_scale
                 T.gemm(do_s, k_v, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(bh, bk):
@@ -331,7 +344,9 @@ def bwd_program(heads_per_group, groups, d_v, d_rope, topk, sm_scale, dtype, *, 
                         T.atomic_add(dKV[rows[j], g, d], dk_v[j, d])
                 if d_rope:
                     T.gemm(ds_s, k_r, dq_r, policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(ds_s, q_r, dk_r, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(
+                        ds_s, q_r, dk_r, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol
+                    )
                     for j, d in T.Parallel(bk, d_rope):
                         if rows[j] >= 0:
                             T.atomic_add(dKV[rows[j], g, d_v + d], dk_r[j, d])
@@ -358,7 +373,9 @@ def compile_program(program, out_idx, target=None):
 
 @functools.lru_cache(maxsize=64)
 def _fwd_kernel(hpg, groups, d_v, d_rope, topk, sm_scale, dtype):
-    return compile_program(fwd_program(hpg, groups, d_v, d_rope, topk, sm_scale, dtype, **FWD), out_idx=[-2, -1])
+    return compile_program(
+        fwd_program(hpg, groups, d_v, d_rope, topk, sm_scale, dtype, **FWD), out_idx=[-2, -1]
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -371,10 +388,18 @@ def _bwd_kernel(hpg, groups, d_v, d_rope, topk, sm_scale, dtype):
     return compile_program(bwd_program(hpg, groups, d_v, d_rope, topk, sm_scale, dtype, **BWD), out_idx=[-1])
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous and 16-byte aligned (the kernels load 16-byte vectors from each tensor's base)."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 class TileLangSparseMLAFunction(torch.autograd.Function):
     """Autograd wrapper of the TileLang kernels; saves q, kv, indices, o and the fp32 lse.
 
-    Inputs must be contiguous, indices int32, q / kv bf16 or fp16 (see :func:`sparse_mla_attention_tilelang`).
+    q / kv bf16 or fp16 and indices int32, all contiguous and 16-byte aligned (see
+    :func:`sparse_mla_attention_tilelang`, which prepares them).
     """
 
     @staticmethod
@@ -384,8 +409,9 @@ class TileLangSparseMLAFunction(torch.autograd.Function):
         topk = indices.shape[-1]
         if t and topk and n_kv:
             key = (h // g, g, d_v, d - d_v, topk, sm_scale, DTYPES[q.dtype])
-            o, lse = _fwd_kernel(*key)(q, kv, indices)
-        else:  # nothing to attend to: the kernels would gather from an empty kv
+            with torch.cuda.device(q.device):
+                o, lse = _fwd_kernel(*key)(q, kv, indices)
+        else:  # nothing to attend to (and the kernels would gather from an empty kv)
             o = torch.zeros(t, h, d_v, dtype=q.dtype, device=q.device)
             lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, kv, indices, o, lse)
@@ -402,19 +428,20 @@ class TileLangSparseMLAFunction(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         if not (t and topk and n_kv):
             return torch.zeros_like(q), dkv.to(kv.dtype), None, None, None
-        do = do.contiguous()
+        do = _dense(do)
         dtype = DTYPES[q.dtype]
-        delta = _delta_kernel(d_v, dtype)(o.view(t * h, d_v), do.view(t * h, d_v)).view(t, h)
         key = (h // g, g, d_v, d - d_v, topk, ctx.sm_scale, dtype)
-        dq = _bwd_kernel(*key)(q, kv, indices, do, lse, delta, dkv)
+        with torch.cuda.device(q.device):
+            delta = _delta_kernel(d_v, dtype)(o.view(t * h, d_v), do.view(t * h, d_v)).view(t, h)
+            dq = _bwd_kernel(*key)(q, kv, indices, do, lse, delta, dkv)
         return dq, dkv.to(kv.dtype), None, None, None  # the postprocess: one cast of the fp32 sum
 
 
 def sparse_mla_attention_tilelang(q, kv, indices, scale: float, d_v: int, return_lse: bool = False):
-    """:func:`loongforge_kernels.sparse_mla_attention` on the TileLang kernels (inputs already validated).
+    """:func:`loongforge_kernels.sparse_mla_attention` on the TileLang kernels (shapes already validated).
 
-    ``scale`` is the softmax scale (not None). Raises ``KernelUnavailableError`` when the kernels cannot run
-    these tensors (see :func:`unsupported_reason`).
+    ``scale`` is the softmax scale (a float, not None). Raises ``KernelUnavailableError`` when the kernels
+    cannot run these tensors (see :func:`unsupported_reason`).
     """
     from loongforge_kernels._dispatch import KernelUnavailableError
 
@@ -423,9 +450,8 @@ def sparse_mla_attention_tilelang(q, kv, indices, scale: float, d_v: int, return
         raise KernelUnavailableError(f"TileLang kernels requested but unusable: {reason}")
     if not math.isfinite(scale):
         raise ValueError(f"sparse_mla_attention: sm_scale must be finite, got {scale}")
-    o, lse = TileLangSparseMLAFunction.apply(
-        q.contiguous(), kv.contiguous(), indices.to(torch.int32).contiguous(), float(scale), d_v
-    )
+    idx = _dense(indices.to(torch.int32))
+    o, lse = TileLangSparseMLAFunction.apply(_dense(q), _dense(kv), idx, float(scale), d_v)
     return (o, lse) if return_lse else o
 
 
