@@ -19,13 +19,17 @@
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
 #   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
 #   step   (1 GPU, ~8 min)  pi05 model step ours vs LeRobot's (no profile), then ours with train.compile, batch 16
+#   tilelang (1 GPU, ~8 min) TileLang sparse MLA GPU tests + benchmark rows, and the CUDA-graph training test; carry .tl
+#         (tilelang 0.1.15 and z3-solver unpacked and xz-compressed: the wheels are 47 + 28 MB, over one call's
+#         64 MiB; `tar -C <unzipped wheel> -cJf .tl/tl.tar.xz .`, same for z3 -> .tl/z3.tar.xz, plus the
+#         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | e2e_compile}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|e2e_compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | e2e_compile)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -40,6 +44,14 @@ if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
   exit 3
 fi
 PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')$site
+if [[ $phase == tilelang ]]; then
+  [[ -f .tl/tl.tar.xz && -f .tl/z3.tar.xz ]] || { echo "carry .tl (see the header)" >&2; exit 3; }
+  mkdir -p /tmp/tlsite && tar -xJf .tl/tl.tar.xz -C /tmp/tlsite && tar -xJf .tl/z3.tar.xz -C /tmp/tlsite \
+    && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/tlsite .tl/*.whl >> "$out/pip.log" 2>&1 \
+    || { echo "tilelang unpack/install failed" >&2; tail -5 "$out/pip.log"; exit 3; }
+  PYTHONPATH=$PYTHONPATH:/tmp/tlsite
+  python3 -c "import tilelang, z3; print('tilelang', tilelang.__version__)" 2>&1 | tail -3
+fi
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
@@ -73,13 +85,20 @@ case $phase in
       --warmup 4 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     ;;
   e2e_compile)
-    step pi05_e2e_ours_compile 400 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
-      --warmup 5 --only ours --compile --data-root .vla_data/pusht224 --workers 8
+    step pi05_e2e_ours_graphs 330 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     ;;
   step)
     step pi05_step 220 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
     step pi05_compile_b16 280 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 5 --only ours --compile
+    ;;
+  tilelang)
+    step tilelang_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
+      packages/loongforge-kernels/tests/test_gpu.py -k "tilelang or sparse_mla"
+    step sparse_mla_bench 120 python3 benchmarks/kernels_bench.py --only sparse_mla --out "$out/kernels_sparse_mla.md"
+    step graphs_test 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-embodied/tests/test_gpu_compile.py
     ;;
   graphs)
     step pi05_compile_graphs 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 10 \
