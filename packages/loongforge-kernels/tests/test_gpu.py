@@ -1,4 +1,4 @@
-"""The compiled Triton kernels on a CUDA device at training-like shapes (skipped without CUDA)."""
+"""The compiled Triton (and TileLang) kernels on a CUDA device at training-like shapes (skipped without CUDA)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ Two GPU implementations share this contract, the reference and the tests: the Tr
 TileLang kernels of :mod:`loongforge_kernels.tilelang_sparse_mla` (``impl="tilelang"``; tilelang is an optional
 dependency, ``pip install 'loongforge-kernels[tilelang]'``, and JIT-compiles through TVM and nvcc for SM >= 9.0).
 ``auto`` on CUDA takes TileLang when it can run the call (importable, Hopper or newer, bf16 / fp16, head dims
-multiples of 16), else Triton; ``LOONGFORGE_KERNELS=triton`` / ``impl="triton"`` pins Triton. TileLang has no
-CPU interpreter: without a GPU its kernels can only be compiled for sm_90a (tests/test_sparse_mla.py, where
-tilelang and nvcc are installed); tests/test_gpu.py runs them against the reference.
+multiples of 16), else Triton; ``LOONGFORGE_KERNELS=triton`` / ``impl="triton"`` pins Triton. Without a GPU
+the TileLang kernels are compiled for sm_90a and run serially on TileLang's C backend against the reference
+(tests/test_sparse_mla.py, where tilelang and nvcc are installed); tests/test_gpu.py runs them on the GPU.
 
 NOTE: both follow the TileLang design (tile-lang ``examples/deepseek_v32`` sparse_mla_fwd / sparse_mla_bwd,
 and FlashMLA's sparse kernels): one program per (query token, kv group, block of heads), topk walked in blocks

@@ -35,6 +35,7 @@ tilelang's own cache); token counts are dynamic, so one compile serves every seq
 # (T.Tensor shapes built from closure variables), which string annotations would hide.
 import functools
 import math
+import os
 
 import torch
 
@@ -50,7 +51,7 @@ FWD = dict(block_k=32, max_warps=8, stages=3)
 BWD = dict(block_k=32, max_warps=8)
 DELTA = dict(rows=32, chunk=128, threads=128)
 MAX_BLOCK_H = 64
-TARGET = "auto"  # tilelang's target; the CPU-only compile check passes an explicit sm_90 target instead
+TARGET = "auto"  # tilelang picks the current GPU (sm_90a on Hopper); the CPU-only tests pass their own
 
 PASS_CONFIGS = {
     # gathers are indexed per row: no TMA, and no producer / consumer warp specialization to feed it
@@ -84,15 +85,23 @@ def num_warps(max_warps: int, *gemm_outputs: tuple[int, int]) -> int:
 
 
 @functools.cache
-def _import_error() -> str | None:
+def _setup_error() -> str | None:
+    """Why tilelang cannot build kernels here (not importable, too old, no nvcc), or None."""
     try:
         import tilelang
+        from tilelang.contrib.nvcc import get_nvcc_compiler
     except Exception as exc:  # not installed, or a broken install (missing libs, incompatible torch)
         why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
         return f"tilelang is not importable ({why}); pip install 'loongforge-kernels[tilelang]'"
     version = tuple(int(p) for p in tilelang.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     if version < MIN_TILELANG:
         return f"tilelang {tilelang.__version__} is older than {'.'.join(map(str, MIN_TILELANG))}"
+    try:
+        nvcc = get_nvcc_compiler()
+    except RuntimeError:
+        nvcc = ""
+    if not os.path.isfile(nvcc):
+        return "tilelang found no nvcc to compile with: set CUDA_HOME, or pip install nvidia-cuda-nvcc"
     return None
 
 
@@ -105,7 +114,7 @@ def tilelang_unavailable_reason(device_type: str) -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
         return f"the TileLang kernels are built for SM >= 9.0 (Hopper); this GPU is SM {major}.{minor}"
-    return _import_error()
+    return _setup_error()
 
 
 def unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
