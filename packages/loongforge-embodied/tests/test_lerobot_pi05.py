@@ -330,8 +330,16 @@ def test_compiled_units_give_the_eager_losses(tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-5), (eager, compiled)
 
 
-def test_compile_mode_needs_compile():
+def test_compile_mode_needs_compile(capsys):
+    """``compile_mode`` without ``compile`` is refused; CUDA graphs (reduce-overhead) are refused with gradient
+    accumulation (they failed on the GPU there) and accepted with one micro-batch a step."""
     from loongforge.cli import main
 
-    assert main(["validate", str(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml"),
-                 "train.compile_mode=reduce-overhead"]) == 2
+    tiny = str(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml")
+    assert main(["validate", tiny, "train.compile_mode=reduce-overhead"]) == 2
+    assert "compile_mode" in capsys.readouterr().err
+    graphs = ["train.compile=true", "train.compile_mode=reduce-overhead"]
+    assert main(["validate", tiny, *graphs]) == 2  # global 4 / micro 2: two micro-batches a step
+    err = capsys.readouterr().err
+    assert "key 'train.compile_mode'" in err and "2 micro-batch(es)" in err and err.count("\n") == 1, err
+    assert main(["validate", tiny, *graphs, "train.micro_batch_size=4"]) == 0
