@@ -85,9 +85,12 @@ def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
         return model(**batch).loss.item()
 
 
-def test_cpt_first_step_loss_equals_transformers(tmp_path):
+@pytest.mark.parametrize("spec", ["loongforge", "local"])
+def test_cpt_first_step_loss_equals_transformers(tmp_path, spec):
+    """Both layer specs: ours (SDPA attention for CLIP and the LM, kernel RMSNorm / SwiGLU / RoPE; what auto picks)
+    and megatron's local one."""
     hf_dir = save_llava(tmp_path / "hf")
-    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir))
+    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir, f"kernels.spec={spec}"))
     ref = hf_loss(hf_dir, hf_batch(batches))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
@@ -114,7 +117,7 @@ def test_unsupported_layouts_are_refused(capsys):
     from loongforge.cli import main
 
     for override, key in (("parallel.pp=2", "parallel.pp"), ("parallel.sp=true", "parallel.sp"),
-                          ("train.stage=lora", "train.stage")):
+                          ("train.stage=lora", "train.stage"), ("kernels.spec=te", "kernels.spec")):
         assert main(["validate", str(RECIPE), override, "parallel.tp=2" if "sp" in override else "train.seed=1",
                      "--world-size", "2"]) == 2
         err = capsys.readouterr().err

@@ -9,6 +9,7 @@ from loongforge.checkpoint import (
     GatedMLP,
     Replicated,
     RowParallel,
+    Shared,
     VocabParallel,
     check_shapes,
     padded_vocab_size,
@@ -33,6 +34,18 @@ def test_simple_rules_roundtrip_and_shapes(tp):
     assert all(s.shape == (8, 12 // tp) for s in _roundtrip(RowParallel(), {"t": w}, tp))
     shards = _roundtrip(GatedMLP(), {"gate": w, "up": w + 1}, tp)
     assert torch.equal(shards[0], torch.cat([w[: 8 // tp], (w + 1)[: 8 // tp]]))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_holds_one_copy_and_refuses_copies_that_differ(tp):
+    w = torch.randn(6, 4)
+    rule = Shared(copies=3)
+    assert rule.roles == ("0", "1", "2")
+    shards = _roundtrip(rule, {r: w.clone() for r in rule.roles}, tp)
+    assert all(torch.equal(s, w) for s in shards)
+    assert rule.shard_shape({r: (6, 4) for r in rule.roles}, tp_size=tp) == (6, 4)
+    with pytest.raises(CheckpointError, match="copy 2 differs from copy 0"):
+        rule.to_megatron({"0": w, "1": w, "2": w + 1e-6}, tp_rank=0, tp_size=tp)
 
 
 def test_vocab_parallel_pads_and_strips():

@@ -69,6 +69,20 @@ def test_single_shard_has_no_index(tmp_path):
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["model.safetensors"]
 
 
+def test_stem_names_the_weight_files(tmp_path):
+    """diffusers names its weights diffusion_pytorch_model[-0000i-of-0000n].safetensors (+ its index)."""
+    ts = _tensors()
+    for out, limit in ((tmp_path / "one", 2**30), (tmp_path / "two", 8 * 1024)):
+        with ShardedSafetensorsWriter(out, _specs(ts), max_shard_bytes=limit, stem="diffusion_pytorch_model") as w:
+            for k, v in ts.items():
+                w.add(k, v)
+        assert set(SafetensorsReader(out).keys()) == set(ts)
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["diffusion_pytorch_model.safetensors"]
+    two = sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert "diffusion_pytorch_model.safetensors.index.json" in two
+    assert "diffusion_pytorch_model-00001-of-00002.safetensors" in two
+
+
 def test_writer_refuses_non_empty_and_aborts_cleanly(tmp_path):
     out = tmp_path / "o"
     out.mkdir()

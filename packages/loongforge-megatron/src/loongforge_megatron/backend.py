@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
+from pydantic import ValidationError
 
 from loongforge_megatron.config import DataConfig, ModelConfig
 
@@ -21,7 +22,8 @@ def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
 
 
 class MegatronBackend(Backend):
-    """Pretrain / CPT / SFT / LoRA of decoder-only LMs with megatron-core's model, schedules, DDP and optimizer."""
+    """Pretrain / CPT / SFT / LoRA of decoder-only LMs, LLaVA VLMs and class-conditional DiTs with megatron-core's
+    models / layers, schedules, DDP and optimizer."""
 
     name = "megatron"
     model_schema = ModelConfig
@@ -56,9 +58,12 @@ class MegatronBackend(Backend):
         try:
             arch = recipe.model.arch()
         except (ValueError, TypeError) as exc:
-            raise RecipeError(f"invalid architecture: {exc}".splitlines()[0], key="model") from None
+            errors = exc.errors() if isinstance(exc, ValidationError) else None  # NOTE: its first line only counts
+            detail = f"{errors[0]['msg'].removeprefix('Value error, ')}" if errors else str(exc)
+            raise RecipeError(f"invalid architecture: {detail}".splitlines()[0], key="model") from None
         plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
-                         num_query_groups=arch.kv_heads, num_experts=arch.num_experts, seq_length=recipe.data.seq_length)
+                         num_query_groups=arch.kv_heads, num_experts=arch.num_experts,
+                         seq_length=arch.num_patches if arch.is_dit else recipe.data.seq_length)
         plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size, micro_batch_size=recipe.train.micro_batch_size)
         if plan.vpp > 1 and plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size,
                                                    micro_batch_size=recipe.train.micro_batch_size) % plan.pp:
@@ -66,6 +71,13 @@ class MegatronBackend(Backend):
                 f"interleaved pipeline (vpp = {plan.vpp}) needs micro-batches per step divisible by pp = {plan.pp}",
                 key="train.global_batch_size",
             )
+        if arch.is_dit:
+            self._check_dit(recipe, plan, arch)
+            return
+        dit_only = "model.vae" if recipe.model.vae else "data.format" if recipe.data.format == "latents" else None
+        if dit_only:
+            raise RecipeError(f"{dit_only} is for DiT models (e.g. model.preset dit-tiny or model.hf of a diffusers "
+                              "DiTTransformer2DModel)", key=dit_only)
         if arch.is_vlm:
             self._check_vlm(recipe, plan, arch)
         elif recipe.data.format == "llava":
@@ -95,9 +107,9 @@ class MegatronBackend(Backend):
         if recipe.data.format not in ("synthetic", "llava"):
             raise RecipeError(f"LLaVA models train on data.format llava (image-text conversations) or synthetic "
                               f"(got '{recipe.data.format}')", key="data.format")
-        if recipe.kernels.spec not in ("auto", "local"):
-            raise RecipeError(f"LLaVA models use megatron's local layer specs (got '{recipe.kernels.spec}')",
-                              key="kernels.spec")
+        if recipe.kernels.spec not in ("auto", "loongforge", "local"):
+            raise RecipeError(f"LLaVA models use the loongforge (SDPA + fused kernels) or megatron's local layer specs "
+                              f"(got '{recipe.kernels.spec}')", key="kernels.spec")
         if arch.rope_scaling_factor is not None:
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
         heads = arch.vision["vision_config"]["num_attention_heads"]
@@ -107,6 +119,60 @@ class MegatronBackend(Backend):
         if recipe.data.seq_length <= image_seq_length(arch) + 2:
             raise RecipeError(f"data.seq_length must exceed the {image_seq_length(arch)} image embeddings plus text",
                               key="data.seq_length")
+
+    @staticmethod
+    def _check_dit(recipe: Recipe, plan: Any, arch: Any) -> None:
+        """What the DiT path supports: TP / DP / distributed optimizer (+ recompute), pretrain or CPT on latents
+        (synthetic, or an image folder encoded by model.vae), resumable checkpoints and diffusers export."""
+        import importlib.util
+
+        if importlib.util.find_spec("diffusers") is None:
+            raise RecipeError("DiT models need diffusers: pip install 'loongforge-megatron[diffusion]'", key="model")
+        for key, value in (("parallel.pp", plan.pp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
+            if value != 1:
+                raise RecipeError(f"DiT models train with tensor and data parallelism only (got {value})", key=key)
+        if plan.sp:
+            raise RecipeError("DiT models do not support sequence parallelism yet", key="parallel.sp")
+        for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
+            if n % plan.tp:
+                raise RecipeError(f"DiT {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
+        t, data, model = recipe.train, recipe.data, recipe.model
+        if t.stage not in ("pretrain", "cpt"):
+            raise RecipeError(f"DiT models support train.stage pretrain / cpt (got '{t.stage}')", key="train.stage")
+        if t.eval_interval:
+            raise RecipeError("DiT models have no validation pass yet; remove train.eval_interval",
+                              key="train.eval_interval")
+        if "peft" in recipe.checkpoint.save_format:
+            raise RecipeError("DiT models have no LoRA adapters to export", key="checkpoint.save_format")
+        if recipe.kernels.spec == "te":
+            raise RecipeError("DiT models use the loongforge (SDPA) or local attention spec, not te",
+                              key="kernels.spec")
+        if data.format != "latents":
+            raise RecipeError(f"DiT models train on data.format latents (synthetic without data.path, an image "
+                              f"folder with it; got '{data.format}')", key="data.format")
+        if model.tokenizer:
+            raise RecipeError("DiT models have no tokenizer", key="model.tokenizer")
+        defaults = type(data).model_fields
+        for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split"):
+            if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
+                raise RecipeError(f"not used by DiT models (a sample is {arch.num_patches} latent patches)",
+                                  key=f"data.{key}")
+        if data.path and not model.vae:
+            raise RecipeError("an image folder (data.path) needs model.vae, the diffusers AutoencoderKL folder that "
+                              "encodes it", key="model.vae")
+        if model.vae and not data.path:
+            raise RecipeError("model.vae encodes the images of data.path; synthetic latents (no data.path) need none",
+                              key="model.vae")
+        if data.image_size is not None:
+            from loongforge_megatron.data.latents import VAE_DOWNSAMPLING as f
+
+            if data.image_size % (f * arch.patch_size):
+                raise RecipeError(f"{data.image_size} is not divisible by {f} (VAE) x {arch.patch_size} (patch) = "
+                                  f"{f * arch.patch_size}", key="data.image_size")
+            if data.image_size != f * arch.sample_size:
+                raise RecipeError(f"{data.image_size} px images give {data.image_size // f} x {data.image_size // f} "
+                                  f"latents but the model's sample_size is {arch.sample_size}; set model.sample_size: "
+                                  f"{data.image_size // f}", key="data.image_size")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         import warnings

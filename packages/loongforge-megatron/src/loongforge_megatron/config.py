@@ -9,19 +9,23 @@ from loongforge.recipe.schema import Section
 from pydantic import Field, model_validator
 
 from loongforge_megatron.models.arch import Arch
+from loongforge_megatron.models.dit import DiTArch
 from loongforge_megatron.models.presets import PRESETS
 
-_ARCH_FIELDS = [f for f in Arch.model_fields if f != "family"]
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae")
+_DIT_FIELDS = [f for f in DiTArch.model_fields if f != "family"]
 
 
 class ModelConfig(Section):
-    """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json), or explicit
-    sizes. Any architecture field given here overrides the preset / HF value."""
+    """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json; for a DiT a
+    diffusers ``DiTTransformer2DModel`` folder), or explicit sizes. Any architecture field given here overrides the
+    preset / HF value."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] | None = None
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "dit"] | None = None
     preset: str | None = None
     hf: str | None = Field(None, description="HF model directory; its config.json gives the architecture")
     tokenizer: str | None = Field(None, description="HF tokenizer dir (default: data.tokenizer, then model.hf)")
+    vae: str | None = Field(None, description="DiT: diffusers AutoencoderKL directory that encodes data.path's images")
     # architecture overrides (all optional)
     num_layers: int | None = Field(None, ge=1)
     hidden_size: int | None = Field(None, ge=1)
@@ -41,6 +45,12 @@ class ModelConfig(Section):
     moe_topk: int | None = Field(None, ge=1)
     moe_ffn_hidden_size: int | None = Field(None, ge=1)
     moe_aux_loss_coeff: float | None = Field(None, ge=0)
+    # DiT architecture overrides (with num_layers, hidden_size, num_attention_heads, norm_eps)
+    patch_size: int | None = Field(None, ge=1)
+    sample_size: int | None = Field(None, ge=1, description="DiT: latent side (image side / 8)")
+    in_channels: int | None = Field(None, ge=1, description="DiT: latent channels")
+    learn_sigma: bool | None = Field(None, description="DiT: also predict the variance (out_channels = 2 x in)")
+    num_classes: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -51,13 +61,15 @@ class ModelConfig(Section):
         if self.preset and self.hf:
             raise ValueError("give either preset or hf, not both")
         if not self.preset and not self.hf:
-            missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size") if getattr(self, f) is None]
+            need = (("num_layers", "hidden_size", "num_attention_heads") if self.family == "dit" else
+                    ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"))
+            missing = [f for f in need if getattr(self, f) is None]
             if missing:
                 raise ValueError(f"give a preset, an hf directory, or explicit sizes (missing: {', '.join(missing)})")
         return self
 
-    def arch(self) -> Arch:
-        """Resolve preset / HF config / explicit sizes into an :class:`Arch`."""
+    def arch(self) -> Arch | DiTArch:
+        """Resolve preset / HF config / explicit sizes into an :class:`Arch` (a :class:`DiTArch` for family dit)."""
         if self.hf:
             from loongforge_megatron.models.translate import arch_from_hf
 
@@ -68,8 +80,15 @@ class ModelConfig(Section):
             base = {}
         if self.family:
             base["family"] = self.family
-        base.update({f: getattr(self, f) for f in _ARCH_FIELDS if f in type(self).model_fields and getattr(self, f) is not None})
-        return Arch(**base)
+        given = {f: getattr(self, f) for f in type(self).model_fields if f not in _NOT_ARCH and getattr(self, f) is not None}
+        dit = base.get("family") == "dit"
+        fields = _DIT_FIELDS if dit else Arch.model_fields
+        wrong = [f for f in given if f not in fields]
+        if wrong:
+            kind = "a DiT" if dit else "a language model"
+            raise ValueError(f"model.{wrong[0]} is not a setting of {kind}")
+        base.update(given)
+        return DiTArch(**base) if dit else Arch(**base)
 
 
 class DataSource(Section):
@@ -94,9 +113,10 @@ class BlendItem(Section):
 
 class DataConfig(Section):
     """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic, llava
-    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file)."""
+    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file), latents (a DiT's: synthetic
+    latents without ``path``; with it an image folder, one sub-folder per class, encoded by ``model.vae``)."""
 
-    format: Literal["pretrain", "sft", "synthetic", "llava"] = "pretrain"
+    format: Literal["pretrain", "sft", "synthetic", "llava", "latents"] = "pretrain"
     path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
     blend: list[BlendItem] = Field(default_factory=list, description="weighted dataset prefixes (default: PATH/train)")
     seq_length: int = Field(1024, ge=8)
@@ -107,9 +127,16 @@ class DataConfig(Section):
     sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention")
     num_workers: int = Field(0, ge=0)
+    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size)")
+    class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
+                                        "by the null class, for classifier-free guidance (default 0.1)")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.format != "synthetic" and not self.path and not self.blend:
+        if self.format != "latents":
+            for key in ("image_size", "class_dropout"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
+        if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         return self

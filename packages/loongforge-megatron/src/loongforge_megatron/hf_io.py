@@ -116,7 +116,8 @@ def _receiver(mine, owner, specs) -> tuple[Callable, Callable]:
 
 
 def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
-    """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer.
+    """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer
+    (a DiT: a diffusers DiTTransformer2DModel folder, config.json + diffusion_pytorch_model.safetensors).
 
     Streams: rank 0 walks the HF tensors in order and every other rank sends each shard it owns point-to-point
     the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All
@@ -136,7 +137,7 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     out = None
     if me == 0:
         read, spec = _receiver(mine, owner, specs)
-        tok_dir = tokenizer_dir(job.recipe)
+        tok_dir = None if job.arch.is_dit else tokenizer_dir(job.recipe)
 
         def put_assets(staging: Path) -> None:
             if tok_dir is not None:

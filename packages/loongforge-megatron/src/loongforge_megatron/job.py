@@ -7,6 +7,7 @@ metrics, checkpoints and the HF export.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,20 +62,28 @@ class MegatronJob(Job):
         from loongforge_megatron.models.translate import transformer_config
 
         recipe, plan, arch = self.recipe, self.plan, self.arch
-        self.tokenizer = self._tokenizer()
+        self.tokenizer = None if arch.is_dit else self._tokenizer()
         if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
             raise RecipeError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}",
                               key="model.vocab_size")
         self.device = self.acc.device()
         cpu = self.acc.device_type == "cpu"
         self.precision = self.acc.resolve_precision(recipe.train.precision)
-        self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
-        self.spec_name = "local" if arch.is_vlm else self._spec_name()
-        self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
-        if arch.is_vlm:
-            self._build_vlm()
+        # what one sample is made of, for the schedules and the throughput metrics: tokens, or a DiT's latent patches
+        self.seq_length = arch.num_patches if arch.is_dit else recipe.data.seq_length
+        self.loss_key = "lm loss"
+        if arch.is_dit:
+            self._build_dit()
         else:
-            self._build_lm()
+            self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
+            # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused by the backend) mean ours.
+            self.spec_name = ("local" if recipe.kernels.spec == "local" else "loongforge") if arch.is_vlm \
+                else self._spec_name()
+            self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
+            if arch.is_vlm:
+                self._build_vlm()
+            else:
+                self._build_lm()
         t = recipe.train
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
@@ -88,7 +97,9 @@ class MegatronJob(Job):
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         num_valid = (t.steps // t.eval_interval + 1) * t.eval_steps * t.global_batch_size if t.eval_interval else None
-        if arch.is_vlm and recipe.data.format == "llava":
+        if arch.is_dit:
+            dataset, valid = self._latents, None
+        elif arch.is_vlm and recipe.data.format == "llava":
             from loongforge_megatron.engine.llava import ImageTextConversations
 
             dataset, valid = ImageTextConversations(recipe.data.path, tokenizer=self.tokenizer, arch=arch,
@@ -108,7 +119,13 @@ class MegatronJob(Job):
                                              micro_batch_size=t.micro_batch_size, **dp) if valid is not None else None)
 
         self.forward_step_fn = None
-        if arch.is_vlm:
+        if arch.is_dit:
+            from loongforge_megatron.engine import dit
+
+            self.forward_step_fn = functools.partial(dit.forward_step, scheduler=dit.noise_scheduler(),
+                                                     encoder=self.encoder)
+            self.loss_key = dit.LOSS_KEY
+        elif arch.is_vlm:
             from loongforge_megatron.engine.llava import forward_step
 
             self.forward_step_fn = forward_step
@@ -116,7 +133,7 @@ class MegatronJob(Job):
             from loongforge_megatron.spec.output import forward_step_with_fused_loss
 
             self.forward_step_fn = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=self.acc)
-        self.flops_per_token = arch.flops_per_token(recipe.data.seq_length)
+        self.flops_per_token = arch.flops_per_token(self.seq_length)
         self.router_load = None
         if arch.is_moe:
             from loongforge_megatron.engine.router_load import RouterLoad
@@ -160,15 +177,29 @@ class MegatronJob(Job):
             pre_wrap=self._before_ddp,
         )
 
+    def _build_dit(self) -> None:
+        """DiT: megatron TransformerBlock of adaLN-Zero layers (``engine/dit.py``). The data comes first, so a bad
+        image folder or VAE fails before the model is built."""
+        from loongforge_megatron.data.latents import build_latents
+        from loongforge_megatron.engine import dit
+
+        self._latents, self.encoder = build_latents(self.recipe, arch=self.arch, device=self.device)
+        self.config = dit.transformer_config(self.arch, plan=self.plan, precision=self.precision)
+        self.spec_name = "local" if self.recipe.kernels.spec == "local" else "loongforge"
+        self.model = dit.build_dit(
+            config=self.config, arch=self.arch, device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
+            attention="local" if self.spec_name == "local" else "sdpa", pre_wrap=self._before_ddp)
+
     def _build_vlm(self) -> None:
-        """LLaVA: megatron's LLaVAModel (local specs); initial HF weights are loaded before DDP wraps it."""
+        """LLaVA: megatron's LLaVAModel (``engine.llava.layer_specs``); initial HF weights are loaded before DDP
+        wraps it."""
         from loongforge_megatron.engine.llava import build_llava
 
         self.model = build_llava(
             language=self.config, arch=self.arch, vocab_size=self.vocab_size,
             max_sequence_length=max(self.arch.max_position_embeddings, self.recipe.data.seq_length),
             device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
-            pre_wrap=self._before_ddp)
+            pre_wrap=self._before_ddp, spec=self.spec_name, provider=self.recipe.kernels.provider, accelerator=self.acc)
 
     def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:
         """Initial weights and LoRA adapters go in before megatron DDP builds its grad buffers."""
@@ -264,14 +295,17 @@ class MegatronJob(Job):
         batches = self.schedule.microbatches(self.step_index, device=self.device)
         out = engine.train_step(
             model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler, data_iterator=iter(batches),
-            num_microbatches=self.num_microbatches, seq_length=self.recipe.data.seq_length,
+            num_microbatches=self.num_microbatches, seq_length=self.seq_length,
             micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=self.forward_step_fn,
+            loss_key=self.loss_key,
         )
         self.acc.synchronize()
         dt = time.perf_counter() - t0
         self.step_index += 1
-        tokens = self.recipe.train.global_batch_size * self.recipe.data.seq_length
+        tokens = self.recipe.train.global_batch_size * self.seq_length
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
+        if self.arch.is_dit:
+            metrics["samples_per_s"] = self.recipe.train.global_batch_size / dt  # images (tokens: latent patches)
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
         if self.router_load is not None:
@@ -301,7 +335,7 @@ class MegatronJob(Job):
         for k in range(t.eval_steps):
             batches += self.valid_schedule.microbatches(index * t.eval_steps + k, device=self.device)
         return engine.evaluate(model_chunks=self.model, data_iterator=iter(batches), num_microbatches=len(batches),
-                               seq_length=self.recipe.data.seq_length, micro_batch_size=t.micro_batch_size,
+                               seq_length=self.seq_length, micro_batch_size=t.micro_batch_size,
                                forward_step_fn=self.forward_step_fn)
 
     def run(self) -> dict[str, Any]:
@@ -346,7 +380,7 @@ class MegatronJob(Job):
 
 
 def unwrapped(job: MegatronJob) -> list[torch.nn.Module]:
-    """The GPTModel chunks inside their DDP wrappers (also before the wrappers exist)."""
+    """The model chunks (GPTModel, LLaVAModel, DiTModel) inside their DDP wrappers (also before they exist)."""
     if not hasattr(job, "model"):
         return job._unwrapped
     from loongforge_megatron.engine.model import unwrap

@@ -20,6 +20,7 @@ from loongforge.checkpoint.mapping import (
     Reshaped,
     RowParallel,
     Rule,
+    Shared,
     VocabParallel,
     padded_vocab_size,
 )
@@ -32,7 +33,7 @@ from loongforge.checkpoint.safetensors_io import (
 
 __all__ = [
     "ColumnParallel", "Entry", "Expert", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
-    "Placement", "Replicated", "Reshaped", "RowParallel", "Rule", "SafetensorsReader", "ShardedSafetensorsWriter",
+    "Placement", "Replicated", "Reshaped", "RowParallel", "Rule", "SafetensorsReader", "Shared", "ShardedSafetensorsWriter",
     "StreamingSafetensorsFile", "VocabParallel", "apply_retention", "atomic_checkpoint", "check_shapes",
     "complete_checkpoints", "latest_checkpoint", "padded_vocab_size", "require_complete",
 ]

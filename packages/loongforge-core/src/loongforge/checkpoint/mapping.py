@@ -88,6 +88,34 @@ class Reshaped(Rule):
 
 
 @dataclass(frozen=True)
+class Shared(Rule):
+    """One tensor the backend holds once and HF repeats under ``copies`` names (e.g. diffusers' DiT keeps a copy
+    of the shared timestep / class embedder in every block). Replicated over TP. Import refuses copies that
+    differ (the backend could not represent them); export writes the tensor under every name.
+
+    HF  name_0 [a, b] == name_1 [a, b] == ...   ->  every rank [a, b]
+    """
+
+    copies: int
+
+    @property
+    def roles(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(str(i) for i in range(self.copies))
+
+    def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
+        first = hf_tensors["0"]
+        for role in self.roles[1:]:
+            t = hf_tensors[role]
+            if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
+                raise CheckpointError(f"Shared: copy {role} differs from copy 0 (the backend holds one tensor for all "
+                                      f"{self.copies} copies)")
+        return first
+
+    def to_hf(self, shards):
+        return {role: shards[0] for role in self.roles}
+
+
+@dataclass(frozen=True)
 class ColumnParallel(Rule):
     """Split the output dimension (dim 0) evenly; weights and biases of column-parallel linears.
 

@@ -220,14 +220,15 @@ class ShardedSafetensorsWriter:
     """HF-style sharded checkpoint written in ``<out_dir>.tmp-<pid>``; ``commit()`` renames it into place.
 
     Shards are planned from ``specs`` (name -> (dtype, shape), in order) with at most ``max_shard_bytes`` each:
-    one shard -> ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` plus the HF index.
+    one shard -> ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` plus the HF index
+    (``stem`` replaces ``model``: diffusers names its weights ``diffusion_pytorch_model``).
     Tensors may be added in any order and are written straight to disk. ``staging_dir`` is where callers put
     extra files (config, tokenizer) so they land atomically with the weights.
     """
 
     def __init__(
         self, out_dir: str | os.PathLike, specs: dict[str, TensorSpec], *,
-        max_shard_bytes: int = 5 * 2**30, force: bool = False,
+        max_shard_bytes: int = 5 * 2**30, force: bool = False, stem: str = "model",
     ):
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not force:
@@ -249,7 +250,7 @@ class ShardedSafetensorsWriter:
         self._where: dict[str, StreamingSafetensorsFile] = {}
         weight_map = {}
         for i, group in enumerate(groups):
-            fname = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
             f = StreamingSafetensorsFile(self.staging_dir / fname, group)
             self._files.append(f)
             for name in group:
@@ -258,7 +259,7 @@ class ShardedSafetensorsWriter:
         if n > 1:
             total = sum(_nbytes(s) for s in specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.staging_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+            (self.staging_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self._where:

@@ -1,7 +1,8 @@
 """HF <-> megatron-core checkpoint conversion (offline layout, online per-rank sharding, HF export).
 
 Families (config translation + name map): llama (Llama 2/3.x, Mistral, Qwen2/2.5), qwen3, qwen3_moe,
-deepseek_v3. Parameter names follow megatron-core's local (non-TransformerEngine) GPT layer spec.
+deepseek_v3, llava, dit (diffusers DiTTransformer2DModel). Parameter names follow megatron-core's local
+(non-TransformerEngine) layer specs.
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ class Family:
     hf_extra: Callable[[HFConfig], dict[str, Any]] = lambda h: {}
     # the config.json an HF export writes for a source config (e.g. LLaVA's CLIP tower cut to the layers it runs)
     export_config: Callable[[HFConfig], HFConfig] = lambda h: h
+    # the weight files' stem an export writes (transformers: model.safetensors; diffusers: diffusion_pytorch_model)
+    hf_weights: str = "model"
 
 
 def head_dim(h: HFConfig) -> int:

@@ -19,7 +19,8 @@ from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
+                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:

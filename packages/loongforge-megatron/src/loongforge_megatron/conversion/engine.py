@@ -258,7 +258,12 @@ def file_source(root: str | Path, layout: MegatronLayout) -> MegatronSource:
 
 def shard(layout: MegatronLayout, p: Param, group: Group, index: int) -> torch.Tensor:
     size = layout.split_size(p)
-    return p.rule.to_megatron(group, tp_rank=index, tp_size=size)
+    try:
+        return p.rule.to_megatron(group, tp_rank=index, tp_size=size)
+    except CheckpointError as exc:
+        hf = list(p.hf.values())
+        more = f" (+{len(hf) - 1} more)" if len(hf) > 1 else ""
+        raise CheckpointError(f"cannot build '{p.megatron}' from '{hf[0]}'{more}: {exc}") from None
 
 
 def _targets(layout: MegatronLayout) -> dict[Key, list[Param]]:
@@ -327,9 +332,11 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
         for r, spec in source.spec(p).items():
             specs[p.hf[r]] = spec
     dtype = next(iter(specs.values()))[0] if specs else torch.float32
-    extra = {k: t.to(dtype) for k, t in get_family(layout.family).hf_extra(layout.hf_config).items()}
+    family = get_family(layout.family)
+    extra = {k: t.to(dtype) for k, t in family.hf_extra(layout.hf_config).items()}
     specs.update({k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
-    writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force)
+    writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force,
+                                      stem=family.hf_weights)
     try:
         progress = Progress(len(params), "export")
         for p in params:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion import deepseek_v3, llama, llava, qwen3, qwen3_moe
+from loongforge_megatron.conversion import deepseek_v3, dit, llama, llava, qwen3, qwen3_moe
 from loongforge_megatron.conversion.common import Family, HFConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY, llava.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY,
+                                                   llava.FAMILY, dit.FAMILY)}
 
 
 def get_family(name: str | None = None, *, hf_config: HFConfig | None = None) -> Family:
-    """The family by name, or detected from ``hf_config['model_type']`` when ``name`` is None."""
+    """The family by name, or detected from ``hf_config['model_type']`` (a diffusers config's ``_class_name``)
+    when ``name`` is None."""
     if name is None:
-        model_type = (hf_config or {}).get("model_type")
+        model_type = (hf_config or {}).get("model_type") or (hf_config or {}).get("_class_name")
         for fam in FAMILIES.values():
             if model_type in fam.model_types:
                 return fam

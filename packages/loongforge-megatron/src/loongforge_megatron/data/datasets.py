@@ -174,9 +174,9 @@ class BatchSchedule:
             for key in samples[0]:
                 t = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 batch[key] = t.to(device, non_blocking=True)
-            batch["tokens"] = batch["tokens"].long()
-            batch["labels"] = batch["labels"].long()
-            batch["position_ids"] = batch["position_ids"].long()
-            batch["loss_mask"] = batch["loss_mask"].float()
+            for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
+                               ("loss_mask", torch.float)):
+                if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens
+                    batch[key] = batch[key].to(dtype)
             out.append(batch)
         return out

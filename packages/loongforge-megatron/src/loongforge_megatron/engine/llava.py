@@ -46,7 +46,10 @@ def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
         raise ValueError(f"llava: vision activation '{v.get('hidden_act')}' / projector activation "
                          f"'{arch.vision.get('projector_hidden_act')}' (supported: quick_gelu or gelu / gelu)")
     heads = v["num_attention_heads"]
-    common = dict(num_query_groups=None, add_bias_linear=True, gated_linear_unit=False, qk_layernorm=False)
+    # NOTE: use_te_activation_func (set by the loongforge spec's prepare_config for its SwiGLU module) would make
+    # the CLIP and projector MLPs build an activation module from a spec they do not have.
+    common = dict(num_query_groups=None, add_bias_linear=True, gated_linear_unit=False, qk_layernorm=False,
+                  use_te_activation_func=False)
     vision = dataclasses.replace(
         language, num_layers=vision_layers_used({"vision_config": v, **arch.vision}), hidden_size=v["hidden_size"],
         ffn_hidden_size=v["intermediate_size"], num_attention_heads=heads, kv_channels=v["hidden_size"] // heads,
@@ -83,14 +86,34 @@ def _not_work_in_progress(record: logging.LogRecord) -> bool:
     return "LLaVA is work in progress" not in record.getMessage()
 
 
+def layer_specs(spec: str, *, provider: str = "auto", accelerator: Any = None) -> tuple[Any, Any]:
+    """(language layer spec, CLIP layer spec). ``local``: megatron's local specs. ``loongforge``: the language model
+    gets our spec (SDPA flash attention, kernel RMSNorm / SwiGLU / RoPE) and CLIP megatron's local ViT layer with
+    SDPA core attention (full attention: CLIP's mask type is no_mask); parameter names are the local specs', so
+    checkpoints and the HF name maps are shared."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+
+    vit = get_vit_layer_with_local_spec()
+    if spec == "local":
+        return get_gpt_layer_local_spec(normalization="RMSNorm"), vit
+    if spec != "loongforge":
+        raise ValueError(f"LLaVA layer spec {spec!r}; allowed: local, loongforge")
+    from loongforge_megatron.spec import SDPAttention, loongforge_layer_spec
+
+    attn = vit.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=SDPAttention))
+    vit = dataclasses.replace(vit, submodules=dataclasses.replace(vit.submodules, self_attention=attn))
+    return loongforge_layer_spec(provider=provider, accelerator=accelerator), vit
+
+
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
                 use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
-                pre_wrap: Any = None) -> list[torch.nn.Module]:
-    """``[DDP(LLaVAModel)]`` for this rank (one chunk: no pipeline parallelism)."""
+                pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
+                accelerator: Any = None) -> list[torch.nn.Module]:
+    """``[DDP(LLaVAModel)]`` for this rank (one chunk: no pipeline parallelism), built with :func:`layer_specs`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.multimodal.llava_model import LLaVAModel
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
 
@@ -99,16 +122,21 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
     logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_not_work_in_progress)
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_deprecation_notice)
+    if spec == "loongforge":
+        from loongforge_megatron.spec import prepare_config
+
+        prepare_config(language)
+    language_spec, vision_spec = layer_specs(spec, provider=provider, accelerator=accelerator)
     vision, projection = vision_configs(language, arch)
     side, patch = image_size(arch)
     with _without_te_norms(device.type == "cpu"):
         model = LLaVAModel(
             language_transformer_config=language,
-            language_transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            language_transformer_layer_spec=language_spec,
             language_vocab_size=vocab_size,
             language_max_sequence_length=max_sequence_length,
             vision_transformer_config=vision,
-            vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+            vision_transformer_layer_spec=vision_spec,
             drop_vision_class_token=True,
             vision_projection_config=projection,
             vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),

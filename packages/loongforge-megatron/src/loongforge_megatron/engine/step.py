@@ -189,11 +189,13 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     forward_step_fn: Callable[..., Any] | None = None,
+    loss_key: str = "lm loss",
 ) -> dict[str, float | bool | None]:
     """Forward + backward over ``num_microbatches``, then one optimizer and scheduler step.
 
-    Returns ``loss`` (token-weighted mean, same on every rank), ``grad_norm`` (None when not computed),
-    ``lr`` and ``skipped`` (True when the optimizer skipped the update, e.g. fp16 overflow).
+    Returns ``loss`` (token-weighted mean of the loss function's ``loss_key`` report, same on every rank),
+    ``grad_norm`` (None when not computed), ``lr`` and ``skipped`` (True when the optimizer skipped the update,
+    e.g. fp16 overflow).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_model_config
@@ -218,7 +220,7 @@ def train_step(
         global_batch = num_microbatches * micro_batch_size * mpu.get_data_parallel_world_size()
         scheduler.step(increment=global_batch)
     return {
-        "loss": reduce_loss(losses),
+        "loss": reduce_loss(losses, key=loss_key),
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "lr": lr,
         "skipped": not update_successful,

@@ -77,6 +77,10 @@ class Arch(BaseModel):
         return self.vision is not None
 
     @property
+    def is_dit(self) -> bool:
+        return False  # NOTE: diffusion transformers are models.dit.DiTArch
+
+    @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
 

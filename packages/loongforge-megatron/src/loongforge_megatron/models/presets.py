@@ -1,4 +1,5 @@
-"""Named model sizes: the published architectures, plus ``tiny`` variants that CI trains on CPU."""
+"""Named model sizes: the published architectures, plus ``tiny`` variants that CI trains on CPU. ``family``
+selects the architecture class (``dit``: models.dit.DiTArch, the rest: models.arch.Arch)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llava-tiny": dict(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=256, max_position_embeddings=256,
                        vision=dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8, hidden_act="quick_gelu", layer_norm_eps=1e-5),
                                    projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default", image_token_index=255, image_seq_length=16)),
+    # DiT (class-conditional latent diffusion transformer, models.dit.DiTArch): DiT-XL/2 as facebook/DiT-XL-2-256
+    "dit-xl-2-256": dict(family="dit", num_layers=28, hidden_size=1152, num_attention_heads=16, patch_size=2, sample_size=32, in_channels=4, learn_sigma=True, num_classes=1000),
+    "dit-tiny": dict(family="dit", num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2, sample_size=8, in_channels=4, learn_sigma=True, num_classes=10),
 }
 
 

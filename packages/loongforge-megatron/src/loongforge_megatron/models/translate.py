@@ -8,6 +8,7 @@ from typing import Any
 
 from loongforge.errors import RecipeError
 from loongforge_megatron.models.arch import Arch
+from loongforge_megatron.models.dit import DiTArch, arch_from_diffusers, diffusers_config, is_dit_config
 
 HF_MODEL_TYPES = {
     "llama": "llama",
@@ -34,12 +35,21 @@ def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def arch_from_hf(hf_dir: str | Path) -> Arch:
-    """Read ``config.json`` of an HF model directory into an :class:`Arch`."""
+def arch_from_hf(hf_dir: str | Path) -> Arch | DiTArch:
+    """Read ``config.json`` of an HF model directory into an :class:`Arch` (a diffusers DiT transformer's into a
+    :class:`DiTArch`)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
+        if (Path(hf_dir) / "model_index.json").is_file() and (Path(hf_dir) / "transformer" / "config.json").is_file():
+            raise RecipeError(f"'{hf_dir}' is a diffusers pipeline; give its transformer folder "
+                              f"'{Path(hf_dir) / 'transformer'}'", key="model.hf")
         raise RecipeError(f"no config.json in HF model directory '{hf_dir}'", key="model.hf")
     cfg = json.loads(path.read_text())
+    if is_dit_config(cfg):
+        try:
+            return arch_from_diffusers(cfg)
+        except ValueError as exc:
+            raise RecipeError(f"{path}: {exc}".splitlines()[0], key="model.hf") from None
     if cfg.get("model_type") == "llava":
         return _llava_arch(cfg, path)
     return _arch_from_config(cfg, path)
@@ -129,8 +139,10 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     return Arch(**fields)
 
 
-def hf_config(arch: Arch, *, torch_dtype: str = "float32") -> dict[str, Any]:
-    """An HF ``config.json`` dict for ``arch`` (what an HF export writes)."""
+def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``arch`` (what an HF export writes; diffusers' for a DiT)."""
+    if arch.is_dit:
+        return diffusers_config(arch)
     if arch.is_vlm:
         return _llava_hf_config(arch, torch_dtype=torch_dtype)
     cfg: dict[str, Any] = dict(

@@ -1,0 +1,287 @@
+"""DiT (class-conditional latent diffusion transformer) on megatron-core, against diffusers' DiTTransformer2DModel
+(fp32, CPU): same forward and first-step loss from the same weights, TP 2 = one process, the tiny recipe's loss
+falls, diffusers export / offline round trip, exact resume, the image-folder + VAE path, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import loongforge
+import pytest
+import torch
+import torch.nn.functional as F
+from loongforge.cli import main
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "diffusion" / "dit_tiny.yaml"
+RTOL = 1e-5
+NUM_CLASSES, CHANNELS, SIDE = 10, 4, 8  # dit-tiny
+CPU = torch.device("cpu")
+
+
+def save_dit(out: Path, *, seed: int = 0, tie_embedders: bool = True) -> Path:
+    """A tiny random-init DiTTransformer2DModel shaped like dit-tiny, every weight perturbed (none left at 0);
+    the per-block timestep / class embedders are copies of block 0's, as in the facebook/DiT-* checkpoints."""
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=CHANNELS,
+                                  out_channels=2 * CHANNELS, num_layers=2, sample_size=SIDE, patch_size=2,
+                                  num_embeds_ada_norm=NUM_CLASSES)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        if tie_embedders:
+            for block in model.transformer_blocks[1:]:
+                block.norm1.emb.load_state_dict(model.transformer_blocks[0].norm1.emb.state_dict())
+    model.save_pretrained(out)
+    return out
+
+
+def cpt(hf_dir: Path, *extra: str) -> list[str]:
+    """Continue training the diffusers DiT ``hf_dir`` on CPU (no warmup, quiet)."""
+    return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "train.stage=cpt", "train.steps=2",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
+
+
+def build(tmp: Path, overrides: list[str], name: str = "run"):
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=tmp / name)
+    return job, runtime
+
+
+def close(job, runtime) -> None:
+    job.close()
+    runtime.logger.close()
+
+
+def diffusers_loss(model, batches: list[dict], latents: torch.Tensor | None = None) -> float:
+    """diffusers' training objective on our batches: add_noise with DDPMScheduler, MSE of the noise half of the
+    prediction over the whole global batch (what diffusers' training examples compute)."""
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear")
+    cat = {k: torch.cat([b[k] for b in batches]) for k in ("noise", "timesteps", "labels")}
+    x0 = torch.cat([b["latents"] for b in batches]) if latents is None else latents
+    noisy = scheduler.add_noise(x0, cat["noise"], cat["timesteps"])
+    with torch.no_grad():
+        pred = model(noisy, cat["timesteps"], cat["labels"]).sample
+    return F.mse_loss(pred[:, :CHANNELS], cat["noise"]).item()
+
+
+def probe_inputs(n: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(n, CHANNELS, SIDE, SIDE, generator=g), torch.tensor([0, 421, 999])[:n],
+            torch.tensor([3, 9, NUM_CLASSES])[:n])  # the last label is the null class
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path):
+    """Converted from a diffusers DiT: our forward = diffusers' (fp32), our first CPT step's loss = diffusers' loss
+    on the same noise / timesteps / labels; after the step the online export loads in diffusers and computes our
+    model's output."""
+    from diffusers import DiTTransformer2DModel
+    from loongforge_megatron.hf_io import export_hf
+    from loongforge_megatron.job import unwrapped
+
+    hf_dir = save_dit(tmp_path / "hf")
+    ref_model = DiTTransformer2DModel.from_pretrained(hf_dir).eval()
+    x, t, y = probe_inputs()
+    job, runtime = build(tmp_path, cpt(hf_dir, "data.class_dropout=0.3"))
+    try:
+        ours_model = unwrapped(job)[0]
+        with torch.no_grad():
+            ours, ref = ours_model(x, t, y), ref_model(x, t, y).sample
+        assert rel_err(ours, ref) <= RTOL, rel_err(ours, ref)
+        batches = job.schedule.microbatches(0, device=CPU)
+        labels = torch.cat([b["labels"] for b in batches])
+        assert (labels == NUM_CLASSES).any() and (labels < NUM_CLASSES).any()  # classifier-free-guidance dropout
+        loss = job.step()["loss"]
+        assert loss == pytest.approx(diffusers_loss(ref_model, batches), rel=RTOL)
+        export_hf(job, tmp_path / "exported")
+        with torch.no_grad():
+            trained = ours_model(x, t, y)
+    finally:
+        close(job, runtime)
+    files = sorted(p.name for p in (tmp_path / "exported").iterdir())
+    assert files == ["config.json", "diffusion_pytorch_model.safetensors"], files
+    exported, info = DiTTransformer2DModel.from_pretrained(tmp_path / "exported", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        back = exported.eval()(x, t, y).sample
+    assert rel_err(trained, back) <= RTOL, rel_err(trained, back)
+    assert rel_err(trained, ref) > 1e-3  # the step changed the model
+
+
+def _train(out: Path, *overrides: str, nproc: int = 1) -> list[float]:
+    """Losses of ``loongforge train`` on the tiny recipe (subprocess; torchrun for nproc > 1)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "loongforge", "train", str(RECIPE), "--output", str(out), "--nproc", str(nproc),
+           "accelerator=cpu", "logging.interval=1", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tp2_matches_one_process_and_the_loss_falls(tmp_path):
+    """The tiny recipe (synthetic latents, random init, 30 steps): TP 2 gives the one-process losses, and the
+    loss falls."""
+    job, runtime = build(tmp_path, ["accelerator=cpu", "logging.console=false"], "one")
+    try:
+        one = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+    finally:
+        close(job, runtime)
+    two = _train(tmp_path / "tp2", "parallel.tp=2", nproc=2)
+    assert two == pytest.approx(one, rel=RTOL)
+    first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+
+
+def test_resume_is_exact(tmp_path):
+    """A run stopped after a checkpoint at step 2 and resumed gives bitwise the losses of an uninterrupted run."""
+    over = ["accelerator=cpu", "logging.console=false", "train.steps=4", "train.warmup_steps=0"]
+    job, runtime = build(tmp_path, over, "straight")
+    try:
+        straight = [job.step()["loss"] for _ in range(4)]
+    finally:
+        close(job, runtime)
+    job, runtime = build(tmp_path, over, "resumed")
+    try:
+        [job.step() for _ in range(2)]
+        job.checkpointer.save(2)
+    finally:
+        close(job, runtime)
+    job, runtime = build(tmp_path, over, "resumed")
+    try:
+        assert job.step_index == 2
+        resumed = [job.step()["loss"] for _ in range(2)]
+    finally:
+        close(job, runtime)
+    assert resumed == straight[2:]
+
+
+def test_offline_round_trip_through_tp2_keeps_the_weights(tmp_path, capsys):
+    """diffusers -> megatron (tp 2) -> diffusers is bitwise; embedders that differ between blocks are refused."""
+    from diffusers import DiTTransformer2DModel
+    from safetensors.torch import load_file
+
+    hf_dir = save_dit(tmp_path / "hf")
+    assert main(["convert", str(hf_dir), str(tmp_path / "mg"), "--to", "megatron", "--tp", "2"]) == 0
+    assert main(["convert", str(tmp_path / "mg"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    src = load_file(hf_dir / "diffusion_pytorch_model.safetensors")
+    back = load_file(tmp_path / "back" / "diffusion_pytorch_model.safetensors")
+    assert sorted(src) == sorted(back) and all(torch.equal(src[k], back[k]) for k in src)
+    _, info = DiTTransformer2DModel.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+    untied = save_dit(tmp_path / "untied", tie_embedders=False)
+    capsys.readouterr()
+    assert main(["convert", str(untied), str(tmp_path / "mg2"), "--to", "megatron"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # NOTE: after the converter's progress lines
+    assert err.startswith("error: ") and "copy 1 differs" in err and "t_embedder" in err, err
+
+
+def save_vae(out: Path) -> Path:
+    """A tiny random-init AutoencoderKL with SD's 8x downsampling and 4 latent channels."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+                  latent_channels=CHANNELS, norm_num_groups=4, sample_size=8 * SIDE).save_pretrained(out)
+    return out
+
+
+def save_images(root: Path) -> Path:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(3)
+    for c, name in enumerate(("n01440764", "n01443537")):
+        (root / name).mkdir(parents=True)
+        for i, (w, h) in enumerate(((70, 64), (64, 90), (150, 133))):
+            pixels = (torch.rand(h, w, 3, generator=g) * 255 * (0.5 + 0.5 * c)).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / name / f"img{i}.png")
+    return root
+
+
+def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path):
+    """data.path (one folder of PNGs per class, odd sizes) + model.vae (AutoencoderKL): images are centre-cropped to
+    8 x sample_size, encoded in the forward step, and the first step's loss equals diffusers' DiT on diffusers'
+    VAE encoding of the same pixels (posterior sample with the batch's VAE noise)."""
+    from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+    hf_dir, vae_dir, images = save_dit(tmp_path / "hf"), save_vae(tmp_path / "vae"), save_images(tmp_path / "images")
+    over = cpt(hf_dir, f"model={{hf: {hf_dir}, vae: {vae_dir}}}", f"data.path={images}", "data.image_size=64",
+               "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=2")
+    job, runtime = build(tmp_path, over)
+    try:
+        batches = job.schedule.microbatches(0, device=CPU)
+        loss = job.step()["loss"]
+    finally:
+        close(job, runtime)
+    pixels = torch.cat([b["pixels"] for b in batches])
+    assert pixels.shape == (4, 3, 64, 64) and -1 <= pixels.min() < pixels.max() <= 1
+    vae = AutoencoderKL.from_pretrained(vae_dir).eval()
+    with torch.no_grad():
+        posterior = vae.encode(pixels).latent_dist
+    latents = (posterior.mean + posterior.std * torch.cat([b["vae_noise"] for b in batches])) * vae.config.scaling_factor
+    ref = diffusers_loss(DiTTransformer2DModel.from_pretrained(hf_dir).eval(), batches, latents)
+    assert loss == pytest.approx(ref, rel=RTOL)
+
+
+@pytest.mark.parametrize(("overrides", "key", "fragment"), [
+    (["parallel.pp=2"], "parallel.pp", "tensor and data parallelism only"),
+    (["parallel.tp=2", "parallel.sp=true"], "parallel.sp", "sequence parallelism"),
+    (["train.stage=lora"], "train.stage", "pretrain / cpt"),
+    (["train.eval_interval=5"], "train.eval_interval", "no validation pass"),
+    (["kernels.spec=te"], "kernels.spec", "not te"),
+    (["data={format: synthetic}"], "data.format", "DiT models train on data.format latents"),
+    (["data.seq_length=64"], "data.seq_length", "latent patches"),
+    (["model.vocab_size=100"], "model", "not a setting of a DiT"),
+    (["data.path=/nowhere"], "model.vae", "needs model.vae"),
+    (["model.vae=/nowhere"], "model.vae", "need none"),
+    (["data.image_size=100"], "data.image_size", "not divisible by 8 (VAE) x 2 (patch) = 16"),
+    (["data.image_size=128"], "data.image_size", "set model.sample_size: 16"),
+])
+def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
+    assert main(["validate", str(RECIPE), *overrides, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"key '{key}'" in err and fragment in err and err.count("\n") == 1, err
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """Missing diffusers, a diffusers pipeline folder as model.hf, latents for an LM, and (at build) a missing or
+    empty image folder, a class without images and a missing VAE: exit 2 with one line naming the key."""
+    def fails(command: str, *overrides: str, key: str, fragment: str, recipe: Path = RECIPE) -> None:
+        extra = ["--output", str(tmp_path / "run")] if command == "train" else []
+        assert main([command, str(recipe), *extra, "accelerator=cpu", *overrides]) == 2
+        err = capsys.readouterr().err
+        assert f"key '{key}'" in err and fragment in err and err.count("\n") == 1, err
+
+    with monkeypatch.context() as m:
+        m.setitem(__import__("sys").modules, "diffusers", None)
+        fails("validate", key="model", fragment="pip install 'loongforge-megatron[diffusion]'")
+    (tmp_path / "pipe" / "transformer").mkdir(parents=True)
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    (tmp_path / "pipe" / "transformer" / "config.json").write_text(json.dumps({"_class_name": "DiTTransformer2DModel"}))
+    fails("validate", f"model={{hf: {tmp_path / 'pipe'}}}", key="model.hf", fragment="give its transformer folder")
+    llm = RECIPE.parents[1] / "llm" / "tiny" / "llama_tiny.yaml"
+    fails("validate", "data.format=latents", key="data.format", fragment="for DiT models", recipe=llm)
+
+    vae = save_vae(tmp_path / "vae")
+    empty, no_images = tmp_path / "empty", tmp_path / "no_images"
+    empty.mkdir()
+    (no_images / "class_a").mkdir(parents=True)
+    for path, fragment in ((tmp_path / "missing", "is not a directory"), (empty, "has no class sub-folders"),
+                           (no_images, "holds no images")):
+        fails("train", f"model={{preset: dit-tiny, vae: {vae}}}", f"data.path={path}", key="data.path",
+              fragment=fragment)
+    images = save_images(tmp_path / "images")
+    fails("train", f"model={{preset: dit-tiny, vae: {tmp_path / 'no_vae'}}}", f"data.path={images}", key="model.vae",
+          fragment="is not a diffusers AutoencoderKL folder")
