@@ -35,7 +35,6 @@ class MegatronBackend(Backend):
                                "models are decoder-only LMs with one layout",
         "train.compile": "its speed comes from kernels.spec / kernels.provider (fused kernels), not torch.compile",
         "train.compile_mode": "it does not torch.compile (see train.compile)",
-        "train.ema_decay": "it keeps no EMA weights",
     }
 
     @classmethod

@@ -128,6 +128,7 @@ class Checkpointer:
             "optimizer": job.optimizer.state_dict(),
             "scheduler": job.scheduler.state_dict(),
             "rng": _rng_state(job),
+            **({"ema": job.ema.state_dict()} if job.ema is not None else {}),
             **({"router_load": {"tokens_per_expert": job.router_load.total.clone(), "first_step": job._router_first_step}}
                if job.router_load is not None else {}),
         }
@@ -194,6 +195,16 @@ class Checkpointer:
         self.job.optimizer.load_state_dict(state["optimizer"])
         self.job.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(self.job, state["rng"])
+        if self.job.ema is not None:
+            if "ema" not in state:  # NOTE: EMA switched on for a run saved without it: it starts here
+                if self.job.log:
+                    self.job.log.info(f"[checkpoint] {path} has no EMA weights: the average starts from step "
+                                      f"{state['step']}'s weights")
+            else:
+                try:
+                    self.job.ema.load_state_dict(state["ema"])
+                except ValueError as exc:
+                    raise CheckpointError(f"{path}: {exc}; use another --output, or checkpoint.resume=never") from None
         saved_load = state.get("router_load")
         load = self.job.router_load
         # NOTE: the counts are global sums (all ranks hold the same), so they carry over any resharding; older

@@ -6,6 +6,8 @@ training share one definition of every layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 from collections.abc import Callable
@@ -132,7 +134,12 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     from loongforge_megatron.data.prepare import tokenizer_dir
     from loongforge_megatron.lora import merged_state_dict
 
-    layout, config, mine, owner, specs = _gather_plan(job, merged_state_dict)
+    # NOTE: with train.ema_decay the export holds the averaged weights (what EMA recipes evaluate and ship).
+    ema = getattr(job, "ema", None)
+    with ema.applied() if ema is not None else contextlib.nullcontext():
+        layout, config, mine, owner, specs = _gather_plan(job, merged_state_dict)
+        if ema is not None:  # NOTE: copies: the parameters get the trained weights back when the block ends
+            mine = {key: {k: v.clone() for k, v in sd.items()} for key, sd in mine.items()}
     me = dist.get_rank()
     out = None
     if me == 0:

@@ -143,6 +143,11 @@ class MegatronJob(Job):
             self.router_load = RouterLoad(unwrapped(self), num_layers=arch.num_layers, num_experts=arch.num_experts,
                                           ep=plan.ep, device=self.device, repeat=repeat)
         self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
+        self.ema = None
+        if t.ema_decay:
+            from loongforge_megatron.engine.ema import ModelEMA
+
+            self.ema = ModelEMA(unwrapped(self), t.ema_decay)  # NOTE: from the initial (or loaded) weights
         from loongforge_megatron.checkpointing import Checkpointer
 
         self.checkpointer = Checkpointer(self)
@@ -299,6 +304,8 @@ class MegatronJob(Job):
             micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=self.forward_step_fn,
             loss_key=self.loss_key,
         )
+        if self.ema is not None and not out.get("skipped"):
+            self.ema.update()
         self.acc.synchronize()
         dt = time.perf_counter() - t0
         self.step_index += 1

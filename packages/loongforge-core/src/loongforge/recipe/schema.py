@@ -125,7 +125,9 @@ class TrainConfig(Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"
     )
-    ema_decay: float | None = Field(None, gt=0, lt=1)
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
