@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import loongforge
-import pytest
 import torch
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"

@@ -7,7 +7,6 @@ training share one definition of every layout.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import shutil
 from collections.abc import Callable
