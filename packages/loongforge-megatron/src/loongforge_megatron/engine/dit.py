@@ -294,6 +294,59 @@ def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return total, count, {LOSS_KEY: torch.stack([total.detach(), count.detach().float()])}
 
 
+def _posterior_tables(scheduler: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The DDPM posterior q(x_{t-1} | x_t, x_0) per timestep, in float64 (Ho et al. eq. 6-7; the log variance
+    clipped at t = 0 to its t = 1 value, as Improved DDPM / DiT do), cached on the scheduler per device."""
+    cache = scheduler.__dict__.setdefault("_loongforge_posterior", {})
+    if device not in cache:
+        betas = scheduler.betas.double()
+        ac = torch.cumprod(1.0 - betas, 0)
+        ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
+        var = betas * (1.0 - ac_prev) / (1.0 - ac)
+        cache[device] = {k: v.to(device) for k, v in {
+            "log_var": torch.log(torch.cat([var[1:2], var[1:]])), "log_beta": torch.log(betas),
+            "coef_x0": betas * ac_prev.sqrt() / (1.0 - ac), "coef_xt": (1.0 - ac_prev) * (1.0 - betas).sqrt() / (1.0 - ac),
+            "recip_ac": (1.0 / ac).sqrt(), "recipm1_ac": (1.0 / ac - 1.0).sqrt()}.items()}
+    return cache[device]
+
+
+def _std_normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of the standard normal CDF (what Improved DDPM's decoder likelihood uses)."""
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def variational_bound(x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor,
+                      var_out: torch.Tensor, scheduler: Any) -> torch.Tensor:
+    """Per-sample L_vlb term of the hybrid objective (Nichol & Dhariwal 2021, used by DiT), in bits per dimension.
+
+    The model's variance interpolates in log space between the posterior variance and beta_t with
+    ``(var_out + 1) / 2``; its mean comes from the *detached* noise prediction ``eps``, so this term trains only the
+    variance. t > 0: KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)); t = 0: the discretized Gaussian decoder NLL
+    (bins of 2/255 on [-1, 1], Improved DDPM's definition, which DiT applies to its latents as well)."""
+    tab = _posterior_tables(scheduler, x0.device)
+
+    def at(name: str) -> torch.Tensor:
+        return tab[name][t].view(-1, *([1] * (x0.dim() - 1)))
+
+    x0, xt, eps, v = x0.double(), xt.double(), eps.detach().double(), var_out.double()
+    frac = (v + 1.0) / 2.0
+    log_var = frac * at("log_beta") + (1.0 - frac) * at("log_var")
+    mean = at("coef_x0") * (at("recip_ac") * xt - at("recipm1_ac") * eps) + at("coef_xt") * xt
+    true_mean, true_log_var = at("coef_x0") * x0 + at("coef_xt") * xt, at("log_var")
+    kl = 0.5 * (-1.0 + log_var - true_log_var + torch.exp(true_log_var - log_var)
+                + (true_mean - mean).pow(2) * torch.exp(-log_var))
+    centered, inv_std = x0 - mean, torch.exp(-0.5 * log_var)
+    cdf_plus = _std_normal_cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_minus = _std_normal_cdf(inv_std * (centered - 1.0 / 255.0))
+    log_probs = torch.where(
+        x0 < -0.999, torch.log(cdf_plus.clamp(min=1e-12)),
+        torch.where(x0 > 0.999, torch.log((1.0 - cdf_minus).clamp(min=1e-12)),
+                    torch.log((cdf_plus - cdf_minus).clamp(min=1e-12))))
+    dims = tuple(range(1, x0.dim()))
+    per_sample = torch.where(t == 0, -log_probs.mean(dims), kl.mean(dims)) / math.log(2.0)
+    return per_sample.float()
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module, *, scheduler: Any,
                  encoder: Any = None):
     """megatron's ``forward_step_func`` for DiT: the DDPM epsilon-prediction objective.
@@ -301,9 +354,9 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     The batch holds clean latents (or images for ``encoder`` to encode), the noise, the timesteps and the labels
     (null class where classifier-free-guidance dropout struck), all drawn per sample by the dataset so resume is
     exact. ``x_t = scheduler.add_noise(x_0, noise, t)``; the loss is the MSE between the predicted and the true
-    noise. A model that also predicts the variance (``out_channels = 2 * in_channels``, as facebook/DiT-XL-2-256)
-    contributes only its first half, the noise prediction, as diffusers' training examples do; the variance half
-    gets no gradient (DiT's variational-bound term is not implemented).
+    noise. A model that also predicts the variance (``out_channels = 2 * in_channels``, DiT's ``learn_sigma``, as
+    facebook/DiT-XL-2-256) trains it with DiT's hybrid objective: MSE + :func:`variational_bound` (per sample,
+    added to each of its elements so megatron's sum / count gives mean MSE + mean L_vlb over the global batch).
     """
     param = next(model.parameters())
     batch = _to_device(next(data_iterator), param.device)
@@ -311,5 +364,9 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     noise, timesteps = batch["noise"], batch["timesteps"]
     noisy = scheduler.add_noise(latents, noise, timesteps)
     pred = model(noisy.to(param.dtype), timesteps, batch["labels"])
-    pred = pred[:, : noise.shape[1]]
-    return (pred.float() - noise.float()).pow(2), loss_func
+    c = noise.shape[1]
+    per_element = (pred[:, :c].float() - noise.float()).pow(2)
+    if pred.shape[1] == 2 * c:
+        vb = variational_bound(latents, noisy, timesteps, pred[:, :c], pred[:, c:], scheduler)
+        per_element = per_element + vb.view(-1, *([1] * (per_element.dim() - 1)))
+    return per_element, loss_func

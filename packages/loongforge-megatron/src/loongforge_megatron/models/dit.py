@@ -30,7 +30,7 @@ class DiTArch(BaseModel):
     patch_size: int = Field(2, ge=1)
     sample_size: int = Field(32, ge=1, description="latent side (image side / the VAE's 8x downsampling)")
     in_channels: int = Field(4, ge=1, description="latent channels")
-    learn_sigma: bool = Field(True, description="predict the variance too: out_channels = 2 * in_channels")
+    learn_sigma: bool = Field(True, description="predict the variance too (out_channels = 2 * in_channels), trained with DiT's hybrid MSE + L_vlb loss")
     num_classes: int = Field(1000, ge=1)
     norm_eps: float = Field(1e-5, gt=0, description="eps of the pre-MLP LayerNorm (diffusers' norm_eps)")
 
