@@ -343,3 +343,7 @@ def test_compile_mode_needs_compile(capsys):
     err = capsys.readouterr().err
     assert "key 'train.compile_mode'" in err and "2 micro-batch(es)" in err and err.count("\n") == 1, err
     assert main(["validate", tiny, *graphs, "train.micro_batch_size=4"]) == 0
+    # max-autotune replays CUDA graphs too; its -no-cudagraphs variant does not
+    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune"]) == 2
+    assert "compile_mode max-autotune (CUDA graphs)" in capsys.readouterr().err
+    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]) == 0

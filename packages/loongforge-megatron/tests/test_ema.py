@@ -82,3 +82,39 @@ def test_megatron_accepts_ema_decay(capsys):
     from loongforge.cli import main
 
     assert main(["validate", str(RECIPE), "train.ema_decay=0.999"]) == 0, capsys.readouterr().err
+
+
+def test_turning_ema_on_at_resume_starts_from_the_resumed_weights(tmp_path):
+    """A run saved without EMA, resumed with ``train.ema_decay``: the average starts at the resumed weights (not
+    at the fresh initialisation the job was built with before the load)."""
+    recipe = loongforge.load_recipe(RECIPE, ["train.steps=2", "accelerator=cpu", "logging.console=false",
+                                             "checkpoint.save_at_end=true"])
+    first, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    try:
+        first.run()
+        saved = _weights(first)
+    finally:
+        first.close()
+        runtime.logger.close()
+    second, runtime = _job(tmp_path / "run", "train.steps=3")
+    try:
+        assert second.step_index == 2
+        for name, value in second.ema.state_dict()[0].items():
+            assert torch.equal(value, saved[name]), name
+    finally:
+        second.close()
+        runtime.logger.close()
+
+
+def test_interval_exports_follow_keep_last(tmp_path):
+    """``checkpoint.keep_last`` prunes the interval HF exports (``checkpoints/hf_step_*``) like the checkpoints."""
+    job, runtime = _job(tmp_path / "run", "train.steps=6", "checkpoint.save_interval=2", "checkpoint.keep_last=1",
+                        "checkpoint.save_format=[dist,hf]", "checkpoint.save_at_end=false")
+    try:
+        job.run()
+    finally:
+        job.close()
+        runtime.logger.close()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("hf_step_*")) == ["hf_step_00000004"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004"]

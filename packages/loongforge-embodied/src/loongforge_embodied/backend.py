@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from loongforge.runtime import Runtime
 
 
+# torch.compile modes that replay CUDA graphs (torch._inductor.list_mode_options: "triton.cudagraphs": True)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
 class EmbodiedBackend(Backend):
     """Vision-language-action policies trained by flow matching on action chunks."""
 
@@ -82,15 +85,17 @@ class EmbodiedBackend(Backend):
                               key="parallel.shard_size")
         accum = plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size,
                                        micro_batch_size=recipe.train.micro_batch_size)
-        if recipe.train.compile_mode == "reduce-overhead" and (world_size > 1 or accum > 1):
+        if recipe.train.compile_mode in CUDA_GRAPH_MODES and (world_size > 1 or accum > 1):
             # NOTE: measured on an H200 (torch 2.11): with two micro-batches a step, the first step's backward reads
             # an activation that the cudagraph trees had overwritten ("accessing tensor output of CUDAGraphs that has
             # been overwritten by a subsequent run"), with or without cudagraph_mark_step_begin; one micro-batch
             # trains eager's losses. Several ranks (DDP / FSDP2 hooks inside graphs) were never run.
             raise RecipeError(
-                f"compile_mode reduce-overhead (CUDA graphs) runs one process with one micro-batch a step; this recipe "
+                f"compile_mode {recipe.train.compile_mode} (CUDA graphs) runs one process with one micro-batch a step; "
+                f"this recipe "
                 f"has {world_size} process(es) and {accum} micro-batch(es) (global {recipe.train.global_batch_size} / "
-                f"micro {recipe.train.micro_batch_size}); use compile_mode default", key="train.compile_mode")
+                f"micro {recipe.train.micro_batch_size}); use compile_mode default or max-autotune-no-cudagraphs",
+                key="train.compile_mode")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         from loongforge_embodied.job import EmbodiedJob

@@ -61,7 +61,9 @@ class EmbodiedJob(Job):
         raw.to(self.device)
         if rt.plan.recompute == "full":
             raw.enable_activation_checkpointing()
-        self._graphs = t.compile and t.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+        from loongforge_embodied.backend import CUDA_GRAPH_MODES
+
+        self._graphs = t.compile and t.compile_mode in CUDA_GRAPH_MODES and self.device.type == "cuda"
         if t.compile:
             mode = None if t.compile_mode == "default" else t.compile_mode
             for unit in raw.wrap_units():

@@ -110,6 +110,16 @@ def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[st
     raise CheckpointError(f"no rank of the checkpoint holds model-parallel coordinates {coords}")
 
 
+def _prune_exports(root: Path, prefix: str, *, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` interval exports ``<prefix><step>`` (``checkpoint.keep_last`` applies to them
+    as to the resumable checkpoints); the final export (``OUTPUT/hf``) is never touched."""
+    import shutil
+
+    done = sorted(p for p in root.glob(f"{prefix}*") if p.is_dir() and p.name[len(prefix):].isdigit())
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 class Checkpointer:
     """Save / resume for one :class:`MegatronJob` (all ranks call every method)."""
 
@@ -143,10 +153,14 @@ class Checkpointer:
             from loongforge_megatron.hf_io import export_hf
 
             export_hf(job, job.runtime.hf_dir if final else self.root / f"hf_step_{step:08d}")
+            if not final and self.rank == 0:
+                _prune_exports(self.root, "hf_step_", keep_last=c.keep_last)
         if "peft" in c.save_format and (final or c.save_interval):
             from loongforge_megatron.hf_io import export_peft
 
             export_peft(job, job.runtime.output_dir / "peft" if final else self.root / f"peft_step_{step:08d}")
+            if not final and self.rank == 0:
+                _prune_exports(self.root, "peft_step_", keep_last=c.keep_last)
         return path
 
     def _save_dist(self, step: int) -> Path:
@@ -197,6 +211,7 @@ class Checkpointer:
         _set_rng_state(self.job, state["rng"])
         if self.job.ema is not None:
             if "ema" not in state:  # NOTE: EMA switched on for a run saved without it: it starts here
+                self.job.ema.reset()  # the averages were taken of the initial weights, before the load
                 if self.job.log:
                     self.job.log.info(f"[checkpoint] {path} has no EMA weights: the average starts from step "
                                       f"{state['step']}'s weights")

@@ -126,7 +126,6 @@ class DataConfig(Section):
     split: str = Field("98,2,0", pattern=r"^\d+(\.\d+)?,\d+(\.\d+)?,\d+(\.\d+)?$", description="train,valid,test weights")
     sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention")
-    num_workers: int = Field(0, ge=0)
     image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
                                         "by the null class, for classifier-free guidance (default 0.1)")

@@ -6,7 +6,6 @@ training share one definition of every layout.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -116,6 +115,20 @@ def _receiver(mine, owner, specs) -> tuple[Callable, Callable]:
     return read, spec
 
 
+def _gather_averaged(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
+    """:func:`_gather_plan` of the EMA weights when the recipe keeps them (``train.ema_decay``: every export holds
+    the average, what EMA recipes evaluate and ship; with LoRA the averaged adapters, merged for the HF export),
+    else of the trained weights."""
+    ema = getattr(job, "ema", None)
+    if ema is None:
+        return _gather_plan(job, state)
+    with ema.applied():
+        layout, config, mine, owner, specs = _gather_plan(job, state)
+        # NOTE: copies: the parameters get the trained weights back when the block ends
+        mine = {key: {k: v.clone() for k, v in sd.items()} for key, sd in mine.items()}
+    return layout, config, mine, owner, specs
+
+
 def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer
     (a DiT: a diffusers DiTTransformer2DModel folder, config.json + diffusion_pytorch_model.safetensors).
@@ -133,12 +146,7 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     from loongforge_megatron.data.prepare import tokenizer_dir
     from loongforge_megatron.lora import merged_state_dict
 
-    # NOTE: with train.ema_decay the export holds the averaged weights (what EMA recipes evaluate and ship).
-    ema = getattr(job, "ema", None)
-    with ema.applied() if ema is not None else contextlib.nullcontext():
-        layout, config, mine, owner, specs = _gather_plan(job, merged_state_dict)
-        if ema is not None:  # NOTE: copies: the parameters get the trained weights back when the block ends
-            mine = {key: {k: v.clone() for k, v in sd.items()} for key, sd in mine.items()}
+    layout, config, mine, owner, specs = _gather_averaged(job, merged_state_dict)
     me = dist.get_rank()
     out = None
     if me == 0:
@@ -218,7 +226,7 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
     lora = job.recipe.train.lora
     if job.recipe.train.stage != "lora" or lora is None:
         raise CheckpointError("checkpoint.save_format 'peft' needs train.stage: lora")
-    layout, _, mine, owner, specs = _gather_plan(job, adapter_state_dict)
+    layout, _, mine, owner, specs = _gather_averaged(job, adapter_state_dict)
     me = dist.get_rank()
     lora_names = {n for held in specs.values() for n in held}
     out = None

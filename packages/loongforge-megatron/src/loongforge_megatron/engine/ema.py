@@ -25,6 +25,13 @@ class ModelEMA:
         self.shadow = [{n: p.detach().float().clone() for n, p in named} for named in self.params]
 
     @torch.no_grad()
+    def reset(self) -> None:
+        """Restart the averages at the current weights (a resume into a run saved without EMA)."""
+        for named, shadow in zip(self.params, self.shadow, strict=True):
+            for n, p in named:
+                shadow[n].copy_(p.detach())
+
+    @torch.no_grad()
     def update(self) -> None:
         for named, shadow in zip(self.params, self.shadow, strict=True):
             if named:
