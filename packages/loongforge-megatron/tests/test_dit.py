@@ -280,8 +280,15 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path):
     try:
         batches = job.schedule.microbatches(0, device=CPU)
         loss = job.step()["loss"]
+        from loongforge_megatron.hf_io import export_hf
+
+        export_hf(job, tmp_path / "exported")
     finally:
         close(job, runtime)
+    # the label ids (sorted class folders) are kept next to the run and in the export
+    names = sorted(p.name for p in images.iterdir() if p.is_dir())
+    for where in (tmp_path / "run", tmp_path / "exported"):
+        assert json.loads((where / "classes.json").read_text()) == {"id2label": {"0": names[0], "1": names[1]}}
     pixels = torch.cat([b["pixels"] for b in batches])
     assert pixels.shape == (4, 3, 64, 64) and -1 <= pixels.min() < pixels.max() <= 1
     vae = AutoencoderKL.from_pretrained(vae_dir).eval()

@@ -157,6 +157,10 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
             if tok_dir is not None:
                 copy_assets(Path(tok_dir), staging)
             (staging / "config.json").write_text(json.dumps(config, indent=2))
+            if getattr(job, "class_names", None):
+                from loongforge_megatron.job import class_labels_json
+
+                (staging / "classes.json").write_text(class_labels_json(job.class_names))
 
         out = Path(out_dir)
         to_hf_dir(MegatronSource(layout, read=read, spec=spec), layout, out, max_shard_bytes=5 * 2**30,

@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 VOCAB_DIVISIBLE_BY = 1
 
 
+def class_labels_json(names: list[str]) -> str:
+    """``{"id2label": {"0": name, ...}}``: the label ids a class-conditional model was trained with."""
+    import json
+
+    return json.dumps({"id2label": {str(i): n for i, n in enumerate(names)}}, indent=1)
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
     step = VOCAB_DIVISIBLE_BY * tp
     return -(-vocab_size // step) * step
@@ -189,6 +196,13 @@ class MegatronJob(Job):
         from loongforge_megatron.engine import dit
 
         self._latents, self.encoder = build_latents(self.recipe, arch=self.arch, device=self.device)
+        # NOTE: an image folder's class names (sorted sub-folders = labels 0..n-1): written as OUTPUT/classes.json
+        # and into every export, so samples can be asked for by name (DiTPipeline's id2label)
+        self.class_names = getattr(self._latents, "classes", None)
+        if self.class_names and self.runtime.is_main:
+            from loongforge.checkpoint.atomic import write_atomic
+
+            write_atomic(self.runtime.output_dir / "classes.json", class_labels_json(self.class_names))
         self.config = dit.transformer_config(self.arch, plan=self.plan, precision=self.precision)
         self.spec_name = "local" if self.recipe.kernels.spec == "local" else "loongforge"
         self.model = dit.build_dit(
