@@ -139,6 +139,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 except Exception as exc:  # a plugin's probe must not crash the listing
                     reason = f"{type(exc).__name__}: {exc}"
                 status = f"unavailable: {reason}" if reason else "available"
+            elif group == "loongforge.kernels":
+                try:  # NOTE: a provider's availability depends on the device: show it for the one here
+                    from loongforge.accelerator.cuda import CudaAccelerator
+
+                    device_type = "cuda" if CudaAccelerator.unavailable_reason() is None else "cpu"
+                    reason = e.obj().unavailable_reason(device_type)
+                except Exception as exc:  # a provider's probe must not crash the listing
+                    device_type, reason = "?", f"{type(exc).__name__}: {exc}"
+                status = f"unavailable on {device_type}: {reason}" if reason else f"available on {device_type}"
             print(f"  {e.key:<12} {e.distribution:<22} {e.value}  [{status}]")
         for key, dists in reg.duplicates().items():
             print(f"  {key:<12} DUPLICATE: registered by {' and '.join(dists)}")
