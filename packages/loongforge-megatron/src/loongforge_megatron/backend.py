@@ -70,6 +70,7 @@ class MegatronBackend(Backend):
                 f"interleaved pipeline (vpp = {plan.vpp}) needs micro-batches per step divisible by pp = {plan.pp}",
                 key="train.global_batch_size",
             )
+        self._check_provider(recipe, arch)
         if arch.is_dit:
             self._check_dit(recipe, plan, arch)
             return
@@ -85,6 +86,32 @@ class MegatronBackend(Backend):
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    @staticmethod
+    def _check_provider(recipe: Recipe, arch: Any) -> None:
+        """An explicit ``kernels.provider`` must be one this model uses and must serve every op of our spec
+        (select_op never swaps an explicitly chosen provider for another)."""
+        name, spec = recipe.kernels.provider, recipe.kernels.spec
+        if name == "auto":
+            return
+        if arch.is_dit:
+            raise RecipeError("DiT models use no fused kernels (SDPA attention only); leave kernels.provider auto",
+                              key="kernels.provider")
+        if spec in ("local", "te"):
+            raise RecipeError(f"kernels.provider is used by the loongforge spec; kernels.spec '{spec}' uses none",
+                              key="kernels.provider")
+        from loongforge import registry
+        from loongforge.errors import PluginError
+
+        try:
+            ops = registry.kernels.get(name)().ops()
+        except PluginError as exc:
+            raise RecipeError(str(exc).splitlines()[0], key="kernels.provider") from None
+        needed = ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")
+        missing = [op for op in needed if op not in ops]
+        if missing:
+            raise RecipeError(f"kernel provider '{name}' has no {', '.join(missing)}; the loongforge spec needs "
+                              f"{', '.join(needed)}", key="kernels.provider")
 
     @staticmethod
     def _check_vlm(recipe: Recipe, plan: Any, arch: Any) -> None:
