@@ -164,6 +164,8 @@ def validation_error(exc: ValidationError, *, schema: type[BaseModel], prefix: s
     msg = err.get("msg", "invalid value").replace("\n", " ")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    if isinstance(value, dict) and kind == "value_error":  # NOTE: a section's own check: its message says it all
+        return RecipeError(msg, key=key, file=file)
     shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
     return RecipeError(f"{msg} (got {shown})", key=key, file=file)
 
