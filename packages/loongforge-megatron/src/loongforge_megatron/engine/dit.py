@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -37,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
+from loongforge_megatron.engine.model import wrap_ddp
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.spec.attention import SDPAttention
 
@@ -268,15 +268,8 @@ def build_dit(*, config: Any, arch: Any, device: torch.device, use_distributed_o
     model = DiTModel(config, arch, attention=attention)
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it
     model.to(device=device, dtype=config.params_dtype)
-    if pre_wrap is not None:
-        pre_wrap([model])  # NOTE: initial weights go in before DDP builds its grad buffers
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                                 use_distributed_optimizer=use_distributed_optimizer),
-        module=model)
-    ddp.broadcast_params()
-    return [ddp]
+    return wrap_ddp([model], config, use_distributed_optimizer=use_distributed_optimizer,
+                    grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
 
 
 def noise_scheduler():

@@ -112,12 +112,11 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                 pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
                 accelerator: Any = None) -> list[torch.nn.Module]:
     """``[DDP(LLaVAModel)]`` for this rank (one chunk: no pipeline parallelism), built with :func:`layer_specs`."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    from loongforge_megatron.engine.model import _not_deprecation_notice
+    from loongforge_megatron.engine.model import _not_deprecation_notice, wrap_ddp
 
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
     logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_not_work_in_progress)
@@ -156,15 +155,8 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
     # NOTE: CLIP's conv1 and the (Wrapped)TorchNorms are built in fp32 whatever params_dtype says.
     model.to(device=device, dtype=language.params_dtype)
-    if pre_wrap is not None:
-        pre_wrap([model])  # NOTE: initial weights go in before DDP builds its grad buffers
-    ddp = DistributedDataParallel(
-        config=language,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                                 use_distributed_optimizer=use_distributed_optimizer),
-        module=model)
-    ddp.broadcast_params()
-    return [ddp]
+    return wrap_ddp([model], language, use_distributed_optimizer=use_distributed_optimizer,
+                    grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
 
 
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):

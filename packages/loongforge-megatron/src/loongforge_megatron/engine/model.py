@@ -64,7 +64,6 @@ def build_model(
     data-parallel ranks, which is what makes losses identical across parallel layouts.
     """
     from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
@@ -104,8 +103,25 @@ def build_model(
             model.to(device)
         chunks.append(model)
 
+    return wrap_ddp(chunks, config, use_distributed_optimizer=use_distributed_optimizer,
+                    grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce, pre_wrap=pre_wrap)
+
+
+def wrap_ddp(
+    chunks: list[torch.nn.Module],
+    config: Any,
+    *,
+    use_distributed_optimizer: bool,
+    grad_reduce_in_fp32: bool = True,
+    overlap_grad_reduce: bool = False,
+    pre_wrap: Callable[[list[torch.nn.Module]], None] | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (GPTModel, LLaVAModel, DiTModel), each in megatron's DDP, parameters broadcast
+    from data-parallel rank 0. ``pre_wrap(chunks)`` runs first: initial weights and LoRA adapters go in before
+    DDP sizes its grad buffers for the trainable parameters it sees."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     if pre_wrap is not None:
-        # NOTE: DDP sizes its grad buffers for the trainable parameters it sees now (e.g. LoRA adapters).
         pre_wrap(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
