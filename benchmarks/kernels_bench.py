@@ -50,15 +50,15 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[Case]:
+def cases(device: str, *, quick: bool, compile_: bool, only: set[str], flce_variants: bool = False) -> list[Case]:
     bf16 = torch.bfloat16
     lf = _liger()
     out: list[Case] = []
 
-    def add(kernel, shape, inputs, ours, eager, *, liger=None, tilelang=None, nbytes=0.0, flops=0.0):
+    def add(kernel, shape, inputs, ours, eager, *, liger=None, tilelang=None, nbytes=0.0, flops=0.0, variants=None):
         if only and kernel not in only:
             return
-        impls = {"loongforge": ours, "eager": eager}
+        impls = {"loongforge": ours, **(variants or {}), "eager": eager}
         if compile_:
             impls["compile"] = _compiled(eager)
         if liger is not None:
@@ -126,6 +126,15 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
             lambda x, w, lab=labels: ref.linear_cross_entropy_ref(x, w, lab),
             liger=(lambda x, w, lab=labels: lf.liger_fused_linear_cross_entropy(x, w, lab)) if lf else None,
             flops=6 * n_tok * hidden * vocab,
+            # A/B of the chunk schedule: serial N/2 chunks (the old default), one chunk, overlap with N/2 chunks
+            variants={
+                "lf-serial-N/2": lambda x, w, lab=labels: fused_linear_cross_entropy(x, w, lab, impl="triton",
+                                                                                     overlap=False),
+                "lf-serial-N": lambda x, w, lab=labels, n=n_tok: fused_linear_cross_entropy(
+                    x, w, lab, impl="triton", overlap=False, chunk_size=n),
+                "lf-overlap-N/2": lambda x, w, lab=labels, n=n_tok: fused_linear_cross_entropy(
+                    x, w, lab, impl="triton", overlap=True, chunk_size=n // 2),
+            } if flce_variants else None,
         )
     n_tok, n_exp, topk = (16384, 64, 8) if not quick else (32, 8, 2)
     idx = torch.rand(n_tok, n_exp, device=device).topk(topk, dim=-1).indices
@@ -179,11 +188,14 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str]) -> list[C
     return out
 
 
+REP_MS = 60  # do_bench's time budget per measurement (--rep): a 40 ms step gets only ~2 samples at 60
+
+
 def _timer(step: Callable[[], None], device: str) -> float:
     if device == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
+        return triton.testing.do_bench(step, warmup=10, rep=REP_MS, return_mode="median")
     step()
     t0 = time.perf_counter()
     for _ in range(3):
@@ -200,7 +212,7 @@ def _graph_timer(step: Callable[[], None], device: str) -> float | None:
 
     try:
         with torch.cuda.stream(torch.cuda.Stream()):
-            return triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+            return triton.testing.do_bench_cudagraph(step, rep=max(100, REP_MS), return_mode="median")
     except Exception:  # e.g. a peer that syncs with the host inside its step
         torch.cuda.synchronize()
         return None
@@ -248,7 +260,8 @@ def run_case(case: Case, device: str) -> None:
             ms = _timer(step, device)
             # NOTE: only our kernels and compile are replayed as graphs: a peer that syncs with the host inside
             # its step (Liger's fused CE) fails capture and leaves the CUDA RNG in capture state.
-            gpu_ms = _graph_timer(step, device) if name in ("loongforge", "compile", "tilelang") else None
+            gpu_ms = (_graph_timer(step, device)
+                      if name in ("loongforge", "compile", "tilelang") or name.startswith("lf-") else None)
         except Exception as exc:  # one failing peer must not hide the others
             case.rows.append(
                 {"impl": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"}
@@ -318,10 +331,29 @@ def report(all_cases: list[Case], device_name: str) -> str:
             f"| {ratio('liger')} | {ratio('liger', 'gpu_ms')} | {ratio('tilelang')} | {ratio('tilelang', 'gpu_ms')} "
             f"| {mem} |"
         )
+    variant_rows = [(c, r) for c in all_cases for r in c.rows if r["impl"].startswith("lf-") and "error" not in r]
+    if variant_rows:
+        lines += ["", "## Schedule variants of loongforge's kernel (compile's time over the variant's)", "",
+                  "| kernel | shape | variant | vs compile (wall) | vs compile (GPU) | peak mem / eager |",
+                  "|---|---|---|---:|---:|---:|"]
+        for c, r in variant_rows:
+            by = {x["impl"]: x for x in c.rows if "error" not in x}
+            comp, eager = by.get("compile", {}), by.get("eager", {})
+            wall = f"{comp['ms'] / r['ms']:.3f}x" if comp.get("ms") else "n/a"
+            gpu = f"{comp['gpu_ms'] / r['gpu_ms']:.3f}x" if comp.get("gpu_ms") and r.get("gpu_ms") else "n/a"
+            mem = f"{r['peak_mib'] / eager['peak_mib']:.3f}" if eager.get("peak_mib") else "n/a"
+            lines.append(f"| {c.kernel} | {c.shape} | {r['impl']} | {wall} | {gpu} | {mem} |")
+        ours = [(c, by) for c in all_cases if (by := {x["impl"]: x for x in c.rows if "error" not in x}).get("lf-serial-N/2")]
+        for c, by in ours:
+            if by.get("loongforge", {}).get("gpu_ms") and by["lf-serial-N/2"].get("gpu_ms"):
+                lines.append(f"| {c.kernel} | {c.shape} | default (overlap) vs serial N/2, GPU | "
+                             f"{by['lf-serial-N/2']['ms'] / by['loongforge']['ms']:.3f}x | "
+                             f"{by['lf-serial-N/2']['gpu_ms'] / by['loongforge']['gpu_ms']:.3f}x | |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    global REP_MS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
@@ -329,13 +361,17 @@ def main() -> None:
         "--only", default="", help="comma-separated kernels: rms_norm,swiglu,rope,flce,moe,sparse_mla"
     )
     ap.add_argument("--out", default="", help="also write the markdown report here")
+    ap.add_argument("--rep", type=int, default=60, help="ms of repetitions per timing (do_bench's rep)")
+    ap.add_argument("--flce-variants", action="store_true", help="also time fused CE's other chunk schedules")
     args = ap.parse_args()
+    REP_MS = args.rep
     device = "cuda" if torch.cuda.is_available() else "cpu"
     only = {k for k in args.only.split(",") if k}
     if "moe" in only:
         only |= {"moe_permute", "moe_unpermute"}
     torch.manual_seed(0)
-    all_cases = cases(device, quick=args.quick, compile_=not args.no_compile, only=only)
+    all_cases = cases(device, quick=args.quick, compile_=not args.no_compile, only=only,
+                      flce_variants=args.flce_variants)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     for i, c in enumerate(all_cases):
         t0 = time.perf_counter()

@@ -30,8 +30,7 @@ def test_cuda_graphs_train_the_eager_losses(tmp_path):
     """Every step's loss matches eager's, so graphs replay on fresh inputs and read the updated weights.
 
     Seen on an H200 (torch 2.11, these settings, one process per variant): eager and graphed
-    losses equal to 1e-7 in fp32 (bf16: within 1.2e-3). Two micro-batches a step failed under graphs, so the
-    backend refuses that (``test_lerobot_pi05.py::test_compile_mode_needs_compile``)."""
+    losses equal to 1e-7 in fp32 (bf16: within 1.2e-3)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     eager = _losses(tmp_path)
@@ -40,3 +39,18 @@ def test_cuda_graphs_train_the_eager_losses(tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-4), (eager, compiled)
     assert graphs == pytest.approx(eager, rel=1e-4), (eager, graphs)
     assert len(set(graphs)) == len(graphs)  # the steps differ: no stale replay of step 1
+
+
+def test_cuda_graphs_accumulate_gradients(tmp_path):
+    """Two micro-batches a step under CUDA graphs train the losses of one micro-batch of the same global batch.
+
+    Before the job kept ``.grad`` resident, the second micro-batch's replay overwrote the first one's gradient
+    that AccumulateGrad had taken from graph memory (pytorch/pytorch#169545): on an H200 the first step's
+    backward failed with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    one = _losses(tmp_path)
+    eager = _losses(tmp_path, "train.micro_batch_size=2")
+    graphs = _losses(tmp_path, "train.micro_batch_size=2", "train.compile=true", "train.compile_mode=reduce-overhead")
+    assert eager == pytest.approx(one, rel=1e-4), (one, eager)
+    assert graphs == pytest.approx(eager, rel=1e-4), (eager, graphs)

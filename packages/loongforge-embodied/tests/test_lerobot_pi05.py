@@ -331,19 +331,19 @@ def test_compiled_units_give_the_eager_losses(tmp_path):
 
 
 def test_compile_mode_needs_compile(capsys):
-    """``compile_mode`` without ``compile`` is refused; CUDA graphs (reduce-overhead) are refused with gradient
-    accumulation (they failed on the GPU there) and accepted with one micro-batch a step."""
+    """``compile_mode`` without ``compile`` is refused; CUDA graphs (reduce-overhead) are refused on several
+    processes (never run there) and accepted on one, with or without gradient accumulation."""
     from loongforge.cli import main
 
     tiny = str(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml")
     assert main(["validate", tiny, "train.compile_mode=reduce-overhead"]) == 2
     assert "compile_mode" in capsys.readouterr().err
     graphs = ["train.compile=true", "train.compile_mode=reduce-overhead"]
-    assert main(["validate", tiny, *graphs]) == 2  # global 4 / micro 2: two micro-batches a step
+    assert main(["validate", tiny, *graphs]) == 0  # global 4 / micro 2: two micro-batches a step
+    assert main(["validate", tiny, *graphs, "--world-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "key 'train.compile_mode'" in err and "2 micro-batch(es)" in err and err.count("\n") == 1, err
-    assert main(["validate", tiny, *graphs, "train.micro_batch_size=4"]) == 0
+    assert "key 'train.compile_mode'" in err and "2 processes" in err and err.count("\n") == 1, err
     # max-autotune replays CUDA graphs too; its -no-cudagraphs variant does not
-    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune"]) == 2
+    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune", "--world-size", "2"]) == 2
     assert "compile_mode max-autotune (CUDA graphs)" in capsys.readouterr().err
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]) == 0

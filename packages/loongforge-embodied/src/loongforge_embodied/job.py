@@ -85,6 +85,10 @@ class EmbodiedJob(Job):
                     if t.ema_decay else None)
         self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
+        # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
+        # wrong sum). Keeping ``.grad`` allocated makes every backward add into it in place, out of graph memory.
+        self._resident_grads = self._graphs and self.accum > 1
         sampler = GlobalBatchSampler(
             num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
@@ -138,6 +142,10 @@ class EmbodiedJob(Job):
             g["lr"] = lr
         local = t.global_batch_size // self.runtime.world_size
         loss_sum = torch.zeros((), device=self.device)
+        if self._resident_grads:
+            for p in self.trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         for m in range(self.accum):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self._batches).items()}
             if self._graphs:
@@ -153,7 +161,7 @@ class EmbodiedJob(Job):
             loss_sum += per_sample.detach().sum()
         gnorm = clip_grad_norm(self.trainable, t.grad_clip)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if self.model.allgather is not None:
             self.model.allgather.step()
         if self.ema is not None:

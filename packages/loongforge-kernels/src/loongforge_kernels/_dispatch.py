@@ -48,6 +48,7 @@ def _probe_kernel(X):
     pass
 
 
+@functools.cache  # NOTE: fixed once both are imported; it is on every kernel call's path
 def _interpreted() -> tuple[bool, bool]:
     """(our kernels, Triton's own standard library) were decorated under ``TRITON_INTERPRET=1``."""
     from triton.runtime.interpreter import InterpretedFunction
