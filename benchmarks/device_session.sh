@@ -24,14 +24,16 @@
 #         64 MiB; `tar -C <unzipped wheel> -cJf .tl/tl.tar.xz .`, same for z3 -> .tl/z3.tar.xz, plus the
 #         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
+#   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
+#   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -89,6 +91,12 @@ case $phase in
   e2e_compile)
     step pi05_e2e_ours_graphs 330 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
+    ;;
+  e2e_graphs)
+    step pi05_e2e_ours_graphs 290 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
+    step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+      --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     ;;
   accum)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -126,14 +126,10 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str], flce_vari
             lambda x, w, lab=labels: ref.linear_cross_entropy_ref(x, w, lab),
             liger=(lambda x, w, lab=labels: lf.liger_fused_linear_cross_entropy(x, w, lab)) if lf else None,
             flops=6 * n_tok * hidden * vocab,
-            # A/B of the chunk schedule: serial N/2 chunks (the old default), one chunk, overlap with N/2 chunks
+            # A/B of the chunk schedule: one chunk of N tokens instead of the default two of N/2
             variants={
-                "lf-serial-N/2": lambda x, w, lab=labels: fused_linear_cross_entropy(x, w, lab, impl="triton",
-                                                                                     overlap=False),
-                "lf-serial-N": lambda x, w, lab=labels, n=n_tok: fused_linear_cross_entropy(
-                    x, w, lab, impl="triton", overlap=False, chunk_size=n),
-                "lf-overlap-N/2": lambda x, w, lab=labels, n=n_tok: fused_linear_cross_entropy(
-                    x, w, lab, impl="triton", overlap=True, chunk_size=n // 2),
+                "lf-chunk-N": lambda x, w, lab=labels, n=n_tok: fused_linear_cross_entropy(
+                    x, w, lab, impl="triton", chunk_size=n),
             } if flce_variants else None,
         )
     n_tok, n_exp, topk = (16384, 64, 8) if not quick else (32, 8, 2)
@@ -343,12 +339,6 @@ def report(all_cases: list[Case], device_name: str) -> str:
             gpu = f"{comp['gpu_ms'] / r['gpu_ms']:.3f}x" if comp.get("gpu_ms") and r.get("gpu_ms") else "n/a"
             mem = f"{r['peak_mib'] / eager['peak_mib']:.3f}" if eager.get("peak_mib") else "n/a"
             lines.append(f"| {c.kernel} | {c.shape} | {r['impl']} | {wall} | {gpu} | {mem} |")
-        ours = [(c, by) for c in all_cases if (by := {x["impl"]: x for x in c.rows if "error" not in x}).get("lf-serial-N/2")]
-        for c, by in ours:
-            if by.get("loongforge", {}).get("gpu_ms") and by["lf-serial-N/2"].get("gpu_ms"):
-                lines.append(f"| {c.kernel} | {c.shape} | default (overlap) vs serial N/2, GPU | "
-                             f"{by['lf-serial-N/2']['ms'] / by['loongforge']['ms']:.3f}x | "
-                             f"{by['lf-serial-N/2']['gpu_ms'] / by['loongforge']['gpu_ms']:.3f}x | |")
     return "\n".join(lines) + "\n"
 
 

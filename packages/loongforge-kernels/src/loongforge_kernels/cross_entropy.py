@@ -6,10 +6,6 @@ d loss / d logits = (softmax - onehot) * scale. The chunk's grads wrt hidden and
 so the backward only scales what the forward stored (Liger-Kernel's scheme). ``reduction="none"`` cannot
 know the per-token output grads in advance, so it recomputes the chunks in the backward instead.
 
-On CUDA (one shard, grads wanted) the memory-bound loss/grad kernel of chunk c runs on a side stream while the
-main stream does chunk c+1's logits GEMM and chunk c-1's grad GEMMs, so only the GEMMs are on the critical path;
-two chunks of logits are alive then, so the chunks are half as long (the same peak memory).
-
 Vocab-parallel (tensor parallelism): ``weight`` is this rank's shard [V/tp, H] of rows
 ``[rank * V/tp, (rank + 1) * V/tp)``; the max, sum-exp and target logit are all-reduced over
 ``process_group`` per chunk, so every rank gets the full loss.
@@ -156,17 +152,17 @@ def _grad_in_place(logits, labels, lse, scale, *, vocab_start, impl):
     logits.copy_(g * scale[:, None])
 
 
-def _chunk_rows(n_tokens: int, vocab: int, elem_bytes: int, *, parts: int = 2) -> int:
-    """Tokens per chunk: about N/parts rounded up to 256 (at least 256), the logits chunk within the byte budget.
+def _chunk_rows(n_tokens: int, vocab: int, elem_bytes: int) -> int:
+    """Tokens per chunk: about N/2 rounded up to 256 (at least 256), the logits chunk within the byte budget.
 
     NOTE: big chunks pay on GPU: the d(hidden) GEMM has only chunk x H outputs (few tiles per SM for small
     chunks), and each chunk re-reads the [V, H] weight grad. 1024-token chunks ran 0.94x torch.compile on an
     H200, N/2-token ones 0.95-1.0x. Only one chunk of logits is alive at a time (the loop drops the last one
     before the next GEMM), so N/2 peaks near 0.2x eager's memory at vocab 128k.
     """
-    budget = max(256, LOGITS_CHUNK_BYTES // parts * 2 // (elem_bytes * max(vocab, 1)) // 256 * 256)
-    part = -(-n_tokens // parts // 256) * 256
-    return max(1, min(budget, max(256, part), n_tokens))
+    budget = max(256, LOGITS_CHUNK_BYTES // (elem_bytes * max(vocab, 1)) // 256 * 256)
+    half = -(-n_tokens // 2 // 256) * 256
+    return max(1, min(budget, max(256, half), n_tokens))
 
 
 def _run_chunks(
@@ -181,7 +177,6 @@ def _run_chunks(
     want_grad_weight,
     chunk,
     impl,
-    overlap=False,
 ):
     """The chunk loop. Returns per-token loss [N] fp32 and, when ``grad_scale`` [N] is given, the grads."""
     n, _ = hidden.shape
@@ -196,10 +191,6 @@ def _run_chunks(
     # NOTE: like Liger, the weight grad accumulates in the weight dtype; each GEMM sums in fp32 inside.
     grad_w = torch.empty_like(weight) if grad_scale is not None and want_grad_weight else None
     w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
-    if overlap and impl == "triton" and group is None and grad_scale is not None and hidden.is_cuda:
-        _overlapped_chunks(hidden, w, labels, loss, grad_scale, grad_h, grad_w, chunk=chunk,
-                           ignore_index=ignore_index)
-        return loss, grad_h, grad_w
     logits = None
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
@@ -241,55 +232,6 @@ def _run_chunks(
     return loss, grad_h, grad_w
 
 
-def _overlapped_chunks(hidden, w, labels, loss, grad_scale, grad_h, grad_w, *, chunk, ignore_index):
-    """The single-shard grad loop on two CUDA streams: chunk c's loss/grad kernel (side stream) overlaps chunk
-    c+1's logits GEMM and chunk c-1's grad GEMMs (main stream). At most two chunks of logits are alive.
-
-    NOTE: every buffer is allocated on the main stream, and the main stream waits for the side stream's event
-    before it reads (or frees and reuses) a chunk, so the caching allocator needs no ``record_stream``.
-    """
-    main = torch.cuda.current_stream(hidden.device)
-    side = _side_stream(hidden.device)
-    n, v = hidden.shape[0], w.shape[0]
-    block, warps = _row_launch(v, hidden.device)
-    scale = grad_scale.float().contiguous()
-    pending = None
-    for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        h = hidden[start:end]
-        logits = h @ w.t()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _ce_loss_grad_kernel[(end - start,)](
-                logits, labels[start:end], loss[start:end], scale[start:end], logits.stride(0), v, ignore_index,
-                BLOCK=block, num_warps=warps,
-            )
-            done = torch.cuda.Event()
-            done.record(side)
-        if pending is not None:
-            _finish_chunk(main, w, grad_h, grad_w, *pending)
-        pending = (logits, h, start, end, done)
-        del logits
-    if pending is not None:
-        _finish_chunk(main, w, grad_h, grad_w, *pending)
-    main.wait_stream(side)  # the per-token losses
-
-
-def _finish_chunk(main, w, grad_h, grad_w, dlogits, h, start, end, done):
-    main.wait_event(done)
-    _chunk_grads(dlogits, h, w, grad_h, grad_w, start, end)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _chunk_grads(dlogits, h, w, grad_h, grad_w, start, end):
     """The chunk's grads from d loss / d logits: d hidden = dL @ W, d weight (+)= dL.T @ h."""
     if grad_h is not None:
@@ -312,8 +254,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper of the chunk loop (grads stored in forward for mean/sum, recomputed for none)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, group, reduce_grad_input, chunk, impl,
-                overlap=False):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, group, reduce_grad_input, chunk, impl):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         lab = labels.reshape(-1).contiguous()
         valid = lab != ignore_index
@@ -330,7 +271,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             chunk=chunk,
             impl=impl,
         )
-        loss, grad_h, grad_w = _run_chunks(h2, weight, lab, grad_scale=grad_scale, overlap=overlap, **kw)
+        loss, grad_h, grad_w = _run_chunks(h2, weight, lab, grad_scale=grad_scale, **kw)
         if grad_h is not None and group is not None and reduce_grad_input:
             dist.all_reduce(grad_h, group=group)
         ctx.reduction = reduction
@@ -363,7 +304,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_h = grad_h.mul_(g.to(grad_h.dtype)) if grad_h is not None else None
             grad_w = grad_w.mul_(g.to(grad_w.dtype)) if grad_w is not None else None
         grad_h = grad_h.view(ctx.hidden_shape) if grad_h is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -377,7 +318,6 @@ def fused_linear_cross_entropy(
     reduce_grad_input: bool = True,
     chunk_size: int | None = None,
     impl: str | None = None,
-    overlap: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` vs ``labels`` without materialising the [N, V] logits.
 
@@ -385,18 +325,13 @@ def fused_linear_cross_entropy(
     sums, "none" returns per-token losses (0 at ignored tokens). With ``process_group`` the weight is the
     local vocab shard; ``reduce_grad_input=False`` leaves the hidden grad partial for a caller whose own
     communication op (megatron's copy-to-TP-region) reduces it. ``chunk_size`` overrides the tokens per chunk.
-    ``overlap`` (default: on CUDA) runs each chunk's softmax kernel on a side stream under the GEMMs; it applies
-    to one shard with reduction "mean" or "sum" under Triton, and is ignored elsewhere.
     """
     _validate(hidden, weight, labels, reduction)
     which = resolve(impl, hidden)
-    if overlap is None:
-        overlap = hidden.is_cuda
-    overlap = overlap and process_group is None and reduction != "none" and which == "triton" and hidden.is_cuda
     n_tokens = hidden.numel() // hidden.shape[-1]
-    chunk = chunk_size or _chunk_rows(n_tokens, weight.shape[0], hidden.element_size(), parts=4 if overlap else 2)
+    chunk = chunk_size or _chunk_rows(n_tokens, weight.shape[0], hidden.element_size())
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, labels, ignore_index, reduction, process_group, reduce_grad_input, chunk, which, overlap
+        hidden, weight, labels, ignore_index, reduction, process_group, reduce_grad_input, chunk, which
     )
 
 
