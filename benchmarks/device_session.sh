@@ -6,7 +6,7 @@
 # Run on the device machine from the repository root, carrying these git-ignored folders (fill them here with
 # `pip download --no-deps --only-binary :all: --python-version 3.12 -d .whl <pkg>==<version>`; our own packages
 # come from packages/*/src through PYTHONPATH):
-#   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel
+#   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel, diffusers 0.42.1
 #   .whl2 lerobot 0.6.1 + draccus, mergedeep, toml, termcolor, gymnasium, farama-notifications
 #   .whl3 datasets, dill, multiprocess, jsonlines, av              (phase e2e only: LeRobotDataset decoding)
 #   .vla_data/pusht224                                             (phase e2e only: `loongforge data prepare
@@ -97,6 +97,12 @@ case $phase in
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  b32)
+    step pi05_b32_graphs 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead
+    step dit_xl2 280 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 --warmup 5 \
+      --out "$out/dit_throughput.md"
     ;;
   accum)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
