@@ -26,14 +26,15 @@
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 #   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
+#   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -102,6 +103,10 @@ case $phase in
     step pi05_b32_graphs 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead
     step dit_xl2 280 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 --warmup 5 \
+      --out "$out/dit_throughput.md"
+    ;;
+  dit)
+    step dit_xl2 500 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 --warmup 5 \
       --out "$out/dit_throughput.md"
     ;;
   accum)

@@ -1,5 +1,5 @@
 """DiT training throughput: LoongForge's megatron backend (our SDPA spec) vs diffusers' ``DiTTransformer2DModel``
-eager and + ``torch.compile``, same model, weights, data, objective and optimizer, on one device.
+eager and + ``torch.compile`` (ours also with ``train.compile``), same model, weights, data, objective and optimizer, on one device.
 
     python benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20          # one GPU
     python benchmarks/dit_throughput.py --preset dit-tiny --batch 8 --steps 4 --device cpu    # smoke test
@@ -51,7 +51,7 @@ def make_diffusers(preset: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def run_ours(args) -> dict:
+def run_ours(args, compiled: bool = False) -> dict:
     import loongforge
     import torch
     import yaml
@@ -62,7 +62,8 @@ def run_ours(args) -> dict:
         "data": {"format": "latents", "class_dropout": 0.1},
         "train": {"stage": "cpt", "steps": args.steps, "global_batch_size": args.batch, "micro_batch_size": args.batch,
                   "lr": 1e-4, "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_beta2": 0.999,
-                  "grad_clip": 1.0, "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1},
+                  "grad_clip": 1.0, "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1,
+                  "compile": compiled},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
         "kernels": {"spec": "loongforge"},
@@ -130,6 +131,7 @@ def run_diffusers(args, compiled: bool) -> dict:
 
 VARIANTS = {
     "loongforge": run_ours,
+    "loongforge_compile": lambda a: run_ours(a, True),
     "diffusers_eager": lambda a: run_diffusers(a, False),
     "diffusers_compile": lambda a: run_diffusers(a, True),
 }
@@ -150,7 +152,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--variants", default="loongforge,diffusers_eager,diffusers_compile")
+    p.add_argument("--variants", default="loongforge,loongforge_compile,diffusers_eager,diffusers_compile")
     p.add_argument("--out", default=None, help="write the table (markdown) here too")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
@@ -200,16 +202,16 @@ def main() -> None:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
         lines.append(f"| {name} | {r['images_per_s']:,.1f} | {100 * r['mfu']:.1f}% | {peak} | "
                      f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
-    ours = rows.get("loongforge", {})
     lines.append("")
-    for peer in ("diffusers_eager", "diffusers_compile"):
-        r = rows.get(peer, {})
+    for mine, peer in (("loongforge", "diffusers_eager"), ("loongforge_compile", "loongforge"),
+                       ("loongforge_compile", "diffusers_compile")):
+        ours, r = rows.get(mine, {}), rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))
             diffs = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], r["losses"][:n], strict=True)]
-            lines.append(f"Loss vs {peer} over {n} steps: max relative difference {max(diffs):.2e}.")
+            lines.append(f"Loss of {mine} vs {peer} over {n} steps: max relative difference {max(diffs):.2e}.")
         if "images_per_s" in ours and "images_per_s" in r:
-            lines.append(f"loongforge / {peer}: {ours['images_per_s'] / r['images_per_s']:.2f}x")
+            lines.append(f"{mine} / {peer}: {ours['images_per_s'] / r['images_per_s']:.2f}x")
     text = "\n".join(lines)
     print(text)
     if args.out:

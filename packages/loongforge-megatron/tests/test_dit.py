@@ -200,6 +200,25 @@ def test_tp2_matches_one_process_and_the_loss_falls(tmp_path):
     assert last < 0.6 * first, (first, last)
 
 
+def test_compiled_layers_train_the_eager_losses(tmp_path, capsys):
+    """``train.compile`` compiles each adaLN-Zero layer (one graph for all of them): the same losses as eager
+    (fp32, CPU inductor). LLMs are refused: their speed comes from the fused-kernel spec."""
+    over = ["accelerator=cpu", "logging.console=false", "train.steps=3", "train.warmup_steps=0"]
+    losses = {}
+    for compiled in (False, True):
+        job, runtime = build(tmp_path, [*over, f"train.compile={str(compiled).lower()}"], f"compile_{compiled}")
+        try:
+            losses[compiled] = [job.step()["loss"] for _ in range(3)]
+            layers = job.model[0].module.decoder.layers
+            assert all((getattr(layer, "_compiled_call_impl", None) is not None) == compiled for layer in layers)
+        finally:
+            close(job, runtime)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5), losses
+    assert main(["validate", str(RECIPE.parents[1] / "llm/tiny/llama_tiny.yaml"), "train.compile=true"]) == 2
+    err = capsys.readouterr().err
+    assert "key 'train.compile'" in err and "DiT models" in err and err.count("\n") == 1, err
+
+
 def test_resume_is_exact(tmp_path):
     """A run stopped after a checkpoint at step 2 and resumed gives bitwise the losses of an uninterrupted run."""
     over = ["accelerator=cpu", "logging.console=false", "train.steps=4", "train.warmup_steps=0"]
@@ -312,6 +331,7 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path):
     (["model.vae=/nowhere"], "model.vae", "need none"),
     (["data.image_size=100"], "data.image_size", "not divisible by 8 (VAE) x 2 (patch) = 16"),
     (["data.image_size=128"], "data.image_size", "set model.sample_size: 16"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], "train.compile_mode", "CUDA graphs"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
     assert main(["validate", str(RECIPE), *overrides, "--world-size", "2"]) == 2

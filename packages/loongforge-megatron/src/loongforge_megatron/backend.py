@@ -33,8 +33,6 @@ class MegatronBackend(Backend):
         "parallel.shard_size": "hsdp shard groups are an embodied-backend setting; use parallel.dp / distributed_optimizer",
         "parallel.components": "per-component layouts are for models built of components (VLMs); this backend's "
                                "models are decoder-only LMs with one layout",
-        "train.compile": "its speed comes from kernels.spec / kernels.provider (fused kernels), not torch.compile",
-        "train.compile_mode": "it does not torch.compile (see train.compile)",
     }
 
     @classmethod
@@ -71,6 +69,7 @@ class MegatronBackend(Backend):
                 key="train.global_batch_size",
             )
         self._check_provider(recipe, arch)
+        self._check_compile(recipe, arch)
         if arch.is_dit:
             self._check_dit(recipe, plan, arch)
             return
@@ -86,6 +85,20 @@ class MegatronBackend(Backend):
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    @staticmethod
+    def _check_compile(recipe: Recipe, arch: Any) -> None:
+        """``train.compile`` compiles each DiT transformer layer; LLMs and VLMs get their fused kernels from
+        ``kernels.spec`` instead (Triton kernels that torch.compile would have to trace)."""
+        t = recipe.train
+        if t.compile and not arch.is_dit:
+            raise RecipeError("train.compile (torch.compile of each transformer layer) is for DiT models on this "
+                              "backend; LLMs and VLMs get fused kernels from kernels.spec loongforge",
+                              key="train.compile")
+        if t.compile_mode in ("reduce-overhead", "max-autotune"):
+            raise RecipeError(f"compile_mode {t.compile_mode} replays CUDA graphs, which megatron's DDP buffers and "
+                              "schedules are not set up for here; use default or max-autotune-no-cudagraphs",
+                              key="train.compile_mode")
 
     @staticmethod
     def _check_provider(recipe: Recipe, arch: Any) -> None:

@@ -207,7 +207,8 @@ class MegatronJob(Job):
         self.spec_name = "local" if self.recipe.kernels.spec == "local" else "loongforge"
         self.model = dit.build_dit(
             config=self.config, arch=self.arch, device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
-            attention="local" if self.spec_name == "local" else "sdpa", pre_wrap=self._before_ddp)
+            attention="local" if self.spec_name == "local" else "sdpa", pre_wrap=self._before_ddp,
+            compile_mode=self.recipe.train.compile_mode if self.recipe.train.compile else None)
 
     def _build_vlm(self) -> None:
         """LLaVA: megatron's LLaVAModel (``engine.llava.layer_specs``); initial HF weights are loaded before DDP

@@ -121,7 +121,7 @@ class TrainConfig(Section):
     eval_interval: int | None = Field(None, ge=1)
     eval_steps: int = Field(1, ge=1)
     lora: LoraConfig | None = None
-    compile: bool = Field(False, description="torch.compile the model (embodied backend)")
+    compile: bool = Field(False, description="torch.compile the model: per wrap unit (embodied), per transformer layer (megatron DiT)")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"
     )

@@ -263,11 +263,17 @@ class DiTModel(MegatronModule):
 
 
 def build_dit(*, config: Any, arch: Any, device: torch.device, use_distributed_optimizer: bool,
-              attention: str = "sdpa", grad_reduce_in_fp32: bool = True, pre_wrap: Any = None) -> list[torch.nn.Module]:
-    """``[DDP(DiTModel)]`` for this rank (one chunk: no pipeline parallelism)."""
+              attention: str = "sdpa", grad_reduce_in_fp32: bool = True, pre_wrap: Any = None,
+              compile_mode: str | None = None) -> list[torch.nn.Module]:
+    """``[DDP(DiTModel)]`` for this rank (one chunk: no pipeline parallelism). ``compile_mode`` (``"default"`` or
+    another ``torch.compile`` mode) compiles each transformer layer, as torchtitan compiles per block: one graph
+    serves every layer, and megatron's DDP hooks and recompute stay outside it."""
     model = DiTModel(config, arch, attention=attention)
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it
     model.to(device=device, dtype=config.params_dtype)
+    if compile_mode is not None:
+        for layer in model.decoder.layers:
+            layer.compile(mode=None if compile_mode == "default" else compile_mode)
     return wrap_ddp([model], config, use_distributed_optimizer=use_distributed_optimizer,
                     grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
 
