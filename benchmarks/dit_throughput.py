@@ -80,8 +80,32 @@ def run_ours(args, compiled: bool = False) -> dict:
         losses.append(m["loss"])
         times.append(m["step_time"])
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    profile = _profile(job.step, args) if args.profile else None
     job.close()
-    return {"losses": losses, "times": times, "peak_gib": peak}
+    return {"losses": losses, "times": times, "peak_gib": peak, "profile": profile}
+
+
+def _profile(step, args) -> str:
+    """Host and kernel time of three more steps (torch.profiler), top entries of each, and the GPU busy share."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in avg if e.device_type.name == "CUDA")
+    out = [f"3 steps: wall {wall * 1e3:.1f} ms, kernel time {kernel_us / 1e3:.1f} ms "
+           f"(GPU busy <= {100 * kernel_us / 1e6 / wall:.1f}%)", "",
+           avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
+    if args.device == "cuda":
+        out.append(avg.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    return "\n".join(out)
 
 
 def run_diffusers(args, compiled: bool) -> dict:
@@ -154,6 +178,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--variants", default="loongforge,loongforge_compile,diffusers_eager,diffusers_compile")
     p.add_argument("--out", default=None, help="write the table (markdown) here too")
+    p.add_argument("--profile", action="store_true", help="ours: profile three more steps (printed, and in --out)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -178,7 +203,8 @@ def main() -> None:
     for name in args.variants.split(","):
         js = work / f"{name}.json"
         cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
-               "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device]
+               "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device] + \
+              (["--profile"] if args.profile else [])
         t0 = time.time()
         subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
         res = json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed)"}
@@ -188,7 +214,7 @@ def main() -> None:
             res["images_per_s"] = args.batch / t
             res["mfu"] = res["images_per_s"] * tokens * fpt / PEAK_BF16
         rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("losses", "times")}, flush=True)
+        print(name, {k: v for k, v in res.items() if k not in ("losses", "times", "profile")}, flush=True)
 
     lines = [f"# DiT training throughput — {args.preset}, batch {args.batch}, one {device}, {time.strftime('%Y-%m-%d')}",
              "", f"{tokens} patch tokens per image; FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N + 12·L·H·T); MFU against "
@@ -212,6 +238,9 @@ def main() -> None:
             lines.append(f"Loss of {mine} vs {peer} over {n} steps: max relative difference {max(diffs):.2e}.")
         if "images_per_s" in ours and "images_per_s" in r:
             lines.append(f"{mine} / {peer}: {ours['images_per_s'] / r['images_per_s']:.2f}x")
+    for name, r in rows.items():
+        if r.get("profile"):
+            lines += ["", f"## Profile of {name}", "", "```", r["profile"], "```"]
     text = "\n".join(lines)
     print(text)
     if args.out:
