@@ -112,7 +112,7 @@ case $phase in
     ;;
   dit_profile)
     step dit_xl2_profile 300 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 12 \
-      --warmup 5 --variants loongforge_compile --profile --out "$out/dit_profile.md"
+      --warmup 5 --variants loongforge_compile,diffusers_compile --profile --out "$out/dit_profile.md"
     ;;
   accum)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -96,6 +96,19 @@ def _column_gathered(config: Any, size_in: int, size_out: int, tp_group: Any = N
                                 gather_output=True, skip_bias_add=False, tp_group=tp_group)
 
 
+class _RowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear, handing its own TP group to the linear function.
+
+    NOTE: megatron 0.19 passes ``tp_group=None`` there (unused: no input-grad all-reduce), which makes every call
+    look up the default group and issue a DeprecationWarning; under torch.compile that warning is a graph break.
+    """
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group", self.tp_group) is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class AdaLNZeroLayer(TransformerLayer):
     """megatron's TransformerLayer with adaLN-Zero modulation (``context`` is the conditioning ``[1, b, h]``)::
 
@@ -135,11 +148,11 @@ def layer_spec(*, attention: str = "sdpa"):
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},  # NOTE: full bidirectional attention over patches
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core,
-                                                   linear_proj=RowParallelLinear),
+                                                   linear_proj=_RowParallelLinear),
             ),
             pre_mlp_layernorm=_layer_norm(),
             mlp=functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+                linear_fc1=ColumnParallelLinear, linear_fc2=_RowParallelLinear)),
         ),
     )
 
