@@ -132,9 +132,10 @@ class MegatronBackend(Backend):
         synthetic image-text data, resumable checkpoints and HF export."""
         from loongforge_megatron.engine.llava import image_seq_length
 
-        for key, value, allowed in (("parallel.pp", plan.pp, 1), ("parallel.cp", plan.cp, 1), ("parallel.ep", plan.ep, 1)):
+        for key, value, allowed in (("parallel.vpp", plan.vpp, 1), ("parallel.cp", plan.cp, 1), ("parallel.ep", plan.ep, 1)):
             if value != allowed:
-                raise RecipeError(f"LLaVA models train with tensor and data parallelism only (got {value})", key=key)
+                raise RecipeError(f"LLaVA models train with tensor, pipeline and data parallelism only (got {value})",
+                                  key=key)
         if plan.sp:
             raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
         if recipe.train.stage not in ("pretrain", "cpt"):

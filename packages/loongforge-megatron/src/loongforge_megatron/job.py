@@ -217,7 +217,10 @@ class MegatronJob(Job):
 
         self.model = build_llava(
             language=self.config, arch=self.arch, vocab_size=self.vocab_size,
-            max_sequence_length=max(self.arch.max_position_embeddings, self.recipe.data.seq_length),
+            # NOTE: under pipeline parallelism LLaVAModel pads every combined sequence to this length (fixed p2p
+            # shapes); data.seq_length is already the length after the image tokens expand
+            max_sequence_length=self.recipe.data.seq_length if self.plan.pp > 1 else max(
+                self.arch.max_position_embeddings, self.recipe.data.seq_length),
             device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
             pre_wrap=self._before_ddp, spec=self.spec_name, provider=self.recipe.kernels.provider, accelerator=self.acc)
 

@@ -50,16 +50,19 @@ def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
     # the CLIP and projector MLPs build an activation module from a spec they do not have.
     common = dict(num_query_groups=None, add_bias_linear=True, gated_linear_unit=False, qk_layernorm=False,
                   use_te_activation_func=False)
+    # NOTE: the tower and projector are whole on the first pipeline stage (megatron would split their layers too)
+    whole = dict(pipeline_model_parallel_size=1, num_layers_in_first_pipeline_stage=None,
+                 num_layers_in_last_pipeline_stage=None, virtual_pipeline_model_parallel_size=None)
     vision = dataclasses.replace(
         language, num_layers=vision_layers_used({"vision_config": v, **arch.vision}), hidden_size=v["hidden_size"],
         ffn_hidden_size=v["intermediate_size"], num_attention_heads=heads, kv_channels=v["hidden_size"] // heads,
         normalization="LayerNorm", layernorm_epsilon=v.get("layer_norm_eps", 1e-5), add_qkv_bias=True,
-        activation_func=acts[v.get("hidden_act", "quick_gelu")], **common)
+        activation_func=acts[v.get("hidden_act", "quick_gelu")], **common, **whole)
     vision.vision_model_type = "clip"  # NOTE: read by LLaVAModel; not a TransformerConfig field
     # NOTE: the projector is an MLP; its (unused) head count must still divide by TP.
     projection = dataclasses.replace(
         language, num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=language.hidden_size,
-        num_attention_heads=language.num_attention_heads, activation_func=F.gelu, **common)
+        num_attention_heads=language.num_attention_heads, activation_func=F.gelu, **common, **whole)
     return vision, projection
 
 
@@ -111,7 +114,10 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                 use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
                 pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
                 accelerator: Any = None) -> list[torch.nn.Module]:
-    """``[DDP(LLaVAModel)]`` for this rank (one chunk: no pipeline parallelism), built with :func:`layer_specs`."""
+    """``[DDP(LLaVAModel)]`` for this rank, built with :func:`layer_specs`. With pipeline parallelism the first stage
+    holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
+    their language layers (megatron's split), the last one the output layer."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -128,6 +134,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     language_spec, vision_spec = layer_specs(spec, provider=provider, accelerator=accelerator)
     vision, projection = vision_configs(language, arch)
     side, patch = image_size(arch)
+    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
     with _without_te_norms(device.type == "cpu"):
         model = LLaVAModel(
             language_transformer_config=language,
@@ -149,6 +156,10 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             img_w=side,
             patch_dim=patch,
             image_token_index=arch.vision["image_token_index"],
+            pre_process=first,
+            post_process=last,
+            add_encoder=first,
+            add_decoder=True,
         )
     from megatron.core.enums import ModelType
 
