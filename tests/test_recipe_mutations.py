@@ -87,7 +87,6 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("recipe", "override"), [
-    ("llm/tiny/llama_tiny.yaml", "parallel.components={vision: {tp: 1}}"),
     ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
     ("embodied/tiny_vla_synthetic.yaml", "parallel.components={vision: {tp: 1}}"),
     ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),

@@ -31,8 +31,6 @@ class MegatronBackend(Backend):
     unused_keys = {
         "parallel.strategy": "it shards with parallel.distributed_optimizer; leave parallel.strategy auto",
         "parallel.shard_size": "hsdp shard groups are an embodied-backend setting; use parallel.dp / distributed_optimizer",
-        "parallel.components": "per-component layouts are for models built of components (VLMs); this backend's "
-                               "models are decoder-only LMs with one layout",
     }
 
     @classmethod
@@ -70,6 +68,7 @@ class MegatronBackend(Backend):
             )
         self._check_provider(recipe, arch)
         self._check_compile(recipe, arch)
+        self._check_components(recipe, plan, arch)
         if arch.is_dit:
             self._check_dit(recipe, plan, arch)
             return
@@ -85,6 +84,29 @@ class MegatronBackend(Backend):
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    @staticmethod
+    def _check_components(recipe: Recipe, plan: Any, arch: Any) -> None:
+        """``parallel.components``: LLaVA's ``vision`` (CLIP tower + projector) may be kept whole on every TP rank
+        (``tp: 1``) under a language-model TP > 1; nothing else is per-component on this backend yet."""
+        comps = recipe.parallel.components
+        if not comps:
+            return
+        if not arch.is_vlm:
+            raise RecipeError("parallel.components sets per-component layouts of VLMs; this model has one layout",
+                              key="parallel.components")
+        for name, comp in comps.items():
+            if name != "vision":
+                raise RecipeError(f"LLaVA has one separately laid-out component, 'vision' (got '{name}')",
+                                  key=f"parallel.components.{name}")
+            for key, value in comp.model_dump(exclude_none=True).items():
+                if key != "tp":
+                    raise RecipeError(f"only tp can be set per component (the vision tower lives on the first "
+                                      f"pipeline stage with the language model's data parallelism; got {key})",
+                                      key=f"parallel.components.vision.{key}")
+                if value not in (1, plan.tp):
+                    raise RecipeError(f"the vision tower runs at tp 1 (whole on every rank) or at the language "
+                                      f"model's tp {plan.tp} (got {value})", key="parallel.components.vision.tp")
 
     @staticmethod
     def _check_compile(recipe: Recipe, arch: Any) -> None:

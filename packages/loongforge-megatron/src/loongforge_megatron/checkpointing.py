@@ -40,7 +40,7 @@ SPLIT = "layers_per_chunk"  # decoder layers of every (vpp, pp) chunk; saves bef
 def _layout(job: MegatronJob) -> dict[str, int]:
     p = job.plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
-            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer),
+            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": list(job.whole_components),
             SPLIT: chunk_layer_counts(job.arch.num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
                                       last=p.last_stage_layers)}
 
@@ -88,9 +88,12 @@ def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[st
     """
     old = dict(meta["layout"])
     old[SPLIT] = _split_of(old, sum(map(sum, layout[SPLIT])))
+    # NOTE: saves before per-component layouts split every component by TP
+    old.setdefault("whole", [])
+    layout = {"whole": [], **layout}
     if old == layout:
         return rank
-    differs = [k for k in (*_MODEL_PARALLEL, SPLIT) if old.get(k) != layout.get(k)]
+    differs = [k for k in (*_MODEL_PARALLEL, SPLIT, "whole") if old.get(k) != layout.get(k)]
     if differs:
         raise CheckpointError(
             f"the checkpoint was saved with {', '.join(f'{k}={old.get(k)}' for k in differs)} but this run uses "

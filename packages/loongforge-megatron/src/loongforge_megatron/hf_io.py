@@ -46,7 +46,7 @@ def load_hf_into(job: MegatronJob, hf_dir: str | Path) -> None:
             hf_dir, tp_size=plan.tp, pp_size=plan.pp, ep_size=plan.ep, etp_size=plan.etp, vpp_rank=vpp_rank,
             vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY, expected_shapes=_module_shapes(module),
             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
-            dtype=dtype, **_ranks(),
+            dtype=dtype, whole=job.whole_components, **_ranks(),
         )
         missing, unexpected = module.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -77,7 +77,8 @@ def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, 
     config = hf_config(job.arch, torch_dtype=dtype)
     layout = MegatronLayout(get_family(hf_config=config).name, config, tp=plan.tp, pp=plan.pp,
                             vpp=plan.vpp, ep=plan.ep, etp=plan.etp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
-                            first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers)
+                            first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
+                            whole=job.whole_components)
     r = _ranks()
     mine = {}
     for vpp_rank, module in enumerate(unwrapped(job)):

@@ -50,6 +50,8 @@ class MegatronJob(Job):
         self.arch = recipe.model.arch()
         self.log = runtime.logger
         self.step_index = 0  # optimizer steps done
+        # megatron-name prefixes of components every TP rank holds whole (parallel.components.<name>.tp: 1)
+        self.whole_components: tuple[str, ...] = ()
         self._adaptations = adapted(self.acc)
         self._adaptations.__enter__()
         try:
@@ -213,8 +215,11 @@ class MegatronJob(Job):
     def _build_vlm(self) -> None:
         """LLaVA: megatron's LLaVAModel (``engine.llava.layer_specs``); initial HF weights are loaded before DDP
         wraps it."""
-        from loongforge_megatron.engine.llava import build_llava
+        from loongforge_megatron.engine.llava import VISION_PREFIXES, build_llava
 
+        vision_tp = self.plan.component("vision").tp
+        if vision_tp == 1 and self.plan.tp > 1:
+            self.whole_components = VISION_PREFIXES
         self.model = build_llava(
             language=self.config, arch=self.arch, vocab_size=self.vocab_size,
             # NOTE: under pipeline parallelism LLaVAModel pads every combined sequence to this length (fixed p2p
@@ -222,7 +227,8 @@ class MegatronJob(Job):
             max_sequence_length=self.recipe.data.seq_length if self.plan.pp > 1 else max(
                 self.arch.max_position_embeddings, self.recipe.data.seq_length),
             device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
-            pre_wrap=self._before_ddp, spec=self.spec_name, provider=self.recipe.kernels.provider, accelerator=self.acc)
+            pre_wrap=self._before_ddp, spec=self.spec_name, provider=self.recipe.kernels.provider, accelerator=self.acc,
+            vision_tp=vision_tp)
 
     def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:
         """Initial weights and LoRA adapters go in before megatron DDP builds its grad buffers."""

@@ -40,6 +40,8 @@ class MegatronLayout:
     last_stage_layers: int | None = None
     make_vocab_size_divisible_by: int = 128
     megatron_config: dict[str, Any] = field(default_factory=dict)
+    # megatron-name prefixes of components kept whole (TP 1) on every TP rank, e.g. a VLM's vision tower
+    whole: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "vpp", "ep"):
@@ -53,6 +55,7 @@ class MegatronLayout:
             raise CheckpointError("vpp > 1 needs pp > 1")
         if not self.megatron_config:
             object.__setattr__(self, "megatron_config", get_family(self.family).megatron_config(self.hf_config))
+        object.__setattr__(self, "whole", tuple(self.whole))
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -95,8 +98,10 @@ class MegatronLayout:
         return Path(root) / f"mp_rank_{tp:02d}_{pp:03d}_{ep:03d}" / name
 
     def split_size(self, p: Param) -> int:
-        """How many shards a parameter is cut into: ETP for routed experts, TP otherwise."""
-        return self.etp if isinstance(p.rule, Expert) else self.tp
+        """How many shards a parameter is cut into: ETP for routed experts, 1 in a whole component, TP otherwise."""
+        if isinstance(p.rule, Expert):
+            return self.etp
+        return 1 if p.megatron.startswith(self.whole) else self.tp
 
     def holders(self, p: Param) -> Iterator[tuple[Rank, int]]:
         """(rank, shard index) for every rank that stores ``p`` (replicas included)."""

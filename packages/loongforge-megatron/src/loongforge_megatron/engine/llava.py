@@ -110,10 +110,13 @@ def layer_specs(spec: str, *, provider: str = "auto", accelerator: Any = None) -
     return loongforge_layer_spec(provider=provider, accelerator=accelerator), vit
 
 
+VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" component: CLIP tower + projector
+
+
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
                 use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
                 pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
-                accelerator: Any = None) -> list[torch.nn.Module]:
+                accelerator: Any = None, vision_tp: int | None = None) -> list[torch.nn.Module]:
     """``[DDP(LLaVAModel)]`` for this rank, built with :func:`layer_specs`. With pipeline parallelism the first stage
     holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
     their language layers (megatron's split), the last one the output layer."""
@@ -161,6 +164,9 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             add_encoder=first,
             add_decoder=True,
         )
+    if first and vision_tp == 1 and language.tensor_model_parallel_size > 1:
+        with _without_te_norms(device.type == "cpu"):
+            _whole_vision(model, vision, projection, vision_spec, side=side, patch=patch)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
@@ -168,6 +174,36 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     model.to(device=device, dtype=language.params_dtype)
     return wrap_ddp([model], language, use_distributed_optimizer=use_distributed_optimizer,
                     grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
+
+
+def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, *, side: int, patch: int) -> None:
+    """Rebuild ``model``'s CLIP tower and projector at TP 1 (each rank its own one-rank group)."""
+    import copy
+
+    import torch.distributed as dist
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    # NOTE: collective: every rank creates every one-rank group, in the same order
+    alone, _ = dist.new_subgroups(group_size=1)
+    one = dict(tensor_model_parallel_size=1, sequence_parallel=False)
+    vision1, projection1 = dataclasses.replace(vision, **one), dataclasses.replace(projection, **one)
+    vision1.vision_model_type = vision.vision_model_type
+    groups = copy.copy(model.pg_collection)
+    groups.tp = alone
+    # NOTE: llava_model's CLIPViTModel, as patched by _without_te_norms (WrappedTorchNorm for ln_pre / ln_post)
+    model.vision_model = llava_model.CLIPViTModel(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,
+                                      patch_dim=patch, model_subtype=vision.vision_model_type, add_class_token=True,
+                                      pg_collection=groups, vp_stage=model.vp_stage)
+    model.vision_model.register_load_state_dict_post_hook(llava_model._load_state_dict_hook_ignore_extra_state)
+    model.vision_projection = MultimodalProjector(
+        projection1, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), "mlp",
+        vision1.hidden_size, tp_group=alone)
+    for module in (model.vision_model, model.vision_projection):
+        for p in module.parameters():
+            p.tensor_model_parallel = False  # NOTE: a TP duplicate: megatron's grad norm counts TP rank 0's copy
 
 
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
