@@ -217,8 +217,7 @@ class MegatronJob(Job):
         wraps it."""
         from loongforge_megatron.engine.llava import VISION_PREFIXES, build_llava
 
-        vision_tp = self.plan.component("vision").tp
-        if vision_tp == 1 and self.plan.tp > 1:
+        if self.plan.component("vision").tp == 1 and self.plan.tp > 1:
             self.whole_components = VISION_PREFIXES
         self.model = build_llava(
             language=self.config, arch=self.arch, vocab_size=self.vocab_size,
@@ -228,7 +227,7 @@ class MegatronJob(Job):
                 self.arch.max_position_embeddings, self.recipe.data.seq_length),
             device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,
             pre_wrap=self._before_ddp, spec=self.spec_name, provider=self.recipe.kernels.provider, accelerator=self.acc,
-            vision_tp=vision_tp)
+            whole_vision=bool(self.whole_components))
 
     def _before_ddp(self, chunks: list[torch.nn.Module]) -> None:
         """Initial weights and LoRA adapters go in before megatron DDP builds its grad buffers."""

@@ -116,10 +116,17 @@ VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" compon
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
                 use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
                 pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
-                accelerator: Any = None, vision_tp: int | None = None) -> list[torch.nn.Module]:
+                accelerator: Any = None, whole_vision: bool = False) -> list[torch.nn.Module]:
     """``[DDP(LLaVAModel)]`` for this rank, built with :func:`layer_specs`. With pipeline parallelism the first stage
     holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
-    their language layers (megatron's split), the last one the output layer."""
+    their language layers (megatron's split), the last one the output layer.
+
+    ``whole_vision`` (``parallel.components.vision.tp: 1`` under a language TP > 1) keeps the CLIP tower and the
+    projector whole on every TP rank: no TP communication inside a small tower, which every TP rank runs on the
+    same images. Its gradients agree across the TP ranks without a reduction (the language model's first
+    column-parallel layers all-reduce the gradient of their input), and its parameters are marked as TP duplicates
+    so the gradient norm counts them once."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -138,6 +145,9 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     vision, projection = vision_configs(language, arch)
     side, patch = image_size(arch)
     first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
+    projection_spec = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
+    alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
     with _without_te_norms(device.type == "cpu"):
         model = LLaVAModel(
             language_transformer_config=language,
@@ -148,7 +158,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             vision_transformer_layer_spec=vision_spec,
             drop_vision_class_token=True,
             vision_projection_config=projection,
-            vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            vision_projection_layer_spec=projection_spec,
             vision_projection_type="mlp",
             parallel_output=True,  # NOTE: False with labels at TP > 1 adds ln(TP) to the loss (gathered logits)
             share_embeddings_and_output_weights=arch.tie_embeddings,
@@ -164,9 +174,9 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             add_encoder=first,
             add_decoder=True,
         )
-    if first and vision_tp == 1 and language.tensor_model_parallel_size > 1:
+    if first and whole_vision:
         with _without_te_norms(device.type == "cpu"):
-            _whole_vision(model, vision, projection, vision_spec, side=side, patch=patch)
+            _whole_vision(model, vision, projection, vision_spec, projection_spec, alone=alone, side=side, patch=patch)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
@@ -176,18 +186,14 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                     grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
 
 
-def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, *, side: int, patch: int) -> None:
-    """Rebuild ``model``'s CLIP tower and projector at TP 1 (each rank its own one-rank group)."""
+def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, projection_spec: Any, *, alone: Any,
+                  side: int, patch: int) -> None:
+    """Rebuild ``model``'s CLIP tower and projector at TP 1 over ``alone``, this rank's one-rank group."""
     import copy
 
-    import torch.distributed as dist
     from megatron.core.models.multimodal import llava_model
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
 
-    # NOTE: collective: every rank creates every one-rank group, in the same order
-    alone, _ = dist.new_subgroups(group_size=1)
     one = dict(tensor_model_parallel_size=1, sequence_parallel=False)
     vision1, projection1 = dataclasses.replace(vision, **one), dataclasses.replace(projection, **one)
     vision1.vision_model_type = vision.vision_model_type
@@ -198,9 +204,8 @@ def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, *,
                                       patch_dim=patch, model_subtype=vision.vision_model_type, add_class_token=True,
                                       pg_collection=groups, vp_stage=model.vp_stage)
     model.vision_model.register_load_state_dict_post_hook(llava_model._load_state_dict_hook_ignore_extra_state)
-    model.vision_projection = MultimodalProjector(
-        projection1, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), "mlp",
-        vision1.hidden_size, tp_group=alone)
+    model.vision_projection = MultimodalProjector(projection1, projection_spec, "mlp", vision1.hidden_size,
+                                                  tp_group=alone)
     for module in (model.vision_model, model.vision_projection):
         for p in module.parameters():
             p.tensor_model_parallel = False  # NOTE: a TP duplicate: megatron's grad norm counts TP rank 0's copy
