@@ -149,3 +149,25 @@ def run_ranks(
 def ranks():
     """The :func:`run_ranks` launcher."""
     return run_ranks
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """Single-process gloo world + megatron model-parallel state, under the CPU adaptations."""
+    from loongforge.accelerator.cpu import CpuAccelerator
+    from loongforge.parallel.plan import resolve_plan
+    from loongforge_megatron import engine
+    from loongforge_megatron.device_adapters import adapted
+    from loongforge_megatron.engine.parallel_state import free_port
+
+    for k, v in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
+        monkeypatch.setenv(k, v)
+    acc = CpuAccelerator()
+    with adapted(acc):
+        engine.initialize(resolve_plan(world_size=1), accelerator=acc, seed=1)
+        try:
+            yield
+        finally:
+            engine.destroy(process_group=True)

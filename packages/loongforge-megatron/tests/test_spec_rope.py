@@ -29,27 +29,6 @@ class SpyAccelerator(CpuAccelerator):
         return {"rope": rope}
 
 
-@pytest.fixture
-def world(monkeypatch):
-    """Single-process gloo world + megatron model-parallel state, under the CPU adaptations."""
-    from loongforge.parallel.plan import resolve_plan
-    from loongforge_megatron import engine
-    from loongforge_megatron.device_adapters import adapted
-    from loongforge_megatron.engine.parallel_state import free_port
-
-    for k, v in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        monkeypatch.setenv(k, v)
-    acc = CpuAccelerator()
-    with adapted(acc):
-        engine.initialize(resolve_plan(world_size=1), accelerator=acc, seed=1)
-        try:
-            yield
-        finally:
-            engine.destroy(process_group=True)
-
-
 def _config(**over):
     from megatron.core.transformer import TransformerConfig
 
@@ -167,3 +146,29 @@ def test_thd_rotation_matches_megatron(world, packed_freqs):
     assert acc.rope_calls == 1
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g_got, g_want)
+
+
+@pytest.mark.parametrize("num_experts", [None, 2], ids=["dense", "moe"])
+def test_spec_row_linears_pass_their_group(world, num_experts):
+    """megatron 0.19's RowParallelLinear hands tp_group=None to its linear function: a default-group lookup and a
+    DeprecationWarning on every forward (a graph break under torch.compile). The spec's row linears do not."""
+    import warnings
+
+    from loongforge_megatron.engine.layer_spec import row_parallel_linear
+    from loongforge_megatron.spec import loongforge_layer_spec, prepare_config
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.spec_utils import build_module
+
+    over = dict(num_moe_experts=num_experts, moe_router_topk=2) if num_experts else {}
+    config = prepare_config(_config(qk_layernorm=False, gated_linear_unit=True, **over))
+    layer = build_module(loongforge_layer_spec(num_experts=num_experts, provider="torch"), config=config,
+                         layer_number=1)
+    rows = [m for m in layer.modules() if isinstance(m, RowParallelLinear)]
+    assert rows and all(type(m) is row_parallel_linear() for m in rows)
+    assert len(rows) == 1 + (num_experts or 1)  # linear_proj, then one linear_fc2 per (expert) MLP
+    x = torch.randn(8, 2, config.hidden_size, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        out, _ = layer(x, attention_mask=None)
+        out.sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.enums import ModelType
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
+from loongforge_megatron.engine.layer_spec import row_parallel_linear
 from loongforge_megatron.engine.model import wrap_ddp
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.spec.attention import SDPAttention
@@ -96,19 +97,6 @@ def _column_gathered(config: Any, size_in: int, size_out: int, tp_group: Any = N
                                 gather_output=True, skip_bias_add=False, tp_group=tp_group)
 
 
-class _RowParallelLinear(RowParallelLinear):
-    """megatron's RowParallelLinear, handing its own TP group to the linear function.
-
-    NOTE: megatron 0.19 passes ``tp_group=None`` there (unused: no input-grad all-reduce), which makes every call
-    look up the default group and issue a DeprecationWarning; under torch.compile that warning is a graph break.
-    """
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if kwargs.get("tp_group", self.tp_group) is None:
-            kwargs["tp_group"] = self.tp_group
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-
 class AdaLNZeroLayer(TransformerLayer):
     """megatron's TransformerLayer with adaLN-Zero modulation (``context`` is the conditioning ``[1, b, h]``)::
 
@@ -148,11 +136,11 @@ def layer_spec(*, attention: str = "sdpa"):
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},  # NOTE: full bidirectional attention over patches
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=core,
-                                                   linear_proj=_RowParallelLinear),
+                                                   linear_proj=row_parallel_linear()),
             ),
             pre_mlp_layernorm=_layer_norm(),
             mlp=functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=_RowParallelLinear)),
+                linear_fc1=ColumnParallelLinear, linear_fc2=row_parallel_linear())),
         ),
     )
 

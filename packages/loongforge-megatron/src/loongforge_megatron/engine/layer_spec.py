@@ -37,6 +37,54 @@ class TorchNorm:
         return norm
 
 
+def row_parallel_linear():
+    """megatron's ``RowParallelLinear`` handing its own TP group to the linear function (a class, built lazily).
+
+    NOTE: megatron 0.19's ``RowParallelLinear.forward`` passes ``tp_group=None`` there (unused: no input-grad
+    all-reduce), so every call looks up the default group and issues a DeprecationWarning: host time on every
+    forward, and a graph break under torch.compile.
+    """
+    global _ROW_PARALLEL_LINEAR
+    if _ROW_PARALLEL_LINEAR is None:
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        class OwnGroupRowParallelLinear(RowParallelLinear):
+            def _forward_impl(self, input, weight, *args, **kwargs):
+                if kwargs.get("tp_group", self.tp_group) is None:
+                    kwargs["tp_group"] = self.tp_group
+                return super()._forward_impl(input, weight, *args, **kwargs)
+
+        _ROW_PARALLEL_LINEAR = OwnGroupRowParallelLinear
+    return _ROW_PARALLEL_LINEAR
+
+
+_ROW_PARALLEL_LINEAR = None
+
+
+def with_own_group_row_linears(spec: Any) -> Any:
+    """``spec`` with every megatron ``RowParallelLinear`` in its (nested) submodules replaced by
+    :func:`row_parallel_linear`'s class; parameter names and checkpoints are unchanged."""
+    import functools
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if spec is RowParallelLinear:
+        return row_parallel_linear()
+    if isinstance(spec, functools.partial):
+        sub = spec.keywords.get("submodules")
+        new = with_own_group_row_linears(sub)
+        return spec if new is sub else functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": new})
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {}
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            new = with_own_group_row_linears(value)
+            if new is not value:
+                changes[f.name] = new
+        return dataclasses.replace(spec, **changes) if changes else spec
+    return spec
+
+
 def local_layer_spec(
     *,
     num_experts: int | None = None,

@@ -102,12 +102,13 @@ def layer_specs(spec: str, *, provider: str = "auto", accelerator: Any = None) -
         return get_gpt_layer_local_spec(normalization="RMSNorm"), vit
     if spec != "loongforge":
         raise ValueError(f"LLaVA layer spec {spec!r}; allowed: local, loongforge")
+    from loongforge_megatron.engine.layer_spec import with_own_group_row_linears
     from loongforge_megatron.spec import SDPAttention, loongforge_layer_spec
 
     attn = vit.submodules.self_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=SDPAttention))
     vit = dataclasses.replace(vit, submodules=dataclasses.replace(vit.submodules, self_attention=attn))
-    return loongforge_layer_spec(provider=provider, accelerator=accelerator), vit
+    return loongforge_layer_spec(provider=provider, accelerator=accelerator), with_own_group_row_linears(vit)
 
 
 VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" component: CLIP tower + projector
@@ -132,6 +133,8 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
 
+    from loongforge_megatron.engine.layer_spec import row_parallel_linear
+
     from loongforge_megatron.engine.model import _not_deprecation_notice, wrap_ddp
 
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
@@ -145,7 +148,8 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     vision, projection = vision_configs(language, arch)
     side, patch = image_size(arch)
     first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
-    projection_spec = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    projection_spec = MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                    linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
     # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
     alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
     with _without_te_norms(device.type == "cpu"):

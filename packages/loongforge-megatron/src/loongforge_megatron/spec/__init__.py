@@ -61,12 +61,12 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
                           multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None):
-    """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm and
-    kernel SwiGLU."""
+    """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
+    kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from loongforge_megatron.engine.layer_spec import local_layer_spec
+    from loongforge_megatron.engine.layer_spec import local_layer_spec, with_own_group_row_linears
     from loongforge_megatron.spec.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
@@ -83,4 +83,4 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
         attn = dataclasses.replace(attn, module=KernelRoPESelfAttention, params={**attn.params, **params})
     sub = dataclasses.replace(sub, self_attention=attn,
                               mlp=_with_activation(sub.mlp, act))
-    return dataclasses.replace(spec, submodules=sub)
+    return with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
