@@ -40,10 +40,15 @@ def make_hf(preset: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def run_ours(args, spec: str) -> dict:
+def run_ours(args, spec: str, *, one_pass_loss: bool = True) -> dict:
     import loongforge
     import torch
     import yaml
+
+    if not one_pass_loss:  # A/B row: the per-token loss whose backward recomputes the logits (the pre-mask path)
+        from loongforge_megatron.spec import output
+
+        output._takes_token_weights = lambda fn: False
 
     recipe = {
         "backend": "megatron",
@@ -112,6 +117,7 @@ def run_hf(args, compiled: bool) -> dict:
 
 VARIANTS = {
     "loongforge": lambda a: run_ours(a, "loongforge"),
+    "loongforge_recompute": lambda a: run_ours(a, "loongforge", one_pass_loss=False),
     "megatron_local": lambda a: run_ours(a, "local"),
     "hf_eager": lambda a: run_hf(a, False),
     "hf_compile": lambda a: run_hf(a, True),
@@ -170,7 +176,20 @@ def main() -> None:
             res["mfu"] = res["tokens_per_s"] * fpt / PEAK_BF16
         rows[name] = res
         print(name, {k: v for k, v in res.items() if k not in ("losses", "times")}, flush=True)
+        if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
+            _write(args.out, render(args, rows, fpt, device))
+    text = render(args, rows, fpt, device)
+    print(text)
+    if args.out:
+        _write(args.out, text)
 
+
+def _write(path: str, text: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text + "\n")
+
+
+def render(args, rows: dict, fpt: float, device: str) -> str:
     lines = [f"# LLM training throughput — {args.preset}, seq {args.seq}, bf16, one {device}, {time.strftime('%Y-%m-%d')}",
              "", f"FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N + 12·L·H·s); MFU against {PEAK_BF16 / 1e12:.0f} TFLOP/s dense bf16.",
              f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Same HF random-init weights and synthetic tokens for all.",
@@ -182,7 +201,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['mbs']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
                      f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_eager", "hf_compile"):  # the loss check needs the same micro-batch (same tokens per step)
+    for peer in ("hf_eager", "hf_compile", "loongforge_recompute"):  # the loss check needs the same micro-batch (same tokens per step)
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r and r["mbs"] == ours["mbs"]:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -190,14 +209,10 @@ def main() -> None:
             lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer, micro-batch): max relative "
                           f"difference {max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
-    for peer in ("hf_eager", "hf_compile", "megatron_local"):
+    for peer in ("hf_eager", "hf_compile", "megatron_local", "loongforge_recompute"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

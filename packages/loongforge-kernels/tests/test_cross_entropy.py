@@ -60,6 +60,61 @@ def test_flce_3d_input_and_bad_args(triton_cpu):
         fused_linear_cross_entropy(h, w, labels, reduction="avg")
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flce_token_weights_match_reference(request, impl, reduction, dtype):
+    """Per-token weights (a loss mask, or fractional weights with zeros) in the single-pass sum / mean."""
+    if impl == "triton":
+        request.getfixturevalue("triton_cpu")
+    h, w, labels = _problem(37, 33, 1001, dtype)
+    weights = torch.rand(37, generator=torch.Generator().manual_seed(5))
+    weights[::3] = 0.0
+    (loss_t, loss_r), [(dh_t, dh_r), (dw_t, dw_r)] = run_both(
+        lambda a, b: fused_linear_cross_entropy(a, b, labels, reduction=reduction, chunk_size=16, impl=impl,
+                                                token_weights=weights),
+        lambda a, b: linear_cross_entropy_ref(a, b, labels, reduction=reduction, token_weights=weights),
+        [h, w],
+    )
+    s = CE_SCALE[dtype]
+    assert_close(loss_t, loss_r, torch.float32 if dtype == torch.float32 else dtype, scale=s, name="loss")
+    assert_close(dh_t, dh_r, dtype, scale=s, name="dhidden")
+    assert_close(dw_t, dw_r, dtype, scale=s, name="dweight")
+    # the masked sum equals weighting the per-token losses of reduction="none"
+    per_token = fused_linear_cross_entropy(h.float(), w.float(), labels, reduction="none", impl=impl)
+    if reduction == "sum":
+        assert_close(loss_t.float(), (per_token * weights).sum(), dtype, scale=s, name="sum vs none")
+
+
+def test_flce_token_weights_all_zero_and_bad_args(triton_cpu):
+    h, w, labels = _problem(8, 16, 100, torch.float32)
+    h.requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, w, labels, impl="triton", token_weights=torch.zeros(8))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(h.grad) == 0
+    with pytest.raises(ValueError, match="token_weights needs reduction"):
+        fused_linear_cross_entropy(h, w, labels, reduction="none", token_weights=torch.ones(8))
+    with pytest.raises(ValueError, match="token_weights .* do not match"):
+        fused_linear_cross_entropy(h, w, labels, token_weights=torch.ones(7))
+
+
+def test_flce_no_grad_skips_the_grads(monkeypatch):
+    """Under torch.no_grad (eval) the sum / mean path must not compute the grads it would store for backward."""
+    import loongforge_kernels.cross_entropy as ce
+
+    calls = []
+    real = ce._chunk_grads
+    monkeypatch.setattr(ce, "_chunk_grads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, w, labels = _problem(40, 16, 100, torch.float32)
+    h.requires_grad_(True)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=16, impl="torch")
+    assert not calls
+    assert_close(loss, linear_cross_entropy_ref(h, w, labels, reduction="sum"), torch.float32)
+    fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=16, impl="torch").backward()
+    assert len(calls) == 3  # one per chunk when grads are wanted
+
+
 # ---- vocab-parallel over 2 gloo processes -------------------------------------------------------------
 
 

@@ -62,14 +62,17 @@ def test_rope_gpu():
     )
 
 
-def test_flce_gpu():
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "masked-sum"])
+def test_flce_gpu(weighted):
     h = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16) / 32
     labels = torch.randint(0, 32000, (2048,), device="cuda")
     labels[::7] = -100
+    # the megatron output layer's call: reduction "sum" weighted by the loss mask (mean-sized here by 1/N)
+    kw = dict(reduction="sum", token_weights=(torch.rand(2048, device="cuda") > 0.2).float() / 2048) if weighted else {}
     _check(
-        lambda a, b: lk.fused_linear_cross_entropy(a, b, labels, impl="triton"),
-        lambda a, b: ref.linear_cross_entropy_ref(a, b, labels),
+        lambda a, b: lk.fused_linear_cross_entropy(a, b, labels, impl="triton", **kw),
+        lambda a, b: ref.linear_cross_entropy_ref(a, b, labels, **kw),
         [h, w],
         atol=2e-2,
         rtol=5e-2,

@@ -4,7 +4,9 @@ Tokens are processed in chunks. Per chunk: logits = h_c @ W.T (input dtype), a T
 row max / sum-exp / target logit, and a second one overwrites the logits in place with
 d loss / d logits = (softmax - onehot) * scale. The chunk's grads wrt hidden and weight are then two GEMMs,
 so the backward only scales what the forward stored (Liger-Kernel's scheme). ``reduction="none"`` cannot
-know the per-token output grads in advance, so it recomputes the chunks in the backward instead.
+know the per-token output grads in advance, so it recomputes the chunks in the backward instead (one more
+logits GEMM); a caller that reduces with known per-token weights (a loss mask) passes them as
+``token_weights`` with ``reduction="sum"`` / ``"mean"`` and keeps the single pass.
 
 Vocab-parallel (tensor parallelism): ``weight`` is this rank's shard [V/tp, H] of rows
 ``[rank * V/tp, (rank + 1) * V/tp)``; the max, sum-exp and target logit are all-reduced over
@@ -241,9 +243,15 @@ def _chunk_grads(dlogits, h, w, grad_h, grad_w, start, end):
         torch.mm(lt, hc, out=grad_w) if start == 0 else grad_w.addmm_(lt, hc)
 
 
-def _validate(hidden, weight, labels, reduction):
+def _validate(hidden, weight, labels, reduction, token_weights=None):
     if reduction not in REDUCTIONS:
         raise ValueError(f"fused_linear_cross_entropy: reduction {reduction!r} is not one of {REDUCTIONS}")
+    if token_weights is not None:
+        if reduction == "none":
+            raise ValueError("fused_linear_cross_entropy: token_weights needs reduction 'sum' or 'mean', not 'none' "
+                             "(weight the per-token losses yourself)")
+        if token_weights.numel() != labels.numel():
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} do not match labels {tuple(labels.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} disagree on H")
     if labels.numel() != hidden.numel() // hidden.shape[-1]:
@@ -254,15 +262,23 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper of the chunk loop (grads stored in forward for mean/sum, recomputed for none)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, group, reduce_grad_input, chunk, impl):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, group, reduce_grad_input, chunk, impl,
+                token_weights=None, grad_enabled=True):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         lab = labels.reshape(-1).contiguous()
         valid = lab != ignore_index
-        n_valid = valid.sum().clamp(min=1).float()
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wts = valid.float()
+        if token_weights is not None:
+            wts = wts * token_weights.reshape(-1).to(device=wts.device, dtype=torch.float32)
+            total_w = wts.sum()
+            n_valid = torch.where(total_w != 0, total_w, torch.ones_like(total_w))
+        else:
+            n_valid = valid.sum().clamp(min=1).float()
+        # NOTE: needs_input_grad ignores grad mode (it is True under torch.no_grad too): eval must not pay for grads
+        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grad_scale = None
         if reduction != "none" and (need_h or need_w):
-            grad_scale = valid.float() / n_valid if reduction == "mean" else valid.float()
+            grad_scale = wts / n_valid if reduction == "mean" else wts
         kw = dict(
             ignore_index=ignore_index,
             group=group,
@@ -282,7 +298,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(h2, weight, lab)
             return loss.view(labels.shape)
         ctx.save_for_backward(grad_h, grad_w)
-        total = loss.sum()
+        total = loss.sum() if token_weights is None else (loss * wts).sum()
         return total / n_valid if reduction == "mean" else total
 
     @staticmethod
@@ -304,7 +320,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_h = grad_h.mul_(g.to(grad_h.dtype)) if grad_h is not None else None
             grad_w = grad_w.mul_(g.to(grad_w.dtype)) if grad_w is not None else None
         grad_h = grad_h.view(ctx.hidden_shape) if grad_h is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -318,20 +334,26 @@ def fused_linear_cross_entropy(
     reduce_grad_input: bool = True,
     chunk_size: int | None = None,
     impl: str | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` vs ``labels`` without materialising the [N, V] logits.
 
     ``reduction`` "mean" divides by the number of non-ignored tokens (0 loss when there are none), "sum"
-    sums, "none" returns per-token losses (0 at ignored tokens). With ``process_group`` the weight is the
-    local vocab shard; ``reduce_grad_input=False`` leaves the hidden grad partial for a caller whose own
-    communication op (megatron's copy-to-TP-region) reduces it. ``chunk_size`` overrides the tokens per chunk.
+    sums, "none" returns per-token losses (0 at ignored tokens). ``token_weights`` (one per label, "sum" /
+    "mean" only; not differentiated) weights each token's loss: "sum" is sum(w * loss), "mean" divides that by
+    the weights' sum over non-ignored tokens. With ``process_group`` the weight is the local vocab shard;
+    ``reduce_grad_input=False`` leaves the hidden grad partial for a caller whose own communication op
+    (megatron's copy-to-TP-region) reduces it. ``chunk_size`` overrides the tokens per chunk.
     """
-    _validate(hidden, weight, labels, reduction)
+    _validate(hidden, weight, labels, reduction, token_weights)
     which = resolve(impl, hidden)
     n_tokens = hidden.numel() // hidden.shape[-1]
     chunk = chunk_size or _chunk_rows(n_tokens, weight.shape[0], hidden.element_size())
+    if token_weights is not None:
+        token_weights = token_weights.detach()
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, labels, ignore_index, reduction, process_group, reduce_grad_input, chunk, which
+        hidden, weight, labels, ignore_index, reduction, process_group, reduce_grad_input, chunk, which,
+        token_weights, torch.is_grad_enabled(),
     )
 
 

@@ -59,10 +59,20 @@ def linear_cross_entropy_ref(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The eager baseline: full [N, V] logits, fp32 cross-entropy."""
+    """The eager baseline: full [N, V] logits, fp32 cross-entropy (``token_weights``: see the fused op)."""
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
-    return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+    labels = labels.reshape(-1)
+    if token_weights is None:
+        return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction=reduction)
+    per_token = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none")
+    wts = token_weights.reshape(-1).float() * (labels != ignore_index)
+    total = (per_token * wts).sum()
+    if reduction == "sum":
+        return total
+    denom = wts.sum()
+    return total / torch.where(denom != 0, denom, torch.ones_like(denom))
 
 
 def moe_row_id_map(indices: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,13 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, LossReport]:
-    """Masked token-sum of the per-token losses ``[b, s]`` GPTModel returns when given labels."""
-    losses = output_tensor.float().reshape(-1)
+    """Masked token-sum of the per-token losses ``[b, s]`` GPTModel returns when given labels; a scalar output is
+    that sum already (the fused output layer reduced it with the mask)."""
     mask = loss_mask.float().reshape(-1)
-    loss_sum = torch.sum(losses * mask)
+    if output_tensor.dim() == 0:
+        loss_sum = output_tensor.float()
+    else:
+        loss_sum = torch.sum(output_tensor.float().reshape(-1) * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
     return loss_sum, num_tokens, {"lm loss": report}

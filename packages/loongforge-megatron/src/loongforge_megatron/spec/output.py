@@ -4,6 +4,7 @@ chunk from the final hidden states, never materialising the [tokens, vocab] logi
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -11,10 +12,30 @@ import torch
 from loongforge_megatron.spec.modules import kernel
 
 
+def _takes_token_weights(fn: Any) -> bool:
+    """Whether a (possibly plugin-provided) fused CE accepts ``token_weights``."""
+    while isinstance(fn, functools.partial):  # NOTE: providers hand out a new partial per lookup
+        fn = fn.func
+    return _signature_has_token_weights(fn)
+
+
+@functools.cache
+def _signature_has_token_weights(fn: Any) -> bool:
+    try:
+        return "token_weights" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
                            labels: torch.Tensor | None, compute_language_model_loss: Any, provider: str = "auto",
-                           accelerator: Any = None, **_: Any) -> torch.Tensor:
-    """Per-token loss ``[b, s]`` like ``GPTModel.compute_language_model_loss`` (or logits when no labels)."""
+                           accelerator: Any = None, context: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    """The loss from the final hidden states (logits when no labels).
+
+    With ``context`` = the loss mask ``[b, s]``: the masked token-sum, a scalar, in one pass (the fused kernel
+    computes the grads in the forward, weighted by the mask). Without it, or when the op cannot take token
+    weights: the per-token loss ``[b, s]`` like ``GPTModel.compute_language_model_loss``, whose backward
+    recomputes the logits (one more [tokens, H] x [H, V] GEMM)."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel as tp
 
@@ -38,6 +59,9 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
         return compute_language_model_loss(labels, logits)
     group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
     # NOTE: megatron's copy/gather region all-reduces the hidden gradient across TP itself.
+    if context is not None and _takes_token_weights(fn):
+        return fn(flat, weight, labels.reshape(-1), reduction="sum", process_group=group, reduce_grad_input=False,
+                  token_weights=context.reshape(-1)).float()
     loss = fn(flat, weight, labels.reshape(-1), reduction="none", process_group=group, reduce_grad_input=False)
     return loss.view(b, s).float()
 
@@ -55,7 +79,7 @@ def forward_step_with_fused_loss(*, provider: str = "auto", accelerator: Any = N
         if _cp_size() > 1:
             batch = cp_slice(batch)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                       output_processor=processor)
+                       output_processor=processor, output_processor_context=batch["loss_mask"])
         return output, functools.partial(loss_func, batch["loss_mask"])
 
     return forward_step

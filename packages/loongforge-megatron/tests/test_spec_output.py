@@ -1,0 +1,84 @@
+"""The fused output layer (``spec.output``): with the loss mask it returns the masked token-sum in one pass
+(no recomputed logits in the backward), equal to the per-token path reduced by ``loss_func``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    s, b, h, v = 11, 3, 16, 97
+    hidden = torch.randn(s, b, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) / h**0.5
+    labels = torch.randint(0, v, (b, s), generator=gen)
+    mask = (torch.rand(b, s, generator=gen) > 0.3).float()
+    return hidden, weight, labels, mask
+
+
+def _loss_and_grads(processor, *, context, scale: float = 0.37):
+    from loongforge_megatron.engine.step import loss_func
+
+    hidden, weight, labels, mask = _inputs()
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    out = processor(hidden_states=hidden, output_layer=None, output_weight=weight, labels=labels,
+                    compute_language_model_loss=None, provider="torch", context=mask if context else None)
+    loss_sum, num_tokens, report = loss_func(mask, out)
+    (loss_sum * scale).backward()
+    return out, loss_sum.detach(), int(num_tokens), report["lm loss"], hidden.grad, weight.grad
+
+
+def test_masked_sum_in_one_pass_equals_per_token_path(world, monkeypatch):
+    import loongforge_kernels.cross_entropy as ce
+    from loongforge_megatron.spec.output import fused_output_processor
+
+    calls = []
+    real = ce._run_chunks
+    monkeypatch.setattr(ce, "_run_chunks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    per_token = _loss_and_grads(fused_output_processor, context=False)
+    assert per_token[0].shape == (3, 11) and len(calls) == 2  # forward, then the backward's recompute
+    calls.clear()
+    fused = _loss_and_grads(fused_output_processor, context=True)
+    assert fused[0].dim() == 0 and len(calls) == 1  # the grads came from the forward pass
+    assert fused[2] == per_token[2]
+    for got, want, name in zip(fused[1:], per_token[1:], ("loss", "tokens", "report", "dhidden", "dweight")):
+        if name != "tokens":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_op_without_token_weights_keeps_the_per_token_path(world, monkeypatch):
+    """A plugin's fused CE that predates ``token_weights`` still works (per-token losses, recomputing backward)."""
+    from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
+    from loongforge_megatron.spec import output
+
+    def plugin_op(hidden, weight, labels, ignore_index=-100, reduction="mean", *, process_group=None,
+                  reduce_grad_input=True):
+        return fused_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction,
+                                          process_group=process_group, reduce_grad_input=reduce_grad_input,
+                                          impl="torch")
+
+    monkeypatch.setattr(output, "kernel", lambda *a, **k: plugin_op)
+    got = _loss_and_grads(output.fused_output_processor, context=True)
+    want = _loss_and_grads(output.fused_output_processor, context=False)
+    assert got[0].shape == (3, 11)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[5], want[5])
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["masked-sum", "per-token"])
+def test_eval_under_no_grad(world, context):
+    from loongforge_megatron.engine.step import loss_func
+    from loongforge_megatron.spec.output import fused_output_processor
+
+    hidden, weight, labels, mask = _inputs()
+    with torch.no_grad():
+        out = fused_output_processor(hidden_states=hidden, output_layer=None, output_weight=weight, labels=labels,
+                                     compute_language_model_loss=None, provider="torch",
+                                     context=mask if context else None)
+        loss_sum = loss_func(mask, out)[0]
+    logits = hidden.transpose(0, 1) @ weight.t()
+    want = (torch.nn.functional.cross_entropy(logits.reshape(-1, 97), labels.reshape(-1), reduction="none")
+            * mask.reshape(-1)).sum()
+    torch.testing.assert_close(loss_sum, want, rtol=1e-5, atol=1e-5)
