@@ -28,14 +28,19 @@
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
 #   dit_profile (1 GPU, ~3 min) ours with train.compile, then a host + kernel profile of three steps
+#   llm    (1 GPU, ~9 min)  fused CE GPU tests; Llama-3.2-1B seq 4096 mbs 8: ours (one-pass masked loss), HF +
+#                           torch.compile, then ours with the per-token loss that recomputes the logits (A/B)
+#   kernels (1 GPU, ~7 min) kernel GPU tests, then every dense kernel's fwd+bwd vs eager / compile / Liger (--rep 200)
+#   x2     (2 GPUs, ~8 min) CUDA graphs under ddp / zero1 (test_gpu_compile.py); tiny LLaVA on 1 GPU, pp 2, and
+#                           tp 2 with the vision tower whole (parallel.components.vision.tp 1), nccl
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -113,6 +118,28 @@ case $phase in
   dit_profile)
     step dit_xl2_profile 300 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 12 \
       --warmup 5 --variants loongforge_compile,diffusers_compile --profile --out "$out/dit_profile.md"
+    ;;
+  llm)
+    step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-kernels/tests/test_gpu.py -k flce
+    step llm_1b 450 python3 benchmarks/llm_throughput.py --preset llama3.2-1b --seq 4096 --steps 20 \
+      --variants loongforge,hf_compile,loongforge_recompute --mbs loongforge=8,loongforge_recompute=8,hf_compile=8 \
+      --out "$out/llm_throughput.md"
+    ;;
+  kernels)
+    step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-kernels/tests/test_gpu.py -k "not tilelang and not sparse_mla"
+    step kernels_bench 390 python3 benchmarks/kernels_bench.py --only rms_norm,swiglu,rope,flce --rep 200 \
+      --out "$out/kernels.md"
+    ;;
+  x2)
+    step graphs_ddp 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-embodied/tests/test_gpu_compile.py -k ddp
+    llava=(python3 -m loongforge train recipes/vlm/llava_tiny.yaml accelerator=cuda train.steps=10 logging.interval=1)
+    step llava_1gpu 60 "${llava[@]}" --output /tmp/llava1
+    step llava_pp2 70 "${llava[@]}" parallel.pp=2 --nproc 2 --output /tmp/llava_pp2
+    step llava_tp2_vision_whole 70 "${llava[@]}" parallel.tp=2 "parallel.components={vision: {tp: 1}}" --nproc 2 \
+      --output /tmp/llava_tp2
     ;;
   accum)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
