@@ -33,14 +33,15 @@
 #   kernels (1 GPU, ~7 min) kernel GPU tests, then every dense kernel's fwd+bwd vs eager / compile / Liger (--rep 200)
 #   x2     (2 GPUs, ~8 min) CUDA graphs under ddp / zero1 (test_gpu_compile.py); tiny LLaVA on 1 GPU, pp 2, and
 #                           tp 2 with the vision tower whole (parallel.components.vision.tp 1), nccl
+#   flce   (1 GPU, ~5 min)  fused CE GPU tests, then its fwd+bwd rows (--rep 400) vs eager / compile / Liger
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -131,6 +132,11 @@ case $phase in
       packages/loongforge-kernels/tests/test_gpu.py -k "not tilelang and not sparse_mla"
     step kernels_bench 390 python3 benchmarks/kernels_bench.py --only rms_norm,swiglu,rope,flce --rep 200 \
       --out "$out/kernels.md"
+    ;;
+  flce)
+    step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-kernels/tests/test_gpu.py -k flce
+    step flce_bench 300 python3 benchmarks/kernels_bench.py --only flce --rep 400 --out "$out/kernels_flce.md"
     ;;
   x2)
     step graphs_ddp 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -214,13 +214,21 @@ def _graph_timer(step: Callable[[], None], device: str) -> float | None:
         return None
 
 
+def _upstream(out: torch.Tensor, device: str) -> torch.Tensor:
+    """The grad fed to ``out.backward``: random for tensor outputs; 1 for a scalar loss, as ``loss.backward()``
+    passes in training (fused CE skips rescaling its stored grads then; eager and compile fold it for free)."""
+    if out.dim() == 0:
+        return torch.ones((), device=device)
+    return torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(0))
+
+
 def run_case(case: Case, device: str) -> None:
     base_inputs = case.inputs()
     results = {}
     # the ground truth: the eager reference on fp32 copies of the inputs
     ref_leaves = [x.detach().float().requires_grad_(True) for x in base_inputs]
     ref_out = case.impls["eager"](*ref_leaves)
-    g_ref = torch.randn(ref_out.shape, device=device, generator=torch.Generator(device).manual_seed(0))
+    g_ref = _upstream(ref_out, device)
     ref_out.backward(g_ref)
     truth = [ref_out.detach()] + [x.grad for x in ref_leaves]
     del ref_out, ref_leaves
@@ -228,9 +236,7 @@ def run_case(case: Case, device: str) -> None:
         leaves = [x.detach().clone().requires_grad_(True) for x in base_inputs]
         try:
             out = fn(*leaves)
-            g = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(0)).to(
-                out.dtype
-            )
+            g = _upstream(out, device).to(out.dtype)
             out.backward(g)
             results[name] = [out.detach()] + [x.grad for x in leaves]
 

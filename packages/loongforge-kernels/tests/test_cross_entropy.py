@@ -86,6 +86,22 @@ def test_flce_token_weights_match_reference(request, impl, reduction, dtype):
         assert_close(loss_t.float(), (per_token * weights).sum(), dtype, scale=s, name="sum vs none")
 
 
+@pytest.mark.parametrize("upstream", [1.0, 0.5, 0.0])
+def test_flce_upstream_grad_scales_the_stored_grads(triton_cpu, upstream):
+    """The stored grads are scaled by the upstream grad on the device; 1 (``loss.backward()``) skips the pass."""
+    h, w, labels = _problem(37, 33, 1001, torch.float32)
+    grads = []
+    for impl in ("triton", "torch"):
+        a, b = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        fused_linear_cross_entropy(a, b, labels, chunk_size=16, impl=impl).backward(torch.tensor(upstream))
+        grads.append((a.grad, b.grad))
+    a, b = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    linear_cross_entropy_ref(a, b, labels).backward(torch.tensor(upstream))
+    for got in grads:
+        assert_close(got[0], a.grad, torch.float32, scale=10.0, name="dhidden")
+        assert_close(got[1], b.grad, torch.float32, scale=10.0, name="dweight")
+
+
 def test_flce_token_weights_all_zero_and_bad_args(triton_cpu):
     h, w, labels = _problem(8, 16, 100, torch.float32)
     h.requires_grad_(True)

@@ -94,6 +94,31 @@ def _ce_loss_grad_kernel(
         tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
 
 
+@jit
+def _scale_unless_one_kernel(X, G, n, BLOCK: tl.constexpr):
+    """x *= g in place, in fp32, unless g == 1: then a program reads one scalar and stops (no pass over x)."""
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask).to(tl.float32)
+        tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+SCALE_BLOCK = 8192
+
+
+def _scale_by_upstream(grad: torch.Tensor, g: torch.Tensor, impl: str) -> torch.Tensor:
+    """``grad * g`` in place for the stored grads. The upstream grad of a training loss is 1 (``loss.backward()``,
+    or megatron without loss scaling), and checking that on the host would sync; the Triton kernel reads ``g`` on
+    the device and skips the pass over a [V, H] weight grad when it is 1."""
+    if impl == "triton" and grad.is_contiguous() and grad.numel():
+        _scale_unless_one_kernel[(-(-grad.numel() // SCALE_BLOCK),)](
+            grad, g.reshape(1).float().contiguous(), grad.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+        return grad
+    return grad.mul_(g.to(grad.dtype))
+
+
 def _row_launch(n_vocab: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK, num_warps) of the one-program-per-row kernels: a row is swept in BLOCK-wide pieces."""
     block = min(next_pow2(n_vocab), 32768 if device.type == "cuda" else 65536)
@@ -317,8 +342,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.consumed = True  # NOTE: the stored grads are scaled in place to save a [V, H] copy
             grad_h, grad_w = ctx.saved_tensors
             g = grad_out.to(torch.float32)
-            grad_h = grad_h.mul_(g.to(grad_h.dtype)) if grad_h is not None else None
-            grad_w = grad_w.mul_(g.to(grad_w.dtype)) if grad_w is not None else None
+            impl = ctx.kw["impl"]
+            grad_h = _scale_by_upstream(grad_h, g, impl) if grad_h is not None else None
+            grad_w = _scale_by_upstream(grad_w, g, impl) if grad_w is not None else None
         grad_h = grad_h.view(ctx.hidden_shape) if grad_h is not None else None
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
