@@ -1,7 +1,8 @@
 """Run a synthetic recipe for a few steps under each named strategy in this (torchrun) process group and write
 rank 0's losses as JSON. Used by the equivalence tests: ``torchrun --nproc-per-node N dist_driver.py OUT.json
 STEPS RECIPE strategy[:shard_size] ...`` (RECIPE: a file name under recipes/embodied/); ``losses`` also runs
-the one-process reference inside the test process."""
+the one-process reference inside the test process. Environment: ``DIST_DRIVER_BACKEND`` (default gloo; nccl for
+GPU runs) and ``DIST_DRIVER_OVERRIDES`` (more recipe overrides, space-separated)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ import torch.distributed as dist
 RECIPES = Path(__file__).resolve().parents[3] / "recipes" / "embodied"
 
 
-def losses(recipe_name: str, spec: str, *, steps: int) -> list[float]:
+def losses(recipe_name: str, spec: str, *, steps: int, extra: tuple[str, ...] = ()) -> list[float]:
     """Losses of ``steps`` optimizer steps of ``recipe_name`` under ``spec`` (``strategy[:shard_size]``) in this
     process group, or in a private one-process group when none is initialised."""
     from loongforge.api import build_job, load_recipe
 
     strategy, _, shard = spec.partition(":")
     overrides = [f"parallel.strategy={strategy}", f"train.steps={steps}", "checkpoint.resume=never",
-                 "checkpoint.save_at_end=false", "logging.console=false", "logging.tensorboard=false"]
+                 "checkpoint.save_at_end=false", "logging.console=false", "logging.tensorboard=false", *extra]
     if shard:
         overrides.append(f"parallel.shard_size={shard}")
     recipe = load_recipe(RECIPES / recipe_name, overrides)
@@ -36,8 +37,16 @@ def losses(recipe_name: str, spec: str, *, steps: int) -> list[float]:
 
 
 def main(out: str, steps: str, recipe_name: str, *strategies: str) -> None:
-    dist.init_process_group("gloo")
-    results = {spec: losses(recipe_name, spec, steps=int(steps)) for spec in strategies}
+    backend = os.environ.get("DIST_DRIVER_BACKEND", "gloo")
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 comparisons against a one-process run
+        torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group(backend)
+    extra = tuple(os.environ.get("DIST_DRIVER_OVERRIDES", "").split())
+    results = {spec: losses(recipe_name, spec, steps=int(steps), extra=extra) for spec in strategies}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()

@@ -331,8 +331,8 @@ def test_compiled_units_give_the_eager_losses(tmp_path):
 
 
 def test_compile_mode_needs_compile(capsys):
-    """``compile_mode`` without ``compile`` is refused; CUDA graphs (reduce-overhead) are refused on several
-    processes (never run there) and accepted on one, with or without gradient accumulation."""
+    """``compile_mode`` without ``compile`` is refused; CUDA graphs (reduce-overhead) are accepted on one process
+    and under ddp / zero1 on several, with or without gradient accumulation, and refused under fsdp2 / hsdp."""
     from loongforge.cli import main
 
     tiny = str(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml")
@@ -340,10 +340,15 @@ def test_compile_mode_needs_compile(capsys):
     assert "compile_mode" in capsys.readouterr().err
     graphs = ["train.compile=true", "train.compile_mode=reduce-overhead"]
     assert main(["validate", tiny, *graphs]) == 0  # global 4 / micro 2: two micro-batches a step
-    assert main(["validate", tiny, *graphs, "--world-size", "2"]) == 2
+    for strategy in ("auto", "ddp", "zero1"):
+        assert main(["validate", tiny, *graphs, f"parallel.strategy={strategy}", "--world-size", "2"]) == 0
+    assert main(["validate", tiny, *graphs, "parallel.strategy=fsdp2", "--world-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "key 'train.compile_mode'" in err and "2 processes" in err and err.count("\n") == 1, err
+    assert "key 'train.compile_mode'" in err and "'fsdp2' on 2 processes" in err and err.count("\n") == 1, err
     # max-autotune replays CUDA graphs too; its -no-cudagraphs variant does not
-    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune", "--world-size", "2"]) == 2
+    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune", "parallel.strategy=hsdp",
+                 "parallel.shard_size=1", "--world-size", "2"]) == 2
     assert "compile_mode max-autotune (CUDA graphs)" in capsys.readouterr().err
+    assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs",
+                 "parallel.strategy=fsdp2", "--world-size", "2"]) == 0
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]) == 0
