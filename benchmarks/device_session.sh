@@ -141,7 +141,12 @@ case $phase in
   x2)
     step graphs_ddp 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       packages/loongforge-embodied/tests/test_gpu_compile.py -k ddp
-    llava=(python3 -m loongforge train recipes/vlm/llava_tiny.yaml accelerator=cuda train.steps=10 logging.interval=1)
+    # NOTE: from one HF checkpoint: on GPU megatron draws a random init per TP rank / stage, so it depends on the layout
+    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'packages/loongforge-megatron/tests'); \
+from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/llava_hf.log" 2>&1
+    export NVIDIA_TF32_OVERRIDE=0
+    llava=(python3 -m loongforge train recipes/vlm/llava_tiny.yaml accelerator=cuda train.steps=10 logging.interval=1
+           model.preset=null model.hf=/tmp/llava_hf checkpoint.load=/tmp/llava_hf train.stage=cpt train.warmup_steps=0)
     step llava_1gpu 60 "${llava[@]}" --output /tmp/llava1
     step llava_pp2 70 "${llava[@]}" parallel.pp=2 --nproc 2 --output /tmp/llava_pp2
     step llava_tp2_vision_whole 70 "${llava[@]}" parallel.tp=2 "parallel.components={vision: {tp: 1}}" --nproc 2 \

@@ -138,7 +138,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--mbs", default="loongforge=4,megatron_local=1,hf_eager=4,hf_compile=4")
+    p.add_argument("--mbs", default="loongforge=4,loongforge_recompute=4,megatron_local=1,hf_eager=4,hf_compile=4")
     p.add_argument("--variants", default="loongforge,megatron_local,hf_eager,hf_compile")
     p.add_argument("--out", default=None, help="write the table (markdown) here too")
     p.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of two of our steps")

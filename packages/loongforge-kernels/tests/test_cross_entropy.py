@@ -137,12 +137,13 @@ def test_flce_no_grad_skips_the_grads(monkeypatch):
 @pytest.mark.slow
 def test_flce_vocab_parallel_gloo():
     """Each rank holds half the vocab; loss and grads must equal the single-process full-vocab result."""
-    spawn_with_watchdog(flce_vocab_parallel_worker, nprocs=2, args=([("torch", "none"), ("torch", "mean")],))
+    spawn_with_watchdog(flce_vocab_parallel_worker, nprocs=2,
+                        args=([("torch", "none"), ("torch", "mean"), ("torch", "sum+weights")],))
 
 
 @pytest.mark.slow
 def test_flce_vocab_parallel_gloo_triton(triton_cpu):
     """The same with the Triton kernels (spawned children inherit TRITON_INTERPRET)."""
     spawn_with_watchdog(
-        flce_vocab_parallel_worker, nprocs=2, args=([("triton", "mean"), ("triton", "none")],)
+        flce_vocab_parallel_worker, nprocs=2, args=([("triton", "mean"), ("triton", "none"), ("triton", "sum+weights")],)
     )

@@ -68,11 +68,19 @@ def test_op_without_token_weights_keeps_the_per_token_path(world, monkeypatch):
 
 
 @pytest.mark.parametrize("context", [True, False], ids=["masked-sum", "per-token"])
-def test_eval_under_no_grad(world, context):
+def test_eval_under_no_grad(world, context, monkeypatch):
+    """Eval runs under torch.no_grad on parameters that require grad: the loss is right and no grads are computed
+    (``ctx.needs_input_grad`` is True under no_grad too)."""
+    import loongforge_kernels.cross_entropy as ce
     from loongforge_megatron.engine.step import loss_func
     from loongforge_megatron.spec.output import fused_output_processor
 
+    calls = []
+    real = ce._chunk_grads
+    monkeypatch.setattr(ce, "_chunk_grads", lambda *a, **k: calls.append(1) or real(*a, **k))
     hidden, weight, labels, mask = _inputs()
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
     with torch.no_grad():
         out = fused_output_processor(hidden_states=hidden, output_layer=None, output_weight=weight, labels=labels,
                                      compute_language_model_loss=None, provider="torch",
@@ -81,4 +89,29 @@ def test_eval_under_no_grad(world, context):
     logits = hidden.transpose(0, 1) @ weight.t()
     want = (torch.nn.functional.cross_entropy(logits.reshape(-1, 97), labels.reshape(-1), reduction="none")
             * mask.reshape(-1)).sum()
-    torch.testing.assert_close(loss_sum, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_sum, want.detach(), rtol=1e-5, atol=1e-5)
+    assert not calls
+
+
+def test_unhashable_plugin_op_and_a_one_element_sum(world, monkeypatch):
+    """A plugin op object that cannot be hashed is inspected uncached; a [1]-shaped sum becomes a scalar (the loss
+    function tells a summed loss from per-token losses by its dimensions)."""
+    from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
+    from loongforge_megatron.spec import output
+
+    class PluginOp:
+        __hash__ = None  # an eq-dataclass-like object
+
+        def __call__(self, hidden, weight, labels, ignore_index=-100, reduction="mean", *, process_group=None,
+                     reduce_grad_input=True, token_weights=None):
+            return fused_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction, impl="torch",
+                                              process_group=process_group, reduce_grad_input=reduce_grad_input,
+                                              token_weights=token_weights).reshape(1)
+
+    monkeypatch.setattr(output, "kernel", lambda *a, **k: PluginOp())
+    got = _loss_and_grads(output.fused_output_processor, context=True)
+    monkeypatch.undo()
+    want = _loss_and_grads(output.fused_output_processor, context=True)
+    assert got[0].dim() == 0
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[5], want[5])

@@ -45,7 +45,8 @@ def _init_and_run(rank: int, world: int, port: int, fn: Callable[..., None], arg
 
 
 def flce_vocab_parallel_worker(rank: int, world: int, configs: list[tuple[str, str]]) -> None:
-    """Vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in ``configs``."""
+    """Vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in ``configs``;
+    a reduction ``"sum+weights"`` / ``"mean+weights"`` also passes per-token weights (megatron's loss mask)."""
     for impl, reduction in configs:
         _flce_vocab_parallel_check(rank, world, impl, reduction)
 
@@ -60,12 +61,14 @@ def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str)
     w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
     labels = torch.randint(0, vocab, (n,), generator=gen)
     labels[::5] = -100
+    reduction, _, weighted = reduction.partition("+")
+    kw = {"token_weights": (torch.arange(n) % 3 != 1).float() * 0.7} if weighted else {}
     h_t, w_t = h.clone().requires_grad_(True), w.chunk(world)[rank].clone().requires_grad_(True)
     h_r, w_r = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     loss_t = fused_linear_cross_entropy(
-        h_t, w_t, labels, reduction=reduction, process_group=dist.group.WORLD, chunk_size=8, impl=impl
+        h_t, w_t, labels, reduction=reduction, process_group=dist.group.WORLD, chunk_size=8, impl=impl, **kw
     )
-    loss_r = linear_cross_entropy_ref(h_r, w_r, labels, reduction=reduction)
+    loss_r = linear_cross_entropy_ref(h_r, w_r, labels, reduction=reduction, **kw)
     g = torch.randn(loss_r.shape, generator=torch.Generator().manual_seed(1))
     loss_t.backward(g)
     loss_r.backward(g)
@@ -110,6 +113,7 @@ _COMPILE_SPECS = {
         {"BLOCK": 32768},
         32,
     ),
+    "cross_entropy._scale_unless_one_kernel": ({"G": "*fp32"}, {"BLOCK": 8192}, 8),
     "moe_permute._permute_kernel": ({"ROW_ID": "*i32"}, {"TOPK": 8, "BLOCK": 4096}, 8),
     "moe_permute._gather_sum_kernel": (
         {"ROW_ID": "*i32", "PROBS": "*fp32"},

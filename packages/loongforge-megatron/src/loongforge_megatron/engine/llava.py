@@ -134,7 +134,6 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     from megatron.core.transformer.mlp import MLPSubmodules
 
     from loongforge_megatron.engine.layer_spec import row_parallel_linear
-
     from loongforge_megatron.engine.model import _not_deprecation_notice, wrap_ddp
 
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.

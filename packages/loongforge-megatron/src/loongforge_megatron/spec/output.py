@@ -16,7 +16,10 @@ def _takes_token_weights(fn: Any) -> bool:
     """Whether a (possibly plugin-provided) fused CE accepts ``token_weights``."""
     while isinstance(fn, functools.partial):  # NOTE: providers hand out a new partial per lookup
         fn = fn.func
-    return _signature_has_token_weights(fn)
+    try:
+        return _signature_has_token_weights(fn)
+    except TypeError:  # an unhashable callable (a plugin's op object): inspect it uncached
+        return _signature_has_token_weights.__wrapped__(fn)
 
 
 @functools.cache
@@ -44,10 +47,11 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
         return logits.transpose(0, 1).contiguous()
     weight = output_weight if output_weight is not None else output_layer.weight
     tp_size = mpu.get_tensor_model_parallel_world_size()
+    tp_group = mpu.get_tensor_model_parallel_group()  # NOTE: passed, so megatron does not warn on every call
     if getattr(output_layer, "sequence_parallel", False):
-        hidden = tp.gather_from_sequence_parallel_region(hidden_states)
+        hidden = tp.gather_from_sequence_parallel_region(hidden_states, group=tp_group)
     elif tp_size > 1:
-        hidden = tp.copy_to_tensor_model_parallel_region(hidden_states)
+        hidden = tp.copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
     else:
         hidden = hidden_states
     s, b, h = hidden.shape
@@ -57,11 +61,15 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
     except KeyError:  # no kernel package installed: megatron's own output layer + vocab-parallel cross-entropy
         logits, _ = output_layer(hidden_states, weight=output_weight)
         return compute_language_model_loss(labels, logits)
-    group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
+    group = tp_group if tp_size > 1 else None
     # NOTE: megatron's copy/gather region all-reduces the hidden gradient across TP itself.
     if context is not None and _takes_token_weights(fn):
-        return fn(flat, weight, labels.reshape(-1), reduction="sum", process_group=group, reduce_grad_input=False,
-                  token_weights=context.reshape(-1)).float()
+        total = fn(flat, weight, labels.reshape(-1), reduction="sum", process_group=group, reduce_grad_input=False,
+                   token_weights=context.reshape(-1))
+        if total.numel() != 1:
+            raise RuntimeError(f"fused_linear_cross_entropy(reduction='sum') returned shape {tuple(total.shape)}, "
+                               "not one value")
+        return total.reshape(()).float()  # NOTE: loss_func tells the summed loss from per-token ones by dim 0
     loss = fn(flat, weight, labels.reshape(-1), reduction="none", process_group=group, reduce_grad_input=False)
     return loss.view(b, s).float()
 
