@@ -22,12 +22,29 @@ def _losses(tmp_path: Path, *over: str, steps: int = 4) -> list[float]:
     base = [f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=4", "accelerator=cuda",
             "train.precision=fp32", "checkpoint.resume=never", "checkpoint.save_at_end=false",
             "logging.console=false", "logging.tensorboard=false"]
+    from torch._dynamo.utils import counters
+
     job, _ = build_job(load_recipe(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml", [*base, *over]),
                        output_dir=tmp_path / "_".join(over or ("eager",)).replace("=", "-"))
+    counters["inductor"]["cudagraph_skips"] = 0
     try:
-        return [job.step(report=True)["loss"] for _ in range(steps)]
+        losses = [job.step(report=True)["loss"] for _ in range(steps)]
+        if "train.compile_mode=reduce-overhead" in over:
+            _assert_graphs_recorded()
+        return losses
     finally:
         job.close()
+
+
+def _assert_graphs_recorded() -> None:
+    """The graphed run really replayed CUDA graphs: inductor skipped none, and its graph tree holds recordings
+    (equal losses alone would also pass if every unit had silently fallen back to plain compiled code)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
+
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) > 0
 
 
 def test_cuda_graphs_train_the_eager_losses(tmp_path):
