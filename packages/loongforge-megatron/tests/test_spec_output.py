@@ -43,7 +43,8 @@ def test_masked_sum_in_one_pass_equals_per_token_path(world, monkeypatch):
     fused = _loss_and_grads(fused_output_processor, context=True)
     assert fused[0].dim() == 0 and len(calls) == 1  # the grads came from the forward pass
     assert fused[2] == per_token[2]
-    for got, want, name in zip(fused[1:], per_token[1:], ("loss", "tokens", "report", "dhidden", "dweight")):
+    for got, want, name in zip(fused[1:], per_token[1:], ("loss", "tokens", "report", "dhidden", "dweight"),
+                               strict=True):
         if name != "tokens":
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -7,6 +7,7 @@ which supports sequence parallelism; ``te`` is megatron's TransformerEngine spec
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ class TorchNorm:
         return norm
 
 
+@functools.cache
 def row_parallel_linear():
     """megatron's ``RowParallelLinear`` handing its own TP group to the linear function (a class, built lazily).
 
@@ -44,36 +46,42 @@ def row_parallel_linear():
     all-reduce), so every call looks up the default group and issues a DeprecationWarning: host time on every
     forward, and a graph break under torch.compile.
     """
-    global _ROW_PARALLEL_LINEAR
-    if _ROW_PARALLEL_LINEAR is None:
-        from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-        class OwnGroupRowParallelLinear(RowParallelLinear):
-            def _forward_impl(self, input, weight, *args, **kwargs):
-                if kwargs.get("tp_group", self.tp_group) is None:
-                    kwargs["tp_group"] = self.tp_group
-                return super()._forward_impl(input, weight, *args, **kwargs)
+    class OwnGroupRowParallelLinear(RowParallelLinear):
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            if kwargs.get("tp_group", self.tp_group) is None:
+                kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, *args, **kwargs)
 
-        _ROW_PARALLEL_LINEAR = OwnGroupRowParallelLinear
-    return _ROW_PARALLEL_LINEAR
+    return OwnGroupRowParallelLinear
 
 
-_ROW_PARALLEL_LINEAR = None
+def get_submodules(spec: Any) -> Any:
+    """Submodules of a ModuleSpec or of a ``functools.partial(cls, submodules=...)`` spec (megatron uses both)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
+
+
+def set_submodules(spec: Any, sub: Any) -> Any:
+    """``spec`` (a ModuleSpec or a ``functools.partial``) with ``sub`` as its submodules."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": sub})
+    return dataclasses.replace(spec, submodules=sub)
 
 
 def with_own_group_row_linears(spec: Any) -> Any:
     """``spec`` with every megatron ``RowParallelLinear`` in its (nested) submodules replaced by
     :func:`row_parallel_linear`'s class; parameter names and checkpoints are unchanged."""
-    import functools
-
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     if spec is RowParallelLinear:
         return row_parallel_linear()
     if isinstance(spec, functools.partial):
-        sub = spec.keywords.get("submodules")
+        sub = get_submodules(spec)
         new = with_own_group_row_linears(sub)
-        return spec if new is sub else functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": new})
+        return spec if new is sub else set_submodules(spec, new)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {}
         for f in dataclasses.fields(spec):

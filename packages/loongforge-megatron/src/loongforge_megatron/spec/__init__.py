@@ -5,9 +5,9 @@ local spec, so checkpoints and the HF name maps are shared."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
+from loongforge_megatron.engine.layer_spec import get_submodules, set_submodules
 from loongforge_megatron.spec.attention import SDPAttention
 from loongforge_megatron.spec.modules import KernelRMSNorm, KernelSwiGLU
 
@@ -31,22 +31,9 @@ def _replace_norms(sub: Any, norm: Any) -> Any:
     return dataclasses.replace(sub, **changes) if changes else sub
 
 
-def _get_sub(spec: Any) -> Any:
-    """Submodules of a ModuleSpec or of a ``functools.partial(cls, submodules=...)`` spec (megatron uses both)."""
-    if isinstance(spec, functools.partial):
-        return spec.keywords.get("submodules")
-    return getattr(spec, "submodules", None)
-
-
-def _set_sub(spec: Any, sub: Any) -> Any:
-    if isinstance(spec, functools.partial):
-        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": sub})
-    return dataclasses.replace(spec, submodules=sub)
-
-
 def _with_activation(mlp_spec: Any, act: Any) -> Any:
     """Set ``activation_func`` on an MLP spec, or on the expert / shared-expert MLPs of a MoE spec."""
-    sub = _get_sub(mlp_spec)
+    sub = get_submodules(mlp_spec)
     if sub is None or not dataclasses.is_dataclass(sub):
         return mlp_spec
     names = {f.name for f in dataclasses.fields(sub)}
@@ -56,7 +43,7 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
     for name in ("experts", "shared_experts"):
         if name in names and getattr(sub, name) is not None:
             changes[name] = _with_activation(getattr(sub, name), act)
-    return _set_sub(mlp_spec, dataclasses.replace(sub, **changes)) if changes else mlp_spec
+    return set_submodules(mlp_spec, dataclasses.replace(sub, **changes)) if changes else mlp_spec
 
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,

@@ -14,16 +14,6 @@ from loongforge_megatron.spec.modules import kernel
 
 def _takes_token_weights(fn: Any) -> bool:
     """Whether a (possibly plugin-provided) fused CE accepts ``token_weights``."""
-    while isinstance(fn, functools.partial):  # NOTE: providers hand out a new partial per lookup
-        fn = fn.func
-    try:
-        return _signature_has_token_weights(fn)
-    except TypeError:  # an unhashable callable (a plugin's op object): inspect it uncached
-        return _signature_has_token_weights.__wrapped__(fn)
-
-
-@functools.cache
-def _signature_has_token_weights(fn: Any) -> bool:
     try:
         return "token_weights" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
