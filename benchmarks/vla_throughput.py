@@ -113,7 +113,7 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
                policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False,
-               compile_mode: str = "default") -> dict:
+               compile_mode: str = "default", prompt_padding: str = "max_length", tokenizer: str = "") -> dict:
     from loongforge.api import build_job, load_recipe
     from loongforge.metrics import is_logged_step
 
@@ -127,6 +127,8 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
         over += ["data.format=lerobot", f"data.root={data_root}"]
     if policy not in OUR_RECIPES:
         over.append(f"model.policy={policy}")
+    if policy == "lerobot_pi05":
+        over += [f"model.arch.prompt_padding={prompt_padding}", f"model.arch.tokenizer={tokenizer}"]
     recipe = load_recipe(ROOT / "recipes" / "embodied" / OUR_RECIPES.get(policy, "tiny_vla_synthetic.yaml"), over)
     with tempfile.TemporaryDirectory() as tmp:
         job, _ = build_job(recipe, output_dir=tmp)
@@ -139,7 +141,7 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
             res = {**_time(step, batch=batch, steps=steps, warmup=warmup,
                            params=sum(p.numel() for p in job.model.raw.parameters())),
                    "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval,
-                   "compile_mode": compile_mode}
+                   "compile_mode": compile_mode, "prompt_padding": prompt_padding, "tokenizer": tokenizer or "bytes"}
             if profile:
                 _profile(step)
             return res
@@ -184,7 +186,7 @@ def _num_cameras(data_root: str) -> int:
 def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
     with ``res`` itself), and the time of the run each borrowed side comes from."""
-    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute")
+    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding")
     merged, paired = dict(res), {}
     for line in log.read_text().splitlines()[:-1]:
         rec = json.loads(line)
@@ -212,21 +214,36 @@ def main() -> None:
     ap.add_argument("--policy", default="lerobot_pi05", help="ours: lerobot_pi05 (LeRobot's PI05Pytorch) | tiny_vla")
     ap.add_argument("--recompute", action="store_true", help="ours: activation checkpointing (parallel.recompute=full)")
     ap.add_argument("--profile", action="store_true", help="ours: print a CUDA kernel profile of two more steps")
+    ap.add_argument("--prompt-padding", choices=["longest", "max_length"], default=None,
+                    help="ours (lerobot_pi05): model.arch.prompt_padding; default longest with --data-root (both "
+                         "sides tokenize the same prompts; LeRobot pads them to 200), max_length on synthetic "
+                         "batches (lerobot_step feeds 200 valid random tokens)")
+    ap.add_argument("--tokenizer", choices=["shim", "bytes"], default="shim",
+                    help="ours (lerobot_pi05): the PaliGemma tokenizer stand-in LeRobot's loop loads "
+                         "(lerobot_peer.paligemma_tokenizer_shim), or Gemma byte-fallback tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("vla_throughput needs a CUDA GPU")
     if args.only == "lerobot_e2e" and not args.data_root:
         raise SystemExit("--only lerobot_e2e needs --data-root")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    padding = args.prompt_padding or ("longest" if args.data_root else "max_length")
     run = {"ours": args.only in (None, "ours"), "lerobot_step": args.only in (None, "peer", "lerobot_step"),
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
                  "compile_mode": args.compile_mode, "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
-                 "recompute": args.recompute, "time": time.strftime("%H:%M:%S")}
+                 "recompute": args.recompute, "prompt_padding": padding, "time": time.strftime("%H:%M:%S")}
     if run["ours"]:
-        res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
-                                 workers=args.workers, data_root=args.data_root, policy=args.policy,
-                                 recompute=args.recompute, profile=args.profile, compile_mode=args.compile_mode)
+        with tempfile.TemporaryDirectory(prefix="tok_shim_") as hf_home:
+            tokenizer = ""
+            if args.tokenizer == "shim":
+                from lerobot_peer import paligemma_tokenizer_shim
+
+                tokenizer = str(paligemma_tokenizer_shim(hf_home))
+            res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
+                                     workers=args.workers, data_root=args.data_root, policy=args.policy,
+                                     recompute=args.recompute, profile=args.profile, compile_mode=args.compile_mode,
+                                     prompt_padding=padding, tokenizer=tokenizer)
         print("ours:", json.dumps(res["ours"]), flush=True)
         torch.cuda.empty_cache()
     if run["lerobot_step"]:

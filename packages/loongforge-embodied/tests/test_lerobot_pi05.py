@@ -158,6 +158,65 @@ def test_processor_follows_lerobot(tiny):
         prepare_batch(raw, arch=arch.with_overrides(quantile_norm=1), stats=stats)
 
 
+def test_prompt_padding_longest_keeps_the_losses_and_grads(tiny):
+    """Padding a batch to its longest prompt (rounded up) instead of ``tokenizer_max_length`` changes no loss or
+    gradient: padded keys are masked and positions count valid tokens only."""
+    from loongforge_embodied.policies.lerobot_pi05.processor_lerobot_pi05 import prepare_batch
+
+    arch, model, raw, stats, _ = tiny
+    raw = {**raw, "task": ["push it", "x", "go left"]}
+
+    def run(padding):
+        inp = prepare_batch(raw, arch=arch.with_overrides(prompt_padding=padding), stats=stats)
+        model.zero_grad(set_to_none=True)
+        loss = model(inp)
+        loss.sum().backward()
+        return inp["lang_tokens"].shape[1], loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                            if p.grad is not None}
+
+    try:
+        (w_long, l_long, g_long), (w_max, l_max, g_max) = run("longest"), run("max_length")
+    finally:
+        model.zero_grad(set_to_none=True)
+    assert w_max == arch.tokenizer_max_length == 96
+    assert w_long % arch.prompt_pad_multiple == 0 and w_long < w_max  # "x": 28 bytes + <bos> -> 32
+    torch.testing.assert_close(l_long, l_max, rtol=0, atol=TOL)
+    assert g_long.keys() == g_max.keys()
+    for name in g_long:
+        torch.testing.assert_close(g_long[name], g_max[name], rtol=0, atol=TOL, msg=name)
+    with pytest.raises(ValueError, match="prompt_padding 'dynamic'"):
+        arch.with_overrides(prompt_padding="dynamic")
+
+
+def test_hugging_face_tokenizer_as_lerobot_calls_it(tmp_path):
+    from loongforge_embodied.policies.lerobot_pi05.processor_lerobot_pi05 import encode_prompts
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "Task:", "push", "it,", "State:", "1", "2", "3", ";", "Action:"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                 unk_token="<unk>")
+    hf.save_pretrained(tmp_path / "tok")
+    prompts = ["Task: push it, State: 12 3;\nAction: ", "Task: push it, State: 3;\nAction: "]
+    ref = hf(prompts, max_length=12, truncation=True, padding="max_length", padding_side="right", return_tensors="pt")
+    ids, mask = encode_prompts(prompts, max_length=12, tokenizer=str(tmp_path / "tok"))
+    torch.testing.assert_close(ids, ref["input_ids"])
+    torch.testing.assert_close(mask, ref["attention_mask"].bool())
+    assert ids[0, 0] == 2 and mask[0].sum() == 10  # <bos> Task: push it, State: 1 2 3 ; Action:
+    short, short_mask = encode_prompts(prompts, max_length=12, padding="longest", multiple=4,
+                                       tokenizer=str(tmp_path / "tok"))
+    assert short.shape == (2, 12) and torch.equal(short, ids)  # 10 rounds up to 12
+    short, short_mask = encode_prompts(prompts, max_length=64, padding="longest", multiple=8,
+                                       tokenizer=str(tmp_path / "tok"))
+    assert short.shape == (2, 16) and torch.equal(short[:, :10], ids[:, :10]) and not short_mask[:, 10:].any()
+    with pytest.raises(ValueError, match="model.arch.tokenizer '.*nowhere'"):
+        encode_prompts(prompts, max_length=12, tokenizer=str(tmp_path / "nowhere"))
+
+
 def test_training_steps_reduce_the_loss(tiny):
     from loongforge_embodied.policies.lerobot_pi05.model import LeRobotPI05Model
 

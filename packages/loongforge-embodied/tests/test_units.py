@@ -180,3 +180,41 @@ def test_missing_lerobot_dataset_is_refused_at_validation(tmp_path):
     assert info.value.key == "data.root"
     with pytest.raises(RecipeError, match="is not a LeRobotDataset"):
         load_recipe(RECIPE, ["data.format=lerobot", f"data.root={tmp_path}"])
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped / not clipped
+def test_clip_through_fused_adamw_equals_scaling_the_grads(max_norm):
+    """The clip handed to fused AdamW (``grad_scale``) updates as scaling the gradients first does, in bf16 and
+    fp32 parameters alike, and leaves the clipped gradients behind; other optimizers are not targets."""
+    import torch
+    from loongforge_embodied.optim import fused_scale_target
+    from loongforge_embodied.parallel import clip_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(64, 32, generator=g), torch.randn(32, generator=g).bfloat16()]
+    grads = [torch.randn(64, 32, generator=g), torch.randn(32, generator=g).bfloat16()]
+
+    def run(fused_clip: bool):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=True)
+        for _ in range(2):
+            for p, gr in zip(params, grads, strict=True):
+                p.grad = gr.clone()
+            target = fused_scale_target(opt) if fused_clip else None
+            norm = clip_grad_norm(params, max_norm, into=target)
+            opt.step()
+        return params, norm, opt
+
+    (fused, n1, opt), (plain, n2, _) = run(True), run(False)
+    assert fused_scale_target(opt) is opt and opt.grad_scale is not None
+    torch.testing.assert_close(n1, n2)
+    # NOTE: bf16 within an ulp or two: the fused path divides in fp32 inside the kernel, while scaling first
+    # rounds the clipped gradient to bf16 before the update.
+    for a, b in zip(fused, plain, strict=True):
+        tol = {"rtol": 1e-6, "atol": 1e-6} if a.dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a.grad, b.grad, **tol)
+    if max_norm < 1:
+        assert float(n1) > max_norm  # the clip did act
+    foreach = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True)
+    assert fused_scale_target(foreach) is None and fused_scale_target(torch.optim.SGD(fused[:1], lr=0.1)) is None

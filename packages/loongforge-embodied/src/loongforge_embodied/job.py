@@ -131,7 +131,7 @@ class EmbodiedJob(Job):
         and grad norm are not read) and it returns ``{}``, so the host queues the next step while this one runs;
         the next reported step's ``step_time`` is the mean over the steps since the last report (like Megatron's
         per-interval timing). ``run()`` reports the steps that ``logging.interval`` records and those before saves."""
-        from loongforge_embodied.optim import lr_at
+        from loongforge_embodied.optim import fused_scale_target, lr_at
         from loongforge_embodied.parallel import all_reduce_sum, clip_grad_norm
 
         t = self.recipe.train
@@ -159,7 +159,7 @@ class EmbodiedJob(Job):
                 # over the global batch, however it is split into ranks and micro-batches.
                 (per_sample.sum() / local).backward()
             loss_sum += per_sample.detach().sum()
-        gnorm = clip_grad_norm(self.trainable, t.grad_clip)
+        gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=fused_scale_target(self.optimizer))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if self.model.allgather is not None:

@@ -48,6 +48,15 @@ def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str) -> t
                              fused=fused or None, foreach=None if fused else True)
 
 
+def fused_scale_target(optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer (ours, or a ``ZeroOneOptimizer``'s own partition) whose ``step()`` divides gradients by its
+    ``grad_scale`` inside the fused kernel: a fused ``torch.optim.Adam`` / ``AdamW``; else None."""
+    inner = getattr(optimizer, "inner", optimizer)
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and inner.defaults.get("fused"):
+        return inner
+    return None
+
+
 class ZeroOneOptimizer:
     """ZeRO-1: each data-parallel rank keeps optimizer state for (and updates) only its partition of the
     parameters; gradients are all-reduced in full (by DDP) and updated parameters are broadcast from owners.

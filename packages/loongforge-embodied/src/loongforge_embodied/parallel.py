@@ -133,9 +133,17 @@ def _fully_shard(model, *, strategy, world_size, device, precision, shard_size, 
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, *,
+                   into: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Global grad-norm clipping over plain or DTensor (sharded) gradients; returns the pre-clip norm as a
-    tensor (no host sync: read it only when logging)."""
+    tensor (no host sync: read it only when logging).
+
+    ``into``: a fused Adam / AdamW (``fused_scale_target``) whose next ``step()`` applies the clip: its kernel
+    divides every gradient by ``grad_scale`` (the hook AMP's ``GradScaler`` uses; the unscaled gradient is
+    written back), so clipping costs no pass of its own over the gradients. Sharded (DTensor) gradients are
+    always scaled here."""
+    if into is not None:
+        into.grad_scale = None
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -143,6 +151,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if max_norm > 0:
+        if into is not None and not any(hasattr(g, "to_local") for g in grads):
+            # NOTE: 1 / torch's clip coefficient min(max_norm / (norm + 1e-6), 1).
+            into.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+            return norm
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # NOTE: scale the local shards: DTensor x plain-tensor arithmetic is not allowed.
         torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)

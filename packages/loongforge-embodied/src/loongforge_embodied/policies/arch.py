@@ -31,6 +31,13 @@ class ArchMixin:
         bad = sorted(set(kw) - known)
         if bad:
             raise ValueError(f"unknown architecture fields {bad}; allowed: {sorted(known - {'stats'})}")
+        for name, value in kw.items():
+            want = type(getattr(self, name))
+            if value is None and want is str:
+                kw[name] = ""
+            elif want in (int, str) and (type(value) is not want):
+                kind = "an integer" if want is int else "a string"
+                raise ValueError(f"architecture field '{name}' must be {kind}, got {value!r}")
         return replace(self, **kw)
 
     def to_dict(self) -> dict[str, Any]:

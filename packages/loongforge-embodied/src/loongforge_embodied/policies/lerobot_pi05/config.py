@@ -16,6 +16,7 @@ from typing import Any
 from loongforge_embodied.policies.arch import ArchMixin
 
 VARIANTS = ("gemma_2b", "gemma_300m")
+PROMPT_PADDING = ("longest", "max_length")
 NUM_HEADS, NUM_KV_HEADS = 8, 1  # LeRobot's compute_layer_complete reshapes to ``1 * 8 * head_dim``
 SIZE_FIELDS = ("lm_width", "lm_depth", "lm_mlp", "expert_width", "expert_depth", "expert_mlp", "head_dim",
                "vision_width", "vision_depth", "vision_heads", "vision_mlp", "patch_size")
@@ -35,6 +36,15 @@ class LeRobotPI05Arch(ArchMixin):
     max_state_dim: int = 32
     max_action_dim: int = 32
     tokenizer_max_length: int = 200
+    # "" = Gemma byte-fallback tokens (no download; LeRobot's PaliGemma tokenizer is not available offline);
+    # else a Hugging Face tokenizer (a local folder, or a hub id already in the local cache, e.g.
+    # google/paligemma-3b-pt-224 as LeRobot's pi05 processor uses), loaded without network access.
+    tokenizer: str = ""
+    # "longest": a batch is padded to its longest prompt, rounded up to prompt_pad_multiple (at most
+    # tokenizer_max_length): padding is never computed, the valid tokens' outputs are unchanged.
+    # "max_length": every prompt padded to tokenizer_max_length, as LeRobot's processor does.
+    prompt_padding: str = "longest"
+    prompt_pad_multiple: int = 16
     num_inference_steps: int = 10
     paligemma_variant: str = "gemma_2b"
     action_expert_variant: str = "gemma_300m"
@@ -64,6 +74,11 @@ class LeRobotPI05Arch(ArchMixin):
         for name in ("paligemma_variant", "action_expert_variant"):
             if getattr(self, name) not in VARIANTS:
                 problems.append(f"{name} '{getattr(self, name)}' (allowed: {', '.join(VARIANTS)})")
+        if self.prompt_padding not in PROMPT_PADDING:
+            problems.append(f"prompt_padding '{self.prompt_padding}' (allowed: {', '.join(PROMPT_PADDING)})")
+        if self.prompt_pad_multiple < 1 or self.tokenizer_max_length < 2:
+            problems.append(f"prompt_pad_multiple {self.prompt_pad_multiple} / tokenizer_max_length "
+                            f"{self.tokenizer_max_length} (allowed: >= 1 / >= 2)")
         for name in ("bf16_params", "quantile_norm", "sdpa"):
             if getattr(self, name) not in (0, 1):
                 problems.append(f"{name} {getattr(self, name)} (allowed: 0, 1)")

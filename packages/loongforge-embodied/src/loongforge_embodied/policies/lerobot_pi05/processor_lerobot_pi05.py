@@ -5,14 +5,21 @@
   default, or MEAN_STD); actions and flow noise zero-/randomly padded to ``max_action_dim``;
 - the prompt ``"Task: …, State: <256-bin ids>;\\nAction: "`` made by LeRobot's own
   ``Pi05PrepareStateTokenizerProcessorStep`` from the normalised state;
-- tokens: **offline we have no PaliGemma tokenizer**, so the prompt is written in Gemma's byte-fallback tokens
-  (``<0xNN>`` = id 217 + NN, after ``<bos>`` = 2), right-padded with ``<pad>`` = 0 to ``tokenizer_max_length``.
-  This is a valid PaliGemma token sequence (SentencePiece byte fallback decodes it to the same text), only
-  longer than SentencePiece's own segmentation;
+- tokens: with ``arch.tokenizer`` set, that Hugging Face tokenizer (LeRobot's is PaliGemma's), called as LeRobot's
+  ``TokenizerProcessorStep`` calls it (right padding, truncation at ``tokenizer_max_length``). Unset (offline we
+  have no PaliGemma tokenizer), the prompt is written in Gemma's byte-fallback tokens (``<0xNN>`` = id 217 + NN,
+  after ``<bos>`` = 2): a valid PaliGemma token sequence (SentencePiece byte fallback decodes it to the same
+  text), only longer than SentencePiece's own segmentation. Padding is ``<pad>`` = 0 on the right, to the
+  batch's longest prompt rounded up to ``prompt_pad_multiple`` (``prompt_padding: longest``) or to
+  ``tokenizer_max_length`` (``max_length``, LeRobot's). Padded keys are masked and positions count valid tokens
+  only, so the valid tokens' outputs, and the loss, do not depend on how much padding follows them;
 - images resized with padding to the model's resolution (``resize_with_pad_torch``) and mapped to [-1, 1].
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -22,13 +29,44 @@ BOS, PAD, BYTE_OFFSET = 2, 0, 217  # Gemma / PaliGemma vocabulary: <bos>, <pad>,
 _steps: dict[int, tuple] = {}
 
 
-def encode_prompts(prompts: list[str], *, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts → (ids, mask) of Gemma byte-fallback tokens after ``<bos>``, truncated/padded to ``max_length``."""
-    ids = torch.full((len(prompts), max_length), PAD, dtype=torch.long)
-    for i, text in enumerate(prompts):
-        row = [BOS, *(BYTE_OFFSET + b for b in text.encode("utf-8"))][:max_length]
+def encode_prompts(prompts: list[str], *, max_length: int, padding: str = "max_length", multiple: int = 1,
+                   tokenizer: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts → (ids, mask), ``<bos>`` first, truncated at ``max_length`` and right-padded with ``<pad>`` = 0:
+    to ``max_length`` (``padding="max_length"``) or to the longest prompt rounded up to ``multiple``
+    (``"longest"``). ``tokenizer``: a Hugging Face tokenizer's folder or cached hub id; "" = byte fallback."""
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
+        rows = tok(prompts, max_length=max_length, truncation=True, add_special_tokens=True)["input_ids"]
+        pad = tok.pad_token_id
+    else:
+        rows = [[BOS, *(BYTE_OFFSET + b for b in text.encode("utf-8"))][:max_length] for text in prompts]
+        pad = PAD
+    width = max_length
+    if padding == "longest":
+        longest = max(len(r) for r in rows)
+        width = min(max_length, -(-longest // multiple) * multiple)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return ids, ids != PAD
+        mask[i, : len(row)] = True
+    return ids, mask
+
+
+@functools.cache
+def load_tokenizer(name: str):
+    """A Hugging Face tokenizer from a local folder or the local hub cache (never the network); one per process."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.arch.tokenizer '{name}': no such local folder, and not in the Hugging Face cache "
+                         f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}); "
+                         "download it first, or set model.arch.tokenizer='' for byte-fallback tokens") from e
+    if tok.pad_token_id is None:
+        raise ValueError(f"model.arch.tokenizer '{name}' has no pad token (PaliGemma's is <pad> = 0)")
+    return tok
 
 
 def _lerobot_stats(stats: dict[str, torch.Tensor], *, quantiles: bool) -> dict[str, dict[str, torch.Tensor]]:
@@ -108,7 +146,8 @@ def prepare_batch(raw: dict, *, arch: LeRobotPI05Arch, stats: dict[str, torch.Te
         transition[TransitionKey.ACTION] = raw["actions"].float()
     transition = prompt(normalize(transition))
     tokens, mask = encode_prompts(transition[TransitionKey.COMPLEMENTARY_DATA]["task"],
-                                  max_length=arch.tokenizer_max_length)
+                                  max_length=arch.tokenizer_max_length, padding=arch.prompt_padding,
+                                  multiple=arch.prompt_pad_multiple, tokenizer=arch.tokenizer)
     out = {"images": preprocess_images(raw["images"], resolution=arch.resolution), "lang_tokens": tokens,
            "lang_mask": mask}
     if "actions" in raw:
