@@ -62,6 +62,30 @@ def test_cuda_graphs_train_the_eager_losses(tmp_path):
     assert len(set(graphs)) == len(graphs)  # the steps differ: no stale replay of step 1
 
 
+def test_cuda_graphs_follow_changing_prompt_widths(tmp_path, monkeypatch):
+    """Prompts padded to each batch's longest (``prompt_pad_multiple=1``: the width follows the state digits) give
+    several prefix lengths; the graphed run recompiles / records per width and still trains eager's losses."""
+    from loongforge_embodied.policies.lerobot_pi05 import processor_lerobot_pi05 as proc
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    widths: list[int] = []
+    encode = proc.encode_prompts
+
+    def recording(*a, **k):
+        ids, mask = encode(*a, **k)
+        widths.append(ids.shape[1])
+        return ids, mask
+
+    monkeypatch.setattr(proc, "encode_prompts", recording)
+    over = ("data.num_workers=0", "model.arch.prompt_pad_multiple=1", "model.arch.prompt_padding=longest")
+    eager = _losses(tmp_path, *over, steps=6)
+    seen = sorted(set(widths))
+    graphs = _losses(tmp_path, *over, "train.compile=true", "train.compile_mode=reduce-overhead", steps=6)
+    assert len(seen) >= 2, seen
+    assert graphs == pytest.approx(eager, rel=1e-4), (eager, graphs)
+
+
 def test_cuda_graphs_accumulate_gradients(tmp_path):
     """Two micro-batches a step under CUDA graphs train the losses of one micro-batch of the same global batch.
 
