@@ -69,6 +69,23 @@ def test_unknown_arch_field_is_a_recipe_error():
         load_recipe(RECIPE, ["model.arch={lm_hiden: 32}"])
 
 
+def test_arch_values_are_checked_at_load_time(tmp_path, monkeypatch):
+    """Wrong-typed arch overrides and a tokenizer that is not on this machine fail when the recipe loads (naming
+    the field), not in a DataLoader worker."""
+    pi05 = RECIPE.parent / "lerobot_pi05_tiny.yaml"
+    with pytest.raises(RecipeError, match="'lm_width' must be an integer"):
+        load_recipe(pi05, ["model.arch.lm_width=wide"])
+    with pytest.raises(RecipeError, match="prompt_padding 'dynamic'"):
+        load_recipe(pi05, ["model.arch.prompt_padding=dynamic"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(RecipeError, match="model.arch.tokenizer 'google/paligemma-3b-pt-224'.*not in the Hugging"):
+        load_recipe(pi05, ["model.arch.tokenizer=google/paligemma-3b-pt-224"])
+    with pytest.raises(RecipeError, match="has no tokenizer.json"):
+        load_recipe(pi05, [f"model.arch.tokenizer={tmp_path}"])
+    (tmp_path / "hub/models--google--paligemma-3b-pt-224/snapshots").mkdir(parents=True)
+    assert load_recipe(pi05, ["model.arch.tokenizer=google/paligemma-3b-pt-224"]).model.arch["tokenizer"]
+
+
 def test_fsdp2_upcasts_mixed_dtype_weights(tmp_path):
     """A policy that keeps some trainable weights in bf16 and others in fp32 (LeRobot's PI05 "bfloat16") shards
     under fsdp2 with fp32 master weights instead of failing in FSDP's uniform-dtype assertion."""

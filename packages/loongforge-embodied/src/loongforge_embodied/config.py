@@ -50,9 +50,12 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        from loongforge_embodied.policies import resolve_arch
+        from loongforge_embodied.policies import get_policy, resolve_arch
 
-        resolve_arch(self)  # unknown arch fields raise here, at load time
+        arch = resolve_arch(self)  # unknown arch fields raise here, at load time
+        check = getattr(get_policy(self.policy).module("config"), "check_recipe_arch", None)
+        if check is not None:  # NOTE: a policy's file-system checks (e.g. lerobot_pi05's local tokenizer)
+            check(arch)
         return self
 
 

@@ -219,6 +219,10 @@ class EmbodiedJob(Job):
             path = self.export()
             if self.log:
                 self.log.info(f"[embodied] exported policy to {path}")
+                if getattr(self.arch, "tokenizer", None) == "":  # NOTE: lerobot_pi05 trained on byte-fallback tokens
+                    self.log.info("[embodied] note: trained on Gemma byte-fallback prompt tokens (model.arch.tokenizer "
+                                  "unset); LeRobot's pi05 processor tokenizes with PaliGemma's tokenizer, so serve "
+                                  "it with the same byte tokens, or train with model.arch.tokenizer set")
         return {"step": self.step_index, **last}
 
     def close(self) -> None:

@@ -10,7 +10,9 @@ Gemma variants: LeRobot's joint layer hard-codes the 8 in a reshape.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loongforge_embodied.policies.arch import ArchMixin
@@ -112,3 +114,28 @@ PRESETS: dict[str, LeRobotPI05Arch] = {
         vision_width=32, vision_depth=2, vision_heads=2, vision_mlp=64, patch_size=8,
     ),
 }
+
+
+def hub_cache() -> Path:
+    """The local Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), as transformers finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+
+
+def check_recipe_arch(arch: LeRobotPI05Arch) -> None:
+    """What a recipe can check on the file system before training (no network, no torch): the tokenizer is a
+    local folder with tokenizer files, or a hub id with a snapshot in the local cache."""
+    name = arch.tokenizer
+    if not name:
+        return
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            raise ValueError(f"model.arch.tokenizer '{name}': the folder has no tokenizer.json / tokenizer.model / "
+                             "tokenizer_config.json")
+        return
+    if not (hub_cache() / f"models--{name.replace('/', '--')}" / "snapshots").is_dir():
+        raise ValueError(f"model.arch.tokenizer '{name}': no such local folder, and not in the Hugging Face cache "
+                         f"({hub_cache()}); download it first (nothing is fetched at run time), or leave "
+                         "model.arch.tokenizer unset for Gemma byte-fallback tokens")

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -58,12 +57,13 @@ def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a local folder or the local hub cache (never the network); one per process."""
     from transformers import AutoTokenizer
 
+    from loongforge_embodied.policies.lerobot_pi05.config import hub_cache
+
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model.arch.tokenizer '{name}': no such local folder, and not in the Hugging Face cache "
-                         f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}); "
-                         "download it first, or set model.arch.tokenizer='' for byte-fallback tokens") from e
+        raise ValueError(f"model.arch.tokenizer '{name}' does not load from a local folder or the Hugging Face cache "
+                         f"({hub_cache()}): {e}") from e
     if tok.pad_token_id is None:
         raise ValueError(f"model.arch.tokenizer '{name}' has no pad token (PaliGemma's is <pad> = 0)")
     return tok
