@@ -1,0 +1,168 @@
+"""Where pi05's remaining step time could come from, measured in isolation on one GPU (no LeRobot needed).
+
+1. **Optimizer**: torch's fused AdamW over pi05's main trainable tensors (the real shapes and dtypes of the
+   Gemma / SigLIP weights and the token table, ~2.7B bf16 + 0.41B fp32; the small adaRMS / action projections
+   left out) vs the same number of elements as one flat tensor per dtype, with the bytes each moves per step
+   (read p, g, m, v; write p, m, v) as achieved bandwidth.
+2. **Vision tower**: one SigLIP So400m encoder layer (transformers' ``SiglipEncoderLayer``, fp32 params under bf16
+   autocast as LeRobot's pi05 keeps them, batch 16 × 256 patches), ``torch.compile``d, forward + backward, vs the
+   same layer with q/k/v as one GEMM (the same math), as achieved TFLOP/s.
+
+    python benchmarks/pi05_levers.py [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+
+def _timed(fn, *, warmup: int = 3, reps: int = 10) -> float:
+    """Wall seconds per call (host included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def _gpu_time(fn, *, warmup: int = 5, reps: int = 10) -> float:
+    """Kernel seconds per call (the sum of the CUDA kernels' own times, as the profiler records them): what the
+    call costs inside a step that keeps the GPU busy (CUDA graphs), free of this host's ~20 µs launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / reps
+
+
+def pi05_param_shapes() -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Trainable tensors of LeRobot's pi05 as our trainer builds it (bf16 split; frozen lm_heads / dead last-layer
+    parts excluded), from the model's real sizes."""
+    bf, f32 = torch.bfloat16, torch.float32
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = [((257152, 2048), bf)]  # PaliGemma token table
+    for width, mlp, layers in ((2048, 16384, 18), (1024, 4096, 18)):  # Gemma-2B prefix, Gemma-300M expert
+        for i in range(layers):
+            last_prefix = width == 2048 and i == layers - 1
+            attn = [((256, width), bf), ((256, width), bf)]  # k, v (1 KV head of 256)
+            if not last_prefix:
+                attn += [((2048, width), bf), ((width, 2048), bf)]  # q (8 heads x 256), o
+                attn += [((mlp, width), bf)] * 2 + [((width, mlp), bf)] + [((width,), f32)] * 2
+            else:
+                attn += [((width,), f32)]
+            shapes += attn
+    for _ in range(27):  # SigLIP So400m/14, fp32 (LeRobot's split)
+        shapes += [((1152, 1152), f32), ((1152,), f32)] * 4 + [((4304, 1152), f32), ((4304,), f32),
+                                                                ((1152, 4304), f32), ((1152,), f32)]
+        shapes += [((1152,), f32)] * 4
+    shapes += [((2048, 1152), f32), ((2048,), f32)]  # projector
+    return shapes
+
+
+def bench_adamw() -> list[str]:
+    dev = torch.device("cuda")
+    shapes = pi05_param_shapes()
+
+    def make(tensors):
+        params = [nn.Parameter(torch.randn(s, dtype=d, device=dev) * 0.02) for s, d in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+        return params, opt
+
+    numel = {d: sum(torch.Size(s).numel() for s, dd in shapes if dd == d) for d in (torch.bfloat16, torch.float32)}
+    nbytes = sum(n * (7 * (2 if d == torch.bfloat16 else 4)) for d, n in numel.items())
+    rows = []
+    for name, tensors in (("pi05's 1,000+ tensors", shapes),
+                          ("one flat tensor per dtype", [((n,), d) for d, n in numel.items()])):
+        params, opt = make(tensors)
+        dt = _gpu_time(opt.step, warmup=3, reps=5)
+        rows.append(f"| fused AdamW, {name} | {dt * 1e3:.2f} ms | {nbytes / dt / 1e12:.2f} TB/s |")
+        del params, opt
+        torch.cuda.empty_cache()
+    head = [f"AdamW over {numel[torch.bfloat16] / 1e9:.2f}B bf16 + {numel[torch.float32] / 1e9:.2f}B fp32 elements "
+            f"({nbytes / 1e9:.1f} GB moved per step)", "", "| variant | GPU time / step | bandwidth |", "|---|---:|---:|"]
+    return head + rows
+
+
+class _FusedQKV(nn.Module):
+    """``SiglipAttention`` with q/k/v computed by one linear (weights concatenated): the same math."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+        self.qkv = nn.Linear(attn.embed_dim, 3 * attn.embed_dim, device=attn.q_proj.weight.device)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            self.qkv.bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        b, n, c = hidden_states.shape
+        a = self.attn
+        q, k, v = self.qkv(hidden_states).view(b, n, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=a.scale)
+        return a.out_proj(out.transpose(1, 2).reshape(b, n, c)), None
+
+
+def bench_siglip(batch: int = 16) -> list[str]:
+    from transformers import SiglipVisionConfig
+    from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
+    cfg = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, num_hidden_layers=27,
+                             image_size=224, patch_size=14)
+    cfg._attn_implementation = "sdpa"
+    dev = torch.device("cuda")
+    tokens, width, mlp = batch * 256, 1152, 4304
+    flops = 3 * (2 * tokens * width * (4 * width + 2 * mlp) + 4 * batch * 16 * 256 * 256 * 72)  # fwd + 2x bwd
+    rows = []
+    for name, fuse in (("transformers' layer (q, k, v separate)", False), ("q/k/v as one GEMM", True)):
+        torch.manual_seed(0)
+        layer = SiglipEncoderLayer(cfg).to(dev)
+        if fuse:
+            layer.self_attn = _FusedQKV(layer.self_attn)
+        x = torch.randn(batch, 256, width, device=dev, requires_grad=True)
+        body = torch.compile(layer)
+
+        def step(body=body, x=x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = body(x, None)
+            out = out[0] if isinstance(out, tuple) else out
+            out.float().square().mean().backward()
+
+        wall, gpu = _timed(step, warmup=5, reps=30), _gpu_time(step)
+        rows.append(f"| SigLIP So400m layer, {name} | {gpu * 1e3:.3f} ms | {flops / gpu / 1e12:.0f} TFLOP/s | "
+                    f"{wall * 1e3:.3f} ms |")
+    head = [f"One SigLIP So400m encoder layer, batch {batch} x 256 patches, fp32 params under bf16 autocast, "
+            "torch.compile, forward + backward (GPU time: the kernels' own time; wall: host-bound here)", "",
+            "| variant | GPU time | achieved | wall |", "|---|---:|---:|---:|"]
+    return head + rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("pi05_levers needs a CUDA GPU")
+    lines = [f"# pi05 levers on {torch.cuda.get_device_name()}", ""]
+    for part in (bench_adamw, bench_siglip):
+        lines += part() + [""]
+        print("\n".join(lines), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
