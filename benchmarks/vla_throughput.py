@@ -186,7 +186,8 @@ def _num_cameras(data_root: str) -> int:
 def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
     with ``res`` itself), and the time of the run each borrowed side comes from."""
-    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding")
+    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding",
+            "tokenizer")
     merged, paired = dict(res), {}
     for line in log.read_text().splitlines()[:-1]:
         rec = json.loads(line)
@@ -232,7 +233,8 @@ def main() -> None:
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
                  "compile_mode": args.compile_mode, "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
-                 "recompute": args.recompute, "prompt_padding": padding, "time": time.strftime("%H:%M:%S")}
+                 "recompute": args.recompute, "prompt_padding": padding, "tokenizer": args.tokenizer,
+                 "time": time.strftime("%H:%M:%S")}
     if run["ours"]:
         with tempfile.TemporaryDirectory(prefix="tok_shim_") as hf_home:
             tokenizer = ""

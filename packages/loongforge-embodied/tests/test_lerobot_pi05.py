@@ -174,16 +174,19 @@ def test_prompt_padding_longest_keeps_the_losses_and_grads(tiny):
         return inp["lang_tokens"].shape[1], loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                             if p.grad is not None}
 
-    try:
-        (w_long, l_long, g_long), (w_max, l_max, g_max) = run("longest"), run("max_length")
-    finally:
-        model.zero_grad(set_to_none=True)
-    assert w_max == arch.tokenizer_max_length == 96
-    assert w_long % arch.prompt_pad_multiple == 0 and w_long < w_max  # "x": 28 bytes + <bos> -> 32
-    torch.testing.assert_close(l_long, l_max, rtol=0, atol=TOL)
-    assert g_long.keys() == g_max.keys()
-    for name in g_long:
-        torch.testing.assert_close(g_long[name], g_max[name], rtol=0, atol=TOL, msg=name)
+    for mode in ("sdpa", "eager"):  # our SDPA twin and LeRobot's own joint layer
+        try:
+            _set_attention(model, mode)
+            (w_long, l_long, g_long), (w_max, l_max, g_max) = run("longest"), run("max_length")
+        finally:
+            _set_attention(model, "sdpa")
+            model.zero_grad(set_to_none=True)
+        assert w_max == arch.tokenizer_max_length == 96
+        assert w_long % arch.prompt_pad_multiple == 0 and w_long < w_max  # "x": 28 bytes + <bos> -> 32
+        torch.testing.assert_close(l_long, l_max, rtol=0, atol=TOL)
+        assert g_long.keys() == g_max.keys()
+        for name in g_long:
+            torch.testing.assert_close(g_long[name], g_max[name], rtol=0, atol=TOL, msg=f"{mode}: {name}")
     with pytest.raises(ValueError, match="prompt_padding 'dynamic'"):
         arch.with_overrides(prompt_padding="dynamic")
 
@@ -213,7 +216,9 @@ def test_hugging_face_tokenizer_as_lerobot_calls_it(tmp_path):
     short, short_mask = encode_prompts(prompts, max_length=64, padding="longest", multiple=8,
                                        tokenizer=str(tmp_path / "tok"))
     assert short.shape == (2, 16) and torch.equal(short[:, :10], ids[:, :10]) and not short_mask[:, 10:].any()
-    with pytest.raises(ValueError, match="model.arch.tokenizer '.*nowhere'"):
+    from loongforge.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="key 'model.arch.tokenizer': '.*nowhere' does not load"):
         encode_prompts(prompts, max_length=12, tokenizer=str(tmp_path / "nowhere"))
 
 

@@ -51,6 +51,7 @@ class EmbodiedJob(Job):
         # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
         rt.seed(t.seed)
         policy = get_policy(r.model.policy)
+        policy.check_data_pipeline(self.arch)  # e.g. the tokenizer loads here, not first in a DataLoader worker
         raw = policy.model_cls()(self.arch)
         if r.model.load:
             raw.load_state_dict(policy.export.load_model(r.model.load).state_dict())
@@ -159,8 +160,11 @@ class EmbodiedJob(Job):
                 # over the global batch, however it is split into ranks and micro-batches.
                 (per_sample.sum() / local).backward()
             loss_sum += per_sample.detach().sum()
-        gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=fused_scale_target(self.optimizer))
+        scale_target = fused_scale_target(self.optimizer)
+        gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
         self.optimizer.step()
+        if scale_target is not None:
+            scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
         self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if self.model.allgather is not None:
             self.model.allgather.step()
@@ -219,10 +223,11 @@ class EmbodiedJob(Job):
             path = self.export()
             if self.log:
                 self.log.info(f"[embodied] exported policy to {path}")
-                if getattr(self.arch, "tokenizer", None) == "":  # NOTE: lerobot_pi05 trained on byte-fallback tokens
-                    self.log.info("[embodied] note: trained on Gemma byte-fallback prompt tokens (model.arch.tokenizer "
-                                  "unset); LeRobot's pi05 processor tokenizes with PaliGemma's tokenizer, so serve "
-                                  "it with the same byte tokens, or train with model.arch.tokenizer set")
+                from loongforge_embodied.policies import get_policy
+
+                note = getattr(get_policy(self.recipe.model.policy).export, "serving_note", lambda arch: "")(self.arch)
+                if note:
+                    self.log.info(f"[embodied] note: {note}")
         return {"step": self.step_index, **last}
 
     def close(self) -> None:

@@ -141,7 +141,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, *,
     ``into``: a fused Adam / AdamW (``fused_scale_target``) whose next ``step()`` applies the clip: its kernel
     divides every gradient by ``grad_scale`` (the hook AMP's ``GradScaler`` uses; the unscaled gradient is
     written back), so clipping costs no pass of its own over the gradients. Sharded (DTensor) gradients are
-    always scaled here."""
+    always scaled here. The caller clears ``into.grad_scale`` after the step (as ``GradScaler`` does)."""
     if into is not None:
         into.grad_scale = None
     grads = [p.grad for p in params if p.grad is not None]
@@ -153,7 +153,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, *,
     if max_norm > 0:
         if into is not None and not any(hasattr(g, "to_local") for g in grads):
             # NOTE: 1 / torch's clip coefficient min(max_norm / (norm + 1e-6), 1).
-            into.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+            into.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW takes fp32 only
             return norm
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # NOTE: scale the local shards: DTensor x plain-tensor arithmetic is not allowed.

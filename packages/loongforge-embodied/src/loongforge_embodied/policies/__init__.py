@@ -8,8 +8,10 @@ another's modules, and validating a recipe imports no torch):
 - ``model.py``: the ``nn.Module(arch)``: ``forward(batch) -> (B,)`` per-sample loss, ``components()`` (names
   ``model.freeze`` takes), ``wrap_units()`` (FSDP2 / recompute units in execution order),
   ``enable_activation_checkpointing()``, ``set_stats(stats)``, ``sample_actions(batch)``;
-- ``processor_<name>.py``: ``prepare_batch(raw, *, arch, stats)`` — collated samples → model inputs;
-- ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``;
+- ``processor_<name>.py``: ``prepare_batch(raw, *, arch, stats)`` — collated samples → model inputs; optionally
+  ``check_arch(arch)`` (run once at job setup, e.g. load the tokenizer);
+- ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``; optionally
+  ``serving_note(arch) -> str`` (logged after an export: what serving the export in LeRobot must match);
 - LeRobot's ``configuration_<name>.py`` / ``modeling_<name>.py`` (``from_pretrained``, ``select_action``).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
@@ -67,6 +69,13 @@ class PolicySpec:
     @property
     def export(self) -> ModuleType:
         return self.module("export")
+
+    def check_data_pipeline(self, arch: Any) -> None:
+        """The processor's ``check_arch(arch)`` where it has one: what its workers will need, loaded once in the
+        main process so a problem is one clear error at setup."""
+        check = getattr(self.module(f"processor_{self.name}"), "check_arch", None)
+        if check is not None:
+            check(arch)
 
 
 POLICIES: dict[str, PolicySpec] = {

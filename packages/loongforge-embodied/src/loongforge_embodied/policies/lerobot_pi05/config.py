@@ -10,7 +10,6 @@ Gemma variants: LeRobot's joint layer hard-codes the 8 in a reshape.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,26 +115,33 @@ PRESETS: dict[str, LeRobotPI05Arch] = {
 }
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a fast tokenizer, or SentencePiece's model
+LEROBOT_TOKENIZER = "google/paligemma-3b-pt-224"  # what LeRobot's pi05 processor loads
+
+
 def hub_cache() -> Path:
-    """The local Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), as transformers finds it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    return Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+    """The local Hugging Face hub cache, as ``huggingface_hub`` resolves it (``HF_HUB_CACHE``, ``HF_HOME``,
+    ``XDG_CACHE_HOME``, ...)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
 def check_recipe_arch(arch: LeRobotPI05Arch) -> None:
     """What a recipe can check on the file system before training (no network, no torch): the tokenizer is a
-    local folder with tokenizer files, or a hub id with a snapshot in the local cache."""
+    local folder with a tokenizer file, or a hub id whose tokenizer file is in the local cache. (The job then
+    loads it once at setup: ``processor_lerobot_pi05.check_arch``.)"""
     name = arch.tokenizer
     if not name:
         return
     folder = Path(name).expanduser()
     if folder.is_dir():
-        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-            raise ValueError(f"model.arch.tokenizer '{name}': the folder has no tokenizer.json / tokenizer.model / "
-                             "tokenizer_config.json")
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"model.arch.tokenizer '{name}': the folder has neither {' nor '.join(TOKENIZER_FILES)}")
         return
-    if not (hub_cache() / f"models--{name.replace('/', '--')}" / "snapshots").is_dir():
-        raise ValueError(f"model.arch.tokenizer '{name}': no such local folder, and not in the Hugging Face cache "
-                         f"({hub_cache()}); download it first (nothing is fetched at run time), or leave "
-                         "model.arch.tokenizer unset for Gemma byte-fallback tokens")
+    from huggingface_hub import try_to_load_from_cache
+
+    if not any(isinstance(try_to_load_from_cache(name, f), str) for f in TOKENIZER_FILES):
+        raise ValueError(f"model.arch.tokenizer '{name}': no such local folder, and no {' or '.join(TOKENIZER_FILES)} "
+                         f"of it in the Hugging Face cache ({hub_cache()}); download it first (nothing is fetched at "
+                         "run time), or leave model.arch.tokenizer unset for Gemma byte-fallback tokens")

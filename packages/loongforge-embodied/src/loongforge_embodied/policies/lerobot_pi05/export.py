@@ -20,7 +20,7 @@ import torch
 
 from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.lerobot_export import staged_dir
-from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+from loongforge_embodied.policies.lerobot_pi05.config import LEROBOT_TOKENIZER, LeRobotPI05Arch
 
 SIDECAR = "loongforge.json"
 STATS_PREFIX = "stats."
@@ -53,6 +53,15 @@ def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str,
                 stats[name] = v[: arch.state_dim if name.startswith("state") else arch.action_dim].tolist()
         (staging / SIDECAR).write_text(json.dumps({"arch": arch.to_dict(), "stats": stats}, indent=1))
     return out_dir
+
+
+def serving_note(arch: LeRobotPI05Arch) -> str:
+    """What LeRobot's pi05 processor does differently from our training prompts, if anything ("" if nothing)."""
+    if arch.tokenizer == LEROBOT_TOKENIZER:
+        return ""
+    used = f"the tokenizer {arch.tokenizer}" if arch.tokenizer else "Gemma byte-fallback tokens (model.arch.tokenizer unset)"
+    return (f"trained on prompts in {used}; LeRobot's pi05 processor tokenizes with {LEROBOT_TOKENIZER}, so serve "
+            "the export with the same tokens, or train with model.arch.tokenizer set to it")
 
 
 def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:

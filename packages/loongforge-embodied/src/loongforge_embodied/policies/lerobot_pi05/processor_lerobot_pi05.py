@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -52,20 +53,31 @@ def encode_prompts(prompts: list[str], *, max_length: int, padding: str = "max_l
     return ids, mask
 
 
+def check_arch(arch: LeRobotPI05Arch) -> None:
+    """Run once at job setup: the tokenizer loads (in the main process, so a bad one is one clear error there)."""
+    if arch.tokenizer:
+        load_tokenizer(arch.tokenizer)
+
+
 @functools.cache
 def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a local folder or the local hub cache (never the network); one per process."""
+    from loongforge.errors import RecipeError
     from transformers import AutoTokenizer
+
+    # NOTE: every DataLoader worker encodes its own batches; a fast tokenizer's own thread pool per worker would
+    # oversubscribe the cores (the user's setting wins).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from loongforge_embodied.policies.lerobot_pi05.config import hub_cache
 
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model.arch.tokenizer '{name}' does not load from a local folder or the Hugging Face cache "
-                         f"({hub_cache()}): {e}") from e
+    except Exception as e:  # NOTE: a broken tokenizer file fails in many ways (OSError, ValueError, KeyError, ...)
+        raise RecipeError(f"'{name}' does not load from a local folder or the Hugging Face cache ({hub_cache()}): "
+                          f"{type(e).__name__}: {e}", key="model.arch.tokenizer") from e
     if tok.pad_token_id is None:
-        raise ValueError(f"model.arch.tokenizer '{name}' has no pad token (PaliGemma's is <pad> = 0)")
+        raise RecipeError(f"'{name}' has no pad token (PaliGemma's is <pad> = 0)", key="model.arch.tokenizer")
     return tok
 
 
