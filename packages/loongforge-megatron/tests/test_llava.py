@@ -4,6 +4,7 @@ TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synth
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -143,7 +144,9 @@ def test_layout_matches_one_process_resumes_exactly_and_exports_the_same(tmp_pat
 
     hf_dir, one_dir, one = one_process
     over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", *CPT4, *LAYOUTS[layout]]
-    two = _train(tmp_path / "straight", *over, "checkpoint.save_at_end=true", nproc=2)
+    # NOTE: dist checkpoints too (CPT4 exports hf only): the resume below must have something to resume from.
+    two = _train(tmp_path / "straight", *over, "checkpoint.save_at_end=true", "checkpoint.save_interval=2",
+                 "checkpoint.save_format=[dist,hf]", nproc=2)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert one[-1]["loss"] < one[0]["loss"]
     exported = [load_file(next((d / "hf").glob("*.safetensors"))) for d in (one_dir, tmp_path / "straight")]
@@ -153,8 +156,16 @@ def test_layout_matches_one_process_resumes_exactly_and_exports_the_same(tmp_pat
     for name, tensor in exported[0].items():
         torch.testing.assert_close(exported[1][name], tensor, rtol=0, atol=1e-4, msg=name)
 
-    _train(tmp_path / "split", *over, "train.steps=2", "checkpoint.save_at_end=true", nproc=2)
-    resumed = _train(tmp_path / "split", *over, nproc=2)
+    # NOTE: "stopped after step 2": a copy of the run directory without its step-4 checkpoint (and metrics), so
+    # the resume reads the step-2 checkpoint the straight run wrote (one 2-process start instead of two).
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "straight", split)
+    shutil.rmtree(split / "checkpoints" / "step_00000004")
+    (split / "checkpoints" / "latest").unlink()
+    kept = [line for line in (split / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+    (split / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    resumed = _train(split, *over, "checkpoint.save_format=[dist,hf]", nproc=2)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 1-2 kept, 3-4 resumed (a restart appends 1-4)
     assert [r["loss"] for r in resumed if r["step"] > 2] == [r["loss"] for r in two if r["step"] > 2]
 
 
