@@ -4,8 +4,8 @@ TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synth
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
