@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch, hub_cache
 
 BOS, PAD, BYTE_OFFSET = 2, 0, 217  # Gemma / PaliGemma vocabulary: <bos>, <pad>, <0x00>
 _steps: dict[int, tuple] = {}
@@ -68,8 +68,6 @@ def load_tokenizer(name: str):
     # NOTE: every DataLoader worker encodes its own batches; a fast tokenizer's own thread pool per worker would
     # oversubscribe the cores (the user's setting wins).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    from loongforge_embodied.policies.lerobot_pi05.config import hub_cache
 
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
