@@ -101,6 +101,33 @@ def test_cuda_graphs_accumulate_gradients(tmp_path):
     assert graphs == pytest.approx(eager, rel=1e-4), (eager, graphs)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_overlapped_optimizer_trains_the_plain_losses(tmp_path, monkeypatch, mode):
+    """``train.overlap_optimizer``: each AdamW chunk (one per unit here) runs on the side stream behind a ~1 ms
+    spin, so a unit that did not wait for its chunk would read last step's weights; the losses are the plain
+    job's. The control run, with the waits removed, must differ: the test can see a missing wait."""
+    from loongforge_embodied import optim_overlap
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(optim_overlap, "MIN_CHUNK", 1)
+    adam = optim_overlap.OverlappedStep._adam
+
+    def lagging(self, *args):
+        torch.cuda._sleep(2_000_000)
+        return adam(self, *args)
+
+    monkeypatch.setattr(optim_overlap.OverlappedStep, "_adam", lagging)
+    over = ("train.compile=true", "train.compile_mode=reduce-overhead") if mode == "graphs" else ()
+    plain = _losses(tmp_path, *over, steps=5)
+    overlapped = _losses(tmp_path, *over, "train.overlap_optimizer=true", steps=5)
+    assert overlapped == pytest.approx(plain, rel=1e-6, abs=0), (plain, overlapped)
+    monkeypatch.setattr(optim_overlap, "_install_wait", lambda unit, wait: None)
+    monkeypatch.setattr(optim_overlap.OverlappedStep, "wait", lambda self, chunk: None)
+    unguarded = _losses(tmp_path, *over, "train.overlap_optimizer=true", "train.seed=1234", steps=5)
+    assert unguarded[2:] != pytest.approx(plain[2:], rel=1e-6, abs=0), (plain, unguarded)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_cuda_graphs_under_ddp_two_gpus(tmp_path):
     """DDP (and ZeRO-1, which trains through the same DDP wrapper) on 2 GPUs with CUDA graphs train the losses of

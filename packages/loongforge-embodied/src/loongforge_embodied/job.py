@@ -85,6 +85,13 @@ class EmbodiedJob(Job):
         self.ema = ({n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
         self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        self._overlap = None  # NOTE: built after resume: it keeps references to the EMA tensors
+        if t.overlap_optimizer:
+            from loongforge_embodied.optim_overlap import OverlappedStep
+
+            by_param = {p: self.ema[n] for n, p in raw.named_parameters() if n in self.ema} if self.ema else None
+            self._overlap = OverlappedStep(self.optimizer, raw.wrap_units(), device=self.device, ema=by_param,
+                                           ema_decay=t.ema_decay)
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
         # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
@@ -153,23 +160,35 @@ class EmbodiedJob(Job):
                 # NOTE: a new forward: the CUDA graphs' outputs of the last one are dead (loss_sum holds a copy), so
                 # cudagraph trees may replay on their fast path (without it they warn of "pending backwards").
                 torch.compiler.cudagraph_mark_step_begin()
+            if self._overlap is not None:
+                self._overlap.wait(0)  # NOTE: the parameters of no unit; each unit waits for its own chunk
             with self.model.no_sync(skip=m < self.accum - 1):
                 with self._autocast():
                     per_sample = self.model.module(batch)
+                if self._overlap is not None:
+                    self._overlap.drain()  # NOTE: before backward writes new gradients
                 # NOTE: sum / local batch on each rank, averaged over ranks by the gradient reduction = the mean
                 # over the global batch, however it is split into ranks and micro-batches.
                 (per_sample.sum() / local).backward()
             loss_sum += per_sample.detach().sum()
         scale_target = fused_scale_target(self.optimizer)
         gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-        self.optimizer.step()
-        if scale_target is not None:
-            scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
-        self.optimizer.zero_grad(set_to_none=not self._resident_grads)
+        if self._overlap is not None:
+            # NOTE: queued on a side stream; the next forward's units wait for their own chunks (EMA included).
+            self._overlap.launch(grad_scale=getattr(scale_target, "grad_scale", None), zero_grads=self._resident_grads)
+            if scale_target is not None:
+                scale_target.grad_scale = None
+            if not self._resident_grads:
+                self.optimizer.zero_grad(set_to_none=True)  # NOTE: the overlap holds them until its drain()
+        else:
+            self.optimizer.step()
+            if scale_target is not None:
+                scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
+            self.optimizer.zero_grad(set_to_none=not self._resident_grads)
+            if self.ema is not None:
+                self._update_ema(t.ema_decay)
         if self.model.allgather is not None:
             self.model.allgather.step()
-        if self.ema is not None:
-            self._update_ema(t.ema_decay)
         self.step_index += 1
         if not report:
             return {}
@@ -191,18 +210,24 @@ class EmbodiedJob(Job):
 
     @torch.no_grad()
     def _update_ema(self, decay: float) -> None:
-        for name, p in self.model.raw.named_parameters():
-            if name in self.ema:
-                self.ema[name].lerp_(p.detach(), 1.0 - decay)
+        pairs = [(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema]
+        torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)
+
+    def settle(self) -> None:
+        """Every queued optimizer update is done before the weights, optimizer state or EMA are read."""
+        if self._overlap is not None:
+            self._overlap.finish()
 
     def save(self) -> Path:
         from loongforge_embodied import checkpoint
 
+        self.settle()
         return checkpoint.save(self, self.step_index)
 
     def export(self, out_dir: Path | None = None) -> Path:
         from loongforge_embodied import checkpoint
 
+        self.settle()
         return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
 
     def run(self) -> dict[str, Any]:
@@ -231,6 +256,8 @@ class EmbodiedJob(Job):
         return {"step": self.step_index, **last}
 
     def close(self) -> None:
+        if getattr(self, "_overlap", None) is not None:
+            self.settle()
         if self._owns_pg and dist.is_initialized():
             # NOTE: tear down only when every rank is done; a rank destroying its gloo group while a peer still
             # talks to it aborts the peer at exit ("terminate called without an active exception").
