@@ -96,7 +96,9 @@ class EmbodiedJob(Job):
         # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
         # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
         # wrong sum). Keeping ``.grad`` allocated makes every backward add into it in place, out of graph memory.
-        self._resident_grads = self._graphs and self.accum > 1
+        # NOTE: the overlapped optimizer reads a step's gradients during the next forward, whose graph replays may
+        # reuse graph memory: they must live outside it too.
+        self._resident_grads = self._graphs and (self.accum > 1 or t.overlap_optimizer)
         sampler = GlobalBatchSampler(
             num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
