@@ -5,7 +5,8 @@
 #
 # Run on the device machine from the repository root, carrying these git-ignored folders (fill them here with
 # `pip download --no-deps --only-binary :all: --python-version 3.12 -d .whl <pkg>==<version>`; our own packages
-# come from packages/*/src through PYTHONPATH):
+# come from packages/*/src through PYTHONPATH, but their entry points (backends, kernel providers) need the installed
+# metadata of their wheels in .whl too: `for p in packages/*/; do uv build --wheel -o .whl $p; done`):
 #   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel, diffusers 0.42.1
 #   .whl2 lerobot 0.6.1 + draccus, mergedeep, toml, termcolor, gymnasium, farama-notifications
 #   .whl3 datasets, dill, multiprocess, jsonlines, av              (phase e2e only: LeRobotDataset decoding)
