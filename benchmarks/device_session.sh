@@ -37,8 +37,8 @@
 #   flce   (1 GPU, ~5 min)  fused CE GPU tests, then its fwd+bwd rows (--rep 400) vs eager / compile / Liger
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
-#   overlap (1 GPU, ~9 min) overlapped-optimizer GPU tests, then pi05 end to end with CUDA graphs, ours with
-#                           train.overlap_optimizer and without (A/B; no LeRobot run)
+#   overlap (1 GPU, ~9 min) overlapped-optimizer GPU tests, then ours end to end with CUDA graphs and
+#                           train.overlap_optimizer (no LeRobot run)
 #   e2e_overlap (1 GPU, ~9 min) pi05 end to end: ours with CUDA graphs + train.overlap_optimizer, then LeRobot's loop
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
@@ -111,13 +111,11 @@ case $phase in
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     ;;
   overlap)
-    step overlap_tests 110 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    step overlap_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       packages/loongforge-embodied/tests/test_gpu_compile.py -k overlapped
-    step pi05_e2e_ours_overlap 210 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+    step pi05_e2e_ours_overlap 330 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8 \
       --overlap-optimizer
-    step pi05_e2e_ours_graphs 200 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
-      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     ;;
   e2e_overlap)
     step pi05_e2e_ours_overlap 290 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \

@@ -94,6 +94,43 @@ def test_chunked_step_is_the_optimizer_step_bitwise(fused):
             assert torch.equal(ema_ref[a], ema[b]), (i, n)
 
 
+def test_staged_gradients_give_the_plain_clip_and_step_bitwise():
+    """One micro-batch, one process: each chunk's gradients are copied out as backward lands them (post-accumulate
+    hooks) and their norms taken there; the global norm, clip scale and update then match ``clip_grad_norm`` +
+    ``optimizer.step()`` bitwise (fused AdamW, so the clip is the kernel's ``grad_scale``), first step included."""
+    from loongforge_embodied.parallel import clip_grad_norm
+
+    torch.manual_seed(0)
+    ref, ours = Toy(), Toy()
+    ours.load_state_dict(ref.state_dict())
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "fused": True}
+    opt_ref, opt = torch.optim.AdamW(_groups(ref), **kw), torch.optim.AdamW(_groups(ours), **kw)
+    step = OverlappedStep(opt, list(ours.blocks), device=torch.device("cpu"), min_chunk=1)
+    step.stage_gradients(max_norm=0.05, scale_in_kernel=True, norm_order=list(ours.parameters()))
+    staged: list[int] = []
+    stage = step._stage
+    step._stage = lambda c: (staged.append(c), stage(c))
+    for i in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(i))
+        ref(ids).backward()
+        norm_ref = clip_grad_norm(list(ref.parameters()), 0.05, into=opt_ref)
+        assert float(opt_ref.grad_scale) > 1  # NOTE: the clip is active
+        opt_ref.step()
+        opt_ref.grad_scale = None
+        opt_ref.zero_grad()
+        step.wait(0)
+        ours(ids).backward()
+        assert staged == [3, 2, 1, 0]  # NOTE: the blocks' chunks in backward order; the no-unit chunk at the end
+        staged.clear()
+        step.drain()
+        norm = step.after_backward()
+        opt.zero_grad()
+        step.finish()
+        assert torch.equal(norm, norm_ref), i
+        for (n, a), b in zip(ref.named_parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a, b), (i, n)
+
+
 def test_units_wait_through_hooks_compiled_calls_and_before_use():
     """A unit waits for its chunk when it runs (pre-hook), when compiled (around the compiled call: a hook would be
     traced), and where a policy reads its weights without calling it (``before_use``)."""
@@ -118,10 +155,10 @@ class _Recording(OverlappedStep):
         self.calls.append(chunk)
 
 
-def _train(recipe: Path, tmp: Path, *over: str, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(recipe: Path, tmp: Path, *over: str, steps: int = 4, mbs: int = 2) -> tuple[list[float], dict]:
     from loongforge.api import build_job
 
-    base = [f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=2", "train.ema_decay=0.9",
+    base = [f"train.steps={steps}", "train.global_batch_size=4", f"train.micro_batch_size={mbs}", "train.ema_decay=0.9",
             "checkpoint.resume=never", "checkpoint.save_at_end=false", "logging.console=false",
             "logging.tensorboard=false"]
     job, _ = build_job(load_recipe(recipe, [*base, *over]), output_dir=tmp)
@@ -135,12 +172,13 @@ def _train(recipe: Path, tmp: Path, *over: str, steps: int = 4) -> tuple[list[fl
         job.close()
 
 
-@pytest.mark.parametrize("recipe", [RECIPE, PI05], ids=["tiny_vla", "lerobot_pi05"])
-def test_overlapped_job_trains_the_plain_losses_and_weights(tmp_path, recipe):
-    """The job with ``train.overlap_optimizer`` (2 micro-batches, EMA, grad clip; lerobot_pi05's joint step waits
-    through ``before_use``) ends with the plain job's losses, weights and EMA, bitwise."""
-    plain = _train(recipe, tmp_path / "plain")
-    overlapped = _train(recipe, tmp_path / "overlap", "train.overlap_optimizer=true")
+@pytest.mark.parametrize(("recipe", "mbs"), [(RECIPE, 2), (PI05, 4)], ids=["tiny_vla-accumulated", "lerobot_pi05-staged"])
+def test_overlapped_job_trains_the_plain_losses_and_weights(tmp_path, recipe, mbs):
+    """The job with ``train.overlap_optimizer`` (EMA, grad clip; two micro-batches: the update after backward;
+    one: gradients staged during backward; lerobot_pi05's joint step waits through ``before_use``) ends with the
+    plain job's losses, weights and EMA, bitwise."""
+    plain = _train(recipe, tmp_path / "plain", mbs=mbs)
+    overlapped = _train(recipe, tmp_path / "overlap", "train.overlap_optimizer=true", mbs=mbs)
     assert overlapped[0] == plain[0]
     assert plain[1].keys() == overlapped[1].keys()
     for name, value in plain[1].items():

@@ -36,7 +36,12 @@ class EmbodiedJob(Job):
         from loongforge_embodied import checkpoint
         from loongforge_embodied.data.dataset import build_loader
         from loongforge_embodied.data.sampler import GlobalBatchSampler
-        from loongforge_embodied.optim import ZeroOneOptimizer, make_optimizer, param_groups
+        from loongforge_embodied.optim import (
+            ZeroOneOptimizer,
+            fused_scale_target,
+            make_optimizer,
+            param_groups,
+        )
         from loongforge_embodied.parallel import parallelize
         from loongforge_embodied.policies import get_policy, resolve_arch
 
@@ -85,6 +90,10 @@ class EmbodiedJob(Job):
         self.ema = ({n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
         self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
+        # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
+        # wrong sum). Keeping ``.grad`` allocated makes every backward add into it in place, out of graph memory.
         self._overlap = None  # NOTE: built after resume: it keeps references to the EMA tensors
         if t.overlap_optimizer:
             from loongforge_embodied.optim_overlap import OverlappedStep
@@ -92,13 +101,15 @@ class EmbodiedJob(Job):
             by_param = {p: self.ema[n] for n, p in raw.named_parameters() if n in self.ema} if self.ema else None
             self._overlap = OverlappedStep(self.optimizer, raw.wrap_units(), device=self.device, ema=by_param,
                                            ema_decay=t.ema_decay)
-        self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
-        # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
-        # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
-        # wrong sum). Keeping ``.grad`` allocated makes every backward add into it in place, out of graph memory.
+        # NOTE: one process, one micro-batch: gradients are copied out as backward lands them, norms and update
+        # on the side stream (with accumulation or DDP a gradient is final only after the whole backward).
+        self._staging = self._overlap is not None and self.accum == 1 and rt.world_size == 1
+        if self._staging:
+            self._overlap.stage_gradients(max_norm=t.grad_clip, norm_order=self.trainable,
+                                          scale_in_kernel=fused_scale_target(self.optimizer) is not None)
         # NOTE: the overlapped optimizer reads a step's gradients during the next forward, whose graph replays may
-        # reuse graph memory: they must live outside it too.
-        self._resident_grads = self._graphs and (self.accum > 1 or t.overlap_optimizer)
+        # reuse graph memory: unless staged, they must live outside it too.
+        self._resident_grads = self._graphs and (self.accum > 1 or (self._overlap is not None and not self._staging))
         sampler = GlobalBatchSampler(
             num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
@@ -173,9 +184,12 @@ class EmbodiedJob(Job):
                 # over the global batch, however it is split into ranks and micro-batches.
                 (per_sample.sum() / local).backward()
             loss_sum += per_sample.detach().sum()
-        scale_target = fused_scale_target(self.optimizer)
-        gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-        if self._overlap is not None:
+        if self._staging:
+            gnorm = self._overlap.after_backward()  # NOTE: computed on the side stream, read after a sync
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self._overlap is not None:
+            scale_target = fused_scale_target(self.optimizer)
+            gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
             # NOTE: queued on a side stream; the next forward's units wait for their own chunks (EMA included).
             self._overlap.launch(grad_scale=getattr(scale_target, "grad_scale", None), zero_grads=self._resident_grads)
             if scale_target is not None:
@@ -183,6 +197,8 @@ class EmbodiedJob(Job):
             if not self._resident_grads:
                 self.optimizer.zero_grad(set_to_none=True)  # NOTE: the overlap holds them until its drain()
         else:
+            scale_target = fused_scale_target(self.optimizer)
+            gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
             self.optimizer.step()
             if scale_target is not None:
                 scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip

@@ -69,7 +69,13 @@ def plan_chunks(units: Iterable[nn.Module], params: list[nn.Parameter], *,
 
 
 class OverlappedStep:
-    """Runs ``optimizer`` (a ``torch.optim.Adam`` / ``AdamW``) chunk by chunk on a side stream."""
+    """Runs ``optimizer`` (a ``torch.optim.Adam`` / ``AdamW``) chunk by chunk on a side stream.
+
+    Two ways in. ``launch()``: after backward and the clip on the current stream (several micro-batches, DDP).
+    ``stage_gradients()`` then ``after_backward()`` (one process, one micro-batch a step): as backward finishes a
+    chunk's gradients, the side stream copies them into resident buffers and takes their norms, under the
+    backward of the earlier units; the clip scale and the update follow there too. The current stream then only
+    waits for the last copies (graph memory holding gradients may be reused by the next forward's replays)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[nn.Module], *, device: torch.device,
                  ema: dict[nn.Parameter, torch.Tensor] | None = None, ema_decay: float | None = None,
@@ -78,8 +84,8 @@ class OverlappedStep:
             raise TypeError(f"overlap_optimizer runs Adam / AdamW, not {type(optimizer).__name__}")
         self.optimizer = optimizer
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        chunks, unit_chunk = plan_chunks(units, params, min_chunk=MIN_CHUNK if min_chunk is None else min_chunk)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        chunks, unit_chunk = plan_chunks(units, self.params, min_chunk=MIN_CHUNK if min_chunk is None else min_chunk)
         # NOTE: per chunk, its parameters split by optimizer group (each group has its own lr / weight decay).
         self.chunks = [[(gi, [p for p in chunk if group_of[id(p)] == gi]) for gi in range(len(optimizer.param_groups))]
                        for chunk in chunks]
@@ -87,12 +93,16 @@ class OverlappedStep:
         self.events: list[torch.cuda.Event | None] = [None] * len(chunks)
         self.ema, self.ema_decay = ema, ema_decay
         self._held: list[object] = []  # what the side stream may still read: gradients, the clip scale
+        self._staged: dict[nn.Parameter, torch.Tensor] | None = None  # param -> resident gradient buffer
         self.units = units
         for unit, c in zip(units, unit_chunk, strict=True):
             _install_wait(unit, functools.partial(self.wait, c))
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    def _side(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def wait(self, chunk: int) -> None:
         """The current stream waits for ``chunk``'s update (once per step)."""
@@ -108,38 +118,137 @@ class OverlappedStep:
             self.wait(c)
         self._held.clear()
 
+    # ----------------------------------------------------------------- after backward
     @torch.no_grad()
     def launch(self, *, grad_scale: torch.Tensor | None, zero_grads: bool) -> None:
         """Queue this step's update (after the gradients and the clip scale are ready on the current stream).
         The first step (no optimizer state yet) runs ``optimizer.step()`` in place, on the current stream."""
-        opt = self.optimizer
-        if any(p not in opt.state for chunk in self.chunks for _, ps in chunk for p in ps):
-            opt.grad_scale = grad_scale  # NOTE: torch's fused Adam reads it as an attribute
-            opt.step()
-            opt.grad_scale = None
-            self._after_chunks([p for chunk in self.chunks for _, ps in chunk for p in ps], zero_grads)
+        if self._first_step(grad_scale, zero_grads):
             return
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for c, chunk in enumerate(self.chunks):
-                for gi, ps in chunk:
-                    if ps:
-                        self._adam(opt.param_groups[gi], ps, grad_scale)
-                self._after_chunks([p for _, ps in chunk for p in ps], zero_grads)
-                if self.stream is not None:
-                    self.events[c] = self.stream.record_event()
+        with self._side():
+            self._update({p: p.grad for p in self.params if p.grad is not None}, grad_scale, zero_grads)
         if self.stream is not None:
-            self._held.extend(p.grad for chunk in self.chunks for _, ps in chunk for p in ps)
+            self._held.extend(p.grad for p in self.params)
             self._held.append(grad_scale)
 
-    def _adam(self, group: dict, params: list[nn.Parameter], grad_scale: torch.Tensor | None) -> None:
+    def _first_step(self, grad_scale: torch.Tensor | None, zero_grads: bool) -> bool:
+        opt = self.optimizer
+        if all(p in opt.state for p in self.params if p.grad is not None):
+            return False
+        opt.grad_scale = grad_scale  # NOTE: torch's fused Adam reads it as an attribute
+        opt.step()
+        opt.grad_scale = None
+        self._after_chunk([p for p in self.params if p.grad is not None], zero_grads)
+        return True
+
+    def _update(self, grads: dict[nn.Parameter, torch.Tensor], grad_scale: torch.Tensor | None,
+                zero_grads: bool) -> None:
+        """Every chunk's update, in order, on the current stream (the side stream, under ``_side()``)."""
+        opt = self.optimizer
+        for c, chunk in enumerate(self.chunks):
+            for gi, ps in chunk:
+                ps = [p for p in ps if p in grads]
+                if ps:
+                    self._adam(opt.param_groups[gi], ps, [grads[p] for p in ps], grad_scale)
+            self._after_chunk([p for _, ps in chunk for p in ps if p in grads], zero_grads)
+            if self.stream is not None:
+                self.events[c] = self.stream.record_event()
+
+    # ----------------------------------------------------------------- during backward
+    def stage_gradients(self, *, max_norm: float, scale_in_kernel: bool, norm_order: list[nn.Parameter]) -> None:
+        """Copy each chunk's gradients into resident buffers (and take their norms) on the side stream as soon as
+        backward has written them (``register_post_accumulate_grad_hook``). One micro-batch a step, one process:
+        with accumulation or DDP a hook fires before the gradient is final. ``scale_in_kernel``: the clip is the
+        fused kernel's ``grad_scale`` (else the buffers are multiplied by torch's clip coefficient). ``norm_order``:
+        the parameters in the order the plain step's ``clip_grad_norm`` gets them (the same float sum)."""
+        self.max_norm, self.scale_in_kernel = max_norm, scale_in_kernel
+        mine = set(self.params)
+        self._norm_order = [p for p in norm_order if p in mine]
+        self._staged = {p: torch.empty_like(p, memory_format=torch.preserve_format) for p in self.params}
+        self._chunk_of = {p: c for c, chunk in enumerate(self.chunks) for _, ps in chunk for p in ps}
+        self._need = [sum(len(ps) for _, ps in chunk) for chunk in self.chunks]
+        self._landed: list[list[nn.Parameter]] = [[] for _ in self.chunks]
+        self._done = [False] * len(self.chunks)
+        self._norms: dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        c = self._chunk_of[p]
+        self._landed[c].append(p)
+        if len(self._landed[c]) == self._need[c]:
+            self._stage(c)
+
+    @torch.no_grad()
+    def _stage(self, c: int) -> None:
+        self._done[c] = True
+        params = self._landed[c]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        with self._side():
+            torch._foreach_copy_([self._staged[p] for p in params], grads)
+            self._norms.update(zip(params, torch._foreach_norm(grads, 2.0), strict=True))
+
+    @torch.no_grad()
+    def after_backward(self) -> torch.Tensor:
+        """Stage what backward did not (parameters without a gradient this step leave their chunk short), make the
+        current stream wait for the copies, and queue the clip and the update; returns the pre-clip global
+        gradient norm (computed on the side stream: read it after :meth:`finish`)."""
+        for c in range(len(self.chunks)):
+            if not self._done[c]:
+                self._stage(c)
+        landed = {p for ps in self._landed for p in ps}
+        self._landed, self._done = [[] for _ in self.chunks], [False] * len(self.chunks)
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)  # NOTE: gradients may now be freed or reused
+        ordered = [p for p in self._norm_order if p in landed]
+        if not ordered:
+            self._norms.clear()
+            return torch.zeros(())
+        if not self.scale_in_kernel or not all(p in self.optimizer.state for p in ordered):
+            # NOTE: the first step (no optimizer state) and foreach optimizers: the plain path on the current stream
+            return self._plain_after_backward(ordered)
+        # NOTE: torch's get_total_norm: per-tensor norms grouped by (device, dtype) in first-seen order, stacked.
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for p in ordered:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        with self._side():
+            norm = torch.linalg.vector_norm(torch.stack([self._norms[p] for ps in groups.values() for p in ps]), 2.0)
+            scale = ((norm.float() + 1e-6) / self.max_norm).clamp(min=1.0) if self.max_norm > 0 else None
+            self._update({p: self._staged[p] for p in ordered}, scale, zero_grads=False)
+        self._norms.clear()
+        return norm
+
+    def _plain_after_backward(self, ordered: list[nn.Parameter]) -> torch.Tensor:
+        from loongforge_embodied.parallel import clip_grad_norm
+
+        self._norms.clear()
+        target = self.optimizer if self.scale_in_kernel else None
+        norm = clip_grad_norm(ordered, self.max_norm, into=target)
+        scale = getattr(target, "grad_scale", None)
+        if target is not None:
+            target.grad_scale = None
+        if not self._first_step(scale, zero_grads=False):
+            with self._side():
+                self._update({p: p.grad for p in ordered}, scale, zero_grads=False)
+            if self.stream is not None:
+                self._held.extend(p.grad for p in ordered)
+        return norm
+
+    # ----------------------------------------------------------------- the update
+    def _adam(self, group: dict, params: list[nn.Parameter], grads: list[torch.Tensor],
+              grad_scale: torch.Tensor | None) -> None:
         """``Adam.step``'s update of ``params`` (one group's hyperparameters; state already initialised)."""
         from torch.optim.adam import adam
 
         state = self.optimizer.state
         beta1, beta2 = group["betas"]
-        adam([p for p in params], [p.grad for p in params], [state[p]["exp_avg"] for p in params],
+        adam(list(params), grads, [state[p]["exp_avg"] for p in params],
              [state[p]["exp_avg_sq"] for p in params],
              [state[p]["max_exp_avg_sq"] for p in params] if group["amsgrad"] else [],
              [state[p]["step"] for p in params],
@@ -150,7 +259,7 @@ class OverlappedStep:
              eps=group["eps"], maximize=group["maximize"])
 
     @torch.no_grad()
-    def _after_chunks(self, params: list[nn.Parameter], zero_grads: bool) -> None:
+    def _after_chunk(self, params: list[nn.Parameter], zero_grads: bool) -> None:
         if self.ema is not None:
             pairs = [(self.ema[p], p) for p in params if p in self.ema]
             if pairs:
@@ -162,7 +271,7 @@ class OverlappedStep:
 
     def finish(self) -> None:
         """Everything queued is done before the current stream's next work (before reading weights, optimizer
-        state or EMA: checkpoints, export)."""
+        state, EMA or the returned norm: checkpoints, export, logging)."""
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         self.events = [None] * len(self.events)
