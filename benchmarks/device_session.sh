@@ -37,21 +37,18 @@
 #   flce   (1 GPU, ~5 min)  fused CE GPU tests, then its fwd+bwd rows (--rep 400) vs eager / compile / Liger
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
-#   overlap (1 GPU, ~9 min) overlapped-optimizer GPU tests, then ours end to end with CUDA graphs and
-#                           train.overlap_optimizer (no LeRobot run)
-#   e2e_overlap (1 GPU, ~9 min) pi05 end to end: ours with CUDA graphs + train.overlap_optimizer, then LeRobot's loop
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce | overlap | e2e_overlap}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2|flce|overlap|e2e_overlap)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce | overlap | e2e_overlap)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
 wheels=(.whl/*.whl .whl2/*.whl)
-[[ $phase == e2e* || $phase == overlap ]] && wheels+=(.whl3/*.whl)
-for dir in .whl .whl2 $([[ $phase == e2e* || $phase == overlap ]] && echo .whl3); do
+[[ $phase == e2e* ]] && wheels+=(.whl3/*.whl)
+for dir in .whl .whl2 $([[ $phase == e2e* ]] && echo .whl3); do
   [[ -n $(echo $dir/*.whl) ]] || { echo "no wheels in $dir: carry it (see the header)" >&2; exit 3; }
 done
 if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
@@ -107,20 +104,6 @@ case $phase in
   e2e_graphs)
     step pi05_e2e_ours_graphs 290 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
-    step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
-      --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
-    ;;
-  overlap)
-    step overlap_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-      packages/loongforge-embodied/tests/test_gpu_compile.py -k overlapped
-    step pi05_e2e_ours_overlap 330 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
-      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8 \
-      --overlap-optimizer
-    ;;
-  e2e_overlap)
-    step pi05_e2e_ours_overlap 290 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
-      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8 \
-      --overlap-optimizer
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     ;;

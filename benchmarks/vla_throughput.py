@@ -113,8 +113,7 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
                policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False,
-               compile_mode: str = "default", prompt_padding: str = "max_length", tokenizer: str = "",
-               overlap_optimizer: bool = False) -> dict:
+               compile_mode: str = "default", prompt_padding: str = "max_length", tokenizer: str = "") -> dict:
     from loongforge.api import build_job, load_recipe
     from loongforge.metrics import is_logged_step
 
@@ -123,8 +122,7 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
             f"train.compile_mode={compile_mode}",
             f"data.num_workers={workers}", "checkpoint.resume=never", "checkpoint.save_at_end=false",
             "logging.console=false", "logging.tensorboard=false", f"data.synthetic_samples={batch * 64}",
-            f"parallel.recompute={'full' if recompute else 'none'}",
-            f"train.overlap_optimizer={str(overlap_optimizer).lower()}"]
+            f"parallel.recompute={'full' if recompute else 'none'}"]
     if data_root:
         over += ["data.format=lerobot", f"data.root={data_root}"]
     if policy not in OUR_RECIPES:
@@ -143,8 +141,7 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
             res = {**_time(step, batch=batch, steps=steps, warmup=warmup,
                            params=sum(p.numel() for p in job.model.raw.parameters())),
                    "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval,
-                   "compile_mode": compile_mode, "prompt_padding": prompt_padding, "tokenizer": tokenizer or "bytes",
-                   "overlap_optimizer": overlap_optimizer}
+                   "compile_mode": compile_mode, "prompt_padding": prompt_padding, "tokenizer": tokenizer or "bytes"}
             if profile:
                 _profile(step)
             return res
@@ -190,7 +187,7 @@ def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
     with ``res`` itself), and the time of the run each borrowed side comes from."""
     same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding",
-            "tokenizer", "overlap_optimizer")
+            "tokenizer")
     merged, paired = dict(res), {}
     for line in log.read_text().splitlines()[:-1]:
         rec = json.loads(line)
@@ -225,8 +222,6 @@ def main() -> None:
     ap.add_argument("--tokenizer", choices=["shim", "bytes"], default="shim",
                     help="ours (lerobot_pi05): the PaliGemma tokenizer stand-in LeRobot's loop loads "
                          "(lerobot_peer.paligemma_tokenizer_shim), or Gemma byte-fallback tokens")
-    ap.add_argument("--overlap-optimizer", action="store_true",
-                    help="ours: train.overlap_optimizer (each AdamW step on a side stream during the next forward)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("vla_throughput needs a CUDA GPU")
@@ -239,7 +234,6 @@ def main() -> None:
     res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
                  "compile_mode": args.compile_mode, "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
                  "recompute": args.recompute, "prompt_padding": padding, "tokenizer": args.tokenizer,
-                 "overlap_optimizer": args.overlap_optimizer,
                  "time": time.strftime("%H:%M:%S")}
     if run["ours"]:
         with tempfile.TemporaryDirectory(prefix="tok_shim_") as hf_home:
@@ -251,8 +245,7 @@ def main() -> None:
             res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                      workers=args.workers, data_root=args.data_root, policy=args.policy,
                                      recompute=args.recompute, profile=args.profile, compile_mode=args.compile_mode,
-                                     prompt_padding=padding, tokenizer=tokenizer,
-                                     overlap_optimizer=args.overlap_optimizer)
+                                     prompt_padding=padding, tokenizer=tokenizer)
         print("ours:", json.dumps(res["ours"]), flush=True)
         torch.cuda.empty_cache()
     if run["lerobot_step"]:

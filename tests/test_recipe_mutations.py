@@ -88,7 +88,6 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
 
 @pytest.mark.parametrize(("recipe", "override"), [
     ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
-    ("llm/tiny/llama_tiny.yaml", "train.overlap_optimizer=true"),
     ("embodied/tiny_vla_synthetic.yaml", "parallel.components={vision: {tp: 1}}"),
     ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),
     ("embodied/tiny_vla_synthetic.yaml", "train.eval_interval=2"),

@@ -253,3 +253,40 @@ def test_clip_through_fused_adamw_equals_scaling_the_grads(max_norm):
     assert opt16.grad_scale is None
     foreach = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True)
     assert fused_scale_target(foreach) is None and fused_scale_target(torch.optim.SGD(fused[:1], lr=0.1)) is None
+
+
+def test_ema_follows_the_weights_and_is_exported_and_resumed(tmp_path):
+    """``train.ema_decay``: after each optimizer step every trainable weight's EMA moves by ``1 - decay`` towards
+    it (one foreach lerp); the export writes the EMA weights and a resume restores the EMA exactly."""
+    import torch
+    from loongforge.api import build_job, load_recipe
+    from loongforge_embodied.checkpoint import full_state_dict
+
+    over = ["train.steps=3", "train.ema_decay=0.5", "checkpoint.save_at_end=false", "logging.console=false",
+            "logging.tensorboard=false", "checkpoint.save_interval=2"]
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path)
+    try:
+        raw = job.model.raw
+        expected = {n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
+        assert expected.keys() == job.ema.keys() and len(expected) > 10
+        for step in range(3):
+            job.step(report=False)
+            for n, p in raw.named_parameters():
+                if n in expected:
+                    expected[n].lerp_(p.detach(), 0.5)
+            assert all(torch.equal(job.ema[n], e) for n, e in expected.items()), step
+            if step == 1:
+                job.save()
+                at_save = {n: e.clone() for n, e in expected.items()}
+        exported = full_state_dict(job, use_ema=True)
+        weights = dict(raw.named_parameters())
+        assert all(torch.equal(exported[n], e) for n, e in expected.items())
+        assert any(not torch.equal(exported[n], weights[n].detach()) for n in expected)
+    finally:
+        job.close()
+    job, _ = build_job(load_recipe(RECIPE, [*over, "checkpoint.resume=auto"]), output_dir=tmp_path)
+    try:
+        assert job.step_index == 2
+        assert all(torch.equal(job.ema[n], e) for n, e in at_save.items())
+    finally:
+        job.close()

@@ -62,9 +62,6 @@ class EmbodiedBackend(Backend):
         if recipe.model.fp8_allgather.enabled and p.strategy not in ("fsdp2", "hsdp"):
             raise RecipeError(f"the delta-FP8 all-gather is an FSDP2 hook: needs parallel.strategy fsdp2 or hsdp "
                               f"(got '{p.strategy}')", key="model.fp8_allgather.enabled")
-        if t.overlap_optimizer and t.optimizer != "adamw":
-            raise RecipeError(f"overlap_optimizer overlaps AdamW steps (train.optimizer is '{t.optimizer}')",
-                              key="train.overlap_optimizer")
         if set(recipe.model.freeze) >= set(COMPONENTS):
             raise RecipeError("every component is frozen: nothing to train", key="model.freeze")
         if recipe.model.load and not (Path(recipe.model.load) / "model.safetensors").is_file():
@@ -97,12 +94,6 @@ class EmbodiedBackend(Backend):
                 f"compile_mode {recipe.train.compile_mode} (CUDA graphs) runs with parallel.strategy ddp or zero1; "
                 f"'{strategy}' on {world_size} processes re-gathers parameters every step: use compile_mode default "
                 "or max-autotune-no-cudagraphs", key="train.compile_mode")
-
-        if recipe.train.overlap_optimizer and (strategy in ("fsdp2", "hsdp") or strategy == "zero1" and world_size > 1):
-            # NOTE: zero1 broadcasts each updated partition after the step and FSDP2 all-gathers sharded parameters
-            # on its own streams: neither has a per-unit point where the next forward could wait for an update.
-            raise RecipeError(f"overlap_optimizer runs with parallel.strategy ddp (or on one process without FSDP2); "
-                              f"got '{strategy}' on {world_size} process(es)", key="train.overlap_optimizer")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         from loongforge_embodied.job import EmbodiedJob

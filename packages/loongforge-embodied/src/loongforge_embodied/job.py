@@ -36,12 +36,7 @@ class EmbodiedJob(Job):
         from loongforge_embodied import checkpoint
         from loongforge_embodied.data.dataset import build_loader
         from loongforge_embodied.data.sampler import GlobalBatchSampler
-        from loongforge_embodied.optim import (
-            ZeroOneOptimizer,
-            fused_scale_target,
-            make_optimizer,
-            param_groups,
-        )
+        from loongforge_embodied.optim import ZeroOneOptimizer, make_optimizer, param_groups
         from loongforge_embodied.parallel import parallelize
         from loongforge_embodied.policies import get_policy, resolve_arch
 
@@ -94,22 +89,7 @@ class EmbodiedJob(Job):
         # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
         # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
         # wrong sum). Keeping ``.grad`` allocated makes every backward add into it in place, out of graph memory.
-        self._overlap = None  # NOTE: built after resume: it keeps references to the EMA tensors
-        if t.overlap_optimizer:
-            from loongforge_embodied.optim_overlap import OverlappedStep
-
-            by_param = {p: self.ema[n] for n, p in raw.named_parameters() if n in self.ema} if self.ema else None
-            self._overlap = OverlappedStep(self.optimizer, raw.wrap_units(), device=self.device, ema=by_param,
-                                           ema_decay=t.ema_decay)
-        # NOTE: one process, one micro-batch: gradients are copied out as backward lands them, norms and update
-        # on the side stream (with accumulation or DDP a gradient is final only after the whole backward).
-        self._staging = self._overlap is not None and self.accum == 1 and rt.world_size == 1
-        if self._staging:
-            self._overlap.stage_gradients(max_norm=t.grad_clip, norm_order=self.trainable,
-                                          scale_in_kernel=fused_scale_target(self.optimizer) is not None)
-        # NOTE: the overlapped optimizer reads a step's gradients during the next forward, whose graph replays may
-        # reuse graph memory: unless staged, they must live outside it too.
-        self._resident_grads = self._graphs and (self.accum > 1 or (self._overlap is not None and not self._staging))
+        self._resident_grads = self._graphs and self.accum > 1
         sampler = GlobalBatchSampler(
             num_samples=len(source), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
             dp_rank=rt.rank, dp_size=rt.world_size, seed=t.seed, start_step=self.step_index,
@@ -173,40 +153,23 @@ class EmbodiedJob(Job):
                 # NOTE: a new forward: the CUDA graphs' outputs of the last one are dead (loss_sum holds a copy), so
                 # cudagraph trees may replay on their fast path (without it they warn of "pending backwards").
                 torch.compiler.cudagraph_mark_step_begin()
-            if self._overlap is not None:
-                self._overlap.wait(0)  # NOTE: the parameters of no unit; each unit waits for its own chunk
             with self.model.no_sync(skip=m < self.accum - 1):
                 with self._autocast():
                     per_sample = self.model.module(batch)
-                if self._overlap is not None:
-                    self._overlap.drain()  # NOTE: before backward writes new gradients
                 # NOTE: sum / local batch on each rank, averaged over ranks by the gradient reduction = the mean
                 # over the global batch, however it is split into ranks and micro-batches.
                 (per_sample.sum() / local).backward()
             loss_sum += per_sample.detach().sum()
-        if self._staging:
-            gnorm = self._overlap.after_backward()  # NOTE: computed on the side stream, read after a sync
-            self.optimizer.zero_grad(set_to_none=True)
-        elif self._overlap is not None:
-            scale_target = fused_scale_target(self.optimizer)
-            gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-            # NOTE: queued on a side stream; the next forward's units wait for their own chunks (EMA included).
-            self._overlap.launch(grad_scale=getattr(scale_target, "grad_scale", None), zero_grads=self._resident_grads)
-            if scale_target is not None:
-                scale_target.grad_scale = None
-            if not self._resident_grads:
-                self.optimizer.zero_grad(set_to_none=True)  # NOTE: the overlap holds them until its drain()
-        else:
-            scale_target = fused_scale_target(self.optimizer)
-            gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-            self.optimizer.step()
-            if scale_target is not None:
-                scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
-            self.optimizer.zero_grad(set_to_none=not self._resident_grads)
-            if self.ema is not None:
-                self._update_ema(t.ema_decay)
+        scale_target = fused_scale_target(self.optimizer)
+        gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
+        self.optimizer.step()
+        if scale_target is not None:
+            scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
+        self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if self.model.allgather is not None:
             self.model.allgather.step()
+        if self.ema is not None:
+            self._update_ema(t.ema_decay)
         self.step_index += 1
         if not report:
             return {}
@@ -229,23 +192,16 @@ class EmbodiedJob(Job):
     @torch.no_grad()
     def _update_ema(self, decay: float) -> None:
         pairs = [(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema]
-        torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)
-
-    def settle(self) -> None:
-        """Every queued optimizer update is done before the weights, optimizer state or EMA are read."""
-        if self._overlap is not None:
-            self._overlap.finish()
+        torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)  # NOTE: one launch per group
 
     def save(self) -> Path:
         from loongforge_embodied import checkpoint
 
-        self.settle()
         return checkpoint.save(self, self.step_index)
 
     def export(self, out_dir: Path | None = None) -> Path:
         from loongforge_embodied import checkpoint
 
-        self.settle()
         return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
 
     def run(self) -> dict[str, Any]:
@@ -274,8 +230,6 @@ class EmbodiedJob(Job):
         return {"step": self.step_index, **last}
 
     def close(self) -> None:
-        if getattr(self, "_overlap", None) is not None:
-            self.settle()
         if self._owns_pg and dist.is_initialized():
             # NOTE: tear down only when every rank is done; a rank destroying its gloo group while a peer still
             # talks to it aborts the peer at exit ("terminate called without an active exception").

@@ -31,8 +31,6 @@ class MegatronBackend(Backend):
     unused_keys = {
         "parallel.strategy": "it shards with parallel.distributed_optimizer; leave parallel.strategy auto",
         "parallel.shard_size": "hsdp shard groups are an embodied-backend setting; use parallel.dp / distributed_optimizer",
-        "train.overlap_optimizer": "its optimizer overlap is megatron's own (parallel.distributed_optimizer overlaps "
-                                   "the parameter all-gather with the forward)",
     }
 
     @classmethod

@@ -128,10 +128,6 @@ class TrainConfig(Section):
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
     )
-    overlap_optimizer: bool = Field(
-        False, description="embodied, CUDA, one process or ddp: run each AdamW step on a side stream during the next "
-        "forward, each block waiting only for its own update (same results as a plain step)"
-    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -29,7 +29,6 @@ from lerobot.policies.pi_gemma import _gated_residual, layernorm_forward
 from loongforge.accelerator.adaptation import AdaptationSet, replace_attr
 from transformers.models.gemma.modeling_gemma import rotate_half
 
-from loongforge_embodied.optim_overlap import before_use
 from loongforge_embodied.policies.lerobot_pi05.build import MODELING, source_has
 
 NAME = "pi05-joint-layer"
@@ -133,8 +132,6 @@ def _dispatcher(original: Callable) -> Callable:
         if mode is None:  # not our model: LeRobot's step, untouched
             return original(inputs_embeds, attention_mask, position_ids, adarms_cond, layers=layers,
                             rotary_emb=rotary_emb)
-        for layer in layers:  # NOTE: the joint step reads the layers' weights without calling the layers
-            before_use(layer)
         body = sdpa_layer_complete if mode == "sdpa" else original
         if layers[0]._compiled_call_impl is not None:  # the job compiled this unit (``unit.compile()``)
             body = _compiled(body, getattr(layers[0], "_loongforge_compile_mode", None))
