@@ -267,13 +267,13 @@ def test_ema_follows_the_weights_and_is_exported_and_resumed(tmp_path):
     job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path)
     try:
         raw = job.model.raw
-        expected = {n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
+        expected = {n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
         assert expected.keys() == job.ema.keys() and len(expected) > 10
         for step in range(3):
             job.step(report=False)
             for n, p in raw.named_parameters():
                 if n in expected:
-                    expected[n].lerp_(p.detach(), 0.5)
+                    expected[n].lerp_(p.detach().float(), 0.5)
             assert all(torch.equal(job.ema[n], e) for n, e in expected.items()), step
             if step == 1:
                 job.save()
@@ -290,3 +290,24 @@ def test_ema_follows_the_weights_and_is_exported_and_resumed(tmp_path):
         assert all(torch.equal(job.ema[n], e) for n, e in at_save.items())
     finally:
         job.close()
+
+
+def test_ema_of_bf16_weights_is_kept_in_fp32(monkeypatch):
+    """Averages are fp32 whatever the weights' dtype: from 0.5 towards bf16 weights of 1.0 with decay 0.999, each
+    step moves 5e-4, under half a bf16 step at 0.5 (2e-3), so a bf16 average would never move. Lower-precision
+    weights are upcast a chunk at a time, with the same result."""
+    import torch
+    from loongforge_embodied import optim
+
+    weights = [torch.ones(300, dtype=torch.bfloat16), torch.ones(200, dtype=torch.bfloat16), torch.ones(50)]
+    whole = [torch.full((w.numel(),), 0.5) for w in weights]
+    chunked = [e.clone() for e in whole]
+    for _ in range(100):
+        optim.update_ema(list(zip(whole, weights, strict=True)), 0.999)
+    monkeypatch.setattr(optim, "EMA_UPCAST_CHUNK", 100)
+    for _ in range(100):
+        optim.update_ema(list(zip(chunked, weights, strict=True)), 0.999)
+    expected = 1 - 0.5 * 0.999**100
+    for e, c in zip(whole, chunked, strict=True):
+        assert e.dtype == torch.float32 and torch.allclose(e, torch.full_like(e, expected), rtol=1e-5)
+        assert torch.equal(e, c)

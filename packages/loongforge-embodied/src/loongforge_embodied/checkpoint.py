@@ -113,7 +113,7 @@ def full_state_dict(job: EmbodiedJob, *, use_ema: bool) -> dict[str, torch.Tenso
     """Unsharded CPU copy of the weights (collective under fsdp2/hsdp: every rank must call it)."""
     src = job.model.raw.state_dict()
     if use_ema and job.ema is not None:
-        src = {**src, **job.ema}
+        src = {**src, **{k: v.to(src[k].dtype) for k, v in job.ema.items()}}  # NOTE: fp32 averages, weights' dtype
     out = {}
     for key, value in src.items():
         if hasattr(value, "full_tensor"):

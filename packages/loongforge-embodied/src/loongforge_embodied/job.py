@@ -82,7 +82,8 @@ class EmbodiedJob(Job):
             self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type)
         else:
             self.optimizer = make_optimizer(groups, t, device_type=self.device.type)
-        self.ema = ({n: p.detach().clone() for n, p in raw.named_parameters() if p.requires_grad}
+        # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
+        self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
         self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
@@ -191,8 +192,9 @@ class EmbodiedJob(Job):
 
     @torch.no_grad()
     def _update_ema(self, decay: float) -> None:
-        pairs = [(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema]
-        torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)  # NOTE: one launch per group
+        from loongforge_embodied.optim import update_ema
+
+        update_ema([(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema], decay)
 
     def save(self) -> Path:
         from loongforge_embodied import checkpoint

@@ -48,6 +48,28 @@ def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str) -> t
                              fused=fused or None, foreach=None if fused else True)
 
 
+EMA_UPCAST_CHUNK = 1 << 27  # elements of lower-precision weights upcast at a time (bounds the temporary memory)
+
+
+def update_ema(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float) -> None:
+    """``ema = decay * ema + (1 - decay) * weight`` for (fp32 average, weight) pairs: one foreach lerp over the fp32
+    weights; lower-precision weights are upcast a chunk at a time (pi05's 2.8B bf16 weights would need 11 GB at
+    once)."""
+    same = [(e, p) for e, p in pairs if p.dtype == e.dtype]
+    if same:
+        torch._foreach_lerp_([e for e, _ in same], [p for _, p in same], 1.0 - decay)
+    chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+    size = 0
+    for e, p in (pair for pair in pairs if pair[1].dtype != pair[0].dtype):
+        chunk.append((e, p))
+        size += p.numel()
+        if size >= EMA_UPCAST_CHUNK:
+            torch._foreach_lerp_([e for e, _ in chunk], [p.to(e.dtype) for _, p in chunk], 1.0 - decay)
+            chunk, size = [], 0
+    if chunk:
+        torch._foreach_lerp_([e for e, _ in chunk], [p.to(e.dtype) for _, p in chunk], 1.0 - decay)
+
+
 def fused_scale_target(optimizer) -> torch.optim.Optimizer | None:
     """The optimizer (ours, or a ``ZeroOneOptimizer``'s own partition) whose ``step()`` divides gradients by its
     ``grad_scale`` inside the fused kernel: a fused ``torch.optim.Adam`` / ``AdamW``; else None."""
