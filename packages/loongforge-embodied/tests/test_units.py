@@ -311,3 +311,24 @@ def test_ema_of_bf16_weights_is_kept_in_fp32(monkeypatch):
     for e, c in zip(whole, chunked, strict=True):
         assert e.dtype == torch.float32 and torch.allclose(e, torch.full_like(e, expected), rtol=1e-5)
         assert torch.equal(e, c)
+
+
+def test_recording_refuses_to_replace_a_folder_that_is_not_a_dataset(tmp_path):
+    """``data.record`` replaces ``data.root``: a non-empty folder without ``meta/info.json`` (a parent folder, a
+    typo) or a file is refused, naming the key, and nothing is deleted (it used to be ``rmtree``'d up front)."""
+    from loongforge_embodied.data.record import record_pusht
+
+    pusht = RECIPE.with_name("tiny_vla_pusht.yaml")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for root, what in ((mine, "non-empty folder that is not a LeRobotDataset"), (mine / "notes.txt", "is a file")):
+        with pytest.raises(RecipeError, match=what) as e:
+            EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={root}"]))
+        assert e.value.key == "data.root"
+        with pytest.raises(RecipeError, match=what):
+            record_pusht(root, repo_id="local/x", episodes=1, max_steps=2, image_size=16, seed=0)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={tmp_path / 'new'}"]))
+    (tmp_path / "empty").mkdir()
+    EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={tmp_path / 'empty'}"]))

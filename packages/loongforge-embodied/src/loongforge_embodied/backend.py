@@ -71,6 +71,10 @@ class EmbodiedBackend(Backend):
             what = "does not exist" if not Path(d.root or "").exists() else "is not a LeRobotDataset (no meta/info.json)"
             raise RecipeError(f"'{d.root}' {what}; record one with data.record (loongforge data prepare) or point "
                               "data.root at a local LeRobotDataset v3", key="data.root")
+        if d.format == "lerobot" and d.record is not None:
+            from loongforge_embodied.data.record import check_root
+
+            check_root(d.root)
         if recipe.checkpoint.load:
             raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "
                               "OUTPUT/checkpoints; checkpoint.load is not used", key="checkpoint.load")

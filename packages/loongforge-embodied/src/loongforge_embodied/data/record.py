@@ -48,6 +48,17 @@ def expert_action(env, phase: dict) -> np.ndarray:
     return np.clip(agent + step, 0, 512).astype(np.float32)
 
 
+def check_root(root: str | Path) -> None:
+    """Recording replaces ``root``: refuse a non-empty folder that is not a LeRobotDataset (a parent folder, a typo)."""
+    root = Path(root)
+    if root.is_file() or (root.is_dir() and not (root / "meta" / "info.json").is_file() and any(root.iterdir())):
+        from loongforge.errors import RecipeError
+
+        what = "is a file" if root.is_file() else "is a non-empty folder that is not a LeRobotDataset (no meta/info.json)"
+        raise RecipeError(f"'{root}' {what}; recording writes a new dataset there and would delete what it holds: "
+                          "point data.root at a new or empty folder", key="data.root")
+
+
 def record_pusht(
     root: str | Path, *, repo_id: str, episodes: int, max_steps: int, image_size: int, seed: int, force: bool = False
 ) -> Path:
@@ -55,8 +66,7 @@ def record_pusht(
     root = Path(root)
     if (root / "meta" / "info.json").is_file() and not force:
         return root
-    if root.exists():
-        shutil.rmtree(root)
+    check_root(root)
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     # NOTE: pygame (which gym-pusht imports when it first renders) imports the deprecated pkg_resources.
     warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
@@ -94,6 +104,9 @@ def record_pusht(
         ds.save_episode()
     ds.finalize()
     env.close()
-    # NOTE: publish by rename so an interrupted recording never looks complete.
+    # NOTE: publish by rename so an interrupted recording never looks complete; what it replaces (an empty folder,
+    # or the dataset a forced re-record overwrites) goes only now.
+    if root.exists():
+        shutil.rmtree(root)
     os.rename(tmp, root)
     return root
