@@ -332,3 +332,32 @@ def test_recording_refuses_to_replace_a_folder_that_is_not_a_dataset(tmp_path):
     EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={tmp_path / 'new'}"]))
     (tmp_path / "empty").mkdir()
     EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={tmp_path / 'empty'}"]))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_resumes_exactly_with_and_without_momentum(tmp_path, momentum):
+    """SGD keeps no optimizer state without momentum: a resume must not expect a momentum buffer (it used to fail
+    with "Missing key in checkpoint state_dict: optim.<name>.momentum_buffer")."""
+    from loongforge.api import build_job
+
+    over = ["train.steps=3", "train.optimizer=sgd", f"train.adam_beta1={momentum}", "train.lr=0.01",
+            "checkpoint.save_interval=2", "checkpoint.save_at_end=false", "logging.console=false",
+            "logging.tensorboard=false"]
+    job, _ = build_job(load_recipe(RECIPE, [*over, "checkpoint.resume=never"]), output_dir=tmp_path / "straight")
+    try:
+        straight = [job.step()["loss"] for _ in range(3)]
+    finally:
+        job.close()
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path / "resumed")
+    try:
+        job.step()
+        job.step()
+        job.save()
+    finally:
+        job.close()
+    job, _ = build_job(load_recipe(RECIPE, over), output_dir=tmp_path / "resumed")
+    try:
+        assert job.step_index == 2
+        assert job.step()["loss"] == straight[2]
+    finally:
+        job.close()

@@ -36,7 +36,7 @@ def _optim_state(job: EmbodiedJob, *, allocate: bool) -> dict[str, torch.Tensor]
                 st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
                 st["exp_avg"] = torch.zeros_like(p)
                 st["exp_avg_sq"] = torch.zeros_like(p)
-            elif allocate and not st:
+            elif allocate and not st and group.get("momentum", 0):  # NOTE: SGD without momentum keeps no state
                 st["momentum_buffer"] = torch.zeros_like(p)
             for slot, value in st.items():
                 if torch.is_tensor(value):
