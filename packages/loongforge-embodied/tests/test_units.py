@@ -361,3 +361,19 @@ def test_sgd_resumes_exactly_with_and_without_momentum(tmp_path, momentum):
         assert job.step()["loss"] == straight[2]
     finally:
         job.close()
+
+
+def test_save_format_hf_writes_the_export_and_no_resume_checkpoint(tmp_path):
+    """``checkpoint.save_format: [hf]`` asks for the export only (as on the megatron backend): no DCP checkpoint
+    at ``save_interval`` or at the end (pi05's would be tens of GB of weights and AdamW state)."""
+    from loongforge.api import build_job
+
+    over = ["train.steps=3", "checkpoint.save_interval=2", "checkpoint.save_format=[hf]", "logging.console=false",
+            "logging.tensorboard=false"]
+    job, runtime = build_job(load_recipe(RECIPE, over), output_dir=tmp_path)
+    try:
+        assert job.run()["step"] == 3
+    finally:
+        job.close()
+    assert not any(runtime.checkpoint_dir.glob("step_*"))
+    assert (runtime.hf_dir / "model.safetensors").is_file()

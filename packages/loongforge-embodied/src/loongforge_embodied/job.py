@@ -210,15 +210,16 @@ class EmbodiedJob(Job):
         from loongforge.metrics import is_logged_step
 
         c, steps = self.recipe.checkpoint, self.recipe.train.steps
+        resumable = "dist" in c.save_format  # NOTE: save_format [hf] asks for the export only
         last: dict[str, Any] = {}
         while self.step_index < steps:
             nxt = self.step_index + 1
-            saving = bool(c.save_interval) and nxt % c.save_interval == 0 and nxt < steps
+            saving = resumable and bool(c.save_interval) and nxt % c.save_interval == 0 and nxt < steps
             metrics = self.step(report=saving or is_logged_step(nxt, self.recipe.logging.interval, steps))
             last = metrics or last
             if saving:
                 self.save()
-        if c.save_at_end:
+        if c.save_at_end and resumable:
             self.save()
         if "hf" in c.save_format:
             path = self.export()
