@@ -377,3 +377,10 @@ def test_save_format_hf_writes_the_export_and_no_resume_checkpoint(tmp_path):
         job.close()
     assert not any(runtime.checkpoint_dir.glob("step_*"))
     assert (runtime.hf_dir / "model.safetensors").is_file()
+    # NOTE: the export starts another run (model.load); one of other sizes is a one-line error naming the key
+    again = ["train.steps=3", "logging.console=false", "logging.tensorboard=false", f"model.load={runtime.hf_dir}"]
+    job, _ = build_job(load_recipe(RECIPE, again), output_dir=tmp_path / "again")
+    job.close()
+    with pytest.raises(RecipeError, match="does not fit this recipe's model .*size mismatch") as e:
+        build_job(load_recipe(RECIPE, [*again, "model.arch={lm_hidden: 48}"]), output_dir=tmp_path / "other")
+    assert e.value.key == "model.load"

@@ -54,7 +54,7 @@ class EmbodiedJob(Job):
         policy.check_data_pipeline(self.arch)  # e.g. the tokenizer loads here, not first in a DataLoader worker
         raw = policy.model_cls()(self.arch)
         if r.model.load:
-            raw.load_state_dict(policy.export.load_model(r.model.load).state_dict())
+            self._load_initial(raw, policy, r.model.load)
         raw.set_stats(source.stats())
         for name in r.model.freeze:
             for m in raw.components()[name]:
@@ -107,6 +107,19 @@ class EmbodiedJob(Job):
                 f"[embodied] {r.model.policy}/{r.model.preset} {n / 1e6:.2f}M params | {self.model.strategy} on "
                 f"{rt.world_size} rank(s) | {self.accum} micro-batch(es)/step | {self.precision} | {len(source)} samples"
                 f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
+
+    @staticmethod
+    def _load_initial(raw: torch.nn.Module, policy, path: str) -> None:
+        """``model.load``: an exported policy whose shapes must be this recipe's (arch, dataset dims)."""
+        from loongforge.errors import RecipeError
+
+        try:
+            raw.load_state_dict(policy.export.load_model(path).state_dict())
+        except RuntimeError as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            detail = "; ".join(lines[1:4]) if len(lines) > 1 else lines[0] if lines else type(exc).__name__
+            raise RecipeError(f"'{path}' does not fit this recipe's model ({detail}); export and recipe must agree on "
+                              "the policy's sizes and the dataset's state / action dims", key="model.load") from None
 
     def _source(self):
         from loongforge_embodied.data.dataset import LeRobotSource, SyntheticSource
