@@ -90,7 +90,7 @@ def get_policy(name: str) -> PolicySpec:
 
 
 def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> PolicyArch:
-    """Preset + ``model.arch`` overrides + the dataset's shapes (state/action dims, cameras, image size)."""
+    """Preset + ``model.arch`` overrides + the dataset's shapes (state / action dims, camera count)."""
     arch = get_policy(model.policy).presets[model.preset].with_overrides(**model.arch)
     if data is not None and data.format == "lerobot":
         arch = arch.with_overrides(**dataset_shapes(data))
