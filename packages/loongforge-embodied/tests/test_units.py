@@ -384,3 +384,43 @@ def test_save_format_hf_writes_the_export_and_no_resume_checkpoint(tmp_path):
     with pytest.raises(RecipeError, match="does not fit this recipe's model .*size mismatch") as e:
         build_job(load_recipe(RECIPE, [*again, "model.arch={lm_hidden: 48}"]), output_dir=tmp_path / "other")
     assert e.value.key == "model.load"
+
+
+def _fake_dataset(root: Path, *, state: int = 2, action: int = 2, cameras: tuple[str, ...] = ("observation.image",)):
+    """Just the ``meta/info.json`` the recipe check reads (no frames)."""
+    import json
+
+    feats = {"observation.state": {"dtype": "float32", "shape": [state]}, "action": {"dtype": "float32", "shape": [action]}}
+    feats.update({c: {"dtype": "image", "shape": [16, 16, 3]} for c in cameras})
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / "info.json").write_text(json.dumps({"features": feats}))
+    return root
+
+
+def test_dataset_and_policy_mismatches_are_one_line_errors_at_recipe_check(tmp_path):
+    """A camera name the dataset lacks, or state / action dims over the policy's limits, are found when the recipe is
+    checked (they used to be a DataLoader worker's KeyError at the first batch, or a ValueError traceback at setup)."""
+    data = _fake_dataset(tmp_path / "ds", action=7, cameras=("observation.images.top", "observation.images.wrist"))
+    pusht = RECIPE.with_name("tiny_vla_pusht.yaml")
+    with pytest.raises(RecipeError, match=r"'observation.images.tpo' not among the cameras .*allowed: "
+                                          r"observation.images.top, observation.images.wrist") as e:
+        EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={data}", "data.cameras=[observation.images.tpo]"]))
+    assert e.value.key == "data.cameras"
+    EmbodiedBackend.check_recipe(load_recipe(pusht, [f"data.root={data}", "data.cameras=[observation.images.top]"]))
+    groot = RECIPE.with_name("tiny_groot_pusht.yaml")
+    with pytest.raises(RecipeError, match=r"max_action_dim 4.*action_dim 7") as e:
+        EmbodiedBackend.check_recipe(load_recipe(groot, [f"data.root={data}"]))
+    assert e.value.key == "model.arch"
+    EmbodiedBackend.check_recipe(load_recipe(groot, [f"data.root={data}", "model.arch={max_action_dim: 8}"]))
+
+
+def test_pi05_quantile_normalisation_without_quantile_statistics_is_a_setup_error(tmp_path):
+    """``quantile_norm: 1`` on statistics without q01/q99 (synthetic frames) is refused at job setup, naming the key,
+    instead of a ValueError inside the first batch's collate."""
+    from loongforge.api import build_job
+
+    pi05 = RECIPE.with_name("lerobot_pi05_tiny.yaml")
+    with pytest.raises(RecipeError, match=r"needs \['state_q01', 'state_q99'\]") as e:
+        build_job(load_recipe(pi05, ["model.arch.quantile_norm=1", "logging.console=false",
+                                     "logging.tensorboard=false"]), output_dir=tmp_path)
+    assert e.value.key == "model.arch.quantile_norm"

@@ -75,6 +75,10 @@ class EmbodiedBackend(Backend):
             from loongforge_embodied.data.record import check_root
 
             check_root(d.root)
+        if d.format == "lerobot":
+            from loongforge_embodied.policies import resolve_arch
+
+            resolve_arch(recipe.model, d)  # NOTE: the recorded dataset's cameras and dims against the policy
         if recipe.checkpoint.load:
             raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "
                               "OUTPUT/checkpoints; checkpoint.load is not used", key="checkpoint.load")

@@ -51,7 +51,8 @@ class EmbodiedJob(Job):
         # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
         rt.seed(t.seed)
         policy = get_policy(r.model.policy)
-        policy.check_data_pipeline(self.arch)  # e.g. the tokenizer loads here, not first in a DataLoader worker
+        # NOTE: e.g. the tokenizer loads and the statistics are checked here, not first in a DataLoader worker
+        policy.check_data_pipeline(self.arch, source.stats())
         raw = policy.model_cls()(self.arch)
         if r.model.load:
             self._load_initial(raw, policy, r.model.load)

@@ -70,12 +70,17 @@ class PolicySpec:
     def export(self) -> ModuleType:
         return self.module("export")
 
-    def check_data_pipeline(self, arch: Any) -> None:
-        """The processor's ``check_arch(arch)`` where it has one: what its workers will need, loaded once in the
-        main process so a problem is one clear error at setup."""
-        check = getattr(self.module(f"processor_{self.name}"), "check_arch", None)
+    def check_data_pipeline(self, arch: Any, stats: dict[str, Any] | None = None) -> None:
+        """The processor's ``check_arch(arch)`` and ``check_stats(arch, stats)`` where it has them: what its workers
+        will need, checked once in the main process so a problem is one clear error at setup (not a worker's
+        traceback at the first batch)."""
+        processor = self.module(f"processor_{self.name}")
+        check = getattr(processor, "check_arch", None)
         if check is not None:
             check(arch)
+        check = getattr(processor, "check_stats", None)
+        if check is not None and stats is not None:
+            check(arch, stats)
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -93,7 +98,14 @@ def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> PolicyAr
     """Preset + ``model.arch`` overrides + the dataset's shapes (state / action dims, camera count)."""
     arch = get_policy(model.policy).presets[model.preset].with_overrides(**model.arch)
     if data is not None and data.format == "lerobot":
-        arch = arch.with_overrides(**dataset_shapes(data))
+        shapes = dataset_shapes(data)
+        try:
+            arch = arch.with_overrides(**shapes)
+        except ValueError as exc:
+            from loongforge.errors import RecipeError
+
+            raise RecipeError(f"{exc}, with the dataset at '{data.root}' ({', '.join(f'{k} {v}' for k, v in shapes.items())})"
+                              f"; raise the preset's limits in model.arch or pick another preset", key="model.arch") from None
     return arch
 
 
@@ -103,6 +115,13 @@ def dataset_shapes(data: DataConfig) -> dict[str, Any]:
     if not info_path.is_file():
         return {}
     feats = json.loads(info_path.read_text())["features"]
-    cams = data.cameras or [k for k, f in feats.items() if f["dtype"] in ("image", "video")]
+    found = [k for k, f in feats.items() if f["dtype"] in ("image", "video")]
+    unknown = [c for c in data.cameras or [] if c not in found]
+    if unknown:
+        from loongforge.errors import RecipeError
+
+        raise RecipeError(f"{', '.join(map(repr, unknown))} not among the cameras of '{data.root}'; allowed: "
+                          f"{', '.join(found) or '(none)'}", key="data.cameras")
+    cams = data.cameras or found
     return {"state_dim": int(feats["observation.state"]["shape"][0]), "action_dim": int(feats["action"]["shape"][0]),
             "num_cameras": len(cams)}

@@ -59,6 +59,17 @@ def check_arch(arch: LeRobotPI05Arch) -> None:
         load_tokenizer(arch.tokenizer)
 
 
+def check_stats(arch: LeRobotPI05Arch, stats: dict) -> None:
+    """Run once at job setup: the dataset statistics hold what the normaliser needs (q01/q99 with
+    ``quantile_norm``, else mean/std)."""
+    from loongforge.errors import RecipeError
+
+    try:
+        _lerobot_stats(stats, quantiles=bool(arch.quantile_norm))
+    except ValueError as exc:
+        raise RecipeError(str(exc), key="model.arch.quantile_norm") from None
+
+
 @functools.cache
 def load_tokenizer(name: str):
     """A Hugging Face tokenizer from a local folder or the local hub cache (never the network); one per process."""
