@@ -1,6 +1,7 @@
 """Run a synthetic recipe for a few steps under each named strategy in this (torchrun) process group and write
 rank 0's losses as JSON. Used by the equivalence tests: ``torchrun --nproc-per-node N dist_driver.py OUT.json
-STEPS RECIPE strategy[:shard_size] ...`` (RECIPE: a file name under recipes/embodied/); ``losses`` also runs
+STEPS RECIPE strategy[:shard_size] ...`` (RECIPE: a file name under recipes/embodied/; OUT.json holds each
+spec's ``losses`` and the ``layouts`` of its first trainable weight); ``losses`` also runs
 the one-process reference inside the test process. Environment: ``DIST_DRIVER_BACKEND`` (default gloo; nccl for
 GPU runs) and ``DIST_DRIVER_OVERRIDES`` (more recipe overrides, space-separated)."""
 
@@ -17,9 +18,11 @@ import torch.distributed as dist
 RECIPES = Path(__file__).resolve().parents[3] / "recipes" / "embodied"
 
 
-def losses(recipe_name: str, spec: str, *, steps: int, extra: tuple[str, ...] = ()) -> list[float]:
+def losses(recipe_name: str, spec: str, *, steps: int, extra: tuple[str, ...] = (),
+           layout: dict | None = None) -> list[float]:
     """Losses of ``steps`` optimizer steps of ``recipe_name`` under ``spec`` (``strategy[:shard_size]``) in this
-    process group, or in a private one-process group when none is initialised."""
+    process group, or in a private one-process group when none is initialised. ``layout``: filled with how the
+    first trainable weight is held (mesh shape, dim names, placements; ``{}`` for a plain tensor)."""
     from loongforge.api import build_job, load_recipe
 
     strategy, _, shard = spec.partition(":")
@@ -31,6 +34,11 @@ def losses(recipe_name: str, spec: str, *, steps: int, extra: tuple[str, ...] = 
     with tempfile.TemporaryDirectory() as tmp:
         job, _ = build_job(recipe, output_dir=tmp)
         try:
+            if layout is not None:
+                p = next(p for p in job.model.raw.parameters() if p.requires_grad)
+                if hasattr(p, "device_mesh"):
+                    layout.update(mesh=list(p.device_mesh.shape), names=list(p.device_mesh.mesh_dim_names or ()),
+                                  placements=[str(x) for x in p.placements])
             return [job.step()["loss"] for _ in range(steps)]
         finally:
             job.close()
@@ -46,9 +54,11 @@ def main(out: str, steps: str, recipe_name: str, *strategies: str) -> None:
         torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(backend)
     extra = tuple(os.environ.get("DIST_DRIVER_OVERRIDES", "").split())
-    results = {spec: losses(recipe_name, spec, steps=int(steps), extra=extra) for spec in strategies}
+    layouts: dict[str, dict] = {spec: {} for spec in strategies}
+    results = {spec: losses(recipe_name, spec, steps=int(steps), extra=extra, layout=layouts[spec])
+               for spec in strategies}
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"losses": results, "layouts": layouts}))
     dist.barrier()
     dist.destroy_process_group()
 

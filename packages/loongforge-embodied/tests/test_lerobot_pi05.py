@@ -325,7 +325,7 @@ def test_ddp_and_fsdp2_match_single_process(tmp_path, env):
            str(driver), str(out), "3", "lerobot_pi05_tiny.yaml", "ddp", "fsdp2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # the deadlock watchdog
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for strategy, losses in json.loads(out.read_text()).items():
+    for strategy, losses in json.loads(out.read_text())["losses"].items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)
 
 

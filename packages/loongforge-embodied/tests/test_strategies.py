@@ -37,6 +37,15 @@ def _run(nproc: int, out: Path, env: dict, recipe: str, specs: list[str]) -> dic
     return json.loads(out.read_text())
 
 
+# NOTE: how each strategy holds a weight on 2 ranks: equal losses alone would not tell hsdp's 2x1 mesh (replicate
+# over 2, shard over 1) from ddp or a 1-D fsdp2 mesh.
+LAYOUTS = {
+    "ddp": {}, "zero1": {},
+    "fsdp2": {"mesh": [2], "names": ["dp"], "placements": ["S(0)"]},
+    "hsdp:1": {"mesh": [2, 1], "names": ["replicate", "shard"], "placements": ["R", "S(0)"]},
+}
+
+
 def _single_process(recipe: str) -> list[float]:
     """The one-process reference, run in this process (saves a process start: imports dominate on CPU)."""
     spec = importlib.util.spec_from_file_location("dist_driver", DRIVER)
@@ -56,4 +65,5 @@ def test_strategies_match_single_process(recipe, tmp_path, env):
     single = _single_process(recipe)
     multi = _run(2, tmp_path / "two.json", env, recipe, CASES[recipe])
     for spec in CASES[recipe]:
-        assert multi[spec] == pytest.approx(single, rel=RTOL), f"{spec}: {multi[spec]} vs single {single}"
+        assert multi["losses"][spec] == pytest.approx(single, rel=RTOL), f"{spec}: {multi['losses'][spec]} vs {single}"
+        assert multi["layouts"][spec] == LAYOUTS[spec], spec
