@@ -14,13 +14,14 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from loongforge.backend import Job, get_backend
-from loongforge.errors import LoongForgeError
+from loongforge.errors import LaunchError, LoongForgeError
 from loongforge.launcher import LaunchConfig, launch
 from loongforge.recipe import Recipe, dump_recipe, load_recipe
 from loongforge.runtime import Runtime
@@ -44,6 +45,17 @@ def validate_for(recipe: Recipe, *, world_size: int, file: str | Path | None = N
 def default_output_dir(recipe_path: str | Path | None) -> Path:
     stem = Path(recipe_path).stem if recipe_path else "run"
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _check_output_dir(out: Path) -> None:
+    """The run directory exists or can be made, as a directory (one line naming it, not an internal error later)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        what = "is a file" if out.is_file() else f"cannot be created ({exc.strerror or exc})"
+        raise LoongForgeError(f"--output '{out}' {what}; give a run directory that can be written") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise LoongForgeError(f"--output '{out}' is not writable; give a run directory that can be written")
 
 
 def write_run_recipe(recipe: Recipe, output_dir: str | Path, *, name: str = "recipe.yaml") -> Path:
@@ -94,8 +106,10 @@ def train(
         raise LoongForgeError("overrides apply to recipe files; pass a path or override the Recipe object")
     out = Path(output_dir) if output_dir else default_output_dir(path)
     config = launch_config or LaunchConfig(nproc=recipe.parallel.min_world_size())
-    world = config.nproc * (int(config.nnodes) if str(config.nnodes).isdigit() else 1)
+    config.check()
+    world = config.nproc * config.min_nodes
     validate_for(recipe, world_size=world, file=path)
+    _check_output_dir(out)
     if config.single_process or str(config.nnodes) == "1":
         # fail here with one line (not once per worker) when the device or its runtime is missing
         from loongforge.accelerator import get_accelerator
@@ -108,5 +122,6 @@ def train(
         stale.unlink(missing_ok=True)
     code = launch(config, recipe_file=recipe_file, output_dir=out)
     if code != 0:
-        raise LoongForgeError(f"training failed on one of {world} processes (exit code {code}); see the messages above")
+        raise LaunchError(f"training failed on one of {world} processes (exit code {code}); see the messages above",
+                          exit_code=code)
     return {"output_dir": str(out)}

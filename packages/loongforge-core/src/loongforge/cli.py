@@ -84,7 +84,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from loongforge.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    nproc = args.nproc or recipe.parallel.min_world_size()
+    nproc = args.nproc if args.nproc is not None else recipe.parallel.min_world_size()
     config = LaunchConfig(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                           rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
     out = Path(args.output) if args.output else default_output_dir(args.recipe)
@@ -98,7 +98,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from loongforge.recipe import dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    world = args.world_size or recipe.parallel.min_world_size()
+    world = args.world_size if args.world_size is not None else recipe.parallel.min_world_size()
+    if world < 1:
+        raise LoongForgeError(f"--world-size must be at least 1 (got {world})")
     validate_for(recipe, world_size=world, file=args.recipe)
     if args.show:
         sys.stdout.write(dump_recipe(recipe))
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except LoongForgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -35,6 +35,15 @@ class ParallelPlanError(LoongForgeError):
     """A parallel layout is impossible for the world size or the model; the message shows the arithmetic."""
 
 
+class LaunchError(LoongForgeError):
+    """A launched multi-process run failed; the CLI exits with the failing worker's code (``exit_code``: 2 for a
+    worker's user error, 128 + N for a rank killed by signal N), so a scheduler can tell a crash from bad input."""
+
+    def __init__(self, message: str, *, exit_code: int):
+        self.exit_code = exit_code
+        super().__init__(message)
+
+
 class CheckpointError(LoongForgeError):
     """A checkpoint is missing, incomplete, or does not match the model."""
 

@@ -1,6 +1,6 @@
 """Run a recipe: in this process for one process, through torch.distributed's elastic launcher otherwise.
 
-NOTE: no home-made launcher. For N > 1 (or several nodes) we exec ``python -m loongforge.launcher``: torch's own
+NOTE: no home-made launcher. For N > 1 (or several nodes) we run ``python -m loongforge.launcher``: torch's own
 ``torchrun`` (``torch.distributed.run``: its argument parser and ``run``, with the flags PyTorch users know —
 rendezvous, restarts) — whose only addition is that a failed worker ends it with the worker's exit code instead of
 a ``ChildFailedError`` traceback (the worker already printed its one-line error). Workers run
@@ -10,6 +10,7 @@ a ``ChildFailedError`` traceback (the worker already printed its one-line error)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -35,13 +36,25 @@ class LaunchConfig:
     def single_process(self) -> bool:
         return self.nproc == 1 and str(self.nnodes) == "1"
 
+    def check(self) -> None:
+        """One-line errors for values torchrun would meet with a traceback (or take silently)."""
+        if self.nproc < 1:
+            raise LoongForgeError(f"--nproc must be at least 1 (got {self.nproc})")
+        if self.max_restarts < 0:
+            raise LoongForgeError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
+        parts = str(self.nnodes).split(":")
+        if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+            raise LoongForgeError(f"--nnodes must be a number of nodes (>= 1) or MIN:MAX with 1 <= MIN <= MAX "
+                                  f"(got '{self.nnodes}')")
+
+    @property
+    def min_nodes(self) -> int:
+        return int(str(self.nnodes).split(":")[0])
+
 
 def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> list[str]:
     """The ``python -m loongforge.launcher ...`` (torchrun's arguments) command line for ``config``."""
-    if config.nproc < 1:
-        raise LoongForgeError(f"--nproc must be at least 1 (got {config.nproc})")
-    if config.max_restarts < 0:
-        raise LoongForgeError(f"--max-restarts must be 0 or more (got {config.max_restarts})")
+    config.check()
     cmd = [sys.executable, "-m", "loongforge.launcher", f"--nproc-per-node={config.nproc}", f"--nnodes={config.nnodes}"]
     if config.rdzv_endpoint:
         cmd += [
@@ -69,8 +82,33 @@ def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, config.nproc))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["LOONGFORGE_LAUNCHED"] = "1"
-    proc = subprocess.run(torchrun_command(config, recipe_file=recipe_file, output_dir=output_dir), env=env)
-    return proc.returncode
+    # NOTE: the launcher runs in its own session, and SIGTERM / SIGINT / SIGHUP sent to us are passed on to it:
+    # torchrun then stops its workers and exits. Killed without that (subprocess.run's SIGKILL after a
+    # KeyboardInterrupt, or our own death on SIGTERM), it would leave the workers running, holding the devices. A
+    # terminal's Ctrl-C reaches us only (another session), so the launcher gets it once.
+    proc = subprocess.Popen(torchrun_command(config, recipe_file=recipe_file, output_dir=output_dir), env=env,
+                            start_new_session=True, preexec_fn=_stop_with_parent)
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+        except ValueError:  # NOTE: not the main thread: signals are not ours to handle
+            break
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _stop_with_parent() -> None:
+    """In the launcher's child, before exec: SIGTERM when we die, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), so
+    the launcher, in its own session, still stops its workers."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # NOTE: 1 = PR_SET_PDEATHSIG
 
 
 def _torchrun(argv: list[str]) -> int:
@@ -86,8 +124,6 @@ def _torchrun(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
-        import signal
-
         failures = sorted(exc.failures.items())
         codes = [f.exitcode if isinstance(f.exitcode, int) else 1 for _, f in failures]
         if any(c > 0 for c in codes):

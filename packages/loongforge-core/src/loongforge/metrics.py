@@ -34,6 +34,25 @@ def is_logged_step(step: int, interval: int, total_steps: int | None) -> bool:
     return step % interval == 0 or step == total_steps or step == 1
 
 
+def _drop_partial_last_line(path: Path) -> None:
+    """Cut ``path`` back to its last complete line (``read_metrics`` skips a partial last line; a resumed run must
+    not append after it)."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        back = min(size, 1 << 20)
+        f.seek(size - back)
+        tail = f.read(back)
+        cut = tail.rfind(b"\n")
+        f.truncate(size - back + cut + 1 if cut >= 0 else (0 if back == size else size))
+
+
 class MetricsLogger:
     """Writes metrics of logged steps. Disabled (a no-op) on non-zero ranks."""
 
@@ -51,7 +70,9 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if getattr(config, "jsonl", True):
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+            path = self.run_dir / "metrics.jsonl"
+            _drop_partial_last_line(path)  # NOTE: a crash mid-write; appending would glue the next record onto it
+            self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if getattr(config, "tensorboard", True):
             try:
                 from torch.utils.tensorboard import SummaryWriter

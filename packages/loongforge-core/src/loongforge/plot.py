@@ -34,6 +34,12 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     fig.suptitle(Path(run_dir).name)
     fig.tight_layout()
     out = Path(output) if output else Path(run_dir) / "plot.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as exc:
+        from loongforge.errors import LoongForgeError
+
+        raise LoongForgeError(f"--output '{out}': cannot write the plot ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
     return out

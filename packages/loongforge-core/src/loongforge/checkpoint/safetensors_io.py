@@ -282,14 +282,19 @@ class ShardedSafetensorsWriter:
 
     def abort(self) -> None:
         for f in self._files:
-            f._file.close()
+            if not f._file.closed:
+                f._file.close()
         shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def __enter__(self) -> ShardedSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()  # NOTE: a failed commit (a tensor never written) leaves no staging dir or open shards
+            raise

@@ -44,7 +44,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError("file not found", file=str(path))
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"not UTF-8 text (byte {exc.start}); save the recipe as UTF-8", file=str(path)) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -197,6 +201,11 @@ def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_sc
     With ``backend_schemas`` (the default) the backend named by ``backend`` must be installed: its ``model``
     and ``data`` schemas validate those sections.
     """
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        # NOTE: YAML reads 1:, null:, yes: / on: (True) as non-string keys
+        raise RecipeError(f"section names are strings; {odd[0]!r} is a {type(odd[0]).__name__} (quote it, or fix "
+                          f"the indentation); allowed sections: {', '.join(SECTIONS)}", key=str(odd[0]), file=file)
     unknown = [k for k in data if k not in SECTIONS and k != "description"]
     if unknown:
         close = difflib.get_close_matches(unknown[0], SECTIONS, n=1)

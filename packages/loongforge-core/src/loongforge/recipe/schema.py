@@ -171,6 +171,10 @@ class AcceleratorConfig(Section):
     @classmethod
     def _stringify(cls, v: Any) -> Any:
         if isinstance(v, dict):
+            blank = [k for k, x in v.items() if x is None]
+            if blank:
+                # NOTE: str(None) would export the literal "None" into the environment
+                raise ValueError(f"{blank[0]} has no value: give one (quote an empty string as '')")
             return {k: (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()}
         return v
 
