@@ -55,6 +55,33 @@ def _split_of(saved: dict[str, Any], num_layers: int) -> list[list[int]] | None:
         return None
 
 
+def _optimizer_shards(optimizer: Any) -> list[dict[str, Any]]:
+    """The distributed optimizer's own shards on this rank: each inner torch optimizer's state (Adam moments,
+    step) and its fp32 main weights. ``DistributedOptimizer.state_dict()`` leaves them out (megatron expects a
+    separate parameter-state save, whose loader cannot take torch AdamW's per-parameter ``step``); the resume
+    layout equals the saved one (``source_rank``), so every rank's shards are its own again."""
+    from loongforge_megatron.engine.optimizer import inner_optimizers
+
+    return [{"state": opt.state_dict(), "main": [p.detach().clone() for g in opt.param_groups for p in g["params"]]}
+            for opt in inner_optimizers(optimizer)]
+
+
+def _load_optimizer_shards(optimizer: Any, shards: list[dict[str, Any]] | None, path: Path) -> None:
+    from loongforge_megatron.engine.optimizer import inner_optimizers
+
+    inners = inner_optimizers(optimizer)
+    if shards is None or len(shards) != len(inners):
+        raise CheckpointError(f"{path} was saved without the distributed optimizer's fp32 weights and Adam state (an "
+                              "older LoongForge), so it cannot resume exactly; use another --output, or "
+                              "checkpoint.resume=never with checkpoint.load of an HF export")
+    with torch.no_grad():
+        for opt, saved in zip(inners, shards, strict=True):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for p, value in zip(params, saved["main"], strict=True):
+                p.copy_(value)  # NOTE: in bf16 the model's weights are their rounding; these are the real ones
+            opt.load_state_dict(saved["state"])
+
+
 def _coords() -> dict[str, int]:
     """This rank's place in every parallel group (what it holds is a function of all but ``dp``)."""
     from megatron.core import parallel_state as mpu
@@ -142,6 +169,7 @@ class Checkpointer:
             "scheduler": job.scheduler.state_dict(),
             "rng": _rng_state(job),
             **({"ema": job.ema.state_dict()} if job.ema is not None else {}),
+            **({"optimizer_shards": _optimizer_shards(job.optimizer)} if job.plan.distributed_optimizer else {}),
             **({"router_load": {"tokens_per_expert": job.router_load.total.clone(), "first_step": job._router_first_step}}
                if job.router_load is not None else {}),
         }
@@ -210,6 +238,8 @@ class Checkpointer:
                 raise CheckpointError(f"{path} does not match this recipe's model ({detail[:300]}); use another "
                                       "--output, or checkpoint.resume=never") from None
         self.job.optimizer.load_state_dict(state["optimizer"])
+        if layout["distributed_optimizer"]:
+            _load_optimizer_shards(self.job.optimizer, state.get("optimizer_shards"), path)
         self.job.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(self.job, state["rng"])
         if self.job.ema is not None:
