@@ -81,9 +81,32 @@ class MegatronBackend(Backend):
         elif recipe.data.format == "llava":
             raise RecipeError("data.format llava (image-text conversations) needs a LLaVA model (e.g. model.preset "
                               "llava-tiny or model.hf of a LLaVA checkpoint)", key="data.format")
+        self._check_llm(recipe, plan, arch)
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+
+    @staticmethod
+    def _check_llm(recipe: Recipe, plan: Any, arch: Any) -> None:
+        """Settings megatron or the HF mapping would only refuse mid-run (or get silently wrong)."""
+        if arch.qkv_bias and arch.family in ("llama", "qwen3", "qwen3_moe"):
+            # NOTE: megatron's add_qkv_bias biases q/k/v only; HF's attention_bias for these families also biases
+            # o_proj, so the export would drop (qwen3) or refuse (llama) the trained biases
+            raise RecipeError(f"q/k/v-only biases have no HF layout for {arch.family} (its attention_bias also biases "
+                              "o_proj); leave qkv_bias unset, or use a qwen2 model", key="model.qkv_bias")
+        if arch.is_moe and plan.tp > 1 and not plan.sp:
+            raise RecipeError(f"MoE layers under tensor parallelism (tp {plan.tp}) need sequence parallelism (megatron "
+                              "refuses at the first forward): set parallel.sp true", key="parallel.sp")
+        lora = recipe.train.lora if recipe.train.stage == "lora" else None
+        if lora is not None and arch.is_moe and plan.ep > 1 and {"fc1", "fc2"} & set(lora.targets):
+            # NOTE: the adapters' gradients would be averaged over the dense data-parallel group, which spans expert
+            # ranks holding different experts: one adapter shared by different experts
+            raise RecipeError(f"LoRA on MoE expert MLPs (fc1 / fc2) under expert parallelism (ep {plan.ep}) is not "
+                              "supported; use train.lora.targets [qkv, proj], or ep 1", key="train.lora.targets")
+        if arch.is_moe and plan.ep > 1 and plan.etp < plan.tp and "hf" in recipe.checkpoint.save_format:
+            raise RecipeError(f"the HF export cannot yet gather experts laid out with etp {plan.etp} < tp {plan.tp} and "
+                              f"ep {plan.ep} (expert and tensor ranks share devices); save dist only, or use etp = tp",
+                              key="checkpoint.save_format")
 
     @staticmethod
     def _check_components(recipe: Recipe, plan: Any, arch: Any) -> None:

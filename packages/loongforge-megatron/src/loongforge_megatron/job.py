@@ -1,7 +1,7 @@
 """The megatron training job: builds model, data and optimizer for this rank and runs the step loop.
 
 The loop itself is megatron-core's (``engine.train_step`` wraps ``get_forward_backward_func``); this module only
-wires the recipe to it: device adaptations, initial weights (HF or LoongForge checkpoint), LoRA, resume,
+wires the recipe to it: device adaptations, initial weights (an HF directory), LoRA, resume,
 metrics, checkpoints and the HF export.
 """
 
@@ -99,10 +99,12 @@ class MegatronJob(Job):
             eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.precision == "bf16", fp16=self.precision == "fp16",
             use_distributed_optimizer=plan.distributed_optimizer, optimizer="adam" if t.optimizer == "adamw" else "sgd",
         )
+        decay_steps = t.decay_steps or t.steps
         self.scheduler = engine.build_scheduler(
-            self.optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, decay_steps=t.decay_steps or t.steps,
-            decay_style=t.lr_schedule, global_batch_size=t.global_batch_size, weight_decay=t.weight_decay,
-            wsd_decay_steps=t.wsd_decay_steps,
+            self.optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, decay_steps=decay_steps,
+            # NOTE: megatron spells it "WSD"; the final decay defaults to a tenth of the schedule (as embodied's)
+            decay_style="WSD" if t.lr_schedule == "wsd" else t.lr_schedule, global_batch_size=t.global_batch_size,
+            weight_decay=t.weight_decay, wsd_decay_steps=t.wsd_decay_steps or max(1, decay_steps // 10),
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         num_valid = (t.steps // t.eval_interval + 1) * t.eval_steps * t.global_batch_size if t.eval_interval else None
@@ -306,14 +308,16 @@ class MegatronJob(Job):
         return load_tokenizer(path)
 
     def _load_initial(self, path: str) -> None:
-        """Initial weights from an HF directory (each rank reads only its shards) or a LoongForge checkpoint."""
+        """Initial weights from an HF directory (each rank reads only its shards)."""
         from loongforge_megatron.hf_io import load_hf_into
 
         src = Path(path)
         if (src / "config.json").is_file():
             load_hf_into(self, src)
         else:
-            raise CheckpointError(f"checkpoint.load '{path}' is not an HF model directory (no config.json)")
+            raise CheckpointError(f"checkpoint.load '{path}' is not an HF model directory (no config.json); a run's "
+                                  "own checkpoints resume with the same --output, other megatron checkpoints load "
+                                  "after `loongforge convert SRC DST --to hf`")
 
     # ------------------------------------------------------------------ running
     def step(self) -> dict[str, float]:

@@ -148,9 +148,10 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Where weights come from and how the run saves. ``load`` is an HF directory or a LoongForge checkpoint."""
+    """Where weights come from and how the run saves. ``load`` is an HF model directory (a run's own checkpoints
+    resume through ``resume``; the embodied backend starts from ``model.load`` instead)."""
 
-    load: str | None = Field(None, description="HF model dir or LoongForge checkpoint to start from")
+    load: str | None = Field(None, description="HF model dir to start from (e.g. a run's OUTPUT/hf export)")
     resume: Literal["auto", "never"] = Field("auto", description="auto: resume from OUTPUT/checkpoints/latest if present")
     save_interval: int | None = Field(None, ge=1, description="steps between checkpoints (default: only at the end)")
     save_format: list[Literal["dist", "hf", "peft"]] = Field(
