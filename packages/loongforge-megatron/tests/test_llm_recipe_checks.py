@@ -52,3 +52,14 @@ def test_wsd_schedule_runs(tmp_path):
         job.close()
         runtime.logger.close()
     assert lrs[0] == 0 and lrs[1:19] == pytest.approx([0.001] * 18) and 0.0001 < lrs[19] < 0.001, lrs
+
+
+def test_unsupported_rope_scaling_in_an_hf_config_is_refused(tmp_path, tiny_hf, capsys):
+    """A DeepSeek-V3 config with YaRN scaling used to train with plain RoPE, silently (the first-step loss equalled
+    the unscaled model's); it is refused, naming the file and the type, until YaRN is wired through."""
+    yarn = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=yarn)
+    assert main(["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null", f"model.hf={hf}"]) == 2
+    err = capsys.readouterr().err
+    assert "rope_scaling type 'yarn' is not supported" in err and str(hf) in err and "key 'model.hf'" in err, err

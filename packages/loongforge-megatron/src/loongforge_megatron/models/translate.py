@@ -99,7 +99,13 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_std=cfg.get("initializer_range", 0.02),
     )
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in (None, "default", "llama3"):
+        # NOTE: training with plain RoPE instead (what this used to do) silently changes the model: YaRN also scales
+        # the attention logits (mscale); linear / dynamic scale the positions
+        raise RecipeError(f"{path}: rope_scaling type '{kind}' is not supported by the megatron backend yet "
+                          "(supported: llama3, or none)", key="model.hf")
+    if kind == "llama3":
         fields["rope_scaling_factor"] = float(scaling["factor"])
         fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
     if family == "llama":
