@@ -166,3 +166,22 @@ def test_a_signal_to_the_cli_stops_the_launcher(tmp_path, how):
     assert Path(f"{out}.stopped").read_text() == ("SIGTERM" if how == "SIGKILL" else how)
     if how != "SIGKILL":
         assert parent.returncode == 0  # NOTE: the launcher's own exit code once it stopped cleanly
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals: Linux")
+def test_a_stopped_launcher_ends_with_one_line_and_the_signal_code(tmp_path):
+    """torchrun raises ``SignalException`` when it is stopped; ours stops the workers, says so in one line and exits
+    128 + the signal (no traceback)."""
+    script = tmp_path / "worker.py"
+    script.write_text("import time\nopen(__file__ + '.up', 'w').write('1')\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "loongforge.launcher", "--standalone", "--nproc-per-node=1",
+                             "--monitor-interval=0.1", str(script)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 60
+    while not Path(f"{script}.up").is_file() and time.time() < deadline:
+        time.sleep(0.05)
+    assert Path(f"{script}.up").is_file(), "the worker never started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err and "error: training stopped by SIGTERM" in err, err[-2000:]

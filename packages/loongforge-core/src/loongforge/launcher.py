@@ -115,6 +115,7 @@ def _torchrun(argv: list[str]) -> int:
     """torchrun on ``argv``; a failed worker gives its exit code (its error is already on stderr), no traceback."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -123,6 +124,9 @@ def _torchrun(argv: list[str]) -> int:
 
     try:
         run(parse_args(argv))
+    except SignalException as exc:  # NOTE: stopped (SIGTERM / SIGINT ...): torchrun already stopped its workers
+        sys.stderr.write(f"error: training stopped by {signal.Signals(exc.sigval).name}\n")
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         failures = sorted(exc.failures.items())
         codes = [f.exitcode if isinstance(f.exitcode, int) else 1 for _, f in failures]
