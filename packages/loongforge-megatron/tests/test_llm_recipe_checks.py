@@ -54,12 +54,42 @@ def test_wsd_schedule_runs(tmp_path):
     assert lrs[0] == 0 and lrs[1:19] == pytest.approx([0.001] * 18) and 0.0001 < lrs[19] < 0.001, lrs
 
 
-def test_unsupported_rope_scaling_in_an_hf_config_is_refused(tmp_path, tiny_hf, capsys):
-    """A DeepSeek-V3 config with YaRN scaling used to train with plain RoPE, silently (the first-step loss equalled
-    the unscaled model's); it is refused, naming the file and the type, until YaRN is wired through."""
-    yarn = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=yarn)
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_rope_scaling_without_a_megatron_equivalent_is_refused(tmp_path, tiny_hf, capsys):
+    """YaRN outside MLA (or linear / dynamic scaling) used to train with plain RoPE, silently; it is refused,
+    naming the file and the type."""
+    hf = tiny_hf("qwen3", tmp_path / "q", rope_scaling=YARN)
     assert main(["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null", f"model.hf={hf}"]) == 2
     err = capsys.readouterr().err
     assert "rope_scaling type 'yarn' is not supported" in err and str(hf) in err and "key 'model.hf'" in err, err
+
+
+def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss):
+    """DeepSeek-V3's YaRN (frequencies, and mscale on the softmax scale) goes to megatron's MLA: the first-step loss
+    equals transformers' with YaRN, which differs from the unscaled model's (so plain RoPE would fail here), and
+    the export writes the scaling back."""
+    import torch
+    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+
+    hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=YARN)
+    plain = tiny_hf("deepseek_v3", tmp_path / "plain")
+    recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
+        "model.preset=null", f"model.hf={hf}", f"checkpoint.load={hf}", "train.stage=cpt", "data.format=synthetic",
+        "data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.precision=fp32",
+        "train.seed=7", "train.steps=2", "checkpoint.save_at_end=false", "accelerator=cpu", "logging.console=false",
+        "logging.tensorboard=false"])
+    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        ours = job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+    ref, unscaled = reference_loss(hf, batches), reference_loss(plain, batches)
+    assert abs(ref - unscaled) > 5e-6 * abs(ref), (ref, unscaled)
+    assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)
+    written = hf_config(arch_from_hf(hf), torch_dtype="float32")["rope_scaling"]
+    assert written["rope_type"] == "yarn" and written["factor"] == 40.0 and written["mscale_all_dim"] == 1.0

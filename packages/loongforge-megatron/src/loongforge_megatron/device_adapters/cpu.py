@@ -46,6 +46,8 @@ CUDA_LITERAL_MODULES: dict[str, tuple[str, ...]] = {
     "megatron.core.tensor_parallel.layers": ("device=torch.cuda.current_device()",),
     # inv_freq moved to the "current" CUDA device on first forward
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch.cuda.current_device()",),
+    # MLA's YaRN tables built on the "current" CUDA device when not use_cpu_initialization
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": ("torch.cuda.current_device()",),
     # DDP's contiguous param / grad buffers
     "megatron.core.distributed.param_and_grad_buffer": ("device=torch.cuda.current_device()",),
     # grad-norm accumulators and the multi-tensor-applier overflow buffer

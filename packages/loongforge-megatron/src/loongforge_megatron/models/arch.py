@@ -31,6 +31,9 @@ class Arch(BaseModel):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
     rope_original_max_position: int | None = Field(None, ge=1)
+    rope_yarn: dict[str, float] | None = Field(
+        None, description="MLA models: YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, "
+        "mscale, mscale_all_dim), as DeepSeek-V3's rope_scaling")
     norm_eps: float = Field(1e-5, gt=0)
     qkv_bias: bool = False
     qk_norm: bool = False

@@ -76,6 +76,11 @@ def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
     return arch.model_copy(update={"vision": {"vision_config": vision, **extra}})
 
 
+# HF DeepSeek's YaRN defaults (modeling_deepseek_v3 / transformers' _compute_yarn_parameters)
+YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                 "mscale_all_dim": 0.0}
+
+
 def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     model_type = cfg.get("model_type")
     family = HF_MODEL_TYPES.get(model_type)
@@ -100,7 +105,11 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
         init_std=cfg.get("initializer_range", 0.02),
     )
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind not in (None, "default", "llama3"):
+    if kind == "yarn" and family == "deepseek_v3":
+        # NOTE: megatron's MLA has HF DeepSeek's YaRN (frequencies and the softmax-scale / cos-sin mscale)
+        fields["rope_yarn"] = {k: float(scaling.get(k, d)) for k, d in YARN_DEFAULTS.items()}
+        fields["rope_yarn"]["factor"] = float(scaling["factor"])
+    elif kind not in (None, "default", "llama3"):
         # NOTE: training with plain RoPE instead (what this used to do) silently changes the model: YaRN also scales
         # the attention logits (mscale); linear / dynamic scale the positions
         raise RecipeError(f"{path}: rope_scaling type '{kind}' is not supported by the megatron backend yet "
@@ -171,6 +180,10 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
         torch_dtype=torch_dtype,
         use_cache=True,
     )
+    if arch.rope_yarn:
+        y = arch.rope_yarn
+        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **y,
+                               "original_max_position_embeddings": int(y["original_max_position_embeddings"])}
     if arch.rope_scaling_factor:
         cfg["rope_scaling"] = dict(rope_type="llama3", factor=arch.rope_scaling_factor, low_freq_factor=1.0,
                                    high_freq_factor=4.0, original_max_position_embeddings=arch.rope_original_max_position or 8192)
@@ -280,6 +293,11 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
             mscale=1.0,
             mscale_all_dim=0.0,
         )
+        if arch.rope_yarn:
+            y = arch.rope_yarn
+            kw.update(rope_type="yarn", rotary_scaling_factor=y["factor"], mscale=y["mscale"],
+                      mscale_all_dim=y["mscale_all_dim"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
+                      original_max_position_embeddings=int(y["original_max_position_embeddings"]))
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
