@@ -22,6 +22,8 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny"
     ("qwen3_moe_tiny.yaml", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "parallel.etp=1",
                              "checkpoint.save_format=[dist,hf]", "--world-size", "2"], "checkpoint.save_format",
      "cannot yet gather experts laid out with etp 1 < tp 2"),
+    ("llama_tiny.yaml", ["kernels.spec=te", "checkpoint.save_format=[dist,hf]"], "kernels.spec",
+     "kernels.spec te cannot be used with an HF / PEFT export"),
 ])
 def test_refused_at_validate(capsys, recipe, args, key, message):
     assert main(["validate", str(TINY / recipe), *args]) == 2
@@ -93,3 +95,19 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
     assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)
     written = hf_config(arch_from_hf(hf), torch_dtype="float32")["rope_scaling"]
     assert written["rope_type"] == "yarn" and written["factor"] == 40.0 and written["mscale_all_dim"] == 1.0
+
+
+def test_auto_spec_keeps_our_layer_names_where_hf_weights_or_packed_sft_need_them(monkeypatch):
+    """``kernels.spec: auto`` picks TransformerEngine only when it is installed and the recipe neither loads nor
+    exports HF weights nor packs SFT sequences (TE is not installable here: its import is faked)."""
+    import sys
+    import types
+
+    from loongforge_megatron.job import MegatronJob
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    job = MegatronJob.__new__(MegatronJob)
+    for over, spec in ((["checkpoint.save_format=[dist]"], "te"), (["checkpoint.save_format=[dist,hf]"], "loongforge"),
+                       (["checkpoint.load=/some/hf"], "loongforge")):
+        job.recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.spec=auto", *over])
+        assert job._spec_name() == spec, over

@@ -21,6 +21,15 @@ def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
     return "No CUDA runtime is found" not in record.getMessage()
 
 
+def te_incompatible(recipe: Recipe) -> str:
+    """What in ``recipe`` needs the local / loongforge layer names or masks ("" when TransformerEngine's spec fits)."""
+    c = recipe.checkpoint
+    needs = [what for what, on in (("checkpoint.load (HF weights)", bool(c.load)),
+                                   ("an HF / PEFT export", bool({"hf", "peft"} & set(c.save_format))),
+                                   ("data.format sft (packed sequences)", recipe.data.format == "sft")) if on]
+    return ", ".join(needs)
+
+
 class MegatronBackend(Backend):
     """Pretrain / CPT / SFT / LoRA of decoder-only LMs, LLaVA VLMs and class-conditional DiTs with megatron-core's
     models / layers, schedules, DDP and optimizer."""
@@ -103,6 +112,11 @@ class MegatronBackend(Backend):
             # ranks holding different experts: one adapter shared by different experts
             raise RecipeError(f"LoRA on MoE expert MLPs (fc1 / fc2) under expert parallelism (ep {plan.ep}) is not "
                               "supported; use train.lora.targets [qkv, proj], or ep 1", key="train.lora.targets")
+        te_needs = te_incompatible(recipe)
+        if recipe.kernels.spec == "te" and te_needs:
+            raise RecipeError(f"kernels.spec te cannot be used with {te_needs}: TransformerEngine's layers fold the norms "
+                              "into the linears (other parameter names than the HF mappings know) and its causal "
+                              "attention ignores packed-sequence masks; use kernels.spec loongforge", key="kernels.spec")
         if arch.is_moe and plan.ep > 1 and plan.etp < plan.tp and "hf" in recipe.checkpoint.save_format:
             raise RecipeError(f"the HF export cannot yet gather experts laid out with etp {plan.etp} < tp {plan.tp} and "
                               f"ep {plan.ep} (expert and tensor ranks share devices); save dist only, or use etp = tp",

@@ -244,10 +244,15 @@ class MegatronJob(Job):
             self.lora = apply_lora(chunks, recipe.train.lora, seed=recipe.train.seed)
 
     def _spec_name(self) -> str:
-        """auto: TransformerEngine's spec when TE is installed, else ours (SDPA + fused kernels)."""
+        """auto: TransformerEngine's spec when TE is installed and the recipe neither loads / exports HF weights nor
+        packs SFT sequences (``backend.te_incompatible``), else ours (SDPA + fused kernels)."""
+        from loongforge_megatron.backend import te_incompatible
+
         spec = self.recipe.kernels.spec
         if spec != "auto":
             return spec
+        if te_incompatible(self.recipe):
+            return "loongforge"
         try:
             import transformer_engine  # noqa: F401
 
