@@ -185,3 +185,18 @@ def test_a_stopped_launcher_ends_with_one_line_and_the_signal_code(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err and "error: training stopped by SIGTERM" in err, err[-2000:]
+
+
+def test_an_error_in_an_extended_recipe_names_that_file(tmp_path, toy_backend):
+    """A bad key inherited through ``extends:`` is reported in the file that sets it (where the fix goes); a key
+    the child sets, or an override, still names the child."""
+    parent = _recipe(tmp_path, TOY.replace("steps: 2", "stpes: 2"), name="_parent.yaml")
+    child = _recipe(tmp_path, "extends: _parent.yaml\nmodel: {width: 4}\n", name="child.yaml")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(child)
+    assert e.value.key == "train.stpes" and str(e.value).startswith(f"{parent} (extended by {child}): key 'train.stpes'")
+    _recipe(tmp_path, TOY, name="_parent.yaml")
+    bad_child = _recipe(tmp_path, "extends: _parent.yaml\nmodel: {width: 0}\n", name="child.yaml")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(bad_child)
+    assert e.value.file == str(bad_child) and e.value.key == "model.width"

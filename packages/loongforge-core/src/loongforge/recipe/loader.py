@@ -266,7 +266,41 @@ def _refuse_unused(recipe: Recipe, unused: dict[str, str], *, backend: str) -> N
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, backend_schemas: bool = True) -> Recipe:
     """Load a recipe file with ``extends:`` and overrides, validated. The public entry point."""
     data = apply_overrides(resolve_extends(path), overrides)
-    return validate_recipe(data, file=str(path), backend_schemas=backend_schemas)
+    try:
+        return validate_recipe(data, file=str(path), backend_schemas=backend_schemas)
+    except RecipeError as exc:
+        origin = _key_origin(path, exc.key) if exc.key and exc.file == str(path) else None
+        overridden = exc.key and any(o.partition("=")[0].strip() == exc.key for o in overrides)
+        if origin is None or origin == Path(path).resolve() or overridden:
+            raise
+        # NOTE: the key was set in a recipe this one extends: name that file, where the fix goes
+        raise RecipeError(exc.message, key=exc.key, file=f"{origin} (extended by {path})") from None
+
+
+def _key_origin(path: str | Path, key: str, _seen: tuple[Path, ...] = ()) -> Path | None:
+    """The file of ``path``'s ``extends:`` chain whose value of dotted ``key`` the merge kept (the last one to set
+    it: the recipe itself, then its parents last to first), or None."""
+    path = Path(path).resolve()
+    if path in _seen:
+        return None
+    try:
+        data = read_yaml(path)
+    except RecipeError:
+        return None
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return path
+    parents = data.get("extends") or []
+    for parent in reversed([parents] if isinstance(parents, str) else parents):
+        if isinstance(parent, str):
+            found = _key_origin(path.parent / parent, key, (*_seen, path))
+            if found is not None:
+                return found
+    return None
 
 
 def dump_recipe(recipe: Recipe) -> str:
