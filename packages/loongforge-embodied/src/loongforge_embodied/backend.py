@@ -71,13 +71,12 @@ class EmbodiedBackend(Backend):
             what = "does not exist" if not Path(d.root or "").exists() else "is not a LeRobotDataset (no meta/info.json)"
             raise RecipeError(f"'{d.root}' {what}; record one with data.record (loongforge data prepare) or point "
                               "data.root at a local LeRobotDataset v3", key="data.root")
-        if d.format == "lerobot" and d.record is not None:
-            from loongforge_embodied.data.record import check_root
-
-            check_root(d.root)
         if d.format == "lerobot":
+            from loongforge_embodied.data.record import check_root
             from loongforge_embodied.policies import resolve_arch
 
+            if d.record is not None:
+                check_root(d.root)
             resolve_arch(recipe.model, d)  # NOTE: the recorded dataset's cameras and dims against the policy
         if recipe.checkpoint.load:
             raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "

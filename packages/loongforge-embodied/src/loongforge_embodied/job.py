@@ -52,11 +52,12 @@ class EmbodiedJob(Job):
         rt.seed(t.seed)
         policy = get_policy(r.model.policy)
         # NOTE: e.g. the tokenizer loads and the statistics are checked here, not first in a DataLoader worker
-        policy.check_data_pipeline(self.arch, source.stats())
+        stats = source.stats()
+        policy.check_data_pipeline(self.arch, stats)
         raw = policy.model_cls()(self.arch)
         if r.model.load:
             self._load_initial(raw, policy, r.model.load)
-        raw.set_stats(source.stats())
+        raw.set_stats(stats)
         for name in r.model.freeze:
             for m in raw.components()[name]:
                 m.requires_grad_(False)

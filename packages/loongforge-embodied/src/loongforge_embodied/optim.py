@@ -52,22 +52,18 @@ EMA_UPCAST_CHUNK = 1 << 27  # elements of lower-precision weights upcast at a ti
 
 
 def update_ema(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float) -> None:
-    """``ema = decay * ema + (1 - decay) * weight`` for (fp32 average, weight) pairs: one foreach lerp over the fp32
-    weights; lower-precision weights are upcast a chunk at a time (pi05's 2.8B bf16 weights would need 11 GB at
-    once)."""
-    same = [(e, p) for e, p in pairs if p.dtype == e.dtype]
-    if same:
-        torch._foreach_lerp_([e for e, _ in same], [p for _, p in same], 1.0 - decay)
+    """``ema = decay * ema + (1 - decay) * weight`` for (fp32 average, weight) pairs, as foreach lerps over chunks
+    that upcast at most ``EMA_UPCAST_CHUNK`` lower-precision elements (pi05's 2.8B bf16 weights would need 11 GB
+    at once)."""
     chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
-    size = 0
-    for e, p in (pair for pair in pairs if pair[1].dtype != pair[0].dtype):
+    upcast = 0
+    for i, (e, p) in enumerate(pairs):
         chunk.append((e, p))
-        size += p.numel()
-        if size >= EMA_UPCAST_CHUNK:
+        upcast += p.numel() if p.dtype != e.dtype else 0
+        if upcast >= EMA_UPCAST_CHUNK or i == len(pairs) - 1:
+            # NOTE: .to() of an fp32 weight is the weight itself: only the lower-precision ones are copied
             torch._foreach_lerp_([e for e, _ in chunk], [p.to(e.dtype) for _, p in chunk], 1.0 - decay)
-            chunk, size = [], 0
-    if chunk:
-        torch._foreach_lerp_([e for e, _ in chunk], [p.to(e.dtype) for _, p in chunk], 1.0 - decay)
+            chunk, upcast = [], 0
 
 
 def fused_scale_target(optimizer) -> torch.optim.Optimizer | None:

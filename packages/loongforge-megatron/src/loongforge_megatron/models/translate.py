@@ -113,7 +113,7 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
         # NOTE: training with plain RoPE instead (what this used to do) silently changes the model: YaRN also scales
         # the attention logits (mscale); linear / dynamic scale the positions
         raise RecipeError(f"{path}: rope_scaling type '{kind}' is not supported by the megatron backend yet "
-                          "(supported: llama3, or none)", key="model.hf")
+                          "(supported: llama3; yarn for deepseek_v3's MLA)", key="model.hf")
     if kind == "llama3":
         fields["rope_scaling_factor"] = float(scaling["factor"])
         fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
