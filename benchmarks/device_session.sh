@@ -26,6 +26,8 @@
 #         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 #   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
+#   e2e_profile (1 GPU, ~9 min) AdamW kernel GPU test + ours vs torch's fused AdamW over pi05's tensors; ours end to
+#                           end with CUDA graphs, then its host + kernel profile
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
 #   dit_profile (1 GPU, ~3 min) ours with train.compile, then a host + kernel profile of three steps
@@ -41,8 +43,8 @@
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_profile|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -106,6 +108,14 @@ case $phase in
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    ;;
+  e2e_profile)
+    step adamw_test 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-kernels/tests/test_gpu.py -k adamw
+    step adamw_bench 70 python3 benchmarks/pi05_levers.py --only adamw --out "$out/adamw.md"
+    step pi05_e2e_ours_profile 380 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 10 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8 \
+      --profile
     ;;
   b32)
     step pi05_b32_graphs 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 32 --steps 10 \

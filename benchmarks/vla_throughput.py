@@ -159,7 +159,7 @@ def _profile(step, steps: int = 2) -> None:
             step()
         torch.cuda.synchronize()
     table = prof.key_averages()
-    print(table.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
+    print(table.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=110), flush=True)
     print(table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80), flush=True)
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loongforge_kernels._dispatch import tl
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -161,6 +163,19 @@ for _hw in (True, False):
     )
 
 
+# The multi-tensor AdamW: tables of int64 addresses, fp32 hyper-parameters, per (param, grad) dtype pair.
+_ADAMW = {"WHICH": "*i32", "START": "*i32", "TABLE": "*i64", "S_BASE": "*fp32", "GRAD_SCALE": "*fp32",
+          **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "log2_beta1", "log2_beta2")}}
+_TY = {"bfloat16": "*bf16", "float32": "*fp32"}
+for _pd, _gd in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16")) if tl else ():
+    _COMPILE_SPECS[f"adamw._adamw_kernel#{_pd}{_gd}"] = (
+        {**_ADAMW, "P_BASE": _TY[_pd], "G_BASE": _TY[_gd]},
+        {"P_DTYPE": getattr(tl, _pd), "G_DTYPE": getattr(tl, _gd), "HAS_SCALE": True, "HW_CVT": True,
+         "P_ALIGN": 8 if _pd == "bfloat16" else 4, "G_ALIGN": 8 if _gd == "bfloat16" else 4, "BLOCK": 4096},
+        8,
+    )
+
+
 def compile_kernel(key: str, arch: int = 90):
     """Compile the ``_COMPILE_SPECS[key]`` kernel for CUDA ``sm_<arch>`` without a GPU (Triton bundles ptxas);
     returns Triton's compiled kernel (``.asm["ptx"]`` holds the PTX). Needs triton imported without
@@ -183,8 +198,11 @@ def compile_kernel(key: str, arch: int = 90):
         elif p.isupper():
             sig[p] = ptrs.get(p, "*bf16")
         else:
-            sig[p] = "fp32" if p in ("eps", "w_offset") else "i32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+            sig[p] = ptrs.get(p) or ("fp32" if p in ("eps", "w_offset") else "i32")
+    # NOTE: pointers 16-byte aligned, as the launcher specialises them for every tensor the caching allocator hands out
+    aligned = {(params.index(p),): [["tt.divisibility", 16]] for p in params if sig[p].startswith("*")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
+                    attrs=aligned)
     opts = {"num_warps": warps, **(options[0] if options else {})}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
