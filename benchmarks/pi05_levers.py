@@ -92,6 +92,7 @@ def bench_adamw() -> list[str]:
     size = {torch.bfloat16: 2, torch.float32: 4}
     moved = {w: sum(n * w * size[d] for d, n in numel.items()) for w in (7, 8)}
     rows = []
+    default = kernel.BLOCK["cuda"], kernel.NUM_WARPS
     variants = [("torch fused AdamW (writes the unscaled grads back)", torch.optim.AdamW, None, 8)]
     variants += [(f"ours, Triton, {b} elements x {w} warps a program", KernelAdamW, (b, w), 7)
                  for b, w in ((4096, 8), (2048, 4), (8192, 8), (8192, 16))]
@@ -104,7 +105,7 @@ def bench_adamw() -> list[str]:
         rows.append(f"| {name} | {dt * 1e3:.2f} ms | {moved[words] / dt / 1e12:.2f} TB/s | {wall * 1e3:.2f} ms |")
         del params, opt
         torch.cuda.empty_cache()
-    kernel.BLOCK["cuda"], kernel.NUM_WARPS = 4096, 8
+    kernel.BLOCK["cuda"], kernel.NUM_WARPS = default
     head = [f"AdamW over {numel[torch.bfloat16] / 1e9:.2f}B bf16 + {numel[torch.float32] / 1e9:.2f}B fp32 elements "
             f"({moved[7] / 1e9:.1f} GB read + written per step by ours, {moved[8] / 1e9:.1f} GB by torch's)", "",
             "| variant | GPU time / step | bandwidth | wall / step (host included) |", "|---|---:|---:|---:|"]

@@ -158,9 +158,53 @@ def _profile(step, steps: int = 2) -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    _gaps(prof, steps)
     table = prof.key_averages()
     print(table.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=110), flush=True)
     print(table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80), flush=True)
+
+
+def _gaps(prof, steps: int) -> None:
+    """Where the GPU waits: from the trace's device events (kernels, copies, memsets), the busy time, the span and
+    the idle gaps (> 2 us) per step, with the kernels the largest gaps come after and before."""
+    import collections
+
+    path = os.path.join(tempfile.gettempdir(), "vla_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    if not dev:
+        print("[gaps] no device events in the trace", flush=True)
+        return
+    busy = sum(e["dur"] for e in dev)
+    span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
+    after, before, gaps, end = collections.Counter(), collections.Counter(), [], dev[0]["ts"] + dev[0]["dur"]
+    prev = dev[0]
+    for e in dev[1:]:
+        gap = e["ts"] - end
+        if gap > 2:
+            gaps.append(gap)
+            after[prev["name"][:70]] += gap
+            before[e["name"][:70]] += gap
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
+    print(f"[gaps] per step: device busy {busy / steps / 1e3:.1f} ms, span {span / steps / 1e3:.1f} ms, idle "
+          f"{sum(gaps) / steps / 1e3:.1f} ms in {len(gaps) // steps} gaps > 2 us (largest {max(gaps, default=0) / 1e3:.2f} ms)",
+          flush=True)
+    # idle time over the span in 40 slices: where in the step the GPU waits
+    t0, bins = dev[0]["ts"], [0.0] * 40
+    end = t0 + dev[0]["dur"]
+    for e in dev[1:]:
+        if e["ts"] - end > 2:
+            bins[min(39, int((end - t0) / span * 40))] += e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+    print("[gaps] idle us per 1/40 of the span: " + " ".join(f"{b:.0f}" for b in bins), flush=True)
+    for title, counter in (("after", after), ("before", before)):
+        print(f"[gaps] idle time by the kernel it comes {title} (ms per step):", flush=True)
+        for name, us in counter.most_common(12):
+            print(f"[gaps]   {us / steps / 1e3:7.2f}  {name}", flush=True)
 
 
 def _time(step, *, batch: int, steps: int, warmup: int, params: int) -> dict:

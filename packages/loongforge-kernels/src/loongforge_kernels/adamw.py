@@ -16,9 +16,9 @@ per-launch table of (param, grad, exp_avg, exp_avg_sq, step, numel) rows (elemen
 pointer per dtype, so the compiler knows the alignment and vectorises), so the tensors need not be one flat
 buffer — and the gradient is read only: 14 bytes per bf16 element instead of 16.
 
-``BLOCK_TABLES`` caches, per list of sizes, which (tensor, block) each program takes; the pointer table is
-rebuilt every call (gradients are new tensors every step) and reaches the device from pinned memory without
-a host sync. On CPU tensors the kernel runs under Triton's interpreter (tests); ``adamw_step_ref`` is the
+``AdamWPlan`` holds what stays fixed between steps (the parameters', moments' and steps' offsets, which
+(tensor, block) each program takes); only the gradients' column is rebuilt every call (they are new tensors
+every step), and the table reaches the device from pinned memory without a host sync. On CPU tensors the kernel runs under Triton's interpreter (tests); ``adamw_step_ref`` is the
 plain-torch statement of the same math.
 """
 
@@ -33,12 +33,12 @@ from loongforge_kernels._dispatch import KernelUnavailableError, jit, resolve, t
 from loongforge_kernels.fp8_delta import _f32, _round_to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK = {"cuda": 4096, "cpu": 1024}  # elements per program (the interpreter pays per element vector, not launch)
-NUM_WARPS = 8
+# Elements and warps per program: on the H200 8192 x 16 moves pi05's optimizer bytes at 3.66 TB/s, 2048 x 4 at
+# 3.55, 4096 x 8 at 2.85 (benchmarks/results/adamw_2026-12-01_h200.md). The interpreter pays per program.
+BLOCK = {"cuda": 8192, "cpu": 1024}
+NUM_WARPS = 16
 # A pointer-table row: the element offsets of param, grad, exp_avg, exp_avg_sq (from the first param's / grad's
 # address) and of the step (an fp32 scalar, from the first step's), then numel.
-
-BLOCK_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @jit
@@ -128,25 +128,112 @@ _TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "flo
 
 def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor index, block index within it) of every program, for tensors of ``numels`` elements."""
-    key = (numels, block, str(device))
-    if key not in BLOCK_TABLES:
-        counts = torch.tensor([max(1, -(-n // block)) for n in numels], dtype=torch.int64)
-        which = torch.repeat_interleave(torch.arange(len(numels)), counts)
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        start = torch.arange(len(which)) - first
-        if len(BLOCK_TABLES) > 64:  # NOTE: optimizers keep their size lists; this bounds a leak, nothing more
-            BLOCK_TABLES.clear()
-        BLOCK_TABLES[key] = (which.to(torch.int32).to(device), start.to(torch.int32).to(device))
-    return BLOCK_TABLES[key]
+    counts = torch.tensor([max(1, -(-n // block)) for n in numels], dtype=torch.int64)
+    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    start = torch.arange(len(which)) - first
+    return which.to(torch.int32).to(device), start.to(torch.int32).to(device)
 
 
-def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    table = torch.tensor(rows, dtype=torch.int64)
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # NOTE: from pinned memory the copy is queued without waiting for the stream; the caching host
         # allocator keeps the pinned block until the copy is done.
         return table.pin_memory().to(device, non_blocking=True)
     return table
+
+
+class _Launch:
+    """One dtype's tensors: the static table (params, moments, steps, sizes) and the block table."""
+
+    def __init__(self, idx: list[int], params, exp_avgs, exp_avg_sqs, steps, block: int):
+        self.idx = idx
+        self.p0, self.s0 = params[idx[0]], steps[idx[0]]
+        size, pb, sb = self.p0.element_size(), self.p0.data_ptr(), self.s0.data_ptr()
+        self.table = torch.tensor(
+            [[(params[i].data_ptr() - pb) // size, 0, (exp_avgs[i].data_ptr() - pb) // size,
+              (exp_avg_sqs[i].data_ptr() - pb) // size, (steps[i].data_ptr() - sb) // 4, params[i].numel()]
+             for i in idx], dtype=torch.int64)
+        self.blocks = _block_table(tuple(int(n) for n in self.table[:, 5]), block, self.p0.device)
+
+
+class AdamWPlan:
+    """The part of an AdamW step that is the same every step — parameters, moments, step counters — checked once
+    and laid out as kernel tables once; ``step(grads, ...)`` checks only the gradients (new tensors every step)
+    and launches. An optimizer keeps one per parameter list (host time: pi05's 800+ tensors cost ~15 ms a step
+    when everything is re-checked; the kernel itself takes ~14)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]):
+        n = len(params)
+        if not (len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n) or n == 0:
+            raise ValueError("AdamWPlan: params, exp_avgs, exp_avg_sqs and steps must be non-empty, one entry each")
+        self.device = params[0].device
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, (p, m, v, s) in enumerate(zip(params, exp_avgs, exp_avg_sqs, steps, strict=True)):
+            if p.dtype not in DTYPES or m.dtype != p.dtype or v.dtype != p.dtype:
+                raise KernelUnavailableError(
+                    f"adamw: tensor {i}: param {p.dtype}, moments {m.dtype} / {v.dtype}; the Triton kernel takes "
+                    "bf16 / fp16 / fp32 with moments in the parameter's dtype")
+            if any(t.device != self.device for t in (p, m, v, s)) or s.dtype != torch.float32 or s.numel() != 1:
+                raise KernelUnavailableError(f"adamw: tensor {i} is not on {self.device} or its step is not an fp32 "
+                                             "scalar tensor there")
+            if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+                raise KernelUnavailableError(f"adamw: tensor {i} is not contiguous")
+            if any(t.data_ptr() % 16 for t in (p, m, v)):
+                raise KernelUnavailableError(f"adamw: tensor {i} does not start at a 16-byte aligned address")
+            groups.setdefault(p.dtype, []).append(i)
+        self.n = n
+        self.cuda = self.device.type == "cuda"
+        block = BLOCK["cuda" if self.cuda else "cpu"]
+        self.block, self.num_warps = block, NUM_WARPS
+        self.launches = [_Launch(idx, params, exp_avgs, exp_avg_sqs, steps, block) for idx in groups.values()]
+
+    def check(self, grads: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per launch (its first gradient, its grad column); raises ``KernelUnavailableError`` before anything
+        is written when a gradient cannot be read by the kernel."""
+        if len(grads) != self.n:
+            raise ValueError(f"adamw: {len(grads)} gradients for {self.n} parameters")
+        out = []
+        for launch in self.launches:
+            gs = [grads[i] for i in launch.idx]
+            g0 = gs[0]
+            if g0.dtype not in DTYPES or any(g.dtype != g0.dtype or g.layout != torch.strided or not g.is_contiguous()
+                                             for g in gs):
+                raise KernelUnavailableError("adamw: gradients must be dense, contiguous and of one dtype (bf16 / "
+                                             "fp16 / fp32) per parameter dtype")
+            ptrs = torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64)
+            if bool((ptrs % 16).any()) or g0.device != self.device:
+                raise KernelUnavailableError(f"adamw: a gradient is not on {self.device} at a 16-byte aligned address")
+            out.append((g0, (ptrs - ptrs[0]) // g0.element_size()))
+        return out
+
+    def step(self, grads: Sequence[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+             weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
+        self.check_scale(grad_scale)
+        self.launch(self.check(grads), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                    grad_scale=grad_scale)
+
+    def check_scale(self, grad_scale: torch.Tensor | None) -> None:
+        if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.device != self.device):
+            raise KernelUnavailableError("adamw: grad_scale must be an fp32 tensor on the parameters' device")
+
+    def launch(self, checked: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
+        """The kernels, for gradients ``check`` accepted (its result)."""
+        log2 = [math.log2(b) if b > 0 else -math.inf for b in (beta1, beta2)]
+        for launch, (g0, col) in zip(self.launches, checked, strict=True):
+            table = launch.table.clone()
+            table[:, 1] = col
+            which, start = launch.blocks
+            _adamw_kernel[(which.numel(),)](
+                which, start, _to_device(table, self.device), launch.p0, g0, launch.s0,
+                grad_scale if grad_scale is not None else launch.s0,  # NOTE: unread without HAS_SCALE
+                float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), log2[0], log2[1],
+                P_DTYPE=getattr(tl, _TL[launch.p0.dtype]), G_DTYPE=getattr(tl, _TL[g0.dtype]),
+                HAS_SCALE=grad_scale is not None, HW_CVT=self.cuda, P_ALIGN=16 // launch.p0.element_size(),
+                G_ALIGN=16 // g0.element_size(), BLOCK=self.block, num_warps=self.num_warps,
+            )
 
 
 def adamw_step_ref(
@@ -204,38 +291,4 @@ def adamw_step_(
     if resolve(impl, params[0]) == "torch":
         adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, **kw)
         return
-    device = params[0].device
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (p, g, m, v, s) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True)):
-        if p.dtype not in DTYPES or g.dtype not in DTYPES or m.dtype != p.dtype or v.dtype != p.dtype:
-            raise KernelUnavailableError(
-                f"adamw_step_: tensor {i}: param {p.dtype}, grad {g.dtype}, moments {m.dtype} / {v.dtype}; the "
-                "Triton kernel takes bf16 / fp16 / fp32 with moments in the parameter's dtype")
-        if any(t.device != device for t in (p, g, m, v, s)) or s.dtype != torch.float32 or s.numel() != 1:
-            raise KernelUnavailableError(f"adamw_step_: tensor {i} is not on {device} or its step is not an fp32 "
-                                         "scalar tensor there")
-        if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
-            raise KernelUnavailableError(f"adamw_step_: tensor {i} is not contiguous")
-        if any(t.data_ptr() % 16 for t in (p, g, m, v)):
-            raise KernelUnavailableError(f"adamw_step_: tensor {i} does not start at a 16-byte aligned address")
-        groups.setdefault((p.dtype, g.dtype), []).append(i)
-    cuda = device.type == "cuda"
-    block = BLOCK["cuda" if cuda else "cpu"]
-    scale = grad_scale if grad_scale is not None else params[0]  # NOTE: any pointer; unread without HAS_SCALE
-    if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.device != device):
-        raise KernelUnavailableError("adamw_step_: grad_scale must be an fp32 tensor on the parameters' device")
-    for (pd, gd), idx in groups.items():
-        p0, g0, s0 = params[idx[0]], grads[idx[0]], steps[idx[0]]
-        ps, gs = p0.element_size(), g0.element_size()
-        pb, gb, sb = p0.data_ptr(), g0.data_ptr(), s0.data_ptr()
-        rows = [[(params[i].data_ptr() - pb) // ps, (grads[i].data_ptr() - gb) // gs,
-                 (exp_avgs[i].data_ptr() - pb) // ps, (exp_avg_sqs[i].data_ptr() - pb) // ps,
-                 (steps[i].data_ptr() - sb) // 4, params[i].numel()] for i in idx]
-        which, start = _block_table(tuple(r[5] for r in rows), block, device)
-        _adamw_kernel[(which.numel(),)](
-            which, start, _pointer_table(rows, device), p0, g0, s0, scale,
-            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            math.log2(beta1) if beta1 > 0 else -math.inf, math.log2(beta2) if beta2 > 0 else -math.inf,
-            P_DTYPE=getattr(tl, _TL[pd]), G_DTYPE=getattr(tl, _TL[gd]), HAS_SCALE=grad_scale is not None,
-            HW_CVT=cuda, P_ALIGN=16 // ps, G_ALIGN=16 // gs, BLOCK=block, num_warps=NUM_WARPS,
-        )
+    AdamWPlan(params, exp_avgs, exp_avg_sqs, steps).step(grads, **kw)
