@@ -126,3 +126,28 @@ def test_cuda_graphs_under_ddp_two_gpus(tmp_path):
     for name, result in runs.items():
         for strategy, losses in result.items():
             assert losses == pytest.approx(one, rel=1e-4), (name, strategy, one, losses)
+
+
+def test_unreported_steps_never_wait_for_the_gpu(tmp_path):
+    """A step that reports nothing queues its work and returns: no host sync anywhere in it (data copy, LeRobot's
+    forward and its mask tensors, backward, clip, our AdamW kernel), checked by CUDA's sync debug mode, which
+    raises on any synchronising call. Without ``pi05-async-masks`` LeRobot's two mask tensors sync every step."""
+    from loongforge.api import build_job, load_recipe
+
+    over = ["train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=4", "accelerator=cuda",
+            "train.precision=bf16", "checkpoint.resume=never", "checkpoint.save_at_end=false", "logging.console=false",
+            "logging.tensorboard=false", "data.num_workers=0"]
+    job, _ = build_job(load_recipe(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml", over), output_dir=tmp_path)
+    try:
+        job.step(report=True)  # first step: optimizer state, plans and allocator caches are created
+        job.step(report=False)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            job.step(report=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        metrics = job.step(report=True)
+        assert metrics["loss"] == metrics["loss"]  # finite
+    finally:
+        job.close()

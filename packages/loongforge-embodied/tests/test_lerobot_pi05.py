@@ -130,6 +130,27 @@ def test_adaptation_is_checked_and_reversible(tiny, monkeypatch):
     attention.install()
 
 
+def test_async_masks_adaptation_keeps_torch_for_lerobot(tiny):
+    """``modeling_pi05.torch`` is a pass-through whose ``tensor()`` only changes how CUDA tensors are copied
+    (pinned, non-blocking); everything else, and CPU results, are torch's own. Uninstalling restores torch."""
+    from lerobot.policies.pi05 import modeling_pi05
+    from loongforge_embodied.policies.lerobot_pi05 import attention
+
+    proxy = modeling_pi05.torch
+    assert isinstance(proxy, attention._TorchWithAsyncTensor)
+    assert proxy.cat is torch.cat and proxy.bool is torch.bool
+    for data, kw in (([0, 1, 1], {"dtype": torch.bool, "device": "cpu"}), ([1.5, 2.0], {"dtype": torch.bfloat16}),
+                     (3, {})):
+        got, want = proxy.tensor(data, **kw), torch.tensor(data, **kw)
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.device == want.device
+    attention.uninstall()
+    try:
+        assert modeling_pi05.torch is torch
+    finally:
+        attention.install()
+    assert isinstance(modeling_pi05.torch, attention._TorchWithAsyncTensor)
+
+
 def test_processor_follows_lerobot(tiny):
     from loongforge_embodied.policies.lerobot_pi05.processor_lerobot_pi05 import (
         BYTE_OFFSET,

@@ -191,6 +191,48 @@ def _pi_gemma_calls_old_kwargs() -> bool:
                       "past_key_values=past_key_values,")(PiGemmaModel.forward)
 
 
+SYNC_NAME = "pi05-async-masks"
+
+
+class _TorchWithAsyncTensor:
+    """``torch`` as LeRobot's pi05 module sees it, except ``torch.tensor(data, device=<cuda>)``: built in pinned
+    host memory and copied without blocking. The plain call copies from pageable memory, which waits for the
+    stream to drain (``cudaStreamSynchronize``): ``embed_prefix`` / ``embed_suffix`` build their attention masks
+    from Python lists this way, twice a step, so the GPU ran dry while the host caught up (measured: the only
+    two stream syncs of a pi05 training step on the H200). Same values, same dtype and device."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def tensor(self, data, *args, device=None, **kwargs):
+        real = self._real
+        if device is None or real.device(device).type != "cuda" or isinstance(data, real.Tensor) or args \
+                or kwargs.keys() - {"dtype"}:
+            return real.tensor(data, *args, device=device, **kwargs)
+        return real.tensor(data, **kwargs).pin_memory().to(device, non_blocking=True)
+
+
+def async_masks_adaptation():
+    """``modeling_pi05``'s ``torch`` → :class:`_TorchWithAsyncTensor` (checked: the two mask builders still
+    call ``torch.tensor(att_masks, …)``)."""
+
+    def expect(original) -> bool:
+        from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
+
+        return original is torch and all(source_has("att_masks = torch.tensor(att_masks,")(f)
+                                         for f in (PI05Pytorch.embed_prefix, PI05Pytorch.embed_suffix))
+
+    return replace_attr(
+        SYNC_NAME, f"{MODELING}.torch", _TorchWithAsyncTensor,
+        description="pi05's mask tensors from Python lists copied to the GPU from pinned memory, without the "
+                    "stream sync of a pageable copy",
+        expect=expect,
+    )
+
+
 SIGLIP_NAME = "pi05-siglip-names"
 
 
@@ -218,11 +260,13 @@ def siglip_names_adaptation():
 
 
 def install() -> None:
-    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), and the
-    mask-keyword and SigLIP-name shims where the installed transformers needs them."""
+    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), the
+    sync-free mask tensors, and the mask-keyword and SigLIP-name shims where the installed transformers needs
+    them."""
     global _installed
     if _installed is None:
-        found = (joint_layer_adaptation(), mask_kwargs_adaptation(), siglip_names_adaptation())
+        found = (joint_layer_adaptation(), async_masks_adaptation(), mask_kwargs_adaptation(),
+                 siglip_names_adaptation())
         s = AdaptationSet([a for a in found if a is not None])
         s.__enter__()
         _installed = s
