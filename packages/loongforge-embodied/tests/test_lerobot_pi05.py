@@ -130,6 +130,23 @@ def test_adaptation_is_checked_and_reversible(tiny, monkeypatch):
     attention.install()
 
 
+def test_token_table_gradient_is_row_sparse(tiny):
+    """``row_sparse_rows`` names every row the token table's gradient can be nonzero in (``KernelAdamW`` skips
+    the others): after a backward, the rows with a gradient are a subset of the batch's prompt tokens."""
+    _, model, _, _, batch = tiny
+    (table,) = model.row_sparse_params()
+    assert table is model.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight
+    assert table not in {p for p in model._unused_in_training()}  # NOTE: not tied to the frozen lm_head
+    model.zero_grad(set_to_none=True)
+    model(batch).sum().backward()
+    try:
+        touched = set(table.grad.abs().amax(dim=1).nonzero().flatten().tolist())
+        ((param, rows),) = model.row_sparse_rows(batch)
+        assert param is table and touched and touched <= set(rows.flatten().tolist())
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
 def test_async_masks_adaptation_keeps_torch_for_lerobot(tiny):
     """``modeling_pi05.torch`` is a pass-through whose ``tensor()`` only changes how CUDA tensors are copied
     (pinned, non-blocking); everything else, and CPU results, are torch's own. Uninstalling restores torch."""

@@ -83,7 +83,11 @@ class EmbodiedJob(Job):
         if self.model.strategy == "zero1" and rt.world_size > 1:
             self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type)
         else:
-            self.optimizer = make_optimizer(groups, t, device_type=self.device.type)
+            # NOTE: one rank only: with data parallelism a table's reduced gradient also has the other ranks' rows
+            row_sparse = raw.row_sparse_params() if hasattr(raw, "row_sparse_params") and rt.world_size == 1 else []
+            self.optimizer = make_optimizer(groups, t, device_type=self.device.type, row_sparse=row_sparse)
+        self._mark_rows = hasattr(self.optimizer, "mark_rows") and hasattr(raw, "row_sparse_rows") \
+            and bool(getattr(self.optimizer, "_row_sparse", None))
         # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
         self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
@@ -165,6 +169,9 @@ class EmbodiedJob(Job):
                     p.grad = torch.zeros_like(p)
         for m in range(self.accum):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self._batches).items()}
+            if self._mark_rows:  # NOTE: every micro-batch's looked-up rows, before the optimizer step reads them
+                for param, rows in self.model.raw.row_sparse_rows(batch):
+                    self.optimizer.mark_rows(param, rows)
             if self._graphs:
                 # NOTE: a new forward: the CUDA graphs' outputs of the last one are dead (loss_sum holds a copy), so
                 # cudagraph trees may replay on their fast path (without it they warn of "pending backwards").

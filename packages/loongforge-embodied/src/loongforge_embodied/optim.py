@@ -40,15 +40,19 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float)
             if g["params"]]
 
 
-def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str,
+                   row_sparse: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """``row_sparse``: embedding tables for ``KernelAdamW`` (CUDA); the job marks their looked-up rows."""
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.adam_beta1)
     # NOTE: fused AdamW on accelerators (on CUDA its step is our Triton kernel: ``KernelAdamW``); foreach on CPU,
     # where fused is slower.
     fused = device_type != "cpu"
-    cls = KernelAdamW if device_type == "cuda" else torch.optim.AdamW
-    return cls(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-               fused=fused or None, foreach=None if fused else True)
+    kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None,
+              foreach=None if fused else True)
+    if device_type == "cuda":
+        return KernelAdamW(groups, row_sparse=row_sparse, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -62,19 +66,40 @@ class KernelAdamW(torch.optim.AdamW):
     writes the unscaled gradient back when given a ``grad_scale``, and moves pi05's optimizer bytes at ~2.8 of
     the H200's 4.8 TB/s; ours at ~3.7).
 
+    ``row_sparse``: parameters whose gradient is zero outside the rows the job passes to ``mark_rows`` each step
+    (embedding tables): blocks never touched only decay (exact: AdamW on zero gradient and zero moments), and
+    ``grad_norm`` skips them. pi05's 257k-row token table sees a few dozen rows.
+
+    ``grad_norm(params)`` is the clip's global L2 norm from the same gradient table the step then uses (one
+    kernel over all gradients; None when it cannot serve, e.g. another parameter set or a fallback step).
+
     Falls back to torch's step for what the kernel does not cover: amsgrad, maximize, capturable,
     differentiable, ``found_inf``, tensor learning rates, a closure, sparse / non-contiguous / misaligned
     tensors, other dtypes, and ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor) parameters update their local
     shards. The per-group ``AdamWPlan`` (offsets of parameters, moments and steps) is kept while the group's
     parameters with gradients stay the same and no state is loaded."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, row_sparse=(), **kwargs):
         super().__init__(*args, **kwargs)
+        self._row_sparse = {id(p) for p in row_sparse}
         self._plans: dict[int, tuple[tuple[int, ...], object]] = {}
+        self._marks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prepared: tuple[tuple[int, ...], list] | None = None
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._plans = {}  # NOTE: the moments and steps are new tensors
+        self._prepared = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._prepared = None
+
+    def mark_rows(self, param: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of a ``row_sparse`` parameter that may get a gradient this step (device indices; no sync)."""
+        if id(param) not in self._row_sparse:
+            raise ValueError("KernelAdamW.mark_rows: the parameter was not declared row_sparse")
+        self._marks.append((param, rows))
 
     def _plan(self, gi: int, group: dict, params: list[torch.Tensor]):
         from loongforge_kernels.adamw import AdamWPlan
@@ -91,39 +116,75 @@ class KernelAdamW(torch.optim.AdamW):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         plan = AdamWPlan([_local(p) for p in params], [_local(s["exp_avg"]) for s in states],
-                         [_local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states])
+                         [_local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states],
+                         row_sparse=[id(p) in self._row_sparse and not isinstance(p, DTensor) for p in params])
         self._plans[gi] = (key, plan)
         return plan
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _prepare(self) -> list | None:
+        """(plan, checked gradients, group, params) per group with gradients, or None for torch's step."""
         from loongforge_kernels._dispatch import KernelUnavailableError, resolve
 
-        if closure is not None or getattr(self, "found_inf", None) is not None:
-            return super().step(closure)
+        if getattr(self, "found_inf", None) is not None:
+            return None
+        grads_key = tuple(id(p.grad) for g in self.param_groups for p in g["params"])
+        if self._prepared is not None and self._prepared[0] == grads_key:
+            return self._prepared[1]
         work = []
         for gi, group in enumerate(self.param_groups):
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"] \
                     or isinstance(group["lr"], torch.Tensor):
-                return super().step()
+                return None
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 work.append((gi, group, params))
         if not work or resolve(None, _local(work[0][2][0])) != "triton":
-            return super().step()
+            return None
         try:
             scale = getattr(self, "grad_scale", None)
-            checked = []
+            prepared = []
             for gi, group, params in work:
                 plan = self._plan(gi, group, params)
                 plan.check_scale(scale)
-                checked.append((plan, plan.check([_local(p.grad) for p in params]), group, params))
+                prepared.append((plan, plan.check([_local(p.grad) for p in params]), group, params))
         except KernelUnavailableError:
-            return super().step()
-        for plan, columns, group, params in checked:
+            return None
+        index = {id(p): (plan, i) for plan, _, _, params in prepared for i, p in enumerate(params)}
+        for param, rows in self._marks:
+            if id(param) in index and id(param) in self._row_sparse:
+                plan, i = index[id(param)]
+                if i in plan._cols:
+                    plan.mark_rows(i, rows)
+        self._marks = []
+        self._prepared = (grads_key, prepared)
+        return prepared
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The L2 norm of ``params``' gradients when they are exactly the gradients this optimizer steps (and the
+        kernel path serves them), else None."""
+        prepared = self._prepare()
+        if prepared is None:
+            return None
+        mine = {id(p) for *_, ps in prepared for p in ps}
+        theirs = {id(p) for p in params if p.grad is not None}
+        if mine != theirs or any(isinstance(p.grad, DTensor) for *_, ps in prepared for p in ps):
+            return None
+        return sum(plan.grad_sumsq(checked) for plan, checked, _, _ in prepared).sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        prepared = None if closure is not None else self._prepare()
+        self._prepared = None
+        if prepared is None:
+            self._marks = []
+            return super().step(closure)
+        scale = getattr(self, "grad_scale", None)
+        for plan, *_ in prepared:
+            plan.check_scale(scale)  # NOTE: the clip sets it after the norm, i.e. after _prepare
+        for plan, checked, group, params in prepared:
             torch._foreach_add_([self.state[p]["step"] for p in params], 1)
             beta1, beta2 = group["betas"]
-            plan.launch(columns, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            plan.launch(checked, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], grad_scale=scale)
         return None
 

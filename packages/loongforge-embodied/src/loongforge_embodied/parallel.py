@@ -147,7 +147,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, *,
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    # NOTE: our AdamW computes the norm from the gradient table its step then reuses (None: it cannot serve these)
+    norm = into.grad_norm(params) if into is not None and hasattr(into, "grad_norm") else None
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if max_norm > 0:

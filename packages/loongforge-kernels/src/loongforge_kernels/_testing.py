@@ -164,15 +164,22 @@ for _hw in (True, False):
 
 
 # The multi-tensor AdamW: tables of int64 addresses, fp32 hyper-parameters, per (param, grad) dtype pair.
-_ADAMW = {"WHICH": "*i32", "START": "*i32", "TABLE": "*i64", "S_BASE": "*fp32", "GRAD_SCALE": "*fp32",
+_ADAMW = {"WHICH": "*i32", "START": "*i32", "TABLE": "*i64", "S_BASE": "*fp32", "GRAD_SCALE": "*fp32", "ACTIVE": "*u8",
+          "OUT": "*fp32",
           **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "log2_beta1", "log2_beta2")}}
 _TY = {"bfloat16": "*bf16", "float32": "*fp32"}
 for _pd, _gd in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16")) if tl else ():
     _COMPILE_SPECS[f"adamw._adamw_kernel#{_pd}{_gd}"] = (
         {**_ADAMW, "P_BASE": _TY[_pd], "G_BASE": _TY[_gd]},
-        {"P_DTYPE": getattr(tl, _pd), "G_DTYPE": getattr(tl, _gd), "HAS_SCALE": True, "HW_CVT": True,
-         "P_ALIGN": 8 if _pd == "bfloat16" else 4, "G_ALIGN": 8 if _gd == "bfloat16" else 4, "BLOCK": 4096},
-        8,
+        {"P_DTYPE": getattr(tl, _pd), "G_DTYPE": getattr(tl, _gd), "HAS_SCALE": True, "HAS_SPARSE": True,
+         "HW_CVT": True, "P_ALIGN": 8 if _pd == "bfloat16" else 4, "G_ALIGN": 8 if _gd == "bfloat16" else 4,
+         "BLOCK": 8192},
+        16,
+    )
+    _COMPILE_SPECS[f"adamw._sumsq_kernel#{_gd}"] = (
+        {**_ADAMW, "G_BASE": _TY[_gd]},
+        {"HAS_SPARSE": True, "G_ALIGN": 8 if _gd == "bfloat16" else 4, "BLOCK": 8192},
+        16,
     )
 
 

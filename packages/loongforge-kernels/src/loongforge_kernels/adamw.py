@@ -72,6 +72,18 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale, lr, beta1, beta2, eps
 
 
 @jit
+def _decay(p_ptr, offs, mask, lr, weight_decay, P_DTYPE: tl.constexpr, HW_CVT: tl.constexpr, MASKED: tl.constexpr):
+    """The update of a block whose gradient and moments are all zero: ``p - lr * weight_decay * p`` (the Adam
+    term is ``-step_size * 0 / eps``, and the moments stay 0), bit for bit what ``_update`` would write."""
+    if MASKED:
+        p = _f32(tl.load(p_ptr + offs, mask=mask, other=0.0))
+        tl.store(p_ptr + offs, _round_to(p - lr * weight_decay * p, P_DTYPE, HW_CVT), mask=mask)
+    else:
+        p = _f32(tl.load(p_ptr + offs))
+        tl.store(p_ptr + offs, _round_to(p - lr * weight_decay * p, P_DTYPE, HW_CVT))
+
+
+@jit
 def _adamw_kernel(
     WHICH,
     START,
@@ -80,6 +92,7 @@ def _adamw_kernel(
     G_BASE,
     S_BASE,
     GRAD_SCALE,
+    ACTIVE,
     lr,
     beta1,
     beta2,
@@ -90,13 +103,15 @@ def _adamw_kernel(
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
     HW_CVT: tl.constexpr,
     P_ALIGN: tl.constexpr,
     G_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program i: block START[i] of tensor WHICH[i] (a TABLE row of element offsets from P_BASE / G_BASE /
-    S_BASE); full blocks take the unmasked (vectorised) path."""
+    S_BASE); full blocks take the unmasked (vectorised) path. With HAS_SPARSE, a block whose ACTIVE[i] is 0
+    (gradient and moments known to be zero) only decays its parameters: 4 of the 14 bytes per bf16 element."""
     pid = tl.program_id(0)
     row = TABLE + tl.load(WHICH + pid).to(tl.int64) * 6
     # NOTE: every address is 16-byte aligned (checked on the host), so each offset is a multiple of 16 bytes in
@@ -115,12 +130,44 @@ def _adamw_kernel(
         scale = tl.load(GRAD_SCALE)
     step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    if base + BLOCK <= n:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, scale, lr, beta1, beta2, eps, weight_decay, step_size,
-                bias2_sqrt, P_DTYPE, HAS_SCALE, HW_CVT, False)
+    active = True
+    if HAS_SPARSE:
+        active = tl.load(ACTIVE + pid) != 0
+    if active:
+        if base + BLOCK <= n:
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, scale, lr, beta1, beta2, eps, weight_decay, step_size,
+                    bias2_sqrt, P_DTYPE, HAS_SCALE, HW_CVT, False)
+        else:
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, scale, lr, beta1, beta2, eps, weight_decay,
+                    step_size, bias2_sqrt, P_DTYPE, HAS_SCALE, HW_CVT, True)
     else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, scale, lr, beta1, beta2, eps, weight_decay, step_size,
-                bias2_sqrt, P_DTYPE, HAS_SCALE, HW_CVT, True)
+        if base + BLOCK <= n:
+            _decay(p_ptr, offs, None, lr, weight_decay, P_DTYPE, HW_CVT, False)
+        else:
+            _decay(p_ptr, offs, offs < n, lr, weight_decay, P_DTYPE, HW_CVT, True)
+
+
+@jit
+def _sumsq_kernel(WHICH, START, TABLE, G_BASE, ACTIVE, OUT, HAS_SPARSE: tl.constexpr, G_ALIGN: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """OUT[i] = the fp32 sum of squares of program i's gradient block (0 for an inactive block)."""
+    pid = tl.program_id(0)
+    row = TABLE + tl.load(WHICH + pid).to(tl.int64) * 6
+    g_ptr = G_BASE + tl.multiple_of(tl.load(row + 1), G_ALIGN)  # NOTE: the hint must stay here (see above)
+    n = tl.load(row + 5)
+    base = tl.load(START + pid).to(tl.int64) * BLOCK
+    offs = base + tl.arange(0, BLOCK)
+    active = True
+    if HAS_SPARSE:
+        active = tl.load(ACTIVE + pid) != 0
+    total = 0.0
+    if active:
+        if base + BLOCK <= n:
+            g = _f32(tl.load(g_ptr + offs))
+        else:
+            g = _f32(tl.load(g_ptr + offs, mask=offs < n, other=0.0))
+        total = tl.sum(g * g, axis=0)
+    tl.store(OUT + pid, total)
 
 
 _TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -144,9 +191,10 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _Launch:
-    """One dtype's tensors: the static table (params, moments, steps, sizes) and the block table."""
+    """One dtype's tensors: the static table (params, moments, steps, sizes), the block table, and per program
+    whether its block is active (row-sparse tensors: touched rows only; every other block always)."""
 
-    def __init__(self, idx: list[int], params, exp_avgs, exp_avg_sqs, steps, block: int):
+    def __init__(self, idx: list[int], params, exp_avgs, exp_avg_sqs, steps, sparse, block: int):
         self.idx = idx
         self.p0, self.s0 = params[idx[0]], steps[idx[0]]
         size, pb, sb = self.p0.element_size(), self.p0.data_ptr(), self.s0.data_ptr()
@@ -154,20 +202,43 @@ class _Launch:
             [[(params[i].data_ptr() - pb) // size, 0, (exp_avgs[i].data_ptr() - pb) // size,
               (exp_avg_sqs[i].data_ptr() - pb) // size, (steps[i].data_ptr() - sb) // 4, params[i].numel()]
              for i in idx], dtype=torch.int64)
-        self.blocks = _block_table(tuple(int(n) for n in self.table[:, 5]), block, self.p0.device)
+        numels = [params[i].numel() for i in idx]
+        self.blocks = _block_table(tuple(numels), block, self.p0.device)
+        counts = [max(1, -(-n // block)) for n in numels]
+        self.first = [sum(counts[:j]) for j in range(len(idx))]  # each tensor's first program
+        self.sparse = any(sparse[i] for i in idx)
+        self.active = None
+        if self.sparse:
+            self.active = torch.ones(sum(counts), dtype=torch.uint8, device=self.p0.device)
+            for j, i in enumerate(idx):
+                if sparse[i]:
+                    # NOTE: a block is inactive only while its moments are all zero (a fresh state, or rows never
+                    # touched since): then, with a zero gradient, AdamW only decays it.
+                    nz = (exp_avgs[i] != 0) | (exp_avg_sqs[i] != 0)
+                    nz = torch.nn.functional.pad(nz.flatten(), (0, counts[j] * block - numels[j]))
+                    self.active[self.first[j]:self.first[j] + counts[j]] = nz.view(counts[j], block).any(1)
 
 
 class AdamWPlan:
     """The part of an AdamW step that is the same every step — parameters, moments, step counters — checked once
-    and laid out as kernel tables once; ``step(grads, ...)`` checks only the gradients (new tensors every step)
-    and launches. An optimizer keeps one per parameter list (host time: pi05's 800+ tensors cost ~15 ms a step
-    when everything is re-checked; the kernel itself takes ~14)."""
+    and laid out as kernel tables once; ``check(grads)`` checks only the gradients (new tensors every step) and
+    uploads their table, ``launch`` updates, ``grad_sumsq`` reads the same table for the clip's norm. An optimizer
+    keeps one per parameter list (host time: pi05's 800+ tensors cost ~15 ms a step when everything is
+    re-checked; the kernel itself takes ~14).
+
+    ``row_sparse[i]``: tensor i is a 2-D table whose gradient is zero outside the rows given to ``mark_rows``
+    for this step (an embedding's): blocks never marked (and whose moments are zero) only decay, and the norm
+    skips them — exact, since AdamW on a zero gradient with zero moments is ``p - lr * weight_decay * p``."""
 
     def __init__(self, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]):
+                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
+                 row_sparse: Sequence[bool] | None = None):
         n = len(params)
         if not (len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n) or n == 0:
             raise ValueError("AdamWPlan: params, exp_avgs, exp_avg_sqs and steps must be non-empty, one entry each")
+        sparse = list(row_sparse) if row_sparse is not None else [False] * n
+        if len(sparse) != n:
+            raise ValueError(f"AdamWPlan: row_sparse has {len(sparse)} entries for {n} tensors")
         self.device = params[0].device
         groups: dict[torch.dtype, list[int]] = {}
         for i, (p, m, v, s) in enumerate(zip(params, exp_avgs, exp_avg_sqs, steps, strict=True)):
@@ -182,19 +253,36 @@ class AdamWPlan:
                 raise KernelUnavailableError(f"adamw: tensor {i} is not contiguous")
             if any(t.data_ptr() % 16 for t in (p, m, v)):
                 raise KernelUnavailableError(f"adamw: tensor {i} does not start at a 16-byte aligned address")
+            if sparse[i] and p.dim() != 2:
+                raise ValueError(f"AdamWPlan: row-sparse tensor {i} must be 2-D (rows x columns), got {p.dim()}-D")
             groups.setdefault(p.dtype, []).append(i)
         self.n = n
         self.cuda = self.device.type == "cuda"
         block = BLOCK["cuda" if self.cuda else "cpu"]
         self.block, self.num_warps = block, NUM_WARPS
-        self.launches = [_Launch(idx, params, exp_avgs, exp_avg_sqs, steps, block) for idx in groups.values()]
+        self.launches = [_Launch(idx, params, exp_avgs, exp_avg_sqs, steps, sparse, block) for idx in groups.values()]
+        self._where = {i: (launch, j) for launch in self.launches for j, i in enumerate(launch.idx)}
+        self._cols = {i: params[i].shape[1] for i in range(n) if sparse[i]}
+
+    def mark_rows(self, i: int, rows: torch.Tensor) -> None:
+        """Rows of row-sparse tensor ``i`` that may have a nonzero gradient this step (a device tensor of row
+        indices, any shape, repeats allowed): their blocks become active for good. No host sync."""
+        if i not in self._cols:
+            raise ValueError(f"AdamWPlan.mark_rows: tensor {i} was not declared row-sparse")
+        launch, j = self._where[i]
+        cols, block = self._cols[i], self.block
+        start = rows.reshape(-1).to(device=self.device, dtype=torch.int64) * cols
+        first, last = start // block, (start + cols - 1) // block
+        span = torch.arange(-(-cols // block) + 1, device=self.device)
+        blocks = torch.minimum(first[:, None] + span[None, :], last[:, None])
+        launch.active[launch.first[j] + blocks.reshape(-1)] = 1
 
     def check(self, grads: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per launch (its first gradient, its grad column); raises ``KernelUnavailableError`` before anything
-        is written when a gradient cannot be read by the kernel."""
+        """Per launch (its first gradient, the pointer table on the device); raises ``KernelUnavailableError``
+        before anything is written when a gradient cannot be read by the kernel."""
         if len(grads) != self.n:
             raise ValueError(f"adamw: {len(grads)} gradients for {self.n} parameters")
-        out = []
+        cols = []
         for launch in self.launches:
             gs = [grads[i] for i in launch.idx]
             g0 = gs[0]
@@ -205,7 +293,12 @@ class AdamWPlan:
             ptrs = torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64)
             if bool((ptrs % 16).any()) or g0.device != self.device:
                 raise KernelUnavailableError(f"adamw: a gradient is not on {self.device} at a 16-byte aligned address")
-            out.append((g0, (ptrs - ptrs[0]) // g0.element_size()))
+            cols.append((g0, (ptrs - ptrs[0]) // g0.element_size()))
+        out = []
+        for launch, (g0, col) in zip(self.launches, cols, strict=True):
+            table = launch.table.clone()
+            table[:, 1] = col
+            out.append((g0, _to_device(table, self.device)))
         return out
 
     def step(self, grads: Sequence[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
@@ -222,18 +315,32 @@ class AdamWPlan:
                eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None) -> None:
         """The kernels, for gradients ``check`` accepted (its result)."""
         log2 = [math.log2(b) if b > 0 else -math.inf for b in (beta1, beta2)]
-        for launch, (g0, col) in zip(self.launches, checked, strict=True):
-            table = launch.table.clone()
-            table[:, 1] = col
+        for launch, (g0, table) in zip(self.launches, checked, strict=True):
             which, start = launch.blocks
             _adamw_kernel[(which.numel(),)](
-                which, start, _to_device(table, self.device), launch.p0, g0, launch.s0,
+                which, start, table, launch.p0, g0, launch.s0,
                 grad_scale if grad_scale is not None else launch.s0,  # NOTE: unread without HAS_SCALE
+                launch.active if launch.sparse else which,  # NOTE: unread without HAS_SPARSE
                 float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), log2[0], log2[1],
                 P_DTYPE=getattr(tl, _TL[launch.p0.dtype]), G_DTYPE=getattr(tl, _TL[g0.dtype]),
-                HAS_SCALE=grad_scale is not None, HW_CVT=self.cuda, P_ALIGN=16 // launch.p0.element_size(),
-                G_ALIGN=16 // g0.element_size(), BLOCK=self.block, num_warps=self.num_warps,
+                HAS_SCALE=grad_scale is not None, HAS_SPARSE=launch.sparse, HW_CVT=self.cuda,
+                P_ALIGN=16 // launch.p0.element_size(), G_ALIGN=16 // g0.element_size(), BLOCK=self.block,
+                num_warps=self.num_warps,
             )
+
+    def grad_sumsq(self, checked: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The fp32 sum of squares of all the gradients ``check`` accepted (a device scalar: no host sync)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for launch, (g0, table) in zip(self.launches, checked, strict=True):
+            which, start = launch.blocks
+            part = torch.empty(which.numel(), dtype=torch.float32, device=self.device)
+            _sumsq_kernel[(which.numel(),)](
+                which, start, table, g0, launch.active if launch.sparse else which, part,
+                HAS_SPARSE=launch.sparse, G_ALIGN=16 // g0.element_size(), BLOCK=self.block,
+                num_warps=self.num_warps,
+            )
+            total += part.sum()
+        return total
 
 
 def adamw_step_ref(

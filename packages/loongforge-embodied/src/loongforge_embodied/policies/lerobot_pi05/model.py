@@ -84,6 +84,20 @@ class LeRobotPI05Model(nn.Module):
         pairs = [u for pair in zip(self._prefix_layers(), self._expert_layers(), strict=True) for u in pair]
         return [*vision, *pairs]
 
+    def _token_table(self) -> nn.Parameter:
+        return self._pwe.paligemma.model.language_model.embed_tokens.weight
+
+    def row_sparse_params(self) -> list[nn.Parameter]:
+        """Trainable tables whose gradient is zero outside the rows a batch looks up (``row_sparse_rows``):
+        PaliGemma's 257,152-row token table, of which a batch reads a few dozen rows."""
+        table = self._token_table()
+        return [table] if table.requires_grad else []
+
+    def row_sparse_rows(self, batch: dict[str, torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(table, rows this batch looks up): the prompt tokens, padding included (``embed_language_tokens``)."""
+        table = self._token_table()
+        return [(table, batch["lang_tokens"])] if table.requires_grad else []
+
     def enable_activation_checkpointing(self) -> None:
         """LeRobot's ``gradient_checkpointing_enable`` (every joint layer is a checkpoint), minus its nesting.
 
