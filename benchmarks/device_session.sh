@@ -26,8 +26,8 @@
 #         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 #   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
-#   e2e_profile (1 GPU, ~9 min) AdamW kernel GPU test + ours vs torch's fused AdamW over pi05's tensors; ours end to
-#                           end with CUDA graphs, then its host + kernel profile
+#   e2e_profile (1 GPU, ~9 min) AdamW kernel GPU tests, the embodied GPU tests of the optimizer, sync-free steps and
+#                           CUDA-graph parity; ours end to end with CUDA graphs, then its host + kernel profile
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
 #   dit_profile (1 GPU, ~3 min) ours with train.compile, then a host + kernel profile of three steps
@@ -81,7 +81,8 @@ step() {  # step NAME SECONDS CMD...
   tail -n 25 "$out/$name.log"
   # vla_throughput.py appends its records to benchmarks/results/ of this copy of the repo: keep them in OUT now,
   # so a later step that runs past the call's limit cannot lose them.
-  cp benchmarks/results/vla_throughput_*.jsonl "$out"/ 2>/dev/null || true
+  # (only the records this call wrote: the device tool returns a limited number of files)
+  find benchmarks/results -name 'vla_throughput_*.jsonl' -newer "$out/gpu.txt" -exec cp {} "$out"/ \; 2>/dev/null || true
 }
 
 case $phase in
@@ -112,7 +113,8 @@ case $phase in
   e2e_profile)
     step adamw_test 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       packages/loongforge-kernels/tests/test_gpu.py -k adamw
-    step adamw_bench 70 python3 benchmarks/pi05_levers.py --only adamw --out "$out/adamw.md"
+    step embodied_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-embodied/tests/test_gpu_compile.py -k "sync or kernel_adamw or train_the_eager"
     step pi05_e2e_ours_profile 380 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 10 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8 \
       --profile

@@ -9,6 +9,8 @@ recipe trains through the CLI and its export loads with ``PI05Policy.from_pretra
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -128,6 +130,35 @@ def test_adaptation_is_checked_and_reversible(tiny, monkeypatch):
         attention.install()
     monkeypatch.undo()
     attention.install()
+
+
+def test_siglip_fused_qkv_is_transformers_attention(tiny):
+    """Our model's SigLIP attention runs q/k/v as one GEMM: outputs and gradients equal transformers' own
+    forward on the same module (fp32), and LeRobot's own policy is left with transformers' forward."""
+    from loongforge_embodied.policies import siglip_names
+    from loongforge_embodied.policies.lerobot_pi05.attention import _fused_qkv_forward
+    from transformers.models.siglip.modeling_siglip import SiglipAttention
+
+    arch, model, *_ = tiny
+    attn = siglip_names.encoder_layers(model.model.paligemma_with_expert.paligemma.model.vision_tower)[0].self_attn
+    assert attn.forward.__func__ is _fused_qkv_forward
+    x = torch.randn(2, 7, attn.embed_dim, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    results = []
+    for forward in (attn.forward, functools.partial(SiglipAttention.forward, attn)):
+        attn.zero_grad(set_to_none=True)
+        x.grad = None
+        out = forward(x)[0]
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in attn.parameters()]))
+    (o1, gx1, gp1), (o2, gx2, gp2) = results
+    torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx2, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gp1, gp2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    attn.zero_grad(set_to_none=True)
+    policy = _lerobot_policy(arch, model)
+    other = siglip_names.encoder_layers(policy.model.paligemma_with_expert.paligemma.model.vision_tower)[0]
+    assert "forward" not in other.self_attn.__dict__
 
 
 def test_token_table_gradient_is_row_sparse(tiny):

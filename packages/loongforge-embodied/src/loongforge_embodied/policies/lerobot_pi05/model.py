@@ -43,13 +43,14 @@ class LeRobotPI05Model(nn.Module):
 
     def __init__(self, arch: LeRobotPI05Arch):
         super().__init__()
-        from loongforge_embodied.policies.lerobot_pi05.attention import mark_layers
+        from loongforge_embodied.policies.lerobot_pi05.attention import fuse_siglip_qkv, mark_layers
         from loongforge_embodied.policies.lerobot_pi05.build import build_pi05
 
         self.arch = arch
         self.model, self.config = build_pi05(arch)
         self.stats = _Stats(arch)
         mark_layers(self._prefix_layers(), sdpa=bool(arch.sdpa))
+        fuse_siglip_qkv(siglip_names.encoder_layers(self._pwe.paligemma.model.vision_tower))
         for p in self._unused_in_training():
             p.requires_grad_(False)
 
