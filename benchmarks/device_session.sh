@@ -105,7 +105,7 @@ case $phase in
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     ;;
   e2e_graphs)
-    step pi05_e2e_ours_graphs 290 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+    step pi05_e2e_ours_graphs 270 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
