@@ -109,6 +109,7 @@ case $phase in
       --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    step find_syncs 45 python3 benchmarks/find_syncs.py
     ;;
   e2e_profile)
     step adamw_test 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
