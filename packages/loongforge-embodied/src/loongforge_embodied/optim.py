@@ -104,9 +104,13 @@ class KernelAdamW(torch.optim.AdamW):
     def _plan(self, gi: int, group: dict, params: list[torch.Tensor]):
         from loongforge_kernels.adamw import AdamWPlan
 
+        from loongforge_kernels._dispatch import KernelUnavailableError
+
         key = tuple(map(id, params))
         cached = self._plans.get(gi)
         if cached is not None and cached[0] == key:
+            if cached[1] is None:  # NOTE: these tensors cannot take the kernel; torch's step, without re-checking
+                raise KernelUnavailableError("cached")
             return cached[1]
         for p in params:
             state = self.state[p]
@@ -115,6 +119,7 @@ class KernelAdamW(torch.optim.AdamW):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
+        self._plans[gi] = (key, None)
         plan = AdamWPlan([_local(p) for p in params], [_local(s["exp_avg"]) for s in states],
                          [_local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states],
                          row_sparse=[id(p) in self._row_sparse and not isinstance(p, DTensor) for p in params])
