@@ -200,3 +200,33 @@ def test_an_error_in_an_extended_recipe_names_that_file(tmp_path, toy_backend):
     with pytest.raises(RecipeError) as e:
         load_recipe(bad_child)
     assert e.value.file == str(bad_child) and e.value.key == "model.width"
+
+
+def test_default_run_directories_never_collide(tmp_path, monkeypatch):
+    """Runs started in the same second get their own directories (LeRobot refuses an existing output dir; we
+    number them), each claimed by an exclusive mkdir; a 'runs' that is a file is left to the output check."""
+    import time
+
+    from loongforge.api import default_output_dir
+
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000")
+    dirs = [default_output_dir("recipes/x/quick.yaml", root=tmp_path / "runs") for _ in range(3)]
+    assert [d.name for d in dirs] == ["quick-20261201-120000", "quick-20261201-120000-2", "quick-20261201-120000-3"]
+    assert all(d.is_dir() for d in dirs)
+    (tmp_path / "file").write_text("x")
+    assert default_output_dir("quick.yaml", root=tmp_path / "file").parent == tmp_path / "file"
+
+
+def test_default_run_directory_is_claimed_after_the_checks(tmp_path, toy_backend, capsys, monkeypatch):
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261201-120000")
+    recipe = _recipe(tmp_path)
+    assert main(["train", str(recipe), "--nproc", "0"]) == 2
+    assert not (tmp_path / "runs").exists()  # NOTE: a refused launch claims no directory
+    capsys.readouterr()
+    assert main(["train", str(recipe)]) == 0 and main(["train", str(recipe)]) == 0
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == [f"{recipe.stem}-20261201-120000", f"{recipe.stem}-20261201-120000-2"]
+    assert f"run directory: runs/{recipe.stem}-20261201-120000-2" in capsys.readouterr().err

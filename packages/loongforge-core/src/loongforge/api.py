@@ -42,9 +42,24 @@ def validate_for(recipe: Recipe, *, world_size: int, file: str | Path | None = N
         raise ParallelPlanError(f"{file}: parallel layout: {exc}") from None
 
 
-def default_output_dir(recipe_path: str | Path | None) -> Path:
+def default_output_dir(recipe_path: str | Path | None, root: str | Path = "runs") -> Path:
+    """``runs/<recipe stem>-<YYYYmmdd-HHMMSS>``, created here so that it is this run's own: a run started in the
+    same second (or a directory already there) gets ``-2``, ``-3``, ... (claimed with an exclusive mkdir, so two
+    processes cannot both take one name and append to each other's metrics and checkpoints)."""
     stem = Path(recipe_path).stem if recipe_path else "run"
-    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path(root) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 10_000):
+        out = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            out.mkdir()
+            return out
+        except FileExistsError:
+            if not Path(root).is_dir():
+                return out  # NOTE: the caller's output check names the unusable path in one line
+        except OSError:
+            return out
+    raise LoongForgeError(f"{base}: no free run directory name (10,000 taken); pass --output")
 
 
 def _check_output_dir(out: Path) -> None:
@@ -96,19 +111,23 @@ def train(
     output_dir: str | Path | None = None,
     overrides: Sequence[str] = (),
     launch_config: LaunchConfig | None = None,
+    source: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Train a recipe (object or path). One process runs here; more go through the elastic launcher."""
-    path = None
+    """Train a recipe (object or path). One process runs here; more go through the elastic launcher. The result
+    holds ``output_dir``; without one given, ``runs/<recipe file stem>-<time>`` (``source``: the file a Recipe
+    object was loaded from)."""
+    path = source
     if not isinstance(recipe, Recipe):
         path = recipe
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise LoongForgeError("overrides apply to recipe files; pass a path or override the Recipe object")
-    out = Path(output_dir) if output_dir else default_output_dir(path)
     config = launch_config or LaunchConfig(nproc=recipe.parallel.min_world_size())
     config.check()
     world = config.nproc * config.min_nodes
     validate_for(recipe, world_size=world, file=path)
+    # NOTE: a default run directory is claimed (created) only once the launch and the recipe are known to be good
+    out = Path(output_dir) if output_dir else default_output_dir(path)
     _check_output_dir(out)
     if config.single_process or str(config.nnodes) == "1":
         # fail here with one line (not once per worker) when the device or its runtime is missing
@@ -116,7 +135,7 @@ def train(
 
         get_accelerator(recipe.accelerator.name, options=recipe.accelerator.options, env=recipe.accelerator.env)
     if config.single_process:
-        return run_in_process(recipe, output_dir=out)
+        return {**run_in_process(recipe, output_dir=out), "output_dir": str(out)}
     recipe_file = write_run_recipe(recipe, out, name="recipe.launch.yaml")  # rank 0 writes recipe.yaml once built
     for stale in out.glob(f"{FAILED}.*"):
         stale.unlink(missing_ok=True)

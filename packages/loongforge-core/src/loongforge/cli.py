@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from loongforge.api import default_output_dir, train
+    from loongforge.api import train
     from loongforge.launcher import LaunchConfig
     from loongforge.recipe import load_recipe
 
@@ -87,9 +87,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None else recipe.parallel.min_world_size()
     config = LaunchConfig(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                           rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
-    out = Path(args.output) if args.output else default_output_dir(args.recipe)
-    train(recipe, output_dir=out, launch_config=config)
-    print(f"run directory: {out}", file=sys.stderr)
+    # NOTE: train() claims the default run directory (runs/<recipe>-<time>[-N]) only after its checks
+    result = train(recipe, output_dir=args.output, launch_config=config, source=args.recipe)
+    print(f"run directory: {result['output_dir']}", file=sys.stderr)
     return 0
 
 
