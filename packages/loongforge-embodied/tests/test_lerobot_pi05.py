@@ -10,7 +10,6 @@ recipe trains through the CLI and its export loads with ``PI05Policy.from_pretra
 from __future__ import annotations
 
 import functools
-
 import json
 from pathlib import Path
 

@@ -102,9 +102,8 @@ class KernelAdamW(torch.optim.AdamW):
         self._marks.append((param, rows))
 
     def _plan(self, gi: int, group: dict, params: list[torch.Tensor]):
-        from loongforge_kernels.adamw import AdamWPlan
-
         from loongforge_kernels._dispatch import KernelUnavailableError
+        from loongforge_kernels.adamw import AdamWPlan
 
         key = tuple(map(id, params))
         cached = self._plans.get(gi)
