@@ -61,12 +61,52 @@ YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_posit
 
 
 def test_rope_scaling_without_a_megatron_equivalent_is_refused(tmp_path, tiny_hf, capsys):
-    """YaRN outside MLA (or linear / dynamic scaling) used to train with plain RoPE, silently; it is refused,
-    naming the file and the type."""
-    hf = tiny_hf("qwen3", tmp_path / "q", rope_scaling=YARN)
+    """Linear (or dynamic) scaling used to train with plain RoPE, silently; it is refused, naming the file and the
+    type. So is a YaRN attention_factor megatron cannot express."""
+    hf = tiny_hf("qwen3", tmp_path / "q", rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert main(["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null", f"model.hf={hf}"]) == 2
     err = capsys.readouterr().err
-    assert "rope_scaling type 'yarn' is not supported" in err and str(hf) in err and "key 'model.hf'" in err, err
+    assert "rope_scaling type 'linear' is not supported" in err and str(hf) in err and "key 'model.hf'" in err, err
+    odd = tiny_hf("qwen3", tmp_path / "odd", rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0})
+    assert main(["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null", f"model.hf={odd}"]) == 2
+    assert "attention_factor 2.0 differs from YaRN's own" in capsys.readouterr().err
+
+
+def _first_step_loss(tmp_path, hf) -> tuple[float, list]:
+    import torch
+
+    recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
+        "model.preset=null", f"model.hf={hf}", f"checkpoint.load={hf}", "train.stage=cpt", "data.format=synthetic",
+        "data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.precision=fp32",
+        "train.seed=7", "train.steps=2", "checkpoint.save_at_end=false", "accelerator=cpu", "logging.console=false",
+        "logging.tensorboard=false"])
+    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        return job.step()["loss"], batches
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss, family):
+    """YaRN on llama / qwen (e.g. Qwen3's long-context setting) goes to megatron's GPT ``yarn`` embedding with the
+    cos/sin factor: over 32 tokens with an original context of 16 the first-step loss equals transformers' with
+    YaRN, which differs from the unscaled model's; the export writes the scaling back."""
+    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    # NOTE: larger weights make attention (and so the positions) matter to the loss; llama's default init barely does
+    hf = tiny_hf(family, tmp_path / "yarn", rope_scaling=yarn, initializer_range=0.5)
+    plain = tiny_hf(family, tmp_path / "plain", initializer_range=0.5)
+    ours, batches = _first_step_loss(tmp_path, hf)
+    ref, unscaled = reference_loss(hf, batches), reference_loss(plain, batches)
+    assert abs(ref - unscaled) > 5e-6 * abs(ref), (ref, unscaled)
+    assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)
+    written = hf_config(arch_from_hf(hf), torch_dtype="float32")["rope_scaling"]
+    assert written["rope_type"] == "yarn" and written["factor"] == 4.0 and written["truncate"] is True
+    assert written["original_max_position_embeddings"] == 16
 
 
 def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss):

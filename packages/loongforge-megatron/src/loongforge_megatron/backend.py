@@ -209,7 +209,7 @@ class MegatronBackend(Backend):
         if recipe.kernels.spec not in ("auto", "loongforge", "local"):
             raise RecipeError(f"LLaVA models use the loongforge (SDPA + fused kernels) or megatron's local layer specs "
                               f"(got '{recipe.kernels.spec}')", key="kernels.spec")
-        if arch.rope_scaling_factor is not None:
+        if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
         heads = arch.vision["vision_config"]["num_attention_heads"]
         for what, n in (("CLIP attention heads", heads), ("CLIP ffn size", arch.vision["vision_config"]["intermediate_size"])):

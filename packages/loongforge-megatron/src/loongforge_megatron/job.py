@@ -190,6 +190,7 @@ class MegatronJob(Job):
             use_distributed_optimizer=plan.distributed_optimizer,
             device=self.device,
             rope_scaling_factor=arch.rope_scaling_factor,
+            position_embedding_type="yarn" if arch.rope_yarn and not arch.is_mla else "rope",
             pre_wrap=self._before_ddp,
         )
 

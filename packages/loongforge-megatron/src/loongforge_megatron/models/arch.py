@@ -32,8 +32,9 @@ class Arch(BaseModel):
     rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
     rope_original_max_position: int | None = Field(None, ge=1)
     rope_yarn: dict[str, float] | None = Field(
-        None, description="MLA models: YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, "
-        "mscale, mscale_all_dim), as DeepSeek-V3's rope_scaling")
+        None, description="YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, "
+        "mscale_all_dim; GPT families also truncate), as the HF config's rope_scaling: MLA through megatron's MLA, "
+        "llama / qwen through megatron's GPT yarn embedding")
     norm_eps: float = Field(1e-5, gt=0)
     qkv_bias: bool = False
     qk_norm: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,35 @@ YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "bet
                  "mscale_all_dim": 0.0}
 
 
+def _yarn_attention_factor(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
+    """transformers' YaRN cos/sin factor when the config gives none (``_compute_yarn_parameters``)."""
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return get(factor, mscale) / get(factor, mscale_all_dim) if mscale and mscale_all_dim else get(factor)
+
+
+def _gpt_yarn(scaling: dict[str, Any], cfg: dict[str, Any], path: Path) -> dict[str, float]:
+    """YaRN of a llama / qwen config as megatron's GPT ``yarn`` embedding takes it: the same frequencies (factor,
+    original context, betas, the correction range rounded or not: ``truncate``) and the same cos/sin factor,
+    expressed as megatron's (mscale, mscale_all_dim) pair. transformers uses that pair only when both are nonzero;
+    otherwise its factor is ``0.1 ln(factor) + 1``, which is megatron's (1, 0)."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and all_dim):
+        mscale, all_dim = 1.0, 0.0
+    given = scaling.get("attention_factor")
+    if given is not None and abs(float(given) - _yarn_attention_factor(factor, mscale, all_dim)) > 1e-9:
+        raise RecipeError(f"{path}: rope_scaling attention_factor {given} differs from YaRN's own "
+                          f"({_yarn_attention_factor(factor, mscale, all_dim):.6g} for factor {factor}); megatron's "
+                          "YaRN cannot take another value", key="model.hf")
+    return {"factor": float(factor), "original_max_position_embeddings": float(original),
+            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+            "mscale": float(mscale), "mscale_all_dim": float(all_dim),
+            "truncate": float(bool(scaling.get("truncate", True)))}
+
+
 def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     model_type = cfg.get("model_type")
     family = HF_MODEL_TYPES.get(model_type)
@@ -109,11 +139,13 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
         # NOTE: megatron's MLA has HF DeepSeek's YaRN (frequencies and the softmax-scale / cos-sin mscale)
         fields["rope_yarn"] = {k: float(scaling.get(k, d)) for k, d in YARN_DEFAULTS.items()}
         fields["rope_yarn"]["factor"] = float(scaling["factor"])
+    elif kind == "yarn":
+        fields["rope_yarn"] = _gpt_yarn(scaling, cfg, path)
     elif kind not in (None, "default", "llama3"):
-        # NOTE: training with plain RoPE instead (what this used to do) silently changes the model: YaRN also scales
-        # the attention logits (mscale); linear / dynamic scale the positions
+        # NOTE: training with plain RoPE instead (what this used to do) silently changes the model: linear / dynamic
+        # scale the positions
         raise RecipeError(f"{path}: rope_scaling type '{kind}' is not supported by the megatron backend yet "
-                          "(supported: llama3; yarn for deepseek_v3's MLA)", key="model.hf")
+                          "(supported: llama3, yarn)", key="model.hf")
     if kind == "llama3":
         fields["rope_scaling_factor"] = float(scaling["factor"])
         fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
@@ -184,6 +216,8 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
         y = arch.rope_yarn
         cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **y,
                                "original_max_position_embeddings": int(y["original_max_position_embeddings"])}
+        if "truncate" in y:
+            cfg["rope_scaling"]["truncate"] = bool(y["truncate"])
     if arch.rope_scaling_factor:
         cfg["rope_scaling"] = dict(rope_type="llama3", factor=arch.rope_scaling_factor, low_freq_factor=1.0,
                                    high_freq_factor=4.0, original_max_position_embeddings=arch.rope_original_max_position or 8192)
@@ -299,7 +333,18 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
                       mscale_all_dim=y["mscale_all_dim"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
                       original_max_position_embeddings=int(y["original_max_position_embeddings"]))
         return MLATransformerConfig(**kw)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if arch.rope_yarn:
+        # NOTE: megatron's GPT ``yarn`` embedding and its attention's cos/sin factor read these (not dataclass
+        # fields: megatron's own argument parsing sets them the same way)
+        y = arch.rope_yarn
+        for name, value in (("rotary_scaling_factor", y["factor"]),
+                            ("original_max_position_embeddings", int(y["original_max_position_embeddings"])),
+                            ("beta_fast", y["beta_fast"]), ("beta_slow", y["beta_slow"]), ("mscale", y["mscale"]),
+                            ("mscale_all_dim", y["mscale_all_dim"]),
+                            ("correction_range_round_to_int", bool(y.get("truncate", 1.0)))):
+            setattr(config, f"yarn_{name}", value)
+    return config
 
 
 def _llava_hf_config(arch: Arch, *, torch_dtype: str) -> dict[str, Any]:
