@@ -155,6 +155,13 @@ def test_siglip_fused_qkv_is_transformers_attention(tiny):
     for a, b in zip(gp1, gp2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     attn.zero_grad(set_to_none=True)
+    calls = []
+    handle = attn.k_proj.register_forward_hook(lambda *a: calls.append(1))  # e.g. an adapter: runs as itself
+    try:
+        torch.testing.assert_close(attn.forward(x)[0], o1, rtol=1e-5, atol=1e-6)
+    finally:
+        handle.remove()
+    assert calls == [1]
     policy = _lerobot_policy(arch, model)
     other = siglip_names.encoder_layers(policy.model.paligemma_with_expert.paligemma.model.vision_tower)[0]
     assert "forward" not in other.self_attn.__dict__

@@ -67,24 +67,36 @@ class KernelAdamW(torch.optim.AdamW):
     the H200's 4.8 TB/s; ours at ~3.7).
 
     ``row_sparse``: parameters whose gradient is zero outside the rows the job passes to ``mark_rows`` each step
-    (embedding tables): blocks never touched only decay (exact: AdamW on zero gradient and zero moments), and
-    ``grad_norm`` skips them. pi05's 257k-row token table sees a few dozen rows.
+    (embedding tables): blocks never touched only decay (exact for a finite clip and ``eps > 0``: AdamW on zero
+    gradient and zero moments), and ``grad_norm`` skips them. pi05's 257k-row token table sees a few dozen rows.
 
     ``grad_norm(params)`` is the clip's global L2 norm from the same gradient table the step then uses (one
     kernel over all gradients; None when it cannot serve, e.g. another parameter set or a fallback step).
 
     Falls back to torch's step for what the kernel does not cover: amsgrad, maximize, capturable,
     differentiable, ``found_inf``, tensor learning rates, a closure, sparse / non-contiguous / misaligned
-    tensors, other dtypes, and ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor) parameters update their local
-    shards. The per-group ``AdamWPlan`` (offsets of parameters, moments and steps) is kept while the group's
-    parameters with gradients stay the same and no state is loaded."""
+    tensors, other dtypes, an unusable ``grad_scale``, and ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor)
+    parameters update their local shards. The per-group ``AdamWPlan`` (offsets of parameters, moments and steps)
+    is kept while the group's parameters with gradients, and the addresses of them and of their state, stay the
+    same; a fallback step drops plans with row-sparse tables (torch's step moved rows the plan had not marked)."""
 
     def __init__(self, *args, row_sparse=(), **kwargs):
         super().__init__(*args, **kwargs)
         self._row_sparse = {id(p) for p in row_sparse}
-        self._plans: dict[int, tuple[tuple[int, ...], object]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.__dict__.setdefault("_row_sparse", set())
+        self._plans: dict[int, tuple[tuple, object]] = {}
         self._marks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._prepared: tuple[tuple[int, ...], list] | None = None
+        self._prepared: tuple[tuple, list] | None = None
+
+    def __setstate__(self, state) -> None:
+        # NOTE: a copy (deepcopy / pickle) keeps torch's state only: new plans; its parameters are new objects, so
+        # no table of the copy is row-sparse
+        super().__setstate__(state)
+        self.__dict__["_row_sparse"] = set()
+        self._reset()
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -105,23 +117,29 @@ class KernelAdamW(torch.optim.AdamW):
         from loongforge_kernels._dispatch import KernelUnavailableError
         from loongforge_kernels.adamw import AdamWPlan
 
-        key = tuple(map(id, params))
-        cached = self._plans.get(gi)
-        if cached is not None and cached[0] == key:
-            if cached[1] is None:  # NOTE: these tensors cannot take the kernel; torch's step, without re-checking
-                raise KernelUnavailableError("cached")
-            return cached[1]
         for p in params:
             state = self.state[p]
             if not state:  # NOTE: as torch's fused AdamW initialises it
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        self._plans[gi] = (key, None)
-        plan = AdamWPlan([_local(p) for p in params], [_local(s["exp_avg"]) for s in states],
-                         [_local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states],
-                         row_sparse=[id(p) in self._row_sparse and not isinstance(p, DTensor) for p in params])
+        locals_ = [(_local(p), _local(self.state[p]["exp_avg"]), _local(self.state[p]["exp_avg_sq"]),
+                    self.state[p]["step"]) for p in params]
+        # NOTE: the kernel writes through these addresses: a parameter or state tensor that moved (``p.data = …``,
+        # ``model.to()``, state replaced) must rebuild the plan, never reuse it
+        key = tuple((id(p), *(t.data_ptr() for t in ts)) for p, ts in zip(params, locals_, strict=True))
+        cached = self._plans.get(gi)
+        if cached is not None and cached[0] == key:
+            if cached[1] is None:  # NOTE: these tensors cannot take the kernel; torch's step, without re-checking
+                raise KernelUnavailableError("cached")
+            return cached[1]
+        try:
+            plan = AdamWPlan([t[0] for t in locals_], [t[1] for t in locals_], [t[2] for t in locals_],
+                             [t[3] for t in locals_],
+                             row_sparse=[id(p) in self._row_sparse and not isinstance(p, DTensor) for p in params])
+        except KernelUnavailableError:
+            self._plans[gi] = (key, None)
+            raise
         self._plans[gi] = (key, plan)
         return plan
 
@@ -131,7 +149,8 @@ class KernelAdamW(torch.optim.AdamW):
 
         if getattr(self, "found_inf", None) is not None:
             return None
-        grads_key = tuple(id(p.grad) for g in self.param_groups for p in g["params"])
+        grads_key = tuple((id(p.grad), p.grad.data_ptr()) if p.grad is not None else None
+                          for g in self.param_groups for p in g["params"])
         if self._prepared is not None and self._prepared[0] == grads_key:
             return self._prepared[1]
         work = []
@@ -177,14 +196,23 @@ class KernelAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from loongforge_kernels._dispatch import KernelUnavailableError
+
         prepared = None if closure is not None else self._prepare()
         self._prepared = None
+        scale = getattr(self, "grad_scale", None)
+        try:
+            for plan, *_ in prepared or ():
+                plan.check_scale(scale)  # NOTE: the clip sets it after the norm, i.e. after _prepare
+        except KernelUnavailableError:
+            prepared = None
         if prepared is None:
+            # NOTE: torch's step updates rows a row-sparse plan may hold inactive: drop those plans (a rebuilt plan
+            # finds the rows from the moments)
+            self._plans = {gi: c for gi, c in self._plans.items()
+                           if c[1] is None or not any(launch.sparse for launch in c[1].launches)}
             self._marks = []
             return super().step(closure)
-        scale = getattr(self, "grad_scale", None)
-        for plan, *_ in prepared:
-            plan.check_scale(scale)  # NOTE: the clip sets it after the norm, i.e. after _prepare
         for plan, checked, group, params in prepared:
             torch._foreach_add_([self.state[p]["step"] for p in params], 1)
             beta1, beta2 = group["betas"]

@@ -203,6 +203,7 @@ class _Launch:
               (exp_avg_sqs[i].data_ptr() - pb) // size, (steps[i].data_ptr() - sb) // 4, params[i].numel()]
              for i in idx], dtype=torch.int64)
         numels = [params[i].numel() for i in idx]
+        self.numels = numels
         self.blocks = _block_table(tuple(numels), block, self.p0.device)
         counts = [max(1, -(-n // block)) for n in numels]
         self.first = [sum(counts[:j]) for j in range(len(idx))]  # each tensor's first program
@@ -228,7 +229,8 @@ class AdamWPlan:
 
     ``row_sparse[i]``: tensor i is a 2-D table whose gradient is zero outside the rows given to ``mark_rows``
     for this step (an embedding's): blocks never marked (and whose moments are zero) only decay, and the norm
-    skips them — exact, since AdamW on a zero gradient with zero moments is ``p - lr * weight_decay * p``."""
+    skips them — exact for a finite ``grad_scale`` and ``eps > 0``: AdamW on a zero gradient with zero moments is
+    ``p - lr * weight_decay * p``."""
 
     def __init__(self, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                  exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
@@ -292,6 +294,8 @@ class AdamWPlan:
                                              for g in gs):
                 raise KernelUnavailableError("adamw: gradients must be dense, contiguous and of one dtype (bf16 / "
                                              "fp16 / fp32) per parameter dtype")
+            if [g.numel() for g in gs] != launch.numels:  # NOTE: the kernel reads as many elements as the param has
+                raise KernelUnavailableError("adamw: a gradient's size differs from its parameter's")
             ptrs = torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64)
             if bool((ptrs % 16).any()) or g0.device != self.device:
                 raise KernelUnavailableError(f"adamw: a gradient is not on {self.device} at a 16-byte aligned address")

@@ -241,8 +241,17 @@ def _fused_qkv_forward(self, hidden_states: torch.Tensor, attention_mask: torch.
     Inside a compiled unit the concatenation fuses into autocast's cast of the fp32 weights, so it costs no pass
     of its own; one (tokens x 1152) @ (1152 x 3456) GEMM runs ~3.6% faster per layer than three 1152-wide ones
     on the H200 (``benchmarks/pi05_levers.py``)."""
-    from transformers.models.siglip.modeling_siglip import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+    from transformers.models.siglip.modeling_siglip import (
+        ALL_ATTENTION_FUNCTIONS,
+        SiglipAttention,
+        eager_attention_forward,
+    )
 
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    if any(type(m) is not torch.nn.Linear or m.bias is None or m._forward_hooks or m._forward_pre_hooks
+           for m in projections):
+        # NOTE: a wrapped or hooked projection (LoRA, fp8 linears, ...) must run as itself
+        return SiglipAttention.forward(self, hidden_states, attention_mask, **kwargs)
     input_shape = hidden_states.shape[:-1]
     weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
     bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
@@ -272,7 +281,7 @@ def fuse_siglip_qkv(layers) -> None:
                               "restates; the library was probably upgraded — review the adaptation")
     for layer in layers:
         attn = layer.self_attn
-        if type(attn) is SiglipAttention and attn.q_proj.bias is not None:
+        if type(attn) is SiglipAttention:
             attn.forward = _fused_qkv_forward.__get__(attn)
 
 
@@ -304,8 +313,8 @@ def siglip_names_adaptation():
 
 def install() -> None:
     """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), the
-    sync-free mask tensors, and the mask-keyword and SigLIP-name shims where the installed transformers needs
-    them."""
+    sync-free mask tensors (process-wide: LeRobot's own ``PI05Policy`` in this process gets them too, with the
+    same values), and the mask-keyword and SigLIP-name shims where the installed transformers needs them."""
     global _installed
     if _installed is None:
         found = (joint_layer_adaptation(), async_masks_adaptation(), mask_kwargs_adaptation(),
