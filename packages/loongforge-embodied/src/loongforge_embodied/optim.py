@@ -117,17 +117,18 @@ class KernelAdamW(torch.optim.AdamW):
         from loongforge_kernels._dispatch import KernelUnavailableError
         from loongforge_kernels.adamw import AdamWPlan
 
-        for p in params:
-            state = self.state[p]
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states, strict=True):
             if not state:  # NOTE: as torch's fused AdamW initialises it
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        locals_ = [(_local(p), _local(self.state[p]["exp_avg"]), _local(self.state[p]["exp_avg_sq"]),
-                    self.state[p]["step"]) for p in params]
+        local = _local if any(isinstance(p, DTensor) for p in params) else (lambda t: t)
+        locals_ = [(local(p), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"])
+                   for p, st in zip(params, states, strict=True)]
         # NOTE: the kernel writes through these addresses: a parameter or state tensor that moved (``p.data = …``,
         # ``model.to()``, state replaced) must rebuild the plan, never reuse it
-        key = tuple((id(p), *(t.data_ptr() for t in ts)) for p, ts in zip(params, locals_, strict=True))
+        key = tuple([id(p) for p in params] + [t.data_ptr() for ts in locals_ for t in ts])
         cached = self._plans.get(gi)
         if cached is not None and cached[0] == key:
             if cached[1] is None:  # NOTE: these tensors cannot take the kernel; torch's step, without re-checking
