@@ -113,23 +113,11 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
     """DeepSeek-V3's YaRN (frequencies, and mscale on the softmax scale) goes to megatron's MLA: the first-step loss
     equals transformers' with YaRN, which differs from the unscaled model's (so plain RoPE would fail here), and
     the export writes the scaling back."""
-    import torch
     from loongforge_megatron.models.translate import arch_from_hf, hf_config
 
     hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=YARN)
     plain = tiny_hf("deepseek_v3", tmp_path / "plain")
-    recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
-        "model.preset=null", f"model.hf={hf}", f"checkpoint.load={hf}", "train.stage=cpt", "data.format=synthetic",
-        "data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.precision=fp32",
-        "train.seed=7", "train.steps=2", "checkpoint.save_at_end=false", "accelerator=cpu", "logging.console=false",
-        "logging.tensorboard=false"])
-    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "run")
-    try:
-        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-        ours = job.step()["loss"]
-    finally:
-        job.close()
-        runtime.logger.close()
+    ours, batches = _first_step_loss(tmp_path, hf)
     ref, unscaled = reference_loss(hf, batches), reference_loss(plain, batches)
     assert abs(ref - unscaled) > 5e-6 * abs(ref), (ref, unscaled)
     assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)
