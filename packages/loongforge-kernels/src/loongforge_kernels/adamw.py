@@ -1,4 +1,4 @@
-"""AdamW's update over a list of tensors in one Triton launch per (parameter, gradient) dtype pair.
+"""AdamW's update over a list of tensors in one Triton launch per parameter dtype (one gradient dtype each).
 
 ``adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, ...)`` is the math of torch's fused AdamW
 (``torch._fused_adamw_``), per element in fp32, for steps that already count this update:
@@ -18,8 +18,10 @@ buffer — and the gradient is read only: 14 bytes per bf16 element instead of 1
 
 ``AdamWPlan`` holds what stays fixed between steps (the parameters', moments' and steps' offsets, which
 (tensor, block) each program takes); only the gradients' column is rebuilt every call (they are new tensors
-every step), and the table reaches the device from pinned memory without a host sync. On CPU tensors the kernel runs under Triton's interpreter (tests); ``adamw_step_ref`` is the
-plain-torch statement of the same math.
+every step), and the table reaches the device from pinned memory without a host sync. The same table serves
+``grad_sumsq`` (the clip's norm), and row-sparse tables (embeddings) skip the blocks no step has touched. On CPU
+tensors the kernels run under Triton's interpreter (tests); ``adamw_step_ref`` is the plain-torch statement of
+the same math.
 """
 
 from __future__ import annotations
