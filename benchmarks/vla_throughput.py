@@ -181,6 +181,7 @@ def _gaps(prof, steps: int) -> None:
     busy = sum(e["dur"] for e in dev)
     span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
     after, before, gaps, end = collections.Counter(), collections.Counter(), [], dev[0]["ts"] + dev[0]["dur"]
+    t0, bins = dev[0]["ts"], [0.0] * 40  # idle time over the span in 40 slices: where in the step the GPU waits
     prev = dev[0]
     for e in dev[1:]:
         gap = e["ts"] - end
@@ -188,18 +189,12 @@ def _gaps(prof, steps: int) -> None:
             gaps.append(gap)
             after[prev["name"][:70]] += gap
             before[e["name"][:70]] += gap
+            bins[min(39, int((end - t0) / span * 40))] += gap
         if e["ts"] + e["dur"] >= end:
             end, prev = e["ts"] + e["dur"], e
     print(f"[gaps] per step: device busy {busy / steps / 1e3:.1f} ms, span {span / steps / 1e3:.1f} ms, idle "
           f"{sum(gaps) / steps / 1e3:.1f} ms in {len(gaps) // steps} gaps > 2 us (largest {max(gaps, default=0) / 1e3:.2f} ms)",
           flush=True)
-    # idle time over the span in 40 slices: where in the step the GPU waits
-    t0, bins = dev[0]["ts"], [0.0] * 40
-    end = t0 + dev[0]["dur"]
-    for e in dev[1:]:
-        if e["ts"] - end > 2:
-            bins[min(39, int((end - t0) / span * 40))] += e["ts"] - end
-        end = max(end, e["ts"] + e["dur"])
     print("[gaps] idle us per 1/40 of the span: " + " ".join(f"{b:.0f}" for b in bins), flush=True)
     for title, counter in (("after", after), ("before", before)):
         print(f"[gaps] idle time by the kernel it comes {title} (ms per step):", flush=True)

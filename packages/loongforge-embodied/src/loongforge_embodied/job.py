@@ -80,14 +80,13 @@ class EmbodiedJob(Job):
         )
         self.trainable = [p for p in raw.parameters() if p.requires_grad]
         groups = param_groups(raw.named_parameters(), t.weight_decay)
+        # NOTE: one rank only: with data parallelism a table's reduced gradient also has the other ranks' rows
+        row_sparse = raw.row_sparse_params() if hasattr(raw, "row_sparse_params") and rt.world_size == 1 else []
         if self.model.strategy == "zero1" and rt.world_size > 1:
             self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type)
         else:
-            # NOTE: one rank only: with data parallelism a table's reduced gradient also has the other ranks' rows
-            row_sparse = raw.row_sparse_params() if hasattr(raw, "row_sparse_params") and rt.world_size == 1 else []
             self.optimizer = make_optimizer(groups, t, device_type=self.device.type, row_sparse=row_sparse)
-        self._mark_rows = hasattr(self.optimizer, "mark_rows") and hasattr(raw, "row_sparse_rows") \
-            and bool(getattr(self.optimizer, "_row_sparse", None))
+        self._mark_rows = bool(row_sparse) and hasattr(self.optimizer, "mark_rows")
         # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
         self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)

@@ -174,11 +174,10 @@ class KernelAdamW(torch.optim.AdamW):
         except KernelUnavailableError:
             return None
         index = {id(p): (plan, i) for plan, _, _, params in prepared for i, p in enumerate(params)}
-        for param, rows in self._marks:
-            if id(param) in index and id(param) in self._row_sparse:
-                plan, i = index[id(param)]
-                if i in plan._cols:
-                    plan.mark_rows(i, rows)
+        for param, rows in self._marks:  # NOTE: mark_rows took only row_sparse parameters
+            plan, i = index.get(id(param), (None, None))
+            if plan is not None and plan.is_row_sparse(i):  # NOTE: not a DTensor's, nor a step without its grad
+                plan.mark_rows(i, rows)
         self._marks = []
         self._prepared = (grads_key, prepared)
         return prepared

@@ -26,6 +26,7 @@ the same math.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -175,12 +176,12 @@ def _sumsq_kernel(WHICH, START, TABLE, G_BASE, ACTIVE, OUT, HAS_SPARSE: tl.const
 _TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor index, block index within it) of every program, for tensors of ``numels`` elements."""
-    counts = torch.tensor([max(1, -(-n // block)) for n in numels], dtype=torch.int64)
-    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    start = torch.arange(len(which)) - first
+def _block_table(counts: list[int], first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index, block index within it) of every program, for tensors of ``counts`` blocks starting at
+    program ``first``."""
+    n = torch.tensor(counts, dtype=torch.int64)
+    which = torch.repeat_interleave(torch.arange(len(counts)), n)
+    start = torch.arange(len(which)) - torch.repeat_interleave(torch.tensor(first, dtype=torch.int64), n)
     return which.to(torch.int32).to(device), start.to(torch.int32).to(device)
 
 
@@ -206,9 +207,9 @@ class _Launch:
              for i in idx], dtype=torch.int64)
         numels = [params[i].numel() for i in idx]
         self.numels = numels
-        self.blocks = _block_table(tuple(numels), block, self.p0.device)
         counts = [max(1, -(-n // block)) for n in numels]
-        self.first = [sum(counts[:j]) for j in range(len(idx))]  # each tensor's first program
+        self.first = [0, *itertools.accumulate(counts)][:-1]  # each tensor's first program
+        self.blocks = _block_table(counts, self.first, self.p0.device)
         self.sparse = any(sparse[i] for i in idx)
         self.active = None
         if self.sparse:
@@ -267,6 +268,9 @@ class AdamWPlan:
         self.launches = [_Launch(idx, params, exp_avgs, exp_avg_sqs, steps, sparse, block) for idx in groups.values()]
         self._where = {i: (launch, j) for launch in self.launches for j, i in enumerate(launch.idx)}
         self._cols = {i: params[i].shape[1] for i in range(n) if sparse[i]}
+
+    def is_row_sparse(self, i: int) -> bool:
+        return i in self._cols
 
     def mark_rows(self, i: int, rows: torch.Tensor) -> None:
         """Rows of row-sparse tensor ``i`` that may have a nonzero gradient this step (a device tensor of row
