@@ -154,6 +154,7 @@ def _profile(step, steps: int = 2) -> None:
     host operators by their own CPU time (what keeps the GPU waiting when it is not busy)."""
     from torch.profiler import ProfilerActivity, profile
 
+    step()  # NOTE: no sync before the trace starts: the GPU is still busy with this step, as in training
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -167,6 +168,7 @@ def _profile(step, steps: int = 2) -> None:
 def _gaps(prof, steps: int) -> None:
     """Where the GPU waits: from the trace's device events (kernels, copies, memsets), the busy time, the span and
     the idle gaps (> 2 us) per step, with the kernels the largest gaps come after and before."""
+    import bisect
     import collections
 
     path = os.path.join(tempfile.gettempdir(), "vla_trace.json")
@@ -193,9 +195,36 @@ def _gaps(prof, steps: int) -> None:
         if e["ts"] + e["dur"] >= end:
             end, prev = e["ts"] + e["dur"], e
     print(f"[gaps] per step: device busy {busy / steps / 1e3:.1f} ms, span {span / steps / 1e3:.1f} ms, idle "
-          f"{sum(gaps) / steps / 1e3:.1f} ms in {len(gaps) // steps} gaps > 2 us (largest {max(gaps, default=0) / 1e3:.2f} ms)",
+          f"{sum(gaps) / steps / 1e3:.1f} ms in {len(gaps) // steps} gaps > 2 us, {len(dev) // steps} device events (largest {max(gaps, default=0) / 1e3:.2f} ms)",
           flush=True)
     print("[gaps] idle us per 1/40 of the span: " + " ".join(f"{b:.0f}" for b in bins), flush=True)
+    edges = (2, 5, 20, 100, 1000, float("inf"))
+    hist = [[0, 0.0] for _ in edges[1:]]
+    for g in gaps:
+        i = next(k for k in range(len(edges) - 1) if g <= edges[k + 1])
+        hist[i][0] += 1
+        hist[i][1] += g
+    sizes = [f"{lo}-{hi}us: {n // steps}, {t / steps / 1e3:.2f}"
+             for lo, hi, (n, t) in zip(edges, edges[1:], hist, strict=False)]
+    print("[gaps] by size (count, ms per step): " + "  ".join(sizes), flush=True)
+    # NOTE: what the host was doing while the GPU waited (the innermost host op spanning each gap > 20 us)
+    host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation",
+                                                                              "python_function", "cuda_runtime")),
+                  key=lambda e: e["ts"])
+    starts = [e["ts"] for e in host]
+    doing = collections.Counter()
+    end = dev[0]["ts"] + dev[0]["dur"]
+    for e in dev[1:]:
+        if e["ts"] - end > 20:
+            mid = (e["ts"] + end) / 2
+            spanning = [h for h in host[max(0, bisect.bisect_right(starts, mid) - 400):bisect.bisect_right(starts, mid)]
+                        if h["ts"] + h["dur"] >= mid]
+            inner = min(spanning, key=lambda h: h["dur"], default=None)
+            doing[inner["name"][:70] if inner else "(no host op)"] += e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+    print("[gaps] host op running during gaps > 20 us (ms per step):", flush=True)
+    for name, us in doing.most_common(15):
+        print(f"[gaps]   {us / steps / 1e3:7.2f}  {name}", flush=True)
     for title, counter in (("after", after), ("before", before)):
         print(f"[gaps] idle time by the kernel it comes {title} (ms per step):", flush=True)
         for name, us in counter.most_common(12):
