@@ -165,15 +165,117 @@ def bench_siglip(batch: int = 16) -> list[str]:
     return head + rows
 
 
+def _masked_eager(q, k, v, valid, scale):
+    """Attention as LeRobot's eager step computes it (scores from a bf16 GEMM, softmax in fp32, probabilities back
+    in bf16), with a key-padding mask: q (B, Lq, D), k / v (B, Lk, D), valid (B, Lk)."""
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def bench_attention(batch: int = 16) -> list[str]:
+    """pi05's attention calls in a training step, forward + backward, by backend.
+
+    Joint layer (x 17): prefix queries (256 image + 32 prompt tokens, 8 heads folded into the rows: MQA over one
+    key-value head of 256) over the prefix keys, and 50 action queries x 8 heads over all keys, with a key-padding
+    mask (a few padded prompt tokens per sample). SigLIP (x 27): 16 heads of 72 over 256 patches, no mask."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    n_prefix, n_act, d, heads = 288, 50, 256, 8
+    lengths = n_prefix - torch.randint(0, 6, (batch,), device=dev, generator=g)  # padded prompt tails
+    valid = torch.arange(n_prefix + n_act, device=dev)[None, :] < lengths[:, None]
+    valid[:, n_prefix:] = True
+    scale = d ** -0.5
+
+    def leaf(*shape):
+        return (torch.randn(*shape, device=dev, dtype=bf, generator=g) * 0.5).requires_grad_()
+
+    qp, qa = leaf(batch, n_prefix * heads, d), leaf(batch, n_act * heads, d)
+    k, v = leaf(batch, n_prefix + n_act, d), leaf(batch, n_prefix + n_act, d)
+
+    def joint_sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                outs = []
+                for q, n in ((qp, n_prefix), (qa, n_prefix + n_act)):
+                    outs.append(F.scaled_dot_product_attention(q[:, None], k[:, None, :n], v[:, None, :n],
+                                                               attn_mask=valid[:, None, None, :n], scale=scale))
+            return outs
+        return run
+
+    eager = torch.compile(_masked_eager)
+
+    def joint_eager():
+        return [eager(qp, k[:, :n_prefix], v[:, :n_prefix], valid[:, :n_prefix], scale),
+                eager(qa, k, v, valid, scale)]
+
+    flex = torch.compile(flex_attention)
+    masks = {}
+    for n_q, n_k in ((n_prefix * heads, n_prefix), (n_act * heads, n_prefix + n_act)):
+        vk = valid[:, :n_k]
+        masks[n_q] = create_block_mask(lambda b, h, qi, ki, vk=vk: vk[b, ki], batch, None, n_q, n_k, device=dev)
+
+    def joint_flex():
+        return [flex(qp[:, None], k[:, None, :n_prefix], v[:, None, :n_prefix], block_mask=masks[n_prefix * heads],
+                     scale=scale),
+                flex(qa[:, None], k[:, None], v[:, None], block_mask=masks[n_act * heads], scale=scale)]
+
+    ref = [o.float() for o in joint_sdpa([SDPBackend.MATH])()]
+    rows = []
+
+    def measure(name, fn, per_step=17):
+        def step():
+            outs = fn()
+            sum(o.float().square().mean() for o in outs).backward()
+        try:
+            err = max((o.float().squeeze(1) - r.squeeze(1)).abs().max().item() for o, r in zip(fn(), ref, strict=True))
+            gpu = _gpu_time(step, reps=20)
+        except Exception as e:  # noqa: BLE001 — a backend that cannot take these shapes is a row, not a crash
+            rows.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+            return
+        rows.append(f"| {name} | {gpu * 1e3:.3f} ms | x{per_step} = {gpu * per_step * 1e3:.2f} ms | {err:.1e} |")
+
+    measure("joint: SDPA default dispatch", joint_sdpa([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+    measure("joint: SDPA cuDNN", joint_sdpa([SDPBackend.CUDNN_ATTENTION]))
+    measure("joint: SDPA efficient", joint_sdpa([SDPBackend.EFFICIENT_ATTENTION]))
+    measure("joint: eager, compiled (LeRobot's math: bf16 scores, fp32 softmax)", joint_eager)
+    measure("joint: flex_attention, compiled", joint_flex)
+
+    sq, sk, sv = (leaf(batch, 16, 256, 72) for _ in range(3))
+    sref = [F.scaled_dot_product_attention(sq.float(), sk.float(), sv.float())]
+    ref[:] = sref
+
+    def siglip(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return [F.scaled_dot_product_attention(sq, sk, sv)]
+        return run
+
+    seager = torch.compile(lambda q, k, v: torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 72 ** -0.5,
+                                                                      dim=-1, dtype=torch.float32).to(q.dtype), v))
+    for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        measure(f"SigLIP: SDPA {name}", siglip([backend]), 27)
+    measure("SigLIP: eager, compiled", lambda: [seager(sq, sk, sv)], 27)
+    head = [f"pi05's attention, batch {batch}, forward + backward GPU time (kernels' own time) per call, bf16",
+            "", "| variant | GPU time | per step | max err vs fp32 math |", "|---|---:|---:|---:|"]
+    return head + rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", choices=("adamw", "siglip"), default=None)
+    ap.add_argument("--only", choices=("adamw", "siglip", "attention"), default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pi05_levers needs a CUDA GPU")
     lines = [f"# pi05 levers on {torch.cuda.get_device_name()}", ""]
-    for part in (bench_adamw, bench_siglip):
+    for part in (bench_adamw, bench_siglip, bench_attention):
         if args.only and part.__name__ != f"bench_{args.only}":
             continue
         lines += part() + [""]

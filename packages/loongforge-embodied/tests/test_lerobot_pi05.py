@@ -89,8 +89,14 @@ def test_loss_matches_lerobot_policy_forward(tiny):
     assert inp["lang_mask"].sum(1).unique().numel() == 3  # the three prompts are padded differently
 
 
-def test_sdpa_gradients_match_eager(tiny):
+@pytest.mark.parametrize("twin", ["sdpa_layer_complete", "matmul_layer_complete"])
+def test_sdpa_gradients_match_eager(tiny, twin, monkeypatch):
+    """Our twin's gradients equal LeRobot's eager joint layer's, with SDPA (eager units) and with the GEMM +
+    masked-softmax attention compiled units run (the three prompts are padded differently: the key mask)."""
+    from loongforge_embodied.policies.lerobot_pi05 import attention
+
     _, model, _, _, inp = tiny
+    monkeypatch.setattr(attention, "sdpa_layer_complete", getattr(attention, twin))
 
     def grads(mode):
         _set_attention(model, mode)
@@ -442,7 +448,7 @@ def test_load_accepts_either_siglip_layout(tiny, tmp_path):
 
 
 def test_compiled_units_give_the_eager_losses(tmp_path):
-    """``train.compile`` (each FSDP2 unit torch.compiled, the joint layers' SDPA body included) trains the same
+    """``train.compile`` (each FSDP2 unit torch.compiled, the joint layers' GEMM + softmax body included) trains the same
     numbers as eager on the CPU (fp32; inductor's fused kernels reorder sums, so 1e-5 relative)."""
     from loongforge.api import build_job, load_recipe
 

@@ -8,6 +8,8 @@ language) see the valid prefix tokens, action tokens see every valid token. So t
 with no 2-D mask, only a (B, 1, 1, L) key-padding vector (the language padding): prefix queries over the
 prefix keys, action queries over all keys. With one key-value head (both Gemma variants) the 8 query heads fold
 into the query length — MQA as single-head attention over L·8 query rows — so nothing is repeated or transposed.
+A compiled unit runs the same twin with the attention as two GEMMs around a fused masked softmax
+(``matmul_layer_complete``): with pi05's short key sequences that beats the flash kernels (``_attend_matmul``).
 
 Outputs equal LeRobot's for every valid token (padded prefix rows differ: they are never read). The
 dispatcher changes nothing for models that did not opt in (LeRobot's own ``PI05Policy`` keeps eager attention):
@@ -39,6 +41,17 @@ _installed: AdaptationSet | None = None
 
 def sdpa_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb):
     """Twin of LeRobot's ``compute_layer_complete`` (same arguments and results) with SDPA attention."""
+    return _layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb, _attend)
+
+
+def matmul_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb):
+    """The twin with the attention as two batched GEMMs around a masked fp32 softmax (``_attend_matmul``): what a
+    compiled unit runs."""
+    return _layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb,
+                           _attend_matmul)
+
+
+def _layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb, attend):
     # NOTE: in the last layer only the prefix keys/values are read (by the action tokens): no prefix queries.
     skip_prefix = getattr(layers[0], LAST, False)
     qs, ks, vs, gates = [], [], [], []
@@ -61,9 +74,9 @@ def sdpa_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond
     keys, values = torch.cat(ks, dim=1), torch.cat([v.to(dtype) for v in vs], dim=1)
     valid = _valid_keys(attention_mask)
     scale = layers[0].self_attn.scaling
-    outs = [None if qs[0] is None else _attend(qs[0], keys[:, :n_prefix], values[:, :n_prefix], valid[:, :n_prefix],
-                                               scale),
-            _attend(qs[1], keys, values, valid, scale)]
+    outs = [None if qs[0] is None else attend(qs[0], keys[:, :n_prefix], values[:, :n_prefix], valid[:, :n_prefix],
+                                              scale),
+            attend(qs[1], keys, values, valid, scale)]
 
     results = []
     for i, (layer, hidden, cond) in enumerate(zip(layers, inputs_embeds, adarms_cond, strict=True)):
@@ -104,6 +117,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     return out.view(b, lq, h * d)
 
 
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``_attend`` as LeRobot's eager attention computes it: scores from a GEMM, the key-padding mask, softmax in
+    fp32, probabilities in the query's dtype, a second GEMM. The key-value sequences are short (pi05: ~290 prefix
+    keys), so the scores are small (B x 8·L x L); inside a compiled unit the scale, mask and softmax fuse into one
+    kernel each way, and forward + backward take 0.56 ms per joint layer on the H200 against 0.69 ms for SDPA's
+    cuDNN flash kernels, which are built for long key sequences (``benchmarks/pi05_levers.py --only attention``)."""
+    b, lq, h, d = q.shape
+    q2, k2, v2 = q.reshape(b, lq * h, d), k.reshape(b, -1, d), v.reshape(b, -1, d)
+    scores = torch.matmul(q2, k2.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v2).view(b, lq, h * d)
+
+
 def _call(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
@@ -134,7 +162,10 @@ def _dispatcher(original: Callable) -> Callable:
                             rotary_emb=rotary_emb)
         body = sdpa_layer_complete if mode == "sdpa" else original
         if layers[0]._compiled_call_impl is not None:  # the job compiled this unit (``unit.compile()``)
-            body = _compiled(body, getattr(layers[0], "_loongforge_compile_mode", None))
+            # NOTE: compiled, the twin takes the GEMM + fused-softmax attention (faster there, see _attend_matmul);
+            # eager, SDPA (one kernel instead of the unfused scale / mask / softmax passes)
+            body = _compiled(matmul_layer_complete if mode == "sdpa" else body,
+                             getattr(layers[0], "_loongforge_compile_mode", None))
         run = functools.partial(body, layers=layers, rotary_emb=rotary_emb)
         for layer in reversed(layers):  # the expert unit innermost
             run = _entered(layer, run)
