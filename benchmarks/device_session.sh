@@ -26,6 +26,7 @@
 #         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 #   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
+#   e2e_pair (1 GPU, ~6 min) the paired end-to-end measurement alone: LeRobot's loop, then ours with CUDA graphs
 #   e2e_profile (1 GPU, ~9 min) AdamW kernel GPU tests, the embodied GPU tests of the optimizer, sync-free steps and
 #                           CUDA-graph parity; ours end to end with CUDA graphs, then its host + kernel profile
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
@@ -43,8 +44,8 @@
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_profile|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -110,6 +111,13 @@ case $phase in
     step pi05_e2e_lerobot 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
       --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
     step find_syncs 45 python3 benchmarks/find_syncs.py
+    ;;
+  e2e_pair)
+    # NOTE: the paired end-to-end measurement alone, LeRobot's loop first (short), then ours with its cold compile
+    step pi05_e2e_lerobot 130 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+      --warmup 3 --only lerobot_e2e --data-root .vla_data/pusht224 --workers 8
+    step pi05_e2e_ours_graphs 450 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
+      --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root .vla_data/pusht224 --workers 8
     ;;
   e2e_profile)
     # NOTE: the profiled run first: on a fresh machine its compile alone takes ~4 minutes
