@@ -117,10 +117,6 @@ class MegatronBackend(Backend):
             raise RecipeError(f"kernels.spec te cannot be used with {te_needs}: TransformerEngine's layers fold the norms "
                               "into the linears (other parameter names than the HF mappings know) and its causal "
                               "attention ignores packed-sequence masks; use kernels.spec loongforge", key="kernels.spec")
-        if arch.is_moe and plan.ep > 1 and plan.etp < plan.tp and "hf" in recipe.checkpoint.save_format:
-            raise RecipeError(f"the HF export cannot yet gather experts laid out with etp {plan.etp} < tp {plan.tp} and "
-                              f"ep {plan.ep} (expert and tensor ranks share devices); save dist only, or use etp = tp",
-                              key="checkpoint.save_format")
 
     @staticmethod
     def _check_components(recipe: Recipe, plan: Any, arch: Any) -> None:

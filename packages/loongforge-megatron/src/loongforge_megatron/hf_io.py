@@ -61,12 +61,51 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
-    """What every rank holds under ``state(module)`` and who sends it: (layout, hf config, mine, owner, specs).
+class _Holdings:
+    """Which global rank sends a tensor that the layout reads from ``(tp, pp, ep, vpp)``, and under which of its
+    own keys (``mine`` of that rank).
 
-    Each ``(tp, pp, ep, vpp)`` shard comes from the lowest global rank holding it (a data-parallel replica
-    holds the same values).
+    Each held ``(tp, pp, ep, vpp)`` key is served by the lowest global rank holding it (a data-parallel replica
+    holds the same values). With expert tensor parallelism below TP (``etp < tp`` with ``ep > 1``) the expert
+    grid does not follow the dense one: a process is (tp rank t, ep rank e) only for the pairs megatron formed,
+    so the layout asks for keys no process has. Those are still held in substance: routed experts (not split
+    at etp 1) are whole on every TP rank of their EP rank, and every other tensor is replicated over EP ranks.
     """
+
+    def __init__(self, layout, everyone: list[dict]):
+        from loongforge.checkpoint import Expert
+
+        self.owner: dict = {}
+        self.specs: dict = {}
+        for rank, held in enumerate(everyone):
+            for key, spec in held.items():
+                if key not in self.owner:
+                    self.owner[key], self.specs[key] = rank, spec
+        self.experts = {p.megatron for p in layout.params() if isinstance(p.rule, Expert)}
+        self._resolved: dict = {}
+
+    def source(self, rank, name: str) -> tuple[int, tuple]:
+        """(global rank, its key) to read ``name`` of layout rank ``rank`` from."""
+        if name in self.specs.get(rank, ()):
+            return self.owner[rank], rank
+        if (rank, name) not in self._resolved:
+            tp, pp, ep, vpp = rank
+            same = (lambda k: k[2] == ep) if name in self.experts else (lambda k: k[0] == tp)
+            found = [k for k in self.owner if (k[1], k[3]) == (pp, vpp) and same(k) and name in self.specs[k]]
+            if not found:
+                raise CheckpointError(f"no rank holds '{name}' of (tp {tp}, pp {pp}, ep {ep}, vpp {vpp})")
+            self._resolved[(rank, name)] = self.owner[min(found)], min(found)
+        return self._resolved[(rank, name)]
+
+    def spec(self, rank, name: str):
+        try:
+            return self.specs[self.source(rank, name)[1]][name]
+        except CheckpointError:
+            raise CheckpointError(f"rank {rank}: the model has no tensor '{name}'") from None
+
+
+def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
+    """What every rank holds under ``state(module)`` and who sends it: (layout, hf config, mine, holdings)."""
     from loongforge_megatron.conversion.families import get_family
     from loongforge_megatron.conversion.layout import MegatronLayout
     from loongforge_megatron.job import VOCAB_DIVISIBLE_BY, unwrapped
@@ -87,33 +126,30 @@ def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, 
     shapes = {key: {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()} for key, sd in mine.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, shapes)
-    owner, specs = {}, {}
-    for rank, held in enumerate(everyone):
-        for key, spec in held.items():
-            if key not in owner:
-                owner[key], specs[key] = rank, spec
-    return layout, config, mine, owner, specs
+    return layout, config, mine, _Holdings(layout, everyone)
 
 
-def _receiver(mine, owner, specs) -> tuple[Callable, Callable]:
-    """Rank 0's ``read(rank, name)`` (own tensor, or a point-to-point receive) and ``spec(rank, name)``."""
+def _receiver(mine, holdings: _Holdings) -> Callable:
+    """Rank 0's ``read(rank, name)``: its own tensor, or a point-to-point receive from the rank holding it."""
     device = _comm_device()
 
     def read(rank, name):
-        if owner[rank] == 0:
-            return mine[rank][name].cpu()
-        dt, shape = specs[rank][name]
+        src, key = holdings.source(rank, name)
+        if src == 0:
+            return mine[key][name].cpu()
+        dt, shape = holdings.specs[key][name]
         buf = torch.empty(shape, dtype=dt, device=device)
-        dist.recv(buf, src=owner[rank])
+        dist.recv(buf, src=src)
         return buf.cpu()
 
-    def spec(rank, name):
-        try:
-            return specs[rank][name]
-        except KeyError:
-            raise CheckpointError(f"rank {rank}: the model has no tensor '{name}'") from None
+    return read
 
-    return read, spec
+
+def _send_mine(mine, holdings: _Holdings, rank, name: str, me: int, device: torch.device) -> None:
+    """The sender's side of rank 0's ``read(rank, name)``: send it if this process is the one holding it."""
+    src, key = holdings.source(rank, name)
+    if src == me:
+        dist.send(mine[key][name].to(device).contiguous(), dst=0)
 
 
 def _gather_averaged(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
@@ -124,10 +160,10 @@ def _gather_averaged(job: MegatronJob, state: Callable[[torch.nn.Module], dict[s
     if ema is None:
         return _gather_plan(job, state)
     with ema.applied():
-        layout, config, mine, owner, specs = _gather_plan(job, state)
+        layout, config, mine, holdings = _gather_plan(job, state)
         # NOTE: copies: the parameters get the trained weights back when the block ends
         mine = {key: {k: v.clone() for k, v in sd.items()} for key, sd in mine.items()}
-    return layout, config, mine, owner, specs
+    return layout, config, mine, holdings
 
 
 def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
@@ -147,11 +183,11 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     from loongforge_megatron.data.prepare import tokenizer_dir
     from loongforge_megatron.lora import merged_state_dict
 
-    layout, config, mine, owner, specs = _gather_averaged(job, merged_state_dict)
+    layout, config, mine, holdings = _gather_averaged(job, merged_state_dict)
     me = dist.get_rank()
     out = None
     if me == 0:
-        read, spec = _receiver(mine, owner, specs)
+        read = _receiver(mine, holdings)
         tok_dir = None if job.arch.is_dit else tokenizer_dir(job.recipe)
 
         def put_assets(staging: Path) -> None:
@@ -164,19 +200,17 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
                 (staging / "classes.json").write_text(class_labels_json(job.class_names))
 
         out = Path(out_dir)
-        to_hf_dir(MegatronSource(layout, read=read, spec=spec), layout, out, max_shard_bytes=5 * 2**30,
+        to_hf_dir(MegatronSource(layout, read=read, spec=holdings.spec), layout, out, max_shard_bytes=5 * 2**30,
                   force=True, assets=put_assets)
         if job.log:
             job.log.info(f"[checkpoint] HF export -> {out}")
     else:
         # NOTE: mirrors the reads of rank 0's MegatronSource.write_rows, in the same order.
         device = _comm_device()
-        _, spec = _receiver(mine, owner, specs)
-        source = MegatronSource(layout, read=None, spec=spec)
+        source = MegatronSource(layout, read=None, spec=holdings.spec)
         for p in hf_params(layout):
             for rank in source.reads(p):
-                if owner.get(rank) == me:
-                    dist.send(mine[rank][source.params[key_of(p)].megatron].to(device).contiguous(), dst=0)
+                _send_mine(mine, holdings, rank, source.params[key_of(p)].megatron, me, device)
     dist.barrier()
     return out
 
@@ -231,13 +265,13 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
     lora = job.recipe.train.lora
     if job.recipe.train.stage != "lora" or lora is None:
         raise CheckpointError("checkpoint.save_format 'peft' needs train.stage: lora")
-    layout, _, mine, owner, specs = _gather_averaged(job, adapter_state_dict)
+    layout, _, mine, holdings = _gather_averaged(job, adapter_state_dict)
     me = dist.get_rank()
-    lora_names = {n for held in specs.values() for n in held}
+    lora_names = {n for held in holdings.specs.values() for n in held}
     out = None
     if me == 0:
-        read, spec = _receiver(mine, owner, specs)
-        source = MegatronSource(layout, read=read, spec=spec)
+        read = _receiver(mine, holdings)
+        source = MegatronSource(layout, read=read, spec=holdings.spec)
         tensors = _peft_tensors(source, read, layout, lora_names)
         modules = sorted({k.split(".")[-3] for k in tensors})
         config = {
@@ -261,8 +295,7 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
         from loongforge_megatron.conversion.engine import hf_params, key_of
 
         device = _comm_device()
-        _, spec = _receiver(mine, owner, specs)
-        source = MegatronSource(layout, read=None, spec=spec)
+        source = MegatronSource(layout, read=None, spec=holdings.spec)
         for p in hf_params(layout):
             src = source.params[key_of(p)]
             stem = src.megatron[: -len("weight")]
@@ -270,7 +303,6 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
                 continue
             for f in ("lora_A", "lora_B"):
                 for rank in layout.shard_sources(src):
-                    if owner.get(rank) == me:
-                        dist.send(mine[rank][stem + f].to(device).contiguous(), dst=0)
+                    _send_mine(mine, holdings, rank, stem + f, me, device)
     dist.barrier()
     return out

@@ -146,6 +146,36 @@ def test_export_ep2_moe_takes_experts_from_every_expert_rank(tmp_path, tiny_hf, 
             assert torch.equal(again[name], t), (ep, name)
 
 
+def test_export_etp1_under_tp2_ep2_moe(tmp_path, tiny_hf, recipe, ranks):
+    """tp 2 (+ sp), ep 2, etp 1 on 2 processes: the expert grid pairs tp rank t with ep rank t, so the layout's
+    (tp 0, ep 1) and (tp 1, ep 0) are held by no process. The export still takes the routed experts from their
+    EP rank (whole at etp 1) and the dense tensors from their TP rank; re-sharding it gives every rank's trained
+    tensors back, bitwise."""
+    import transformers as tf
+    from loongforge_megatron.conversion import shard_state_dict_for_rank
+    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY
+
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"tp": 2, "sp": True, "ep": 2, "etp": 1},
+                  resume="never", save_at_end=False)
+    export = tmp_path / "export"
+    results = ranks(_train_export, world=2, out=tmp_path / "ranks", recipe_path=str(path), run_dir=tmp_path / "run",
+                    export_dir=export)
+    shards = {k: v for res in results for k, v in res["shards"].items()}
+    assert sorted(shards) == [(0, 0, 0, 0), (1, 0, 1, 0)]
+    model, info = tf.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    orig = tf.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).state_dict()
+    last = max(k for k in orig if ".mlp.experts." in k)
+    assert not torch.equal(model.state_dict()[last], orig[last])  # the experts of ep rank 1 trained and came back
+    for (tp, _pp, ep, _vpp), sd in shards.items():
+        again = shard_state_dict_for_rank(export, tp_rank=tp, tp_size=2, ep_rank=ep, ep_size=2, etp_size=1,
+                                          make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY)
+        assert sorted(again) == sorted(sd)
+        for name, t in sd.items():
+            assert torch.equal(again[name], t), (tp, ep, name)
+
+
 def _lora_exports(*, rank, world, recipe_path, run_dir, merged_dir, peft_dir):
     import loongforge
     from loongforge_megatron.hf_io import export_hf, export_peft
