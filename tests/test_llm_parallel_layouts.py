@@ -164,3 +164,21 @@ def test_resume_into_another_models_run_is_a_clear_error(tmp_path):
     last = bad.stderr.strip().splitlines()[-1]
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
     assert last.startswith("error: ") and "does not match this recipe's model (size mismatch for" in last, last
+
+
+def test_random_init_does_not_depend_on_tp_with_cpu_init(tmp_path):
+    """``model.init_on_cpu`` (megatron's use_cpu_initialization; what every CPU run does): a random init draws each
+    tensor-parallel weight whole and splits it, so TP 2 trains the one-process losses from a random init too (on
+    a GPU without the knob, megatron draws each TP rank's shard from its own generator)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    losses = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        cmd = [sys.executable, "-m", "loongforge", "train", str(RECIPES / "llama_tiny.yaml"), "--output", str(out),
+               "--nproc", str(tp), "accelerator=cpu", f"parallel.tp={tp}", "train.steps=3", "logging.interval=1",
+               "model.init_on_cpu=true"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses[tp] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[1]) == 3
+    assert losses[2] == pytest.approx(losses[1], rel=REL_TOL), losses

@@ -12,7 +12,7 @@ from loongforge_megatron.models.arch import Arch
 from loongforge_megatron.models.dit import DiTArch
 from loongforge_megatron.models.presets import PRESETS
 
-_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae")
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
 _DIT_FIELDS = [f for f in DiTArch.model_fields if f != "family"]
 
 
@@ -26,6 +26,9 @@ class ModelConfig(Section):
     hf: str | None = Field(None, description="HF model directory; its config.json gives the architecture")
     tokenizer: str | None = Field(None, description="HF tokenizer dir (default: data.tokenizer, then model.hf)")
     vae: str | None = Field(None, description="DiT: diffusers AutoencoderKL directory that encodes data.path's images")
+    init_on_cpu: bool = Field(False, description="megatron's use_cpu_initialization for a random init on a GPU: each "
+                              "tensor-parallel weight is drawn whole on the CPU and split, so the init does not "
+                              "depend on the TP size (slower start; always on with accelerator cpu and for DiT)")
     # architecture overrides (all optional)
     num_layers: int | None = Field(None, ge=1)
     hidden_size: int | None = Field(None, ge=1)

@@ -84,7 +84,8 @@ class MegatronJob(Job):
         if arch.is_dit:
             self._build_dit()
         else:
-            self.config = transformer_config(arch, plan=plan, precision=self.precision, cpu_init=cpu)
+            self.config = transformer_config(arch, plan=plan, precision=self.precision,
+                                             cpu_init=cpu or recipe.model.init_on_cpu)
             # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused by the backend) mean ours.
             self.spec_name = ("local" if recipe.kernels.spec == "local" else "loongforge") if arch.is_vlm \
                 else self._spec_name()
