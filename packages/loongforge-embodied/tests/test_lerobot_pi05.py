@@ -447,10 +447,36 @@ def test_load_accepts_either_siglip_layout(tiny, tmp_path):
                 assert torch.equal(loaded[k], v), k
 
 
-def test_compiled_units_give_the_eager_losses(tmp_path):
+def test_matmul_attention_equals_sdpa_and_never_nans():
+    """The compiled units' attention (GEMMs around a masked fp32 softmax) equals SDPA's on rows with a valid key,
+    averages a row with none (LeRobot's finite mask) instead of giving NaN, and hands long key sequences to SDPA."""
+    from loongforge_embodied.policies.lerobot_pi05 import attention
+
+    g = torch.Generator().manual_seed(0)
+    for keys in (12, attention.MATMUL_MAX_KEYS + 1):
+        q = torch.randn(3, 5, 4, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(3, keys, 1, 8, generator=g, requires_grad=True) for _ in range(2))
+        valid = torch.ones(3, keys, dtype=torch.bool)
+        valid[1, keys // 2:] = False
+        valid[2] = False  # no valid key at all
+        ours = attention._attend_matmul(q, k, v, valid, 0.3)
+        ours.square().sum().backward()
+        assert all(torch.isfinite(t).all() for t in (ours, q.grad, k.grad, v.grad))
+        ref = attention._attend(q, k, v, valid, 0.3)
+        torch.testing.assert_close(ours[:2], ref[:2], rtol=1e-5, atol=1e-6)
+        if keys <= attention.MATMUL_MAX_KEYS:  # the average of the values, as LeRobot's eager softmax gives
+            torch.testing.assert_close(ours[2], v[2, :, 0].mean(0).repeat(4).expand(5, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_units_give_the_eager_losses(tmp_path, monkeypatch):
     """``train.compile`` (each FSDP2 unit torch.compiled, the joint layers' GEMM + softmax body included) trains the same
     numbers as eager on the CPU (fp32; inductor's fused kernels reorder sums, so 1e-5 relative)."""
     from loongforge.api import build_job, load_recipe
+    from loongforge_embodied.policies.lerobot_pi05 import attention
+
+    bodies = []
+    compiled_body = attention._compiled
+    monkeypatch.setattr(attention, "_compiled", lambda body, mode: bodies.append(body) or compiled_body(body, mode))
 
     def losses(compile: bool) -> list[float]:
         over = ["train.steps=3", "train.global_batch_size=2", "train.micro_batch_size=2", "checkpoint.resume=never",
@@ -460,13 +486,12 @@ def test_compiled_units_give_the_eager_losses(tmp_path):
                            output_dir=tmp_path / str(compile))
         try:
             if compile:
-                from loongforge_embodied.policies.lerobot_pi05.attention import _compiled
-
                 units = job.model.raw.wrap_units()
                 assert all(u._compiled_call_impl is not None for u in units)
             out = [job.step(report=True)["loss"] for _ in range(3)]
             if compile:
-                assert _compiled.cache_info().currsize >= 1  # the joint layers ran their compiled body
+                assert compiled_body.cache_info().currsize >= 1  # the joint layers ran their compiled body
+                assert set(bodies) == {attention.matmul_layer_complete}  # the GEMM + softmax twin
             return out
         finally:
             job.close()

@@ -19,6 +19,9 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny"
     ("qwen3_moe_tiny.yaml", ["parallel.tp=2", "--world-size", "2"], "parallel.sp", "need sequence parallelism"),
     ("qwen3_moe_tiny_ep2.yaml", ["train.stage=lora", "--world-size", "2"], "train.lora.targets",
      "LoRA on MoE expert MLPs"),
+    ("qwen3_moe_tiny.yaml", ["model.num_attention_heads=8", "model.num_query_groups=4", "parallel.tp=4",
+                             "parallel.sp=true", "parallel.ep=2", "parallel.etp=2", "checkpoint.save_format=[dist,hf]",
+                             "--world-size", "4"], "parallel.etp", "parallel.etp 2 with tp 4 has no HF layout"),
     ("llama_tiny.yaml", ["kernels.spec=te", "checkpoint.save_format=[dist,hf]"], "kernels.spec",
      "kernels.spec te cannot be used with an HF / PEFT export"),
 ])

@@ -117,17 +117,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     return out.view(b, lq, h * d)
 
 
+# Key sequences up to this long take _attend_matmul in a compiled unit (measured: pi05's ~290-340 keys); longer ones
+# SDPA, whose flash kernels keep no (queries x keys) probabilities for backward.
+MATMUL_MAX_KEYS = 512
+
+
 def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """``_attend`` as LeRobot's eager attention computes it: scores from a GEMM, the key-padding mask, softmax in
-    fp32, probabilities in the query's dtype, a second GEMM. The key-value sequences are short (pi05: ~290 prefix
-    keys), so the scores are small (B x 8·L x L); inside a compiled unit the scale, mask and softmax fuse into one
-    kernel each way, and forward + backward take 0.56 ms per joint layer on the H200 against 0.69 ms for SDPA's
-    cuDNN flash kernels, which are built for long key sequences (``benchmarks/pi05_levers.py --only attention``)."""
+    """``_attend`` as LeRobot's eager attention computes it: scores from a GEMM, the key-padding mask (its finite
+    minimum, as LeRobot's mask: a row with no valid key averages instead of giving NaN), softmax in fp32,
+    probabilities in the query's dtype, a second GEMM. With short key sequences (pi05: ~290 prefix keys) the scores
+    are small (B x 8·L x L); inside a compiled unit the scale, mask and softmax fuse into one kernel each way, and
+    forward + backward take 0.56 ms per joint layer on the H200 against 0.69 ms for SDPA's cuDNN flash kernels,
+    which are built for long key sequences (``benchmarks/pi05_levers.py --only attention``). Longer key sequences
+    (``MATMUL_MAX_KEYS``) go to SDPA."""
+    if k.shape[1] > MATMUL_MAX_KEYS:
+        return _attend(q, k, v, valid, scale)
     b, lq, h, d = q.shape
     q2, k2, v2 = q.reshape(b, lq * h, d), k.reshape(b, -1, d), v.reshape(b, -1, d)
     scores = torch.matmul(q2, k2.transpose(1, 2)) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v2).view(b, lq, h * d)
 
