@@ -32,8 +32,8 @@
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
 #   dit_profile (1 GPU, ~3 min) ours with train.compile, then a host + kernel profile of three steps
-#   llm    (1 GPU, ~9 min)  fused CE GPU tests; Llama-3.2-1B seq 4096 mbs 8: ours (one-pass masked loss), HF +
-#                           torch.compile, then ours with the per-token loss that recomputes the logits (A/B)
+#   llm    (1 GPU, ~9 min)  fused CE + grad-accum fusion GPU tests; Llama-3.2-1B seq 4096 mbs 8: ours, HF +
+#                           torch.compile, then ours with kernels.grad_accum_fusion (A/B)
 #   kernels (1 GPU, ~7 min) kernel GPU tests, then every dense kernel's fwd+bwd vs eager / compile / Liger (--rep 200)
 #   x2     (2 GPUs, ~8 min) CUDA graphs under ddp / zero1 (test_gpu_compile.py); tiny LLaVA on 1 GPU, pp 2, and
 #                           tp 2 with the vision tower whole (parallel.components.vision.tp 1), nccl
@@ -146,8 +146,10 @@ case $phase in
   llm)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       packages/loongforge-kernels/tests/test_gpu.py -k flce
+    step grad_accum_test 40 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      packages/loongforge-megatron/tests/device_adapters/test_grad_accum_fusion.py -k cuda
     step llm_1b 450 python3 benchmarks/llm_throughput.py --preset llama3.2-1b --seq 4096 --steps 20 \
-      --variants loongforge,hf_compile,loongforge_recompute --mbs loongforge=8,loongforge_recompute=8,hf_compile=8 \
+      --variants loongforge,hf_compile,loongforge_gaf --mbs loongforge=8,loongforge_gaf=8,hf_compile=8 \
       --out "$out/llm_throughput.md"
     ;;
   kernels)

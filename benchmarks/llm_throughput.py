@@ -40,7 +40,7 @@ def make_hf(preset: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def run_ours(args, spec: str, *, one_pass_loss: bool = True) -> dict:
+def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: bool = False) -> dict:
     import loongforge
     import torch
     import yaml
@@ -59,7 +59,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True) -> dict:
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": "cuda",
-        "kernels": {"spec": spec},
+        "kernels": {"spec": spec, "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())
@@ -118,6 +118,8 @@ def run_hf(args, compiled: bool) -> dict:
 VARIANTS = {
     "loongforge": lambda a: run_ours(a, "loongforge"),
     "loongforge_recompute": lambda a: run_ours(a, "loongforge", one_pass_loss=False),
+    # A/B row: weight gradients added into the fp32 main_grad inside the GEMM (kernels.grad_accum_fusion)
+    "loongforge_gaf": lambda a: run_ours(a, "loongforge", grad_accum_fusion=True),
     "megatron_local": lambda a: run_ours(a, "local"),
     "hf_eager": lambda a: run_hf(a, False),
     "hf_compile": lambda a: run_hf(a, True),
@@ -201,7 +203,7 @@ def render(args, rows: dict, fpt: float, device: str) -> str:
         lines.append(f"| {name} | {r['mbs']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
                      f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_eager", "hf_compile", "loongforge_recompute"):  # the loss check needs the same micro-batch (same tokens per step)
+    for peer in ("hf_eager", "hf_compile", "loongforge_recompute", "loongforge_gaf"):  # the loss check needs the same micro-batch (same tokens per step)
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r and r["mbs"] == ours["mbs"]:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -209,7 +211,7 @@ def render(args, rows: dict, fpt: float, device: str) -> str:
             lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer, micro-batch): max relative "
                           f"difference {max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
-    for peer in ("hf_eager", "hf_compile", "megatron_local", "loongforge_recompute"):
+    for peer in ("hf_eager", "hf_compile", "megatron_local", "loongforge_recompute", "loongforge_gaf"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
     return "\n".join(lines)

@@ -52,7 +52,7 @@ class MegatronJob(Job):
         self.step_index = 0  # optimizer steps done
         # megatron-name prefixes of components every TP rank holds whole (parallel.components.<name>.tp: 1)
         self.whole_components: tuple[str, ...] = ()
-        self._adaptations = adapted(self.acc)
+        self._adaptations = adapted(self.acc, grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         self._adaptations.__enter__()
         try:
             runtime.init_distributed()
@@ -85,7 +85,8 @@ class MegatronJob(Job):
             self._build_dit()
         else:
             self.config = transformer_config(arch, plan=plan, precision=self.precision,
-                                             cpu_init=cpu or recipe.model.init_on_cpu)
+                                             cpu_init=cpu or recipe.model.init_on_cpu,
+                                             grad_accum_fusion=recipe.kernels.grad_accum_fusion)
             # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused by the backend) mean ours.
             self.spec_name = ("local" if recipe.kernels.spec == "local" else "loongforge") if arch.is_vlm \
                 else self._spec_name()
@@ -209,7 +210,8 @@ class MegatronJob(Job):
             from loongforge.checkpoint.atomic import write_atomic
 
             write_atomic(self.runtime.output_dir / "classes.json", class_labels_json(self.class_names))
-        self.config = dit.transformer_config(self.arch, plan=self.plan, precision=self.precision)
+        self.config = dit.transformer_config(self.arch, plan=self.plan, precision=self.precision,
+                                             grad_accum_fusion=self.recipe.kernels.grad_accum_fusion)
         self.spec_name = "local" if self.recipe.kernels.spec == "local" else "loongforge"
         self.model = dit.build_dit(
             config=self.config, arch=self.arch, device=self.device, use_distributed_optimizer=self.plan.distributed_optimizer,

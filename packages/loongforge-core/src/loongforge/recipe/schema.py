@@ -185,6 +185,9 @@ class KernelsConfig(Section):
 
     provider: str = Field("auto", description="auto | torch | triton | tilelang | a plugin's provider")
     spec: Literal["auto", "loongforge", "te", "local"] = "auto"
+    grad_accum_fusion: bool = Field(False, description="megatron: add weight gradients into the fp32 main_grad inside "
+                                    "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
+                                    "installed, else torch.addmm with out_dtype)")
 
 
 class LoggingConfig(Section):

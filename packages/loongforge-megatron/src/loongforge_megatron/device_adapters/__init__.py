@@ -23,9 +23,14 @@ def adaptations_for(device_type: str) -> list[Adaptation]:
     return []
 
 
-def adapted(accelerator) -> AdaptationSet:
-    """An :class:`AdaptationSet` for ``accelerator``: use as ``with adapted(acc): ...`` around a run."""
+def adapted(accelerator, *, grad_accum_fusion: bool = False) -> AdaptationSet:
+    """An :class:`AdaptationSet` for ``accelerator``: use as ``with adapted(acc): ...`` around a run.
+    ``grad_accum_fusion``: also the stand-in for Apex's fused weight-gradient accumulation where Apex is absent."""
     extra = list(accelerator.adaptations("megatron"))
+    if grad_accum_fusion:
+        from loongforge_megatron.device_adapters.grad_accum import adaptation
+
+        extra += [a for a in (adaptation(),) if a is not None]
     return AdaptationSet(adaptations_for(accelerator.device_type) + extra)
 
 

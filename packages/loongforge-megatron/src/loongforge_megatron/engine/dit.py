@@ -145,7 +145,7 @@ def layer_spec(*, attention: str = "sdpa"):
     )
 
 
-def transformer_config(arch: Any, *, plan: Any, precision: str):
+def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusion: bool = False):
     """megatron-core ``TransformerConfig`` of a DiT under ``plan``.
 
     NOTE: initialised on the CPU whatever the device (``use_cpu_initialization``): megatron then draws each
@@ -161,7 +161,7 @@ def transformer_config(arch: Any, *, plan: Any, precision: str):
         qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, tensor_model_parallel_size=plan.tp,
+        gradient_accumulation_fusion=grad_accum_fusion, persist_layer_norm=False, tensor_model_parallel_size=plan.tp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
         use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=False,
     )

@@ -241,7 +241,8 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
     return cfg
 
 
-def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool, moe_dispatcher: str = "alltoall"):
+def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool, moe_dispatcher: str = "alltoall",
+                       grad_accum_fusion: bool = False):
     """megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for ``arch`` under ``plan``."""
     import torch
     import torch.nn.functional as F
@@ -269,7 +270,7 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=grad_accum_fusion,
         persist_layer_norm=False,
         tensor_model_parallel_size=plan.tp,
         pipeline_model_parallel_size=plan.pp,
