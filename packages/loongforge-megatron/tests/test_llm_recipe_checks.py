@@ -22,6 +22,8 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny"
     ("qwen3_moe_tiny.yaml", ["model.num_attention_heads=8", "model.num_query_groups=4", "parallel.tp=4",
                              "parallel.sp=true", "parallel.ep=2", "parallel.etp=2", "checkpoint.save_format=[dist,hf]",
                              "--world-size", "4"], "parallel.etp", "parallel.etp 2 with tp 4 has no HF layout"),
+    ("llama_tiny.yaml", ["parallel.cp=2", "kernels.spec=local", "--world-size", "2"], "kernels.spec",
+     "context parallelism needs the loongforge or te spec"),
     ("llama_tiny.yaml", ["kernels.spec=te", "checkpoint.save_format=[dist,hf]"], "kernels.spec",
      "kernels.spec te cannot be used with an HF / PEFT export"),
 ])
@@ -141,3 +143,18 @@ def test_auto_spec_keeps_our_layer_names_where_hf_weights_or_packed_sft_need_the
                        (["checkpoint.load=/some/hf"], "loongforge")):
         job.recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.spec=auto", *over])
         assert job._spec_name() == spec, over
+
+
+def test_te_spec_without_transformer_engine_is_one_line(tmp_path, capsys):
+    """``kernels.spec te`` validates anywhere (a recipe for a TE machine, checked on a laptop); training where
+    TransformerEngine is missing stops with one line naming the key (it was an internal TypeError)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed")
+    recipe = str(TINY / "llama_tiny.yaml")
+    assert main(["validate", recipe, "kernels.spec=te"]) == 0
+    capsys.readouterr()
+    assert main(["train", recipe, "kernels.spec=te", "accelerator=cpu", "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "key 'kernels.spec'" in err and "needs TransformerEngine" in err and err.count("\n") == 0, err

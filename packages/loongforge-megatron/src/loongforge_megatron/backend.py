@@ -53,6 +53,9 @@ class MegatronBackend(Backend):
             raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
+        if recipe.parallel.cp > 1 and recipe.kernels.spec == "local":
+            raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
+                              "refuses cp > 1)", key="kernels.spec")
         if recipe.parallel.cp > 1 and recipe.data.format == "sft":
             raise RecipeError("packed SFT uses block-diagonal attention masks, which context parallelism does not "
                               "support yet; use cp: 1 for sft", key="parallel.cp")

@@ -8,6 +8,7 @@ metrics, checkpoints and the HF export.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -253,6 +254,10 @@ class MegatronJob(Job):
         from loongforge_megatron.backend import te_incompatible
 
         spec = self.recipe.kernels.spec
+        if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
+            # NOTE: checked here, not at validate: a recipe for a TE machine still validates on a laptop
+            raise RecipeError("kernels.spec te needs TransformerEngine, which is not installed here; use kernels.spec "
+                              "loongforge (or auto)", key="kernels.spec")
         if spec != "auto":
             return spec
         if te_incompatible(self.recipe):
@@ -267,12 +272,9 @@ class MegatronJob(Job):
     def _layer_spec(self):
         from loongforge_megatron import engine
 
-        arch, plan = self.arch, self.plan
+        arch = self.arch
         kw = dict(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, multi_latent_attention=arch.is_mla)
         if self.spec_name != "loongforge":
-            if plan.cp > 1 and self.spec_name == "local":
-                raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
-                                  "refuses cp > 1)", key="kernels.spec")
             return engine.layer_spec(self.spec_name, **kw)
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import (
