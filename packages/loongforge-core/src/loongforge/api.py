@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loongforge.backend import Job, get_backend
-from loongforge.errors import LaunchError, LoongForgeError
+from loongforge.errors import LaunchError, LoongForgeError, RecipeError
 from loongforge.launcher import LaunchConfig, launch
 from loongforge.recipe import Recipe, dump_recipe, load_recipe
 from loongforge.runtime import Runtime
@@ -31,7 +31,7 @@ __all__ = ["build_job", "default_output_dir", "load_recipe", "run_in_process", "
 
 
 def validate_for(recipe: Recipe, *, world_size: int, file: str | Path | None = None) -> None:
-    """The backend's validation for ``world_size`` processes; layout errors name the recipe file."""
+    """The backend's validation for ``world_size`` processes; its errors name the recipe file."""
     from loongforge.errors import ParallelPlanError
 
     try:
@@ -40,6 +40,10 @@ def validate_for(recipe: Recipe, *, world_size: int, file: str | Path | None = N
         if file is None:
             raise
         raise ParallelPlanError(f"{file}: parallel layout: {exc}") from None
+    except RecipeError as exc:
+        if file is None or exc.file is not None:
+            raise
+        raise RecipeError(exc.message, key=exc.key, file=str(file)) from None
 
 
 def default_output_dir(recipe_path: str | Path | None, root: str | Path = "runs") -> Path:
