@@ -11,39 +11,47 @@ import torch
 TINY = Path(__file__).resolve().parents[4] / "recipes" / "llm" / "tiny"
 
 
-def _train(tmp_path: Path, name: str, *over: str) -> list[float]:
+def _train_child(*, rank, world, run_dir, over):
+    """One forked rank (``ranks``): megatron's process-wide state stays out of the pytest process, whose later
+    forks would inherit it. Returns the losses and the main_grad shapes the stand-in accumulated into."""
     import loongforge
-
-    recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
-        "accelerator=cpu", "train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
-        "logging.console=false", "logging.tensorboard=false", "checkpoint.save_at_end=false", *over])
-    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / name)
-    try:
-        return [job.step()["loss"] for _ in range(3)]
-    finally:
-        job.close()
-        runtime.logger.close()
-
-
-def test_fused_accumulation_trains_the_unfused_losses(tmp_path, monkeypatch):
-    """Same losses with and without the fusion (two micro-batches a step: the second accumulates into the first's
-    main_grad); every parallel linear's weight gradient went through the stand-in; megatron's own flag is back
-    to 'no Apex' after the run."""
     from loongforge_megatron.device_adapters import grad_accum
-    from megatron.core.tensor_parallel import layers
 
     calls = []
     real = grad_accum.wgrad_gemm_accum
-    monkeypatch.setattr(grad_accum, "wgrad_gemm_accum", lambda *a: calls.append(a[2].shape) or real(*a))
-    plain = _train(tmp_path, "plain")
-    assert not calls
-    fused = _train(tmp_path, "fused", "kernels.grad_accum_fusion=true")
-    assert fused == pytest.approx(plain, rel=1e-6), (plain, fused)
-    assert len(calls) > 0 and all(len(s) == 2 for s in calls)
-    assert layers._grad_accum_fusion_available is False and not hasattr(layers, "fused_weight_gradient_mlp_cuda")
+    grad_accum.wgrad_gemm_accum = lambda *a: calls.append(tuple(a[2].shape)) or real(*a)
+    recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
+        "accelerator=cpu", "train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "logging.console=false", "logging.tensorboard=false", "checkpoint.save_at_end=false", *over])
+    job, runtime = loongforge.build_job(recipe, output_dir=run_dir)
+    try:
+        losses = [job.step()["loss"] for _ in range(3)]
+    finally:
+        job.close()
+        runtime.logger.close()
+    from megatron.core.tensor_parallel import layers
+
+    restored = layers._grad_accum_fusion_available is False and not hasattr(layers, "fused_weight_gradient_mlp_cuda")
+    return {"losses": losses, "calls": calls, "restored": restored}
 
 
-def test_frozen_weights_accumulate_nothing(tmp_path):
+def _train(ranks, tmp_path: Path, name: str, *over: str) -> dict:
+    return ranks(_train_child, world=1, out=tmp_path / f"{name}-ranks", run_dir=tmp_path / name, over=list(over))[0]
+
+
+def test_fused_accumulation_trains_the_unfused_losses(tmp_path, ranks):
+    """Same losses with and without the fusion (two micro-batches a step: the second accumulates into the first's
+    main_grad); every parallel linear's weight gradient went through the stand-in; megatron's own flag is back
+    to 'no Apex' after the run."""
+    plain = _train(ranks, tmp_path, "plain")
+    assert not plain["calls"]
+    fused = _train(ranks, tmp_path, "fused", "kernels.grad_accum_fusion=true")
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=1e-6), (plain, fused)
+    assert len(fused["calls"]) > 0 and all(len(s) == 2 for s in fused["calls"])
+    assert fused["restored"] and plain["restored"]
+
+
+def test_frozen_weights_accumulate_nothing(tmp_path, ranks):
     """A weight without main_grad (frozen: DDP gives it no buffer) accumulates nothing, whatever megatron hands
     over; LoRA (frozen base weights, trained adapters) trains the unfused losses with the fusion on."""
     from loongforge_megatron.device_adapters.grad_accum import wgrad_gemm_accum
@@ -54,9 +62,9 @@ def test_frozen_weights_accumulate_nothing(tmp_path):
     assert torch.equal(main, torch.full((4, 2), 4.0))  # 1 + sum over 3 tokens
     lora = ["train.stage=lora", "model.preset=null", "model.num_layers=2", "model.hidden_size=64",
             "model.ffn_hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=512"]
-    plain = _train(tmp_path, "plain", *lora)
-    fused = _train(tmp_path, "fused", *lora, "kernels.grad_accum_fusion=true")
-    assert fused == pytest.approx(plain, rel=1e-6), (plain, fused)
+    plain = _train(ranks, tmp_path, "plain", *lora)
+    fused = _train(ranks, tmp_path, "fused", *lora, "kernels.grad_accum_fusion=true")
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=1e-6), (plain, fused)
 
 
 def test_the_embodied_backend_refuses_it(capsys):
