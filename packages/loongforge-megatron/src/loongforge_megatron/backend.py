@@ -115,11 +115,11 @@ class MegatronBackend(Backend):
             # ranks holding different experts: one adapter shared by different experts
             raise RecipeError(f"LoRA on MoE expert MLPs (fc1 / fc2) under expert parallelism (ep {plan.ep}) is not "
                               "supported; use train.lora.targets [qkv, proj], or ep 1", key="train.lora.targets")
-        hf_io = [what for what, on in (("an HF export (checkpoint.save_format hf)", "hf" in recipe.checkpoint.save_format),
+        hf_weights = [what for what, on in (("an HF export (checkpoint.save_format hf)", "hf" in recipe.checkpoint.save_format),
                                        ("HF weights (checkpoint.load)", bool(recipe.checkpoint.load))) if on]
-        if arch.is_moe and plan.etp not in (1, plan.tp) and hf_io:
+        if arch.is_moe and plan.etp not in (1, plan.tp) and hf_weights:
             # NOTE: the HF mappings shard a routed expert over all TP ranks or none (etp = tp or 1)
-            raise RecipeError(f"parallel.etp {plan.etp} with tp {plan.tp} has no HF layout for {' or '.join(hf_io)}: "
+            raise RecipeError(f"parallel.etp {plan.etp} with tp {plan.tp} has no HF layout for {' or '.join(hf_weights)}: "
                               "use etp 1 or etp = tp", key="parallel.etp")
         te_needs = te_incompatible(recipe)
         if recipe.kernels.spec == "te" and te_needs:

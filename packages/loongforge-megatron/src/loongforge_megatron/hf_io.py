@@ -91,10 +91,11 @@ class _Holdings:
         if (rank, name) not in self._resolved:
             tp, pp, ep, vpp = rank
             same = (lambda k: k[2] == ep) if name in self.experts else (lambda k: k[0] == tp)
-            found = [k for k in self.owner if (k[1], k[3]) == (pp, vpp) and same(k) and name in self.specs[k]]
-            if not found:
+            found = min((k for k in self.owner if (k[1], k[3]) == (pp, vpp) and same(k) and name in self.specs[k]),
+                        default=None)
+            if found is None:
                 raise CheckpointError(f"no rank holds '{name}' of (tp {tp}, pp {pp}, ep {ep}, vpp {vpp})")
-            self._resolved[(rank, name)] = self.owner[min(found)], min(found)
+            self._resolved[(rank, name)] = self.owner[found], found
         return self._resolved[(rank, name)]
 
     def spec(self, rank, name: str):
