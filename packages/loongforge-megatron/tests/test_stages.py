@@ -143,26 +143,38 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
         job.close()
 
 
-def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
+def _lora_exports(*, rank, world, recipe_path, run_dir, merged_dir, peft_dir):
     from loongforge_megatron.hf_io import export_hf, export_peft
+
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        for _ in range(2):
+            job.step()
+        export_hf(job, merged_dir)
+        export_peft(job, peft_dir)
+        return {}
+    finally:
+        job.close()
+
+
+def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf, ranks):
+    """The PEFT export is base + (alpha/r)·B A of the merged export, and PEFT itself loads it: its adapter
+    tensors are ours, and its merged model gives the merged export's logits."""
+    import transformers as tf
+    from peft import PeftModel
     from safetensors.torch import load_file
 
     hf_dir = tiny_hf("llama", tmp_path / "hf")
-    recipe = loongforge.load_recipe(write_recipe(tmp_path, {
+    recipe_path = write_recipe(tmp_path, {
         "model": {"hf": str(hf_dir), "preset": None},
         "data": {"format": "synthetic", "seq_length": 32},
         "train": {"stage": "lora", "steps": 2, "global_batch_size": 2, "lr": 5e-2,
                   "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
         "checkpoint": {"load": str(hf_dir), "save_format": ["dist", "hf", "peft"]},
-    }))
-    job, _ = loongforge.build_job(recipe, output_dir=tmp_path / "run")
-    try:
-        for _ in range(2):
-            job.step()
-        export_hf(job, tmp_path / "merged")
-        export_peft(job, tmp_path / "peft")
-    finally:
-        job.close()
+    })
+    # NOTE: the megatron job runs in a forked rank, never in pytest's own process (see conftest.run_ranks).
+    ranks(_lora_exports, world=1, out=tmp_path / "ranks", recipe_path=recipe_path, run_dir=tmp_path / "run",
+          merged_dir=tmp_path / "merged", peft_dir=tmp_path / "peft")
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     base = load_file(hf_dir / "model.safetensors")
     adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -180,13 +192,19 @@ def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
         assert torch.allclose(merged[name], want, rtol=0, atol=1e-5), name
         adapted.add(name.split(".")[-2])
     assert adapted == set(config["target_modules"])
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return
-    from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), tmp_path / "peft").merge_and_unload()
-    for name, t in model.state_dict().items():
-        if name in merged:
-            assert torch.allclose(t, merged[name], rtol=0, atol=1e-5), name
+    peft_model = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                           tmp_path / "peft")
+    # PEFT names its tensors <ours without .weight>.<adapter name>.weight; every one of ours must land, unchanged
+    loaded = {k.replace(".default.weight", ".weight"): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    assert sorted(loaded) == sorted(adapters)
+    for k, t in adapters.items():
+        assert torch.equal(loaded[k], t), k
+    peft_merged = peft_model.merge_and_unload().eval()
+    ours = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want_logits, got_logits = ours(input_ids=tokens).logits, peft_merged(input_ids=tokens).logits
+    assert not torch.allclose(want_logits, tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+                              .eval()(input_ids=tokens).logits, rtol=0, atol=1e-4)  # the adapters changed the model
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
