@@ -45,7 +45,8 @@ def test_plugins_lists_builtin_accelerators(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "cpu          loongforge-core" in out
-    assert "loongforge.backends" in out and "loongforge.kernels" in out
+    groups = [line for line in out.splitlines() if line.startswith("loongforge.")]
+    assert groups == ["loongforge.backends", "loongforge.accelerators", "loongforge.kernels"]
 
 
 def test_launcher_builds_torchrun_command(tmp_path):

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list shipped recipes")
     p.add_argument("--dir", default=None)
 
-    sub.add_parser("plugins", help="list installed backends, accelerators, kernel providers and models")
+    sub.add_parser("plugins", help="list installed backends, accelerators and kernel providers")
 
     p = sub.add_parser("plot", help="write a PNG of a run's loss and throughput")
     p.add_argument("run")

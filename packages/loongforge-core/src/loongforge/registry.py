@@ -1,6 +1,6 @@
 """Plugin registries over Python entry points.
 
-Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``, ``loongforge.models``.
+Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``.
 Entries load lazily (on first ``get``), a key declared by two distributions is rejected naming both, and a
 plugin that fails to import is reported with its error instead of crashing unrelated commands.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from loongforge.errors import PluginError
 
-GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.models")
+GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels")
 
 # Which distribution provides a well-known key, so a missing plugin gets an actionable message.
 KNOWN_PROVIDERS = {
@@ -137,6 +137,5 @@ accelerators = Registry(
     builtins={"cpu": "loongforge.accelerator.cpu:CpuAccelerator", "cuda": "loongforge.accelerator.cuda:CudaAccelerator"},
 )
 kernels = Registry("loongforge.kernels")
-models = Registry("loongforge.models")
 
-REGISTRIES = {r.group: r for r in (backends, accelerators, kernels, models)}
+REGISTRIES = {r.group: r for r in (backends, accelerators, kernels)}
