@@ -121,3 +121,22 @@ def test_yaml_merge_keys_still_work(tmp_path):
     from loongforge.recipe.loader import read_yaml
 
     assert read_yaml(p)["train"] == {"steps": 5, "lr": 0.01}
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "cpt", "sft"])
+def test_lora_settings_need_the_lora_stage(tmp_path, toy_backend, capsys, stage):
+    """``train.lora`` under another stage was ignored silently (the whole model trained): one line naming the file
+    that sets it, the key and the fix; the same settings with ``stage: lora`` load, and a child recipe that changes
+    the stage of a LoRA parent is told which file holds the section."""
+    p = write(tmp_path, "r.yaml", BASE)
+    code, _, err = run_cli(["validate", p, f"train.stage={stage}", "train.lora.rank=4"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{p}: key 'train.lora': LoRA adapters are trained by train.stage lora only (got stage '{stage}')" in err
+    assert "set train.stage lora" in err
+    assert load_recipe(p, ["train.stage=lora", "train.lora.rank=4"]).train.lora.rank == 4
+    parent = write(tmp_path, "lora.yaml", BASE.replace("train: {", "train: {stage: lora, lora: {rank: 4}, "))
+    child = write(tmp_path, "child.yaml", f"extends: lora.yaml\ntrain: {{stage: {stage}}}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(child)
+    assert str(exc.value).startswith(f"{parent.resolve()} (extended by {child}): key 'train.lora'"), exc.value
+    assert load_recipe(child, ["train.lora=null"]).train.lora is None

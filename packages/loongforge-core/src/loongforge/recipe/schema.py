@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SECTIONS = ("backend", "model", "data", "parallel", "train", "checkpoint", "accelerator", "kernels", "logging")
 
@@ -128,6 +128,17 @@ class TrainConfig(Section):
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
     )
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_needs_its_stage(cls, v: LoraConfig | None, info: ValidationInfo) -> LoraConfig | None:
+        # NOTE: adapters are trained only by stage lora (which takes any data format, sft included); under
+        # another stage the section would be silently ignored and the whole model trained
+        stage = info.data.get("stage")
+        if v is not None and stage is not None and stage != "lora":
+            raise ValueError(f"LoRA adapters are trained by train.stage lora only (got stage '{stage}'); set "
+                             "train.stage lora (LoRA SFT: stage lora with SFT data) or remove train.lora")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
