@@ -164,3 +164,41 @@ def test_te_spec_without_transformer_engine_is_one_line(tmp_path, capsys):
                           env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     err = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "key 'kernels.spec'" in err and "needs TransformerEngine" in err, proc.stderr
+
+
+def _hf_config_dir(out: Path, family: str, **over) -> Path:
+    """An HF model directory holding only transformers' own config.json (validate reads no weights)."""
+    import transformers as tf
+
+    cls = {"mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[family]
+    out.mkdir(parents=True)
+    cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, **over).to_json_file(out / "config.json")
+    return out
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path, capsys):
+    """A Mistral config was read as llama and trained with full attention past its sliding_window, silently: a
+    seq_length above the window is one line naming the key and the largest length that trains the HF model's
+    attention; at or below the window it validates (the window masks nothing there), and the HF export writes a
+    Mistral again (LlamaForCausalLM would attend past the window). Qwen's sliding_window counts only with
+    use_sliding_window."""
+    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+
+    llama = ["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null"]
+    mistral = _hf_config_dir(tmp_path / "mistral", "mistral", sliding_window=32)
+    assert main([*llama, f"model.hf={mistral}"]) == 2  # llama_tiny: seq_length 64
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "key 'data.seq_length'" in err and "sliding_window 32" in err, err
+    assert "set data.seq_length <= 32" in err, err
+    assert main([*llama, f"model.hf={mistral}", "data.seq_length=32"]) == 0, capsys.readouterr().err
+    for name, family, over in (("full", "mistral", {"sliding_window": None}), ("wide", "mistral", {"sliding_window": 64}),
+                               ("qwen", "qwen2", {"sliding_window": 32, "use_sliding_window": False})):
+        hf = _hf_config_dir(tmp_path / name, family, **over)
+        assert main([*llama, f"model.hf={hf}"]) == 0, (name, capsys.readouterr().err)
+    qwen = _hf_config_dir(tmp_path / "qwen_sliding", "qwen2", sliding_window=32, use_sliding_window=True)
+    assert main([*llama, f"model.hf={qwen}"]) == 2 and "sliding_window 32" in capsys.readouterr().err
+    exported = hf_config(arch_from_hf(mistral))
+    assert exported["model_type"] == "mistral" and exported["sliding_window"] == 32, exported
+    assert exported["architectures"] == ["MistralForCausalLM"]
+    assert hf_config(arch_from_hf(tmp_path / "full"))["model_type"] == "llama"

@@ -97,6 +97,12 @@ class MegatronBackend(Backend):
         if recipe.data.seq_length > arch.max_position_embeddings:
             raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}", key="data.seq_length")
+        if arch.sliding_window and recipe.data.seq_length > arch.sliding_window:
+            # NOTE: the HF model attends only to the last sliding_window tokens; megatron here to all of them
+            raise RecipeError(f"the HF config's sliding-window attention (sliding_window {arch.sliding_window}) is "
+                              f"not applied by this backend (megatron attends over the whole sequence): seq_length "
+                              f"{recipe.data.seq_length} would train attention the model does not have; set "
+                              f"data.seq_length <= {arch.sliding_window}", key="data.seq_length")
 
     @staticmethod
     def _check_llm(recipe: Recipe, plan: Any, arch: Any) -> None:

@@ -35,6 +35,9 @@ class Arch(BaseModel):
         None, description="YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, "
         "mscale_all_dim; GPT families also truncate), as the HF config's rope_scaling: MLA through megatron's MLA, "
         "llama / qwen through megatron's GPT yarn embedding")
+    sliding_window: int | None = Field(
+        None, ge=1, description="the HF config's sliding attention window (Mistral; Qwen with use_sliding_window): "
+        "megatron attends over the whole sequence here, so validate refuses a data.seq_length above it")
     norm_eps: float = Field(1e-5, gt=0)
     qkv_bias: bool = False
     qk_norm: bool = False

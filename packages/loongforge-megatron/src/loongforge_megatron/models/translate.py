@@ -149,6 +149,9 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     if kind == "llama3":
         fields["rope_scaling_factor"] = float(scaling["factor"])
         fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
+    if model_type == "mistral" or cfg.get("use_sliding_window"):
+        # NOTE: Mistral applies a non-null sliding_window; Qwen configs carry one that only use_sliding_window enables
+        fields["sliding_window"] = cfg.get("sliding_window")
     if family == "llama":
         fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
     if family == "qwen2":
@@ -223,6 +226,8 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
                                    high_freq_factor=4.0, original_max_position_embeddings=arch.rope_original_max_position or 8192)
     if arch.family == "llama":
         cfg.update(attention_bias=arch.qkv_bias, mlp_bias=False)
+        if arch.sliding_window:  # NOTE: a Mistral (read as llama) goes back as one: Llama would attend past it
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=arch.sliding_window)
     if arch.family in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = arch.qkv_bias
     if arch.family == "qwen3_moe":
