@@ -8,9 +8,11 @@ source document, EOS-terminated) or ``sft_tokens`` + ``sft_mask`` (SFT: one docu
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,31 @@ import torch
 from loongforge.errors import RecipeError
 from loongforge_megatron.data.sources import iter_documents
 from loongforge_megatron.data.tokenizer import load_tokenizer, train_bpe
+
+# megatron-core's import-time notices that TransformerEngine / Apex are missing (we run without them on purpose)
+_MISSING_TE_APEX = r"(Transformer Engine and Apex are|Apex is) not installed"
+
+
+def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
+    return "No CUDA runtime is found" not in record.getMessage()
+
+
+def _indexed_dataset_builder() -> type:
+    """megatron-core's ``IndexedDatasetBuilder``, imported without its TransformerEngine / Apex / no-CUDA notices.
+
+    NOTE: the import pulls in megatron-core's optimizer package (warns that TE / Apex are missing) and
+    torch.utils.cpp_extension (logs that a CPU-only host has no CUDA): noise to someone tokenizing data. Only
+    those messages are dropped, and only while importing.
+    """
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    cpp_log.addFilter(_not_no_cuda_notice)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_MISSING_TE_APEX, category=UserWarning, module="megatron")
+            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    finally:
+        cpp_log.removeFilter(_not_no_cuda_notice)
+    return IndexedDatasetBuilder
 
 
 def is_prepared(path: str | Path) -> bool:
@@ -70,15 +97,14 @@ def prepare(recipe, *, force: bool = False) -> Path:
         tok = load_tokenizer(src)
         if src.resolve() != (out / "tokenizer").resolve():
             tok.save_pretrained(str(out / "tokenizer"))
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
+    builder_cls = _indexed_dataset_builder()
     dtype = np.uint16 if len(tok) < 65500 else np.int32
     n_tokens = 0
     if sft:
         from loongforge_megatron.data.sft import to_messages, tokenize_conversation
 
-        tb = IndexedDatasetBuilder(str(out / "sft_tokens.bin"), dtype=dtype)
-        mb = IndexedDatasetBuilder(str(out / "sft_mask.bin"), dtype=np.uint16)
+        tb = builder_cls(str(out / "sft_tokens.bin"), dtype=dtype)
+        mb = builder_cls(str(out / "sft_mask.bin"), dtype=np.uint16)
         for rec in docs:
             ids, mask = tokenize_conversation(tok, to_messages(rec, data.sft_style))
             ids, mask = ids[: data.seq_length + 1], mask[: data.seq_length + 1]
@@ -88,7 +114,7 @@ def prepare(recipe, *, force: bool = False) -> Path:
         tb.finalize(str(out / "sft_tokens.idx"))
         mb.finalize(str(out / "sft_mask.idx"))
     else:
-        builder = IndexedDatasetBuilder(str(out / "train.bin"), dtype=dtype)
+        builder = builder_cls(str(out / "train.bin"), dtype=dtype)
         eos = tok.eos_token_id
         batch = 256
         for i in range(0, len(docs), batch):
