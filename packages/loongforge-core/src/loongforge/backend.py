@@ -52,6 +52,11 @@ class Backend(ABC):
         """Validate the recipe for ``world_size`` processes (parallel plan vs model shape)."""
         recipe.parallel.plan(world_size)
 
+    def resolved(self, recipe: Recipe) -> dict[str, Any]:
+        """The recipe as plain data with what this backend derives from it filled in (``validate --show``: e.g. a
+        preset's sizes, not the nulls of keys the recipe left to it). Default: :meth:`Recipe.to_dict`."""
+        return recipe.to_dict()
+
     @abstractmethod
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         """Build the model, data and optimizer for this process."""

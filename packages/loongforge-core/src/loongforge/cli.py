@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="validate a recipe (and print it fully resolved with --show)")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", default=[])
-    p.add_argument("--show", action="store_true", help="print the resolved recipe with every default")
+    p.add_argument("--show", action="store_true",
+                   help="print the resolved recipe: every default, and what the backend derives (a preset's sizes)")
     p.add_argument("--world-size", type=int, default=None, help="check the parallel plan for this many processes")
 
     p = sub.add_parser("recipes", help="list shipped recipes")
@@ -95,6 +96,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from loongforge.api import validate_for
+    from loongforge.backend import get_backend
     from loongforge.recipe import dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -103,7 +105,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise LoongForgeError(f"--world-size must be at least 1 (got {world})")
     validate_for(recipe, world_size=world, file=args.recipe)
     if args.show:
-        sys.stdout.write(dump_recipe(recipe))
+        sys.stdout.write(dump_recipe(recipe, data=get_backend(recipe.backend).resolved(recipe)))
     else:
         print(f"ok: {args.recipe} (backend {recipe.backend}, world size {world})")
     return 0

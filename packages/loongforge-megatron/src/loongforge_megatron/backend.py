@@ -104,6 +104,27 @@ class MegatronBackend(Backend):
                               f"{recipe.data.seq_length} would train attention the model does not have; set "
                               f"data.seq_length <= {arch.sliding_window}", key="data.seq_length")
 
+    def resolved(self, recipe: Recipe) -> dict[str, Any]:
+        """The recipe with ``model``'s architecture keys set to what the preset / HF config (and the recipe's own
+        overrides) give; keys that do not apply to this model (MoE keys of a dense one, DiT keys of an LM) are left
+        out, not shown null. The result validates back into the same architecture."""
+        from loongforge_megatron.config import arch_keys
+
+        data = recipe.to_dict()
+        arch, model = recipe.model.arch(), data["model"]
+        derived = {} if arch.is_dit else {"num_query_groups": arch.kv_heads,
+                                          "head_dim": None if arch.is_mla else arch.kv_channels}
+        moe = ("num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
+        for key in arch_keys():
+            value = getattr(arch, key) if key in type(arch).model_fields else None
+            value = derived.get(key) if value is None else value
+            if value is None or (key in moe and not arch.is_moe):
+                model.pop(key)
+            else:
+                model[key] = value
+        model["family"] = arch.family
+        return data
+
     @staticmethod
     def _check_llm(recipe: Recipe, plan: Any, arch: Any) -> None:
         """Settings megatron or the HF mapping would only refuse mid-run (or get silently wrong)."""

@@ -16,6 +16,11 @@ _NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
 _DIT_FIELDS = [f for f in DiTArch.model_fields if f != "family"]
 
 
+def arch_keys() -> list[str]:
+    """The ``model`` keys that set the architecture (over the preset / HF config)."""
+    return [f for f in ModelConfig.model_fields if f not in _NOT_ARCH]
+
+
 class ModelConfig(Section):
     """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json; for a DiT a
     diffusers ``DiTTransformer2DModel`` folder), or explicit sizes. Any architecture field given here overrides the
@@ -83,7 +88,7 @@ class ModelConfig(Section):
             base = {}
         if self.family:
             base["family"] = self.family
-        given = {f: getattr(self, f) for f in type(self).model_fields if f not in _NOT_ARCH and getattr(self, f) is not None}
+        given = {f: getattr(self, f) for f in arch_keys() if getattr(self, f) is not None}
         dit = base.get("family") == "dit"
         fields = _DIT_FIELDS if dit else Arch.model_fields
         wrong = [f for f in given if f not in fields]

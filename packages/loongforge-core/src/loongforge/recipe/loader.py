@@ -303,6 +303,7 @@ def _key_origin(path: str | Path, key: str, _seen: tuple[Path, ...] = ()) -> Pat
     return None
 
 
-def dump_recipe(recipe: Recipe) -> str:
-    """YAML text of the fully resolved recipe."""
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=False)
+def dump_recipe(recipe: Recipe, *, data: dict[str, Any] | None = None) -> str:
+    """YAML text of the fully resolved recipe (``data``: its plain data to write instead, e.g.
+    :meth:`Backend.resolved`)."""
+    return yaml.safe_dump(recipe.to_dict() if data is None else data, sort_keys=False, default_flow_style=False)
