@@ -143,23 +143,12 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
         job.close()
 
 
-def _lora_exports(*, rank, world, recipe_path, run_dir, merged_dir, peft_dir):
-    from loongforge_megatron.hf_io import export_hf, export_peft
-
-    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
-    try:
-        for _ in range(2):
-            job.step()
-        export_hf(job, merged_dir)
-        export_peft(job, peft_dir)
-        return {}
-    finally:
-        job.close()
-
-
-def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf, ranks):
+def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
     """The PEFT export is base + (alpha/r)·B A of the merged export, and PEFT itself loads it: its adapter
     tensors are ours, and its merged model gives the merged export's logits."""
+    import subprocess
+    import sys
+
     import transformers as tf
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -170,15 +159,18 @@ def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf, ranks):
         "data": {"format": "synthetic", "seq_length": 32},
         "train": {"stage": "lora", "steps": 2, "global_batch_size": 2, "lr": 5e-2,
                   "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
-        "checkpoint": {"load": str(hf_dir), "save_format": ["dist", "hf", "peft"]},
+        "checkpoint": {"load": str(hf_dir), "save_format": ["hf", "peft"], "save_at_end": True},
     })
-    # NOTE: the megatron job runs in a forked rank, never in pytest's own process (see conftest.run_ranks).
-    ranks(_lora_exports, world=1, out=tmp_path / "ranks", recipe_path=recipe_path, run_dir=tmp_path / "run",
-          merged_dir=tmp_path / "merged", peft_dir=tmp_path / "peft")
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    # NOTE: a subprocess, as a user runs it: the megatron job stays out of pytest's process (a forked rank would
+    # inherit this file's earlier in-process jobs and hang)
+    proc = subprocess.run([sys.executable, "-m", "loongforge", "train", recipe_path, "--output", str(tmp_path / "run")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged_dir, peft_dir = tmp_path / "run" / "hf", tmp_path / "run" / "peft"
+    merged = load_file(merged_dir / "model.safetensors")
     base = load_file(hf_dir / "model.safetensors")
-    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
-    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    adapters = load_file(peft_dir / "adapter_model.safetensors")
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     adapted = set()
@@ -194,14 +186,14 @@ def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf, ranks):
     assert adapted == set(config["target_modules"])
 
     peft_model = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
-                                           tmp_path / "peft")
+                                           peft_dir)
     # PEFT names its tensors <ours without .weight>.<adapter name>.weight; every one of ours must land, unchanged
     loaded = {k.replace(".default.weight", ".weight"): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
     assert sorted(loaded) == sorted(adapters)
     for k, t in adapters.items():
         assert torch.equal(loaded[k], t), k
     peft_merged = peft_model.merge_and_unload().eval()
-    ours = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ours = tf.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want_logits, got_logits = ours(input_ids=tokens).logits, peft_merged(input_ids=tokens).logits
