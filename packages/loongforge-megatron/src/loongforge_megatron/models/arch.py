@@ -38,6 +38,9 @@ class Arch(BaseModel):
     sliding_window: int | None = Field(
         None, ge=1, description="the HF config's sliding attention window (Mistral; Qwen with use_sliding_window): "
         "megatron attends over the whole sequence here, so validate refuses a data.seq_length above it")
+    max_window_layers: int | None = Field(
+        None, ge=0, description="Qwen with use_sliding_window: layers from this index on use the window (kept for "
+        "the HF export)")
     norm_eps: float = Field(1e-5, gt=0)
     qkv_bias: bool = False
     qk_norm: bool = False

@@ -152,6 +152,8 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     if model_type == "mistral" or cfg.get("use_sliding_window"):
         # NOTE: Mistral applies a non-null sliding_window; Qwen configs carry one that only use_sliding_window enables
         fields["sliding_window"] = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
+            fields["max_window_layers"] = cfg["max_window_layers"]
     if family == "llama":
         fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
     if family == "qwen2":
@@ -228,6 +230,11 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
         cfg.update(attention_bias=arch.qkv_bias, mlp_bias=False)
         if arch.sliding_window:  # NOTE: a Mistral (read as llama) goes back as one: Llama would attend past it
             cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=arch.sliding_window)
+    if arch.family.startswith("qwen") and arch.sliding_window:
+        # NOTE: written back as read (HF's defaults would be use_sliding_window false, or another max_window_layers)
+        cfg.update(use_sliding_window=True, sliding_window=arch.sliding_window)
+        if arch.max_window_layers is not None:
+            cfg["max_window_layers"] = arch.max_window_layers
     if arch.family in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = arch.qkv_bias
     if arch.family == "qwen3_moe":
