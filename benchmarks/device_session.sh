@@ -31,6 +31,8 @@
 #                           CUDA-graph parity; ours end to end with CUDA graphs, then its host + kernel profile
 #   b32    (1 GPU, ~8 min) pi05 model step at batch 32 with CUDA graphs; DiT-XL/2 ours vs diffusers (+compile)
 #   dit    (1 GPU, ~6 min) DiT-XL/2: ours eager and with train.compile vs diffusers eager and + torch.compile
+#   dit_gaf (1 GPU, ~5 min) DiT-XL/2: ours with train.compile, without and with kernels.grad_accum_fusion, vs
+#                           diffusers + torch.compile
 #   dit_profile (1 GPU, ~3 min) ours with train.compile, then a host + kernel profile of three steps
 #   llm    (1 GPU, ~9 min)  fused CE + grad-accum fusion GPU tests; Llama-3.2-1B seq 4096 mbs 8: ours, HF +
 #                           torch.compile, then ours with kernels.grad_accum_fusion (A/B)
@@ -44,8 +46,8 @@
 # a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
+phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_gaf|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
 out=${2:-${OUT:?give OUT}}
 mkdir -p "$out"
 site=/tmp/site
@@ -138,6 +140,10 @@ case $phase in
   dit)
     step dit_xl2 500 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 --warmup 5 \
       --out "$out/dit_throughput.md"
+    ;;
+  dit_gaf)
+    step dit_xl2_gaf 330 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 15 \
+      --warmup 5 --variants loongforge_compile,loongforge_compile_gaf,diffusers_compile --out "$out/dit_gaf.md"
     ;;
   dit_profile)
     step dit_xl2_profile 300 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 12 \

@@ -1,5 +1,5 @@
 """DiT training throughput: LoongForge's megatron backend (our SDPA spec) vs diffusers' ``DiTTransformer2DModel``
-eager and + ``torch.compile`` (ours also with ``train.compile``), same model, weights, data, objective and optimizer, on one device.
+eager and + ``torch.compile`` (ours also with ``train.compile``, and with ``kernels.grad_accum_fusion``), same model, weights, data, objective and optimizer, on one device.
 
     python benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20          # one GPU
     python benchmarks/dit_throughput.py --preset dit-tiny --batch 8 --steps 4 --device cpu    # smoke test
@@ -51,7 +51,7 @@ def make_diffusers(preset: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def run_ours(args, compiled: bool = False) -> dict:
+def run_ours(args, compiled: bool = False, grad_accum_fusion: bool = False) -> dict:
     import loongforge
     import torch
     import yaml
@@ -66,7 +66,7 @@ def run_ours(args, compiled: bool = False) -> dict:
                   "compile": compiled},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
-        "kernels": {"spec": "loongforge"},
+        "kernels": {"spec": "loongforge", "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5, "console": False},
     }
     tmp = Path(tempfile.mkdtemp())
@@ -156,6 +156,8 @@ def run_diffusers(args, compiled: bool) -> dict:
 VARIANTS = {
     "loongforge": run_ours,
     "loongforge_compile": lambda a: run_ours(a, True),
+    # NOTE: weight gradients accumulated straight into megatron's fp32 main_grad (no bf16 grad + add_ per weight)
+    "loongforge_compile_gaf": lambda a: run_ours(a, True, grad_accum_fusion=True),
     "diffusers_eager": lambda a: run_diffusers(a, False),
     "diffusers_compile": lambda a: run_diffusers(a, True),
 }
@@ -230,7 +232,8 @@ def main() -> None:
                      f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     lines.append("")
     for mine, peer in (("loongforge", "diffusers_eager"), ("loongforge_compile", "loongforge"),
-                       ("loongforge_compile", "diffusers_compile")):
+                       ("loongforge_compile", "diffusers_compile"), ("loongforge_compile_gaf", "loongforge_compile"),
+                       ("loongforge_compile_gaf", "diffusers_compile")):
         ours, r = rows.get(mine, {}), rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))

@@ -190,6 +190,12 @@ class MegatronBackend(Backend):
             raise RecipeError(f"compile_mode {t.compile_mode} replays CUDA graphs, which megatron's DDP buffers and "
                               "schedules are not set up for here; use default or max-autotune-no-cudagraphs",
                               key="train.compile_mode")
+        if t.compile and recipe.kernels.grad_accum_fusion:
+            # NOTE: megatron's linear backward adds into weight.main_grad, a tensor outside the compiled graph: dynamo
+            # breaks the graph at every linear (DiT-XL/2 on an H200 ran 0.60x of train.compile alone)
+            raise RecipeError("kernels.grad_accum_fusion cannot be used with train.compile: megatron's linear backward "
+                              "writes the fp32 main_grad outside the compiled graph, which breaks it at every linear "
+                              "(0.60x measured); use one of them", key="kernels.grad_accum_fusion")
 
     @staticmethod
     def _check_provider(recipe: Recipe, arch: Any) -> None:
