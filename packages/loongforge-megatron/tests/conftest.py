@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny random-init HF models saved by transformers itself, their reference loss, and the
-``ranks`` launcher (forked gloo ranks with a free port and a deadlock watchdog)."""
+"""Shared fixtures: tiny random-init HF models saved by transformers itself, their reference loss, the ``ranks``
+launcher (forked gloo ranks with a free port and a deadlock watchdog) and ``in_world`` (one forked rank with
+megatron's model-parallel state); a guard keeps megatron's process-wide state out of pytest's own process."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -13,6 +16,61 @@ from typing import Any
 
 import pytest
 import torch
+
+# ---- megatron jobs stay out of pytest's own process
+# NOTE: megatron-core keeps process-wide state (parallel_state groups, the global memory buffer, RNG trackers, the
+# microbatch calculator, torch.distributed's default group) that a job's close() does not all undo; forked ranks of
+# later tests inherit it and have segfaulted or hung. Every megatron job in these tests runs in a forked rank
+# (``ranks`` / ``in_world``) or a subprocess (``python -m loongforge``); this guard fails a test that calls
+# torch.distributed.init_process_group in pytest's process, or leaves a process group or megatron's
+# model-parallel state behind there.
+_PYTEST_PID = os.getpid()
+_IN_PROCESS_INITS: list[int] = []
+
+
+def _spy_on_init_process_group() -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    real = distributed_c10d.init_process_group
+    if getattr(real, "_loongforge_spy", False):
+        return
+
+    @functools.wraps(real)
+    def spy(*args, **kwargs):
+        if os.getpid() == _PYTEST_PID:  # NOTE: forked ranks inherit the spy; only pytest's own process counts
+            _IN_PROCESS_INITS.append(1)
+        return real(*args, **kwargs)
+
+    spy._loongforge_spy = True
+    dist.init_process_group = distributed_c10d.init_process_group = spy
+
+
+@pytest.fixture(autouse=True)
+def _megatron_state_stays_out_of_pytest():
+    _spy_on_init_process_group()
+    before = len(_IN_PROCESS_INITS)
+    yield
+    import torch.distributed as dist
+
+    problems = []
+    if len(_IN_PROCESS_INITS) > before:
+        problems.append("called torch.distributed.init_process_group")
+    if dist.is_available() and dist.is_initialized():
+        problems.append("left torch.distributed's default process group initialized")
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is not None and mpu.model_parallel_is_initialized():
+        problems.append("left megatron's parallel_state initialized")
+    if problems:
+        if mpu is not None:  # NOTE: best effort, so one offender does not fail every later test too
+            mpu.destroy_model_parallel()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        pytest.fail(f"this test {', '.join(problems)} in pytest's own process: run megatron jobs in a forked rank "
+                    "(the ranks / in_world fixtures of packages/loongforge-megatron/tests/conftest.py) or a "
+                    "subprocess (python -m loongforge); later forked ranks inherit megatron's process-wide state",
+                    pytrace=False)
+
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
@@ -151,23 +209,28 @@ def ranks():
     return run_ranks
 
 
-@pytest.fixture
-def world(monkeypatch):
-    """Single-process gloo world + megatron model-parallel state, under the CPU adaptations."""
+def _in_world_child(*, rank: int, world: int, body: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     from loongforge.accelerator.cpu import CpuAccelerator
     from loongforge.parallel.plan import resolve_plan
     from loongforge_megatron import engine
     from loongforge_megatron.device_adapters import adapted
-    from loongforge_megatron.engine.parallel_state import free_port
 
-    for k, v in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        monkeypatch.setenv(k, v)
     acc = CpuAccelerator()
     with adapted(acc):
         engine.initialize(resolve_plan(world_size=1), accelerator=acc, seed=1)
         try:
-            yield
+            return body(**kwargs)
         finally:
             engine.destroy(process_group=True)
+
+
+def run_in_world(body: Callable[..., Any], *, out: Path, **kwargs: Any) -> Any:
+    """``body(**kwargs)`` in one forked rank (:func:`run_ranks`) inside a single-process gloo world + megatron
+    model-parallel state, under the CPU adaptations; returns what ``body`` returns (it must pickle)."""
+    return run_ranks(_in_world_child, world=1, out=out, body=body, kwargs=kwargs)[0]
+
+
+@pytest.fixture(scope="session")
+def in_world():
+    """The :func:`run_in_world` launcher (a forked single-process world; its state never reaches pytest's)."""
+    return run_in_world

@@ -25,11 +25,10 @@ def cpt_recipe(tmp_path, hf_dir, **train):
     return path
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_first_step_loss_equals_transformers(tmp_path, family, tiny_hf, reference_loss):
-    hf_dir = tiny_hf(family, tmp_path / "hf")
-    recipe = loongforge.load_recipe(cpt_recipe(tmp_path, hf_dir))
-    job, _ = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+def _first_step(*, rank, world, recipe_path, run_dir):
+    """(step 1's micro-batches, our step-1 loss), in a forked rank (``ranks``): never in pytest's own process."""
+    recipe = loongforge.load_recipe(recipe_path)
+    job, _ = loongforge.build_job(recipe, output_dir=run_dir)
     try:
         import torch
 
@@ -37,5 +36,13 @@ def test_first_step_loss_equals_transformers(tmp_path, family, tiny_hf, referenc
         ours = job.step()["loss"]
     finally:
         job.close()
+    return batches, ours
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_step_loss_equals_transformers(tmp_path, family, tiny_hf, reference_loss, ranks):
+    hf_dir = tiny_hf(family, tmp_path / "hf")
+    batches, ours = ranks(_first_step, world=1, out=tmp_path / "ranks", recipe_path=cpt_recipe(tmp_path, hf_dir),
+                          run_dir=tmp_path / "run")[0]
     ref = reference_loss(hf_dir, batches)
     assert ours == pytest.approx(ref, rel=1e-4), (ours, ref)

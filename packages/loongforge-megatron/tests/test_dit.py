@@ -1,6 +1,8 @@
 """DiT (class-conditional latent diffusion transformer) on megatron-core, against diffusers' DiTTransformer2DModel
 (fp32, CPU): same forward and first-step loss from the same weights, TP 2 = one process, the tiny recipe's loss
-falls, diffusers export / offline round trip, exact resume, the image-folder + VAE path, one-line errors."""
+falls, diffusers export / offline round trip, exact resume, the image-folder + VAE path, one-line errors.
+
+NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
@@ -139,17 +141,11 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path):
-    """Converted from a diffusers DiT: our forward = diffusers' (fp32), our first CPT step's loss = diffusers' loss
-    on the same noise / timesteps / labels; after the step the online export loads in diffusers and computes our
-    model's output."""
-    from diffusers import DiTTransformer2DModel
+def _forward_step_and_export(*, rank, world, tmp_path, hf_dir, ref_model, x, t, y):
+    """The job's part of the test below, in a forked rank (``ranks``): (the trained model's output, diffusers')."""
     from loongforge_megatron.hf_io import export_hf
     from loongforge_megatron.job import unwrapped
 
-    hf_dir = save_dit(tmp_path / "hf")
-    ref_model = DiTTransformer2DModel.from_pretrained(hf_dir).eval()
-    x, t, y = probe_inputs()
     job, runtime = build(tmp_path, cpt(hf_dir, "data.class_dropout=0.3"))
     try:
         ours_model = unwrapped(job)[0]
@@ -166,6 +162,20 @@ def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path):
             trained = ours_model(x, t, y)
     finally:
         close(job, runtime)
+    return trained, ref
+
+
+def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path, ranks):
+    """Converted from a diffusers DiT: our forward = diffusers' (fp32), our first CPT step's loss = diffusers' loss
+    on the same noise / timesteps / labels; after the step the online export loads in diffusers and computes our
+    model's output."""
+    from diffusers import DiTTransformer2DModel
+
+    hf_dir = save_dit(tmp_path / "hf")
+    ref_model = DiTTransformer2DModel.from_pretrained(hf_dir).eval()
+    x, t, y = probe_inputs()
+    trained, ref = ranks(_forward_step_and_export, world=1, out=tmp_path / "ranks", tmp_path=tmp_path, hf_dir=hf_dir,
+                         ref_model=ref_model, x=x, t=t, y=y)[0]
     files = sorted(p.name for p in (tmp_path / "exported").iterdir())
     assert files == ["config.json", "diffusion_pytorch_model.safetensors"], files
     exported, info = DiTTransformer2DModel.from_pretrained(tmp_path / "exported", output_loading_info=True)
@@ -186,41 +196,50 @@ def _train(out: Path, *overrides: str, nproc: int = 1) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tp2_matches_one_process_and_the_loss_falls(tmp_path):
-    """The tiny recipe (synthetic latents, random init, 30 steps): TP 2 gives the one-process losses, and the
-    loss falls."""
+def _one_process_losses(*, rank, world, tmp_path) -> list[float]:
     job, runtime = build(tmp_path, ["accelerator=cpu", "logging.console=false"], "one")
     try:
-        one = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+        return [job.step()["loss"] for _ in range(job.recipe.train.steps)]
     finally:
         close(job, runtime)
+
+
+def test_tp2_matches_one_process_and_the_loss_falls(tmp_path, ranks):
+    """The tiny recipe (synthetic latents, random init, 30 steps): TP 2 gives the one-process losses, and the
+    loss falls."""
+    one = ranks(_one_process_losses, world=1, out=tmp_path / "ranks", tmp_path=tmp_path)[0]
     two = _train(tmp_path / "tp2", "parallel.tp=2", nproc=2)
     assert two == pytest.approx(one, rel=RTOL)
     first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
     assert last < 0.6 * first, (first, last)
 
 
-def test_compiled_layers_train_the_eager_losses(tmp_path, capsys):
+def _losses_and_compiled_layers(*, rank, world, tmp_path, compiled) -> list[float]:
+    over = ["accelerator=cpu", "logging.console=false", "train.steps=3", "train.warmup_steps=0"]
+    job, runtime = build(tmp_path, [*over, f"train.compile={str(compiled).lower()}"], f"compile_{compiled}")
+    try:
+        losses = [job.step()["loss"] for _ in range(3)]
+        layers = job.model[0].module.decoder.layers
+        assert all((getattr(layer, "_compiled_call_impl", None) is not None) == compiled for layer in layers)
+    finally:
+        close(job, runtime)
+    return losses
+
+
+def test_compiled_layers_train_the_eager_losses(tmp_path, capsys, ranks):
     """``train.compile`` compiles each adaLN-Zero layer (one graph for all of them): the same losses as eager
     (fp32, CPU inductor). LLMs are refused: their speed comes from the fused-kernel spec."""
-    over = ["accelerator=cpu", "logging.console=false", "train.steps=3", "train.warmup_steps=0"]
     losses = {}
     for compiled in (False, True):
-        job, runtime = build(tmp_path, [*over, f"train.compile={str(compiled).lower()}"], f"compile_{compiled}")
-        try:
-            losses[compiled] = [job.step()["loss"] for _ in range(3)]
-            layers = job.model[0].module.decoder.layers
-            assert all((getattr(layer, "_compiled_call_impl", None) is not None) == compiled for layer in layers)
-        finally:
-            close(job, runtime)
+        losses[compiled] = ranks(_losses_and_compiled_layers, world=1, out=tmp_path / f"ranks_{compiled}",
+                                 tmp_path=tmp_path, compiled=compiled)[0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5), losses
     assert main(["validate", str(RECIPE.parents[1] / "llm/tiny/llama_tiny.yaml"), "train.compile=true"]) == 2
     err = capsys.readouterr().err
     assert "key 'train.compile'" in err and "DiT models" in err and err.count("\n") == 1, err
 
 
-def test_resume_is_exact(tmp_path):
-    """A run stopped after a checkpoint at step 2 and resumed gives bitwise the losses of an uninterrupted run."""
+def _straight_and_resumed(*, rank, world, tmp_path) -> tuple[list[float], list[float]]:
     over = ["accelerator=cpu", "logging.console=false", "train.steps=4", "train.warmup_steps=0"]
     job, runtime = build(tmp_path, over, "straight")
     try:
@@ -239,6 +258,12 @@ def test_resume_is_exact(tmp_path):
         resumed = [job.step()["loss"] for _ in range(2)]
     finally:
         close(job, runtime)
+    return straight, resumed
+
+
+def test_resume_is_exact(tmp_path, ranks):
+    """A run stopped after a checkpoint at step 2 and resumed gives bitwise the losses of an uninterrupted run."""
+    straight, resumed = ranks(_straight_and_resumed, world=1, out=tmp_path / "ranks", tmp_path=tmp_path)[0]
     assert resumed == straight[2:]
 
 
@@ -286,15 +311,7 @@ def save_images(root: Path) -> Path:
     return root
 
 
-def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path):
-    """data.path (one folder of PNGs per class, odd sizes) + model.vae (AutoencoderKL): images are centre-cropped to
-    8 x sample_size, encoded in the forward step, and the first step's loss equals diffusers' DiT on diffusers'
-    VAE encoding of the same pixels (posterior sample with the batch's VAE noise)."""
-    from diffusers import AutoencoderKL, DiTTransformer2DModel
-
-    hf_dir, vae_dir, images = save_dit(tmp_path / "hf"), save_vae(tmp_path / "vae"), save_images(tmp_path / "images")
-    over = cpt(hf_dir, f"model={{hf: {hf_dir}, vae: {vae_dir}}}", f"data.path={images}", "data.image_size=64",
-               "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=2")
+def _first_step_and_export(*, rank, world, tmp_path, over) -> tuple[list[dict], float]:
     job, runtime = build(tmp_path, over)
     try:
         batches = job.schedule.microbatches(0, device=CPU)
@@ -304,6 +321,19 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path):
         export_hf(job, tmp_path / "exported")
     finally:
         close(job, runtime)
+    return batches, loss
+
+
+def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path, ranks):
+    """data.path (one folder of PNGs per class, odd sizes) + model.vae (AutoencoderKL): images are centre-cropped to
+    8 x sample_size, encoded in the forward step, and the first step's loss equals diffusers' DiT on diffusers'
+    VAE encoding of the same pixels (posterior sample with the batch's VAE noise)."""
+    from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+    hf_dir, vae_dir, images = save_dit(tmp_path / "hf"), save_vae(tmp_path / "vae"), save_images(tmp_path / "images")
+    over = cpt(hf_dir, f"model={{hf: {hf_dir}, vae: {vae_dir}}}", f"data.path={images}", "data.image_size=64",
+               "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=2")
+    batches, loss = ranks(_first_step_and_export, world=1, out=tmp_path / "ranks", tmp_path=tmp_path, over=over)[0]
     # the label ids (sorted class folders) are kept next to the run and in the export
     names = sorted(p.name for p in images.iterdir() if p.is_dir())
     for where in (tmp_path / "run", tmp_path / "exported"):
@@ -339,7 +369,11 @@ def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
     assert f"key '{key}'" in err and fragment in err and err.count("\n") == 1, err
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch):
+def _call(*, rank, world, body) -> None:
+    body()  # NOTE: a forked rank gets ``body`` as it is (fork: nothing is pickled), closures too
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, ranks):
     """Missing diffusers, a diffusers pipeline folder as model.hf, latents for an LM, and (at build) a missing or
     empty image folder, a class without images and a missing VAE: exit 2 with one line naming the key."""
     def fails(command: str, *overrides: str, key: str, fragment: str, recipe: Path = RECIPE) -> None:
@@ -362,10 +396,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch):
     empty, no_images = tmp_path / "empty", tmp_path / "no_images"
     empty.mkdir()
     (no_images / "class_a").mkdir(parents=True)
-    for path, fragment in ((tmp_path / "missing", "is not a directory"), (empty, "has no class sub-folders"),
-                           (no_images, "holds no images")):
-        fails("train", f"model={{preset: dit-tiny, vae: {vae}}}", f"data.path={path}", key="data.path",
-              fragment=fragment)
     images = save_images(tmp_path / "images")
-    fails("train", f"model={{preset: dit-tiny, vae: {tmp_path / 'no_vae'}}}", f"data.path={images}", key="model.vae",
-          fragment="is not a diffusers AutoencoderKL folder")
+
+    def train_fails() -> None:
+        for path, fragment in ((tmp_path / "missing", "is not a directory"), (empty, "has no class sub-folders"),
+                               (no_images, "holds no images")):
+            fails("train", f"model={{preset: dit-tiny, vae: {vae}}}", f"data.path={path}", key="data.path",
+                  fragment=fragment)
+        fails("train", f"model={{preset: dit-tiny, vae: {tmp_path / 'no_vae'}}}", f"data.path={images}",
+              key="model.vae", fragment="is not a diffusers AutoencoderKL folder")
+
+    # NOTE: these fail while the job builds, after megatron's process groups exist: in a forked rank (``ranks``)
+    ranks(_call, world=1, out=tmp_path / "ranks", body=train_fails)

@@ -1,5 +1,7 @@
 """LLaVA (VLM) on megatron-core: CPT from a checkpoint transformers saved gives transformers' first-step loss (fp32),
-TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synthetic image-caption data."""
+TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synthetic image-caption data.
+
+NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
@@ -67,15 +69,19 @@ def cpt_overrides(hf_dir: Path, *extra: str) -> list[str]:
             "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
 
 
-def first_step(tmp_path: Path, overrides: list[str]) -> tuple[list[dict], float]:
-    """(the micro-batches of step 1, our loss of step 1)."""
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=tmp_path / "run")
+def _first_step_child(*, rank, world, overrides, run_dir) -> tuple[list[dict], float]:
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
     try:
         batches = job.schedule.microbatches(0, device=torch.device("cpu"))
         return batches, job.step()["loss"]
     finally:
         job.close()
         runtime.logger.close()
+
+
+def first_step(ranks, tmp_path: Path, overrides: list[str]) -> tuple[list[dict], float]:
+    """(the micro-batches of step 1, our loss of step 1), from a job in a forked rank (``ranks``)."""
+    return ranks(_first_step_child, world=1, out=tmp_path / "ranks", overrides=overrides, run_dir=tmp_path / "run")[0]
 
 
 def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
@@ -87,11 +93,11 @@ def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("spec", ["loongforge", "local"])
-def test_cpt_first_step_loss_equals_transformers(tmp_path, spec):
+def test_cpt_first_step_loss_equals_transformers(tmp_path, spec, ranks):
     """Both layer specs: ours (SDPA attention for CLIP and the LM, kernel RMSNorm / SwiGLU / RoPE; what auto picks)
     and megatron's local one."""
     hf_dir = save_llava(tmp_path / "hf")
-    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir, f"kernels.spec={spec}"))
+    batches, ours = first_step(ranks, tmp_path, cpt_overrides(hf_dir, f"kernels.spec={spec}"))
     ref = hf_loss(hf_dir, hf_batch(batches))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
@@ -182,24 +188,31 @@ def test_unsupported_layouts_are_refused(capsys):
         assert f"key '{key}'" in err and err.count("\n") == 1, err
 
 
-def test_hf_export_round_trips_through_transformers(tmp_path):
-    """After a CPT step, the online HF export (LlavaForConditionalGeneration, CLIP tower cut to the layers LLaVA runs)
-    computes in transformers the loss our next step computes; offline HF -> megatron (tp 2) -> HF keeps the function."""
-    from loongforge.cli import main
+def _step_export_step(*, rank, world, hf_dir, run_dir, export_dir) -> tuple[list[dict], float]:
+    """One CPT step, the online HF export, then (step 2's micro-batches, step 2's loss); in a forked rank."""
     from loongforge_megatron.hf_io import export_hf
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-    hf_dir = save_llava(tmp_path / "hf")
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt_overrides(hf_dir)),
-                                        output_dir=tmp_path / "run")
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt_overrides(hf_dir)), output_dir=run_dir)
     try:
         job.step()
-        export_hf(job, tmp_path / "exported")
+        export_hf(job, export_dir)
         batches = job.schedule.microbatches(1, device=torch.device("cpu"))
         ours = job.step()["loss"]
     finally:
         job.close()
         runtime.logger.close()
+    return batches, ours
+
+
+def test_hf_export_round_trips_through_transformers(tmp_path, ranks):
+    """After a CPT step, the online HF export (LlavaForConditionalGeneration, CLIP tower cut to the layers LLaVA runs)
+    computes in transformers the loss our next step computes; offline HF -> megatron (tp 2) -> HF keeps the function."""
+    from loongforge.cli import main
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    hf_dir = save_llava(tmp_path / "hf")
+    batches, ours = ranks(_step_export_step, world=1, out=tmp_path / "ranks", hf_dir=hf_dir, run_dir=tmp_path / "run",
+                          export_dir=tmp_path / "exported")[0]
     exported = LlavaConfig.from_pretrained(tmp_path / "exported")
     assert exported.vision_config.num_hidden_layers == 2 and exported.vision_feature_layer == -1
     ref = hf_loss(tmp_path / "exported", hf_batch(batches))
@@ -216,7 +229,7 @@ def test_hf_export_round_trips_through_transformers(tmp_path):
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6)
 
 
-def test_image_text_conversations_train_like_transformers(tmp_path):
+def test_image_text_conversations_train_like_transformers(tmp_path, ranks):
     """data.format llava: LLaVA-style JSON records (image files + human/gpt turns with <image>), the tokenizer's
     chat template, CLIP preprocessing; the first CPT step's loss equals transformers' on the same batch."""
     from loongforge_megatron.data.tokenizer import train_bpe
@@ -238,7 +251,7 @@ def test_image_text_conversations_train_like_transformers(tmp_path):
     tok.save_pretrained(hf_dir)
     image_token = tok.convert_tokens_to_ids("<image>")
     save_llava(hf_dir, vocab=len(tok), image_token=image_token)
-    batches, ours = first_step(tmp_path, cpt_overrides(hf_dir, "data.format=llava",
+    batches, ours = first_step(ranks, tmp_path, cpt_overrides(hf_dir, "data.format=llava",
                                                        f"data.path={data / 'records.json'}", "data.seq_length=64"))
     assert all((b["tokens"] == image_token).sum(1).eq(1).all() for b in batches)
     assert sum(int(b["loss_mask"].sum()) for b in batches) >= 8  # the answers, not the prompts

@@ -1,6 +1,8 @@
 """LLM settings that megatron or the HF mapping would only refuse mid-run, or get silently wrong, are one-line
 recipe errors at ``validate`` (review findings); ``lr_schedule: wsd`` runs (it passed validate, then failed at the
-scheduler with megatron's own spelling)."""
+scheduler with megatron's own spelling).
+
+NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
@@ -45,18 +47,22 @@ def test_the_allowed_neighbours_validate(capsys, recipe, args):
     assert main(["validate", str(TINY / recipe), *args]) == 0, capsys.readouterr().err
 
 
-def test_wsd_schedule_runs(tmp_path):
-    """Warmup 1, then constant, then the final tenth (default wsd_decay_steps: 2 of 20) decays towards min_lr (the
-    logged lr is the one a step used: computed before it)."""
+def _wsd_lrs(*, rank, world, run_dir):
     recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
         "train.lr_schedule=wsd", "train.steps=20", "train.warmup_steps=1", "train.lr=0.001", "train.min_lr=0.0001",
         "accelerator=cpu", "logging.console=false", "logging.tensorboard=false", "checkpoint.save_at_end=false"])
-    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path)
+    job, runtime = loongforge.build_job(recipe, output_dir=run_dir)
     try:
-        lrs = [job.step()["lr"] for _ in range(20)]
+        return [job.step()["lr"] for _ in range(20)]
     finally:
         job.close()
         runtime.logger.close()
+
+
+def test_wsd_schedule_runs(tmp_path, ranks):
+    """Warmup 1, then constant, then the final tenth (default wsd_decay_steps: 2 of 20) decays towards min_lr (the
+    logged lr is the one a step used: computed before it)."""
+    lrs = ranks(_wsd_lrs, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run")[0]
     assert lrs[0] == 0 and lrs[1:19] == pytest.approx([0.001] * 18) and 0.0001 < lrs[19] < 0.001, lrs
 
 
@@ -76,7 +82,7 @@ def test_rope_scaling_without_a_megatron_equivalent_is_refused(tmp_path, tiny_hf
     assert "attention_factor 2.0 differs from YaRN's own" in capsys.readouterr().err
 
 
-def _first_step_loss(tmp_path, hf) -> tuple[float, list]:
+def _first_step_child(*, rank, world, hf, run_dir) -> tuple[float, list]:
     import torch
 
     recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", [
@@ -84,7 +90,7 @@ def _first_step_loss(tmp_path, hf) -> tuple[float, list]:
         "data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.precision=fp32",
         "train.seed=7", "train.steps=2", "checkpoint.save_at_end=false", "accelerator=cpu", "logging.console=false",
         "logging.tensorboard=false"])
-    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    job, runtime = loongforge.build_job(recipe, output_dir=run_dir)
     try:
         batches = job.schedule.microbatches(0, device=torch.device("cpu"))
         return job.step()["loss"], batches
@@ -93,8 +99,12 @@ def _first_step_loss(tmp_path, hf) -> tuple[float, list]:
         runtime.logger.close()
 
 
+def _first_step_loss(ranks, tmp_path, hf) -> tuple[float, list]:
+    return ranks(_first_step_child, world=1, out=tmp_path / "ranks", hf=hf, run_dir=tmp_path / "run")[0]
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss, family):
+def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss, family, ranks):
     """YaRN on llama / qwen (e.g. Qwen3's long-context setting) goes to megatron's GPT ``yarn`` embedding with the
     cos/sin factor: over 32 tokens with an original context of 16 the first-step loss equals transformers' with
     YaRN, which differs from the unscaled model's; the export writes the scaling back."""
@@ -104,7 +114,7 @@ def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, referen
     # NOTE: larger weights make attention (and so the positions) matter to the loss; llama's default init barely does
     hf = tiny_hf(family, tmp_path / "yarn", rope_scaling=yarn, initializer_range=0.5)
     plain = tiny_hf(family, tmp_path / "plain", initializer_range=0.5)
-    ours, batches = _first_step_loss(tmp_path, hf)
+    ours, batches = _first_step_loss(ranks, tmp_path, hf)
     ref, unscaled = reference_loss(hf, batches), reference_loss(plain, batches)
     assert abs(ref - unscaled) > 5e-6 * abs(ref), (ref, unscaled)
     assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)
@@ -113,7 +123,7 @@ def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, referen
     assert written["original_max_position_embeddings"] == 16
 
 
-def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss):
+def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, reference_loss, ranks):
     """DeepSeek-V3's YaRN (frequencies, and mscale on the softmax scale) goes to megatron's MLA: the first-step loss
     equals transformers' with YaRN, which differs from the unscaled model's (so plain RoPE would fail here), and
     the export writes the scaling back."""
@@ -121,7 +131,7 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
 
     hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=YARN)
     plain = tiny_hf("deepseek_v3", tmp_path / "plain")
-    ours, batches = _first_step_loss(tmp_path, hf)
+    ours, batches = _first_step_loss(ranks, tmp_path, hf)
     ref, unscaled = reference_loss(hf, batches), reference_loss(plain, batches)
     assert abs(ref - unscaled) > 5e-6 * abs(ref), (ref, unscaled)
     assert ours == pytest.approx(ref, rel=2e-6, abs=0), (ours, ref, unscaled)

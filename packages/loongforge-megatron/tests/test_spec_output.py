@@ -1,5 +1,8 @@
 """The fused output layer (``spec.output``): with the loss mask it returns the masked token-sum in one pass
-(no recomputed logits in the backward), equal to the per-token path reduced by ``loss_func``."""
+(no recomputed logits in the backward), equal to the per-token path reduced by ``loss_func``.
+
+NOTE: each test body runs in a forked rank with megatron's model-parallel state (``in_world``), never in pytest's
+own process; its monkeypatch changes stay in that rank."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def _loss_and_grads(processor, *, context, scale: float = 0.37):
     return out, loss_sum.detach(), int(num_tokens), report["lm loss"], hidden.grad, weight.grad
 
 
-def test_masked_sum_in_one_pass_equals_per_token_path(world, monkeypatch):
+def _masked_sum_in_one_pass_equals_per_token_path(*, monkeypatch):
     import loongforge_kernels.cross_entropy as ce
     from loongforge_megatron.spec.output import fused_output_processor
 
@@ -49,8 +52,11 @@ def test_masked_sum_in_one_pass_equals_per_token_path(world, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_op_without_token_weights_keeps_the_per_token_path(world, monkeypatch):
-    """A plugin's fused CE that predates ``token_weights`` still works (per-token losses, recomputing backward)."""
+def test_masked_sum_in_one_pass_equals_per_token_path(in_world, tmp_path, monkeypatch):
+    in_world(_masked_sum_in_one_pass_equals_per_token_path, out=tmp_path, monkeypatch=monkeypatch)
+
+
+def _op_without_token_weights_keeps_the_per_token_path(*, monkeypatch):
     from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
     from loongforge_megatron.spec import output
 
@@ -68,10 +74,12 @@ def test_op_without_token_weights_keeps_the_per_token_path(world, monkeypatch):
     torch.testing.assert_close(got[5], want[5])
 
 
-@pytest.mark.parametrize("context", [True, False], ids=["masked-sum", "per-token"])
-def test_eval_under_no_grad(world, context, monkeypatch):
-    """Eval runs under torch.no_grad on parameters that require grad: the loss is right and no grads are computed
-    (``ctx.needs_input_grad`` is True under no_grad too)."""
+def test_op_without_token_weights_keeps_the_per_token_path(in_world, tmp_path, monkeypatch):
+    """A plugin's fused CE that predates ``token_weights`` still works (per-token losses, recomputing backward)."""
+    in_world(_op_without_token_weights_keeps_the_per_token_path, out=tmp_path, monkeypatch=monkeypatch)
+
+
+def _eval_under_no_grad(*, context, monkeypatch):
     import loongforge_kernels.cross_entropy as ce
     from loongforge_megatron.engine.step import loss_func
     from loongforge_megatron.spec.output import fused_output_processor
@@ -94,9 +102,14 @@ def test_eval_under_no_grad(world, context, monkeypatch):
     assert not calls
 
 
-def test_unhashable_plugin_op_and_a_one_element_sum(world, monkeypatch):
-    """A plugin op object that cannot be hashed is inspected uncached; a [1]-shaped sum becomes a scalar (the loss
-    function tells a summed loss from per-token losses by its dimensions)."""
+@pytest.mark.parametrize("context", [True, False], ids=["masked-sum", "per-token"])
+def test_eval_under_no_grad(in_world, tmp_path, context, monkeypatch):
+    """Eval runs under torch.no_grad on parameters that require grad: the loss is right and no grads are computed
+    (``ctx.needs_input_grad`` is True under no_grad too)."""
+    in_world(_eval_under_no_grad, out=tmp_path, context=context, monkeypatch=monkeypatch)
+
+
+def _unhashable_plugin_op_and_a_one_element_sum(*, monkeypatch):
     from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
     from loongforge_megatron.spec import output
 
@@ -116,3 +129,9 @@ def test_unhashable_plugin_op_and_a_one_element_sum(world, monkeypatch):
     assert got[0].dim() == 0
     torch.testing.assert_close(got[1], want[1])
     torch.testing.assert_close(got[5], want[5])
+
+
+def test_unhashable_plugin_op_and_a_one_element_sum(in_world, tmp_path, monkeypatch):
+    """A plugin op object that cannot be hashed is inspected uncached; a [1]-shaped sum becomes a scalar (the loss
+    function tells a summed loss from per-token losses by its dimensions)."""
+    in_world(_unhashable_plugin_op_and_a_one_element_sum, out=tmp_path, monkeypatch=monkeypatch)

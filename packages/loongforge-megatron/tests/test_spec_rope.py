@@ -1,5 +1,8 @@
 """The loongforge spec's RoPE (``spec.rope``): the registry's ``rope`` op replaces megatron's unfused rotation and
-gives megatron's results (fwd + bwd); where the kernel does not apply, megatron's own path runs."""
+gives megatron's results (fwd + bwd); where the kernel does not apply, megatron's own path runs.
+
+NOTE: the test bodies that need megatron's model-parallel state run in a forked rank (``in_world``), never in
+pytest's own process."""
 
 from __future__ import annotations
 
@@ -85,8 +88,7 @@ def test_spec_uses_kernel_rope_except_mla():
     assert mla.module is MLASelfAttention
 
 
-@pytest.mark.parametrize("rotary_percent", [1.0, 0.5], ids=["full", "partial"])
-def test_spec_rope_matches_megatron(world, rotary_percent):
+def _spec_rope_matches_megatron(*, rotary_percent):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     config = _config()
@@ -104,7 +106,12 @@ def test_spec_rope_matches_megatron(world, rotary_percent):
         torch.testing.assert_close(got[2][name], want[2][name], msg=name)
 
 
-def test_interleaved_rope_falls_back_to_megatron(world):
+@pytest.mark.parametrize("rotary_percent", [1.0, 0.5], ids=["full", "partial"])
+def test_spec_rope_matches_megatron(in_world, tmp_path, rotary_percent):
+    in_world(_spec_rope_matches_megatron, out=tmp_path, rotary_percent=rotary_percent)
+
+
+def _interleaved_rope_falls_back_to_megatron():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     config = _config(rotary_interleaved=True)
@@ -118,8 +125,11 @@ def test_interleaved_rope_falls_back_to_megatron(world):
     torch.testing.assert_close(got[1], want[1])
 
 
-@pytest.mark.parametrize("packed_freqs", [False, True])
-def test_thd_rotation_matches_megatron(world, packed_freqs):
+def test_interleaved_rope_falls_back_to_megatron(in_world, tmp_path):
+    in_world(_interleaved_rope_falls_back_to_megatron, out=tmp_path)
+
+
+def _thd_rotation_matches_megatron(*, packed_freqs):
     from megatron.core import parallel_state as mpu
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -148,10 +158,12 @@ def test_thd_rotation_matches_megatron(world, packed_freqs):
     torch.testing.assert_close(g_got, g_want)
 
 
-@pytest.mark.parametrize("num_experts", [None, 2], ids=["dense", "moe"])
-def test_spec_row_linears_pass_their_group(world, num_experts):
-    """megatron 0.19's RowParallelLinear hands tp_group=None to its linear function: a default-group lookup and a
-    DeprecationWarning on every forward (a graph break under torch.compile). The spec's row linears do not."""
+@pytest.mark.parametrize("packed_freqs", [False, True])
+def test_thd_rotation_matches_megatron(in_world, tmp_path, packed_freqs):
+    in_world(_thd_rotation_matches_megatron, out=tmp_path, packed_freqs=packed_freqs)
+
+
+def _spec_row_linears_pass_their_group(*, num_experts):
     import warnings
 
     from loongforge_megatron.engine.layer_spec import row_parallel_linear
@@ -172,3 +184,10 @@ def test_spec_row_linears_pass_their_group(world, num_experts):
         out, _ = layer(x, attention_mask=None)
         out.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("num_experts", [None, 2], ids=["dense", "moe"])
+def test_spec_row_linears_pass_their_group(in_world, tmp_path, num_experts):
+    """megatron 0.19's RowParallelLinear hands tp_group=None to its linear function: a default-group lookup and a
+    DeprecationWarning on every forward (a graph break under torch.compile). The spec's row linears do not."""
+    in_world(_spec_row_linears_pass_their_group, out=tmp_path, num_experts=num_experts)

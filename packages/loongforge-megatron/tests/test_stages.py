@@ -1,5 +1,8 @@
 """Training stages: SFT masks prompt tokens and packing does not change the loss; LoRA trains only adapters and
-its merged export equals W + (alpha/r)·B A."""
+its merged export equals W + (alpha/r)·B A.
+
+NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process:
+megatron-core's process-wide state would reach the forked ranks of later tests (they segfaulted or hung)."""
 
 from __future__ import annotations
 
@@ -82,7 +85,16 @@ def test_prompt_tokens_carry_no_loss(tmp_path, sft_tokenizer):
             assert p not in trained and p in ignored
 
 
-def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer):
+def _sft_loss(*, rank, world, recipe_path, run_dir):
+    """One SFT step's loss, in a forked rank (``ranks``): the megatron job never runs in pytest's process."""
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        return job.step()["loss"]
+    finally:
+        job.close()
+
+
+def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer, ranks):
     losses = {}
     for pack in (False, True):
         data = sft_data(tmp_path, sft_tokenizer, pack=pack)
@@ -93,32 +105,22 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer):
         prepare(probe)
         rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack))
         # one global batch holds every row, so both runs see exactly the same (token, label) pairs
-        recipe = loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": rows}}))
-        job, _ = loongforge.build_job(recipe, output_dir=tmp_path / f"run-{pack}")
-        try:
-            losses[pack] = job.step()["loss"]
-        finally:
-            job.close()
+        recipe_path = write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": rows}})
+        losses[pack] = ranks(_sft_loss, world=1, out=tmp_path / f"ranks-{pack}", recipe_path=recipe_path,
+                             run_dir=tmp_path / f"run-{pack}")[0]
         if pack:
             assert rows < len(RECORDS)
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
-def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
+def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_dir):
+    """The LoRA job and its checks, in a forked rank (``ranks``): the megatron job never runs in pytest's process."""
     from loongforge_megatron.hf_io import export_hf
     from loongforge_megatron.job import unwrapped
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict
     from safetensors.torch import load_file
 
-    hf_dir = tiny_hf("llama", tmp_path / "hf")
-    recipe = loongforge.load_recipe(write_recipe(tmp_path, {
-        "model": {"hf": str(hf_dir), "preset": None},
-        "data": {"format": "synthetic", "seq_length": 32},
-        "train": {"stage": "lora", "steps": 3, "global_batch_size": 2, "lr": 5e-2,
-                  "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
-        "checkpoint": {"load": str(hf_dir)},
-    }))
-    job, _ = loongforge.build_job(recipe, output_dir=tmp_path / "run")
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
         module = unwrapped(job)[0]
         before = {k: v.clone() for k, v in module.state_dict().items() if "_extra_state" not in k}
@@ -133,14 +135,27 @@ def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf):
         expected = layer.base.weight + (8 / 4) * layer.lora_B @ layer.lora_A
         merged = merged_state_dict(module)
         assert torch.allclose(merged["decoder.layers.0.self_attention.linear_proj.weight"], expected, rtol=0, atol=1e-6)
-        export_hf(job, tmp_path / "export")
-        exported = load_file(tmp_path / "export" / "model.safetensors")
+        export_hf(job, export_dir)
+        exported = load_file(export_dir / "model.safetensors")
         assert torch.allclose(exported["model.layers.0.self_attn.o_proj.weight"], expected, rtol=0, atol=1e-6)
         base_hf = load_file(hf_dir / "model.safetensors")
         assert not torch.equal(exported["model.layers.0.self_attn.o_proj.weight"], base_hf["model.layers.0.self_attn.o_proj.weight"])
         assert torch.equal(exported["model.embed_tokens.weight"], base_hf["model.embed_tokens.weight"])
     finally:
         job.close()
+
+
+def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf, ranks):
+    hf_dir = tiny_hf("llama", tmp_path / "hf")
+    recipe_path = write_recipe(tmp_path, {
+        "model": {"hf": str(hf_dir), "preset": None},
+        "data": {"format": "synthetic", "seq_length": 32},
+        "train": {"stage": "lora", "steps": 3, "global_batch_size": 2, "lr": 5e-2,
+                  "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
+        "checkpoint": {"load": str(hf_dir)},
+    })
+    ranks(_lora_train_and_merge, world=1, out=tmp_path / "ranks", recipe_path=recipe_path, run_dir=tmp_path / "run",
+          export_dir=tmp_path / "export", hf_dir=hf_dir)
 
 
 def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
@@ -161,8 +176,7 @@ def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
                   "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
         "checkpoint": {"load": str(hf_dir), "save_format": ["hf", "peft"], "save_at_end": True},
     })
-    # NOTE: a subprocess, as a user runs it: the megatron job stays out of pytest's process (a forked rank would
-    # inherit this file's earlier in-process jobs and hang)
+    # NOTE: a subprocess, as a user runs it: the megatron job stays out of pytest's process
     proc = subprocess.run([sys.executable, "-m", "loongforge", "train", recipe_path, "--output", str(tmp_path / "run")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
