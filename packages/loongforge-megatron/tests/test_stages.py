@@ -145,15 +145,20 @@ def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_d
         job.close()
 
 
-def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf, ranks):
-    hf_dir = tiny_hf("llama", tmp_path / "hf")
-    recipe_path = write_recipe(tmp_path, {
+def _lora_recipe(tmp_path, hf_dir, *, steps: int, **checkpoint):
+    """A LoRA recipe on the tiny HF Llama in ``hf_dir`` (synthetic data, adapters on every linear)."""
+    return write_recipe(tmp_path, {
         "model": {"hf": str(hf_dir), "preset": None},
         "data": {"format": "synthetic", "seq_length": 32},
-        "train": {"stage": "lora", "steps": 3, "global_batch_size": 2, "lr": 5e-2,
+        "train": {"stage": "lora", "steps": steps, "global_batch_size": 2, "lr": 5e-2,
                   "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
-        "checkpoint": {"load": str(hf_dir)},
+        "checkpoint": {"load": str(hf_dir), **checkpoint},
     })
+
+
+def test_lora_trains_only_adapters_and_merges(tmp_path, tiny_hf, ranks):
+    hf_dir = tiny_hf("llama", tmp_path / "hf")
+    recipe_path = _lora_recipe(tmp_path, hf_dir, steps=3)
     ranks(_lora_train_and_merge, world=1, out=tmp_path / "ranks", recipe_path=recipe_path, run_dir=tmp_path / "run",
           export_dir=tmp_path / "export", hf_dir=hf_dir)
 
@@ -169,13 +174,7 @@ def test_lora_peft_export_reproduces_merged_export(tmp_path, tiny_hf):
     from safetensors.torch import load_file
 
     hf_dir = tiny_hf("llama", tmp_path / "hf")
-    recipe_path = write_recipe(tmp_path, {
-        "model": {"hf": str(hf_dir), "preset": None},
-        "data": {"format": "synthetic", "seq_length": 32},
-        "train": {"stage": "lora", "steps": 2, "global_batch_size": 2, "lr": 5e-2,
-                  "lora": {"rank": 4, "alpha": 8, "targets": ["qkv", "proj", "fc1", "fc2"]}},
-        "checkpoint": {"load": str(hf_dir), "save_format": ["hf", "peft"], "save_at_end": True},
-    })
+    recipe_path = _lora_recipe(tmp_path, hf_dir, steps=2, save_format=["hf", "peft"], save_at_end=True)
     # NOTE: a subprocess, as a user runs it: the megatron job stays out of pytest's process
     proc = subprocess.run([sys.executable, "-m", "loongforge", "train", recipe_path, "--output", str(tmp_path / "run")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
