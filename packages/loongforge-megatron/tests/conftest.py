@@ -1,26 +1,24 @@
-"""Shared fixtures: tiny random-init HF models saved by transformers itself, their reference loss, the ``ranks``
-launcher (forked gloo ranks with a free port and a deadlock watchdog) and ``in_world`` (one forked rank with
-megatron's model-parallel state); a guard keeps megatron's process-wide state out of pytest's own process."""
+"""Shared fixtures: tiny random-init HF models saved by transformers itself, their reference loss, ``in_world``
+(one rank of the workspace harness, tests/support/rank_harness.py, with megatron's model-parallel state); a guard
+keeps megatron's process-wide state out of pytest's own process. ``ranks`` comes from the workspace harness."""
 
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rank_harness import run_ranks
 
 # ---- megatron jobs stay out of pytest's own process
 # NOTE: megatron-core keeps process-wide state (parallel_state groups, the global memory buffer, RNG trackers, the
-# microbatch calculator, torch.distributed's default group) that a job's close() does not all undo; forked ranks of
-# later tests inherit it and have segfaulted or hung. Every megatron job in these tests runs in a forked rank
+# microbatch calculator, torch.distributed's default group) that a job's close() does not all undo, and it would
+# leak into every later test of pytest's process. Every megatron job in these tests runs in a rank
 # (``ranks`` / ``in_world``) or a subprocess (``python -m loongforge``); this guard fails a test that calls
 # torch.distributed.init_process_group in pytest's process, or leaves a process group or megatron's
 # model-parallel state behind there.
@@ -38,7 +36,7 @@ def _spy_on_init_process_group() -> None:
 
     @functools.wraps(real)
     def spy(*args, **kwargs):
-        if os.getpid() == _PYTEST_PID:  # NOTE: forked ranks inherit the spy; only pytest's own process counts
+        if os.getpid() == _PYTEST_PID:  # NOTE: only pytest's own process counts
             _IN_PROCESS_INITS.append(1)
         return real(*args, **kwargs)
 
@@ -66,9 +64,9 @@ def _megatron_state_stays_out_of_pytest():
             mpu.destroy_model_parallel()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        pytest.fail(f"this test {', '.join(problems)} in pytest's own process: run megatron jobs in a forked rank "
+        pytest.fail(f"this test {', '.join(problems)} in pytest's own process: run megatron jobs in a rank "
                     "(the ranks / in_world fixtures of packages/loongforge-megatron/tests/conftest.py) or a "
-                    "subprocess (python -m loongforge); later forked ranks inherit megatron's process-wide state",
+                    "subprocess (python -m loongforge); megatron's process-wide state leaks into later tests",
                     pytrace=False)
 
 
@@ -141,74 +139,6 @@ def reference_loss():
     return hf_loss
 
 
-# ---- forked gloo ranks with a free port and a deadlock watchdog (engine/ and checkpoint/ tests)
-def _child(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out: Path, kwargs: dict[str, Any]
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    import torch
-
-    # NOTE: 2 ranks on 2 cores; one thread each also keeps OpenMP out of the forked children.
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank=rank, world=world, **kwargs)
-        torch.save(result, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
-
-
-def run_ranks(
-    fn: Callable[..., Any], *, world: int, out: Path, timeout_s: float = 300, **kwargs: Any
-) -> list[Any]:
-    """Run ``fn(rank=, world=, **kwargs)`` in ``world`` forked processes; return each rank's result.
-
-    NOTE: fork (not spawn) so the children reuse the parent's ~20 s megatron-core import. A rank that fails
-    makes the others hang in a collective, so the watchdog kills everything at the first failure or timeout.
-    """
-    import megatron.core.models.gpt  # noqa: F401  (import once, before forking)
-    from loongforge_megatron.engine.parallel_state import free_port
-
-    ctx = mp.get_context("fork")
-    port = free_port()
-    out.mkdir(parents=True, exist_ok=True)
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, out, kwargs)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    while any(p.is_alive() for p in procs):
-        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-        if failed is not None or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    errors = [(out / f"rank{r}.err") for r in range(world) if (out / f"rank{r}.err").exists()]
-    if errors:
-        pytest.fail("rank failed:\n" + "\n".join(e.read_text() for e in errors))
-    if failed is not None or any(p.exitcode != 0 for p in procs):
-        pytest.fail(f"rank exit codes {[p.exitcode for p in procs]} (timeout {timeout_s}s = deadlock?)")
-    import torch
-
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-@pytest.fixture(scope="session")
-def ranks():
-    """The :func:`run_ranks` launcher."""
-    return run_ranks
-
-
 def _in_world_child(*, rank: int, world: int, body: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     from loongforge.accelerator.cpu import CpuAccelerator
     from loongforge.parallel.plan import resolve_plan
@@ -225,12 +155,13 @@ def _in_world_child(*, rank: int, world: int, body: Callable[..., Any], kwargs: 
 
 
 def run_in_world(body: Callable[..., Any], *, out: Path, **kwargs: Any) -> Any:
-    """``body(**kwargs)`` in one forked rank (:func:`run_ranks`) inside a single-process gloo world + megatron
-    model-parallel state, under the CPU adaptations; returns what ``body`` returns (it must pickle)."""
+    """``body(**kwargs)`` in one rank (the workspace harness' ``run_ranks``: a fresh process) inside a
+    single-process gloo world + megatron model-parallel state, under the CPU adaptations; returns what ``body``
+    returns (it must pickle)."""
     return run_ranks(_in_world_child, world=1, out=out, body=body, kwargs=kwargs)[0]
 
 
 @pytest.fixture(scope="session")
 def in_world():
-    """The :func:`run_in_world` launcher (a forked single-process world; its state never reaches pytest's)."""
+    """The :func:`run_in_world` launcher (one rank in a fresh process; its state never reaches pytest's)."""
     return run_in_world

@@ -379,8 +379,19 @@ def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
     assert f"key '{key}'" in err and fragment in err and err.count("\n") == 1, err
 
 
-def _call(*, rank, world, body) -> None:
-    body()  # NOTE: a forked rank gets ``body`` as it is (fork: nothing is pickled), closures too
+def _train_fails(*, rank, world, run_dir: Path, cases: list[tuple[list[str], str, str]]) -> list[str]:
+    """``loongforge train`` of each ``(overrides, key, fragment)`` case in this rank; returns their stderr."""
+    import contextlib
+    import io
+
+    errors = []
+    for overrides, key, fragment in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["train", str(RECIPE), "--output", str(run_dir), "accelerator=cpu", *overrides])
+        assert code == 2, (overrides, err.getvalue())
+        errors.append(err.getvalue())
+    return errors
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, ranks):
@@ -408,13 +419,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, ranks):
     (no_images / "class_a").mkdir(parents=True)
     images = save_images(tmp_path / "images")
 
-    def train_fails() -> None:
-        for path, fragment in ((tmp_path / "missing", "is not a directory"), (empty, "has no class sub-folders"),
-                               (no_images, "holds no images")):
-            fails("train", f"model={{preset: dit-tiny, vae: {vae}}}", f"data.path={path}", key="data.path",
-                  fragment=fragment)
-        fails("train", f"model={{preset: dit-tiny, vae: {tmp_path / 'no_vae'}}}", f"data.path={images}",
-              key="model.vae", fragment="is not a diffusers AutoencoderKL folder")
-
-    # NOTE: these fail while the job builds, after megatron's process groups exist: in a forked rank (``ranks``)
-    ranks(_call, world=1, out=tmp_path / "ranks", body=train_fails)
+    cases = [([f"model={{preset: dit-tiny, vae: {vae}}}", f"data.path={path}"], "data.path", fragment)
+             for path, fragment in ((tmp_path / "missing", "is not a directory"), (empty, "has no class sub-folders"),
+                                    (no_images, "holds no images"))]
+    cases.append(([f"model={{preset: dit-tiny, vae: {tmp_path / 'no_vae'}}}", f"data.path={images}"], "model.vae",
+                  "is not a diffusers AutoencoderKL folder"))
+    # NOTE: these fail while the job builds, after megatron's process groups exist: in a rank (``ranks``)
+    errors = ranks(_train_fails, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", cases=cases)[0]
+    for (_, key, fragment), err in zip(cases, errors, strict=True):
+        assert f"key '{key}'" in err and fragment in err and err.count("\n") == 1, err

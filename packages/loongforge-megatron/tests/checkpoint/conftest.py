@@ -1,5 +1,5 @@
-"""Helpers for checkpoint tests: tiny recipes and CLI launches in their own process group (forked ranks: the
-``ranks`` fixture in tests/conftest.py)."""
+"""Helpers for checkpoint tests: tiny recipes and CLI launches in their own process group (ranks of the
+workspace harness, tests/support/rank_harness.py)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Engine tests use the ``ranks`` fixture from ``tests/conftest.py`` (forked gloo ranks with a watchdog)."""
+"""Engine tests use the ``ranks`` fixture of the workspace harness (tests/support/rank_harness.py)."""
