@@ -1,3 +1,4 @@
-"""Workspace-wide test plugins: the multi-process harness (``ranks``, ``free_port``) in tests/support/."""
+"""Workspace-wide test plugins (tests/support/): the multi-process harness (``ranks``, ``free_port``) and
+``--test-order reverse|shuffle``."""
 
-pytest_plugins = ["rank_harness"]
+pytest_plugins = ["rank_harness", "test_order"]

@@ -141,7 +141,7 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
     text = path.read_text(errors="replace").splitlines()
     cut = len(text) - lines
-    return ("... (%d lines above)\n" % cut if cut > 0 else "") + "\n".join(text[max(cut, 0):])
+    return (f"... ({cut} lines above)\n" if cut > 0 else "") + "\n".join(text[max(cut, 0):])
 
 
 def _report(out: Path, world: int, headline: str, codes: list[int | None]) -> str:
@@ -155,8 +155,10 @@ def _report(out: Path, world: int, headline: str, codes: list[int | None]) -> st
 
 
 def run_ranks(fn: Callable[..., Any], *, world: int, out: Path, timeout_s: float = 300,
-              **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank=, world=, **kwargs)`` in ``world`` fresh processes; return each rank's result.
+
+    The ranks see this process's environment and working directory at the call, or ``env`` when given.
 
     Fails the test at the first rank that fails (its traceback and every rank's log), or at ``timeout_s`` with
     every live rank's Python stacks (the deadlock watchdog).
@@ -168,7 +170,7 @@ def run_ranks(fn: Callable[..., Any], *, world: int, out: Path, timeout_s: float
         for suffix in ("log", "err", "result"):
             (out / f"rank{r}.{suffix}").unlink(missing_ok=True)
     payload = pickle.dumps((fn, kwargs))
-    args = (world, free_port(), str(out), dict(os.environ), os.getcwd(), str(_ROOT or Path.cwd()),
+    args = (world, free_port(), str(out), dict(os.environ if env is None else env), os.getcwd(), str(_ROOT or Path.cwd()),
             _module_sources(fn, kwargs), payload)
     procs = [ctx.Process(target=_rank_main, args=(r, *args), name=f"rank{r}", daemon=True) for r in range(world)]
     for p in procs:
@@ -215,7 +217,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def ranks():
-    """The :func:`run_ranks` launcher: ``ranks(fn, world=N, out=DIR, timeout_s=300, **kwargs) -> results``."""
+    """The :func:`run_ranks` launcher: ``ranks(fn, world=N, out=DIR, timeout_s=300, env=None, **kwargs)``."""
     return run_ranks
 
 

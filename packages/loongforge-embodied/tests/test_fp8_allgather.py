@@ -1,6 +1,5 @@
 """Delta-FP8 FSDP2 all-gather: the blockwise E4M3 codec, no error accumulation against the reconstruction, and
-the hook itself on 2 gloo processes (this file is also the torchrun driver: ``torchrun --nproc-per-node 2
-test_fp8_allgather.py OUT.json``).
+the hook itself on 2 gloo processes (ranks of the workspace harness, tests/support/rank_harness.py).
 
 Tolerances: codec per element ``|err| <= max(|x|/16, scale/1024)`` (E4M3: 3 mantissa bits, subnormal step
 2^-9 of the block scale); training loss of the tiny policy within 0.5 % of the bf16-all-gather run at every step.
@@ -8,10 +7,6 @@ Tolerances: codec per element ``|err| <= max(|x|/16, scale/1024)`` (E4M3: 3 mant
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -133,16 +128,9 @@ def test_recipe_rejects_fp8_allgather_without_fsdp2():
 
 # ----------------------------------------------------------------------------------------------- FSDP2 hook
 @pytest.mark.slow
-def test_fsdp2_hook_on_gloo(tmp_path, env):
-    from loongforge.runtime import free_port
-
-    out = tmp_path / "fp8.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           __file__, str(out)]
-    # NOTE: the timeout is the deadlock watchdog: a hung collective fails the test instead of CI.
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+def test_fsdp2_hook_on_gloo(tmp_path, env, ranks):
+    # NOTE: the timeout is the deadlock watchdog: a hung collective fails the test with every rank's stack.
+    r = ranks(_driver, world=2, out=tmp_path, env=env, timeout_s=300)[0]
 
     # The recipe path refuses CPU and names the key.
     assert r["cpu_error_key"] == "model.fp8_allgather.enabled" and "CUDA" in r["cpu_error"], r["cpu_error"]
@@ -203,7 +191,7 @@ def _check_recon(job, hook) -> dict:
             "true_absmax": absmax, "groups": len(modules), "max_pad": pad}
 
 
-def _driver(out: str) -> None:
+def _driver(*, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from loongforge.api import build_job, load_recipe
     from loongforge.errors import RecipeError
@@ -228,12 +216,5 @@ def _driver(out: str) -> None:
             if name == "fp8":
                 res.update(_check_recon(job, hook))
             job.close()
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(res))
-    dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _driver(sys.argv[1])
+    return res

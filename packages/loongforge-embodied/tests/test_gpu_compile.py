@@ -3,10 +3,6 @@ compiled with CUDA graphs (``compile_mode: reduce-overhead``) — skipped withou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,27 +98,22 @@ def test_cuda_graphs_accumulate_gradients(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_cuda_graphs_under_ddp_two_gpus(tmp_path):
+def test_cuda_graphs_under_ddp_two_gpus(tmp_path, ranks):
     """DDP (and ZeRO-1, which trains through the same DDP wrapper) on 2 GPUs with CUDA graphs train the losses of
     one graphed process with the same global batch. DDP copies each graph-output gradient into its bucket
     (``gradient_as_bucket_view``), so the all-reduce never reads graph memory a later replay overwrites."""
-    from loongforge.runtime import free_port
+    from .strategy_losses import run_strategies
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     graphs = ("train.compile=true", "train.compile_mode=reduce-overhead")
     one = _losses(tmp_path, *graphs)
-    common = "accelerator=cuda train.precision=fp32 train.global_batch_size=4"
+    common = ("accelerator=cuda", "train.precision=fp32", "train.global_batch_size=4")
     runs = {}
     for name, extra in (("mb2", "train.micro_batch_size=2"), ("mb1-accum", "train.micro_batch_size=1")):
-        out = tmp_path / f"{name}.json"
-        env = {**os.environ, "DIST_DRIVER_BACKEND": "nccl", "OMP_NUM_THREADS": "1",
-               "DIST_DRIVER_OVERRIDES": f"{common} {extra} {' '.join(graphs)}"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               str(Path(__file__).with_name("dist_driver.py")), str(out), "4", "lerobot_pi05_tiny.yaml", "ddp", "zero1"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[name] = json.loads(out.read_text())["losses"]
+        runs[name] = ranks(run_strategies, world=2, out=tmp_path / name, timeout_s=600, backend="nccl",
+                           recipe_name="lerobot_pi05_tiny.yaml", steps=4, strategies=["ddp", "zero1"],
+                           extra=(*common, extra, *graphs))[0]["losses"]
     for name, result in runs.items():
         for strategy, losses in result.items():
             assert losses == pytest.approx(one, rel=1e-4), (name, strategy, one, losses)

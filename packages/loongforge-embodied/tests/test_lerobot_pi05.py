@@ -382,31 +382,17 @@ def test_recipe_trains_through_cli_and_exports_for_lerobot(tiny, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_match_single_process(tmp_path, env):
+def test_ddp_and_fsdp2_match_single_process(tmp_path, env, ranks):
     """2 gloo ranks, ddp and fsdp2 (units: vision layers + each prefix / expert layer, entered by the joint
     step) reproduce the one-process losses (observed: identical)."""
-    import importlib.util
-    import subprocess
-    import sys
+    from .strategy_losses import run_strategies
 
-    from loongforge.runtime import free_port
-
-    driver = Path(__file__).with_name("dist_driver.py")
-    spec = importlib.util.spec_from_file_location("dist_driver", driver)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = module.losses("lerobot_pi05_tiny.yaml", "ddp", steps=3)
-    finally:
-        torch.set_num_threads(threads)
-    out = tmp_path / "two.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(driver), str(out), "3", "lerobot_pi05_tiny.yaml", "ddp", "fsdp2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # the deadlock watchdog
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for strategy, losses in json.loads(out.read_text())["losses"].items():
+    # NOTE: the timeouts are the deadlock watchdog (a hung collective fails with every rank's stack)
+    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600,
+                   recipe_name="lerobot_pi05_tiny.yaml", steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
+    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600,
+                recipe_name="lerobot_pi05_tiny.yaml", steps=3, strategies=["ddp", "fsdp2"])[0]
+    for strategy, losses in two["losses"].items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,12 +87,13 @@ def test_kernel_refuses_what_it_cannot_update(triton_cpu):
 def test_adamw_kernel_vectorises_for_hopper():
     """The tensors' addresses come from a table; the alignment hint must reach the compiler, or every element
     is its own 2- or 4-byte load (a third of the bandwidth). Compiled for sm_90 in a fresh process."""
-    code = ("import re\nfrom loongforge_kernels._testing import compile_kernel\n"
+    code = ("import re\nfrom compile_specs import compile_kernel\n"
             "for k in ('_adamw_kernel#bfloat16bfloat16', '_adamw_kernel#float32float32', '_sumsq_kernel#bfloat16'):\n"
             "    ptx = compile_kernel('adamw.' + k).asm['ptx']\n"
             "    print(k, 'ld.global.v4' in ptx and ('st.global.v4' in ptx or 'sumsq' in k))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+                       env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                            "PYTHONPATH": str(Path(__file__).parent)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[1::2] == ["True"] * 3, r.stdout
 

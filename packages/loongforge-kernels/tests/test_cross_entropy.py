@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 from loongforge_kernels import fused_linear_cross_entropy
-from loongforge_kernels._testing import flce_vocab_parallel_worker, spawn_with_watchdog
 from loongforge_kernels.references import linear_cross_entropy_ref
 
 from .conftest import assert_close, run_both
@@ -134,16 +133,64 @@ def test_flce_no_grad_skips_the_grads(monkeypatch):
 # ---- vocab-parallel over 2 gloo processes -------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_flce_vocab_parallel_gloo():
-    """Each rank holds half the vocab; loss and grads must equal the single-process full-vocab result."""
-    spawn_with_watchdog(flce_vocab_parallel_worker, nprocs=2,
-                        args=([("torch", "none"), ("torch", "mean"), ("torch", "sum+weights")],))
+def _flce_vocab_parallel(*, rank: int, world: int, configs: list[tuple[str, str]]) -> None:
+    """A rank: vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in
+    ``configs``; a reduction ``"sum+weights"`` / ``"mean+weights"`` also passes per-token weights (megatron's
+    loss mask)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        for impl, reduction in configs:
+            _flce_vocab_parallel_check(rank, world, impl, reduction)
+    finally:
+        dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_flce_vocab_parallel_gloo_triton(triton_cpu):
-    """The same with the Triton kernels (spawned children inherit TRITON_INTERPRET)."""
-    spawn_with_watchdog(
-        flce_vocab_parallel_worker, nprocs=2, args=([("triton", "mean"), ("triton", "none"), ("triton", "sum+weights")],)
+def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str) -> None:
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(3)
+    n, hidden, vocab = 19, 24, 2 * 301
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[::5] = -100
+    reduction, _, weighted = reduction.partition("+")
+    kw = {"token_weights": (torch.arange(n) % 3 != 1).float() * 0.7} if weighted else {}
+    h_t, w_t = h.clone().requires_grad_(True), w.chunk(world)[rank].clone().requires_grad_(True)
+    h_r, w_r = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss_t = fused_linear_cross_entropy(
+        h_t, w_t, labels, reduction=reduction, process_group=dist.group.WORLD, chunk_size=8, impl=impl, **kw
     )
+    loss_r = linear_cross_entropy_ref(h_r, w_r, labels, reduction=reduction, **kw)
+    g = torch.randn(loss_r.shape, generator=torch.Generator().manual_seed(1))
+    loss_t.backward(g)
+    loss_r.backward(g)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        loss_t, loss_r, **tol, msg=lambda m: f"{impl}/{reduction} loss, rank {rank}: {m}"
+    )
+    torch.testing.assert_close(
+        h_t.grad, h_r.grad, **tol, msg=lambda m: f"{impl}/{reduction} hidden grad, rank {rank}: {m}"
+    )
+    torch.testing.assert_close(
+        w_t.grad,
+        w_r.grad.chunk(world)[rank],
+        **tol,
+        msg=lambda m: f"{impl}/{reduction} weight grad, rank {rank}: {m}",
+    )
+
+
+@pytest.mark.slow
+def test_flce_vocab_parallel_gloo(ranks, tmp_path):
+    """Each rank holds half the vocab; loss and grads must equal the single-process full-vocab result."""
+    ranks(_flce_vocab_parallel, world=2, out=tmp_path, timeout_s=120,
+          configs=[("torch", "none"), ("torch", "mean"), ("torch", "sum+weights")])
+
+
+@pytest.mark.slow
+def test_flce_vocab_parallel_gloo_triton(triton_cpu, ranks, tmp_path):
+    """The same with the Triton kernels (the ranks see this process's TRITON_INTERPRET)."""
+    ranks(_flce_vocab_parallel, world=2, out=tmp_path, timeout_s=120,
+          configs=[("triton", "mean"), ("triton", "none"), ("triton", "sum+weights")])

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,12 +141,12 @@ def test_hopper_ptx_keeps_ieee_rounding():
     """The sm_90 code (as launched: no FP fusion) divides with div.rn, converts with cvt.rn, never fuses
     recon + q * scale into an FMA and never flushes subnormals: each step rounds as torch's kernels do."""
     code = (
-        "from loongforge_kernels._testing import compile_kernel\n"
+        "from compile_specs import compile_kernel\n"
         "for k in ('_encode_kernel#True', '_decode_kernel#True'):\n"
         "    print('=====', k)\n"
         "    print(compile_kernel('fp8_delta.' + k).asm['ptx'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(Path(__file__).parent)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _, enc, dec = r.stdout.split("===== ")

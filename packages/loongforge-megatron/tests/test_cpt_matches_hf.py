@@ -26,7 +26,7 @@ def cpt_recipe(tmp_path, hf_dir, **train):
 
 
 def _first_step(*, rank, world, recipe_path, run_dir):
-    """(step 1's micro-batches, our step-1 loss), in a forked rank (``ranks``): never in pytest's own process."""
+    """(step 1's micro-batches, our step-1 loss), in a rank (``ranks``): never in pytest's own process."""
     recipe = loongforge.load_recipe(recipe_path)
     job, _ = loongforge.build_job(recipe, output_dir=run_dir)
     try:

@@ -2,7 +2,7 @@
 (fp32, CPU): same forward and first-step loss from the same weights, TP 2 = one process, the tiny recipe's loss
 falls, diffusers export / offline round trip, exact resume, the image-folder + VAE path, one-line errors.
 
-NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
+NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _forward_step_and_export(*, rank, world, tmp_path, hf_dir, ref_model, x, t, y):
-    """The job's part of the test below, in a forked rank (``ranks``): (the trained model's output, diffusers')."""
+    """The job's part of the test below, in a rank (``ranks``): (the trained model's output, diffusers')."""
     from loongforge_megatron.hf_io import export_hf
     from loongforge_megatron.job import unwrapped
 
@@ -385,7 +385,7 @@ def _train_fails(*, rank, world, run_dir: Path, cases: list[tuple[list[str], str
     import io
 
     errors = []
-    for overrides, key, fragment in cases:
+    for overrides, _, _ in cases:
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = main(["train", str(RECIPE), "--output", str(run_dir), "accelerator=cpu", *overrides])

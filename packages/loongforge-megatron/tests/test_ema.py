@@ -1,7 +1,7 @@
 """``train.ema_decay`` on the megatron backend: the average follows every optimizer step, resumes exactly, and is
 what the HF export writes (one process, tiny Llama, fp32, CPU).
 
-NOTE: every megatron job here runs in a forked rank (``ranks``), never in pytest's own process."""
+NOTE: every megatron job here runs in a rank (``ranks``), never in pytest's own process."""
 
 from __future__ import annotations
 

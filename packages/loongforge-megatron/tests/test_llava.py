@@ -1,7 +1,7 @@
 """LLaVA (VLM) on megatron-core: CPT from a checkpoint transformers saved gives transformers' first-step loss (fp32),
 TP 2 gives the one-process losses, and the tiny recipe's loss falls on its synthetic image-caption data.
 
-NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
+NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _first_step_child(*, rank, world, overrides, run_dir) -> tuple[list[dict], f
 
 
 def first_step(ranks, tmp_path: Path, overrides: list[str]) -> tuple[list[dict], float]:
-    """(the micro-batches of step 1, our loss of step 1), from a job in a forked rank (``ranks``)."""
+    """(the micro-batches of step 1, our loss of step 1), from a job in a rank (``ranks``)."""
     return ranks(_first_step_child, world=1, out=tmp_path / "ranks", overrides=overrides, run_dir=tmp_path / "run")[0]
 
 
@@ -189,7 +189,7 @@ def test_unsupported_layouts_are_refused(capsys):
 
 
 def _step_export_step(*, rank, world, hf_dir, run_dir, export_dir) -> tuple[list[dict], float]:
-    """One CPT step, the online HF export, then (step 2's micro-batches, step 2's loss); in a forked rank."""
+    """One CPT step, the online HF export, then (step 2's micro-batches, step 2's loss); in a rank."""
     from loongforge_megatron.hf_io import export_hf
 
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt_overrides(hf_dir)), output_dir=run_dir)

@@ -2,7 +2,7 @@
 recipe errors at ``validate`` (review findings); ``lr_schedule: wsd`` runs (it passed validate, then failed at the
 scheduler with megatron's own spelling).
 
-NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process."""
+NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ STEPS = 3
 
 
 def _train_child(*, rank, world, recipe, run_dir, over):
-    """One forked rank (``ranks``): megatron's process-wide state stays out of pytest's process. Counts the calls
+    """One rank (``ranks``): megatron's process-wide state stays out of pytest's process. Counts the calls
     of megatron's ``tensor_parallel.checkpoint`` (what full and selective recompute go through) and the runs of
     the functions it was given (once in the forward, once more when the backward recomputes them)."""
     import loongforge

@@ -1,7 +1,7 @@
 """The fused output layer (``spec.output``): with the loss mask it returns the masked token-sum in one pass
 (no recomputed logits in the backward), equal to the per-token path reduced by ``loss_func``.
 
-NOTE: each test body runs in a forked rank with megatron's model-parallel state (``in_world``), never in pytest's
+NOTE: each test body runs in a rank with megatron's model-parallel state (``in_world``), never in pytest's
 own process; its monkeypatch changes stay in that rank."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The loongforge spec's RoPE (``spec.rope``): the registry's ``rope`` op replaces megatron's unfused rotation and
 gives megatron's results (fwd + bwd); where the kernel does not apply, megatron's own path runs.
 
-NOTE: the test bodies that need megatron's model-parallel state run in a forked rank (``in_world``), never in
+NOTE: the test bodies that need megatron's model-parallel state run in a rank (``in_world``), never in
 pytest's own process."""
 
 from __future__ import annotations

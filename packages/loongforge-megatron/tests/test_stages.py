@@ -1,8 +1,8 @@
 """Training stages: SFT masks prompt tokens and packing does not change the loss; LoRA trains only adapters and
 its merged export equals W + (alpha/r)·B A.
 
-NOTE: every megatron job here runs in a forked rank (``ranks``) or a subprocess, never in pytest's own process:
-megatron-core's process-wide state would reach the forked ranks of later tests (they segfaulted or hung)."""
+NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process:
+megatron-core's process-wide state would leak into later tests."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_prompt_tokens_carry_no_loss(tmp_path, sft_tokenizer):
 
 
 def _sft_loss(*, rank, world, recipe_path, run_dir):
-    """One SFT step's loss, in a forked rank (``ranks``): the megatron job never runs in pytest's process."""
+    """One SFT step's loss, in a rank (``ranks``): the megatron job never runs in pytest's process."""
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
         return job.step()["loss"]
@@ -114,7 +114,7 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer, ranks):
 
 
 def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_dir):
-    """The LoRA job and its checks, in a forked rank (``ranks``): the megatron job never runs in pytest's process."""
+    """The LoRA job and its checks, in a rank (``ranks``): the megatron job never runs in pytest's process."""
     from loongforge_megatron.hf_io import export_hf
     from loongforge_megatron.job import unwrapped
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict

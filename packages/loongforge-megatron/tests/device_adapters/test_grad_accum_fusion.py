@@ -12,8 +12,7 @@ TINY = Path(__file__).resolve().parents[4] / "recipes" / "llm" / "tiny"
 
 
 def _train_child(*, rank, world, run_dir, over):
-    """One forked rank (``ranks``): megatron's process-wide state stays out of the pytest process, whose later
-    forks would inherit it. Returns the losses and the main_grad shapes the stand-in accumulated into."""
+    """One rank (``ranks``): megatron's process-wide state stays out of the pytest process. Returns the losses and the main_grad shapes the stand-in accumulated into."""
     import loongforge
     from loongforge_megatron.device_adapters import grad_accum
 

@@ -1,15 +1,9 @@
-"""Run a synthetic recipe for a few steps under each named strategy in this (torchrun) process group and write
-rank 0's losses as JSON. Used by the equivalence tests: ``torchrun --nproc-per-node N dist_driver.py OUT.json
-STEPS RECIPE strategy[:shard_size] ...`` (RECIPE: a file name under recipes/embodied/; OUT.json holds each
-spec's ``losses`` and the ``layouts`` of its first trainable weight); ``losses`` also runs
-the one-process reference inside the test process. Environment: ``DIST_DRIVER_BACKEND`` (default gloo; nccl for
-GPU runs) and ``DIST_DRIVER_OVERRIDES`` (more recipe overrides, space-separated)."""
+"""A synthetic recipe's losses for a few steps under each named strategy, in the ranks of the workspace harness
+(``ranks(run_strategies, world=N, ...)``, tests/support/rank_harness.py). Used by the equivalence tests: each spec
+is ``strategy[:shard_size]``; a recipe is a file name under recipes/embodied/."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -44,25 +38,21 @@ def losses(recipe_name: str, spec: str, *, steps: int, extra: tuple[str, ...] = 
             job.close()
 
 
-def main(out: str, steps: str, recipe_name: str, *strategies: str) -> None:
-    backend = os.environ.get("DIST_DRIVER_BACKEND", "gloo")
+def run_strategies(*, rank: int, world: int, recipe_name: str, steps: int, strategies: list[str],
+                   extra: tuple[str, ...] = (), backend: str = "gloo") -> dict:
+    """A rank of the harness: ``{"losses": {spec: [...]}, "layouts": {spec: {...}}}`` of each strategy in
+    ``strategies`` on a ``world``-process ``backend`` group (nccl: one GPU per rank, fp32 matmuls)."""
     if backend == "nccl":
         import torch
 
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 comparisons against a one-process run
         torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(backend)
-    extra = tuple(os.environ.get("DIST_DRIVER_OVERRIDES", "").split())
-    layouts: dict[str, dict] = {spec: {} for spec in strategies}
-    results = {spec: losses(recipe_name, spec, steps=int(steps), extra=extra, layout=layouts[spec])
-               for spec in strategies}
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"losses": results, "layouts": layouts}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(*sys.argv[1:])
+    try:
+        layouts: dict[str, dict] = {spec: {} for spec in strategies}
+        results = {spec: losses(recipe_name, spec, steps=steps, extra=extra, layout=layouts[spec])
+                   for spec in strategies}
+        return {"losses": results, "layouts": layouts}
+    finally:
+        dist.destroy_process_group()

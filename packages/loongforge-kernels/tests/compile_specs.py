@@ -1,93 +1,11 @@
-"""Helpers for multi-process kernel tests: a free port, spawn with a deadlock watchdog, and the workers.
-
-NOTE: workers live here, not in tests/, because ``torch.multiprocessing.spawn`` pickles them by module name
-and a spawned child can import this package but not pytest's test modules.
-"""
+"""Compile every Triton kernel for CUDA ``sm_<arch>`` without a GPU (Triton bundles ptxas): the interpreter runs
+kernels as numpy and accepts code the compiler rejects, so the kernel tests compile each one too. Imported by
+fresh ``python -c`` processes of the tests (with this folder on ``PYTHONPATH``), where triton is imported without
+``TRITON_INTERPRET``."""
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from loongforge_kernels._dispatch import tl
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_with_watchdog(
-    fn: Callable[..., None], *, nprocs: int, args: tuple = (), timeout_s: float = 120.0
-) -> None:
-    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` gloo processes; kill them all after ``timeout_s``."""
-    ctx = mp.spawn(_init_and_run, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: workers deadlocked ({timeout_s:.0f} s)")
-
-
-def _init_and_run(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def flce_vocab_parallel_worker(rank: int, world: int, configs: list[tuple[str, str]]) -> None:
-    """Vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in ``configs``;
-    a reduction ``"sum+weights"`` / ``"mean+weights"`` also passes per-token weights (megatron's loss mask)."""
-    for impl, reduction in configs:
-        _flce_vocab_parallel_check(rank, world, impl, reduction)
-
-
-def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str) -> None:
-    from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
-    from loongforge_kernels.references import linear_cross_entropy_ref
-
-    gen = torch.Generator().manual_seed(3)
-    n, hidden, vocab = 19, 24, 2 * 301
-    h = torch.randn(n, hidden, generator=gen)
-    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
-    labels = torch.randint(0, vocab, (n,), generator=gen)
-    labels[::5] = -100
-    reduction, _, weighted = reduction.partition("+")
-    kw = {"token_weights": (torch.arange(n) % 3 != 1).float() * 0.7} if weighted else {}
-    h_t, w_t = h.clone().requires_grad_(True), w.chunk(world)[rank].clone().requires_grad_(True)
-    h_r, w_r = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    loss_t = fused_linear_cross_entropy(
-        h_t, w_t, labels, reduction=reduction, process_group=dist.group.WORLD, chunk_size=8, impl=impl, **kw
-    )
-    loss_r = linear_cross_entropy_ref(h_r, w_r, labels, reduction=reduction, **kw)
-    g = torch.randn(loss_r.shape, generator=torch.Generator().manual_seed(1))
-    loss_t.backward(g)
-    loss_r.backward(g)
-    tol = dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(
-        loss_t, loss_r, **tol, msg=lambda m: f"{impl}/{reduction} loss, rank {rank}: {m}"
-    )
-    torch.testing.assert_close(
-        h_t.grad, h_r.grad, **tol, msg=lambda m: f"{impl}/{reduction} hidden grad, rank {rank}: {m}"
-    )
-    torch.testing.assert_close(
-        w_t.grad,
-        w_r.grad.chunk(world)[rank],
-        **tol,
-        msg=lambda m: f"{impl}/{reduction} weight grad, rank {rank}: {m}",
-    )
-
 
 # (pointer dtypes, constexprs, num_warps[, other compile options]) per kernel, at the shapes the benchmarks use
 # (bf16 activations).
