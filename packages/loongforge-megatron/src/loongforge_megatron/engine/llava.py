@@ -321,7 +321,7 @@ class ImageTextConversations:
         if ids.index(self.image_token) >= self.text_len:
             raise RecipeError(f"{where}: '<image>' comes after the first {self.text_len} tokens that fit "
                               "data.seq_length; shorten the prompt or raise seq_length", key="data.path")
-        image = self.file.parent / rec["image"]
+        image = _confined_image(self.file, rec["image"], where)
         if not image.is_file():
             raise RecipeError(f"{where}: image '{image}' not found", key="data.path")
         return image, ids, mask
@@ -392,3 +392,17 @@ def _clip_processor(model_dir: str | None, side: int):
     if model_dir and (Path(model_dir) / "preprocessor_config.json").is_file():
         return CLIPImageProcessor.from_pretrained(model_dir, local_files_only=True)
     return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+
+
+def _confined_image(records: Any, name: Any, where: str) -> Any:
+    """A record's image path, relative to the records' folder and inside it (no ``..``, no absolute path)."""
+    from pathlib import Path
+
+    from loongforge.errors import RecipeError
+
+    # NOTE: a lexical check: a symlinked image folder inside the records' folder is the user's own choice
+    root = Path(records).parent
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise RecipeError(f"{where}: image '{str(name)[:200]}' is not a path inside the records' folder {root} "
+                          "(relative paths only, no '..')", key="data.path")
+    return root / name
