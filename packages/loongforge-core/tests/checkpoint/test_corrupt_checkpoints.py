@@ -151,3 +151,16 @@ def test_disk_full_while_publishing_says_so(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="no space left on the device"):
         _save(tmp_path, "step_1")
     assert not any(tmp_path.iterdir())
+
+
+def test_disk_full_while_exporting_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    from loongforge.checkpoint import ShardedSafetensorsWriter, StreamingSafetensorsFile
+
+    def full(self, name, row, tensor, *, whole=False):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(StreamingSafetensorsFile, "write_rows", full)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: no space left on the device"):
+        with ShardedSafetensorsWriter(tmp_path / "hf", {"a": (torch.float32, (2, 2))}) as w:
+            w.add("a", torch.zeros(2, 2))
+    assert list(tmp_path.iterdir()) == []

@@ -38,7 +38,8 @@ def all_ranks_ok(error: BaseException | None, *, what: str) -> None:
     if error is not None and not isinstance(error, LoongForgeError):
         raise error  # NOTE: an internal error keeps its traceback on the rank where it happened
     distinct = {s for _, s in failed}
-    others = f" (and {len(distinct) - 1} other errors)" if len(distinct) > 1 else ""
+    n = len(distinct) - 1
+    others = f" (and {n} other error{'s' if n > 1 else ''} on other ranks)" if n else ""
     if user_error:
         if error is not None and _describe(error) == message and not others:
             raise error

@@ -5,6 +5,7 @@ Never unpickles: only safetensors files are read. Peak memory is one tensor (rea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+from loongforge.checkpoint.atomic import disk_full, disk_full_error, fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -319,20 +320,34 @@ class ShardedSafetensorsWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self._where:
             raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
-        self._where[name].write(name, tensor)
+        with self._space(self._where[name].path):
+            self._where[name].write(name, tensor)
 
     def add_rows(self, name: str, row: int, tensor: torch.Tensor) -> None:
         """Write dim-0 rows ``row..row+len(tensor)`` of ``name`` (see ``StreamingSafetensorsFile.write_rows``)."""
         if name not in self._where:
             raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
-        self._where[name].write_rows(name, row, tensor)
+        with self._space(self._where[name].path):
+            self._where[name].write_rows(name, row, tensor)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _space(path: Path):
+        """Out of disk space is a ``CheckpointError`` that says so (the caller's abort removes the staging dir)."""
+        try:
+            yield
+        except OSError as exc:
+            if disk_full(exc):
+                raise disk_full_error(path, exc) from None
+            raise
 
     def commit(self) -> Path:
         """Close every shard (fails if a tensor was never written), fsync, rename into place."""
-        for f in self._files:
-            f.close()
-        fsync_tree(self.staging_dir)
-        replace_dir(self.staging_dir, self.out_dir)
+        with self._space(self.staging_dir):
+            for f in self._files:
+                f.close()
+            fsync_tree(self.staging_dir)
+            replace_dir(self.staging_dir, self.out_dir)
         return self.out_dir
 
     def abort(self) -> None:
