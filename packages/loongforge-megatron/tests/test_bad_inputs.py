@@ -195,3 +195,25 @@ def test_convert_refuses_a_config_that_disagrees_with_the_weights(tmp_path, tiny
     assert "config.json does not match the weights: tensor 'model.layers.0.mlp.down_proj.weight' has shape (64, 128)" \
         in err and "intermediate_size 96" in err and "gives (64, 96)" in err, err
     assert not (tmp_path / "mg").exists()
+
+
+def test_llava_binary_records_and_unreadable_image(tmp_path):
+    from types import SimpleNamespace
+
+    from loongforge_megatron.data.tokenizer import train_bpe
+    from loongforge_megatron.engine.llava import ImageTextConversations
+
+    tok = train_bpe(["a b c d what is this"] * 4, vocab_size=280, out_dir=tmp_path / "tok")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    arch = SimpleNamespace(vision={"image_token_index": tok.convert_tokens_to_ids("<image>"),
+                                   "vision_config": {"image_size": 32, "patch_size": 8}})
+    (tmp_path / "bin.json").write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)))
+    with pytest.raises(RecipeError, match=r"bin\.json: not UTF-8 text"):
+        ImageTextConversations(str(tmp_path / "bin.json"), tokenizer=tok, arch=arch, seq_length=64, seed=3)
+    (tmp_path / "x.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)  # a PNG signature, then nothing
+    record = {"image": "x.png", "conversations": [{"from": "human", "value": "<image>\nwhat is this"},
+                                                  {"from": "gpt", "value": "a"}]}
+    (tmp_path / "r.json").write_text(json.dumps([record]))
+    ds = ImageTextConversations(str(tmp_path / "r.json"), tokenizer=tok, arch=arch, seq_length=64, seed=3)
+    with pytest.raises(RecipeError, match=r"r\.json: record 1: image .*x\.png' is unreadable"):
+        ds[0]

@@ -179,11 +179,11 @@ class Checkpointer:
         """Write the checkpoint of ``step`` (and the HF export when the recipe asks for one); weights that are not
         finite are never written."""
         from loongforge_megatron.job import unwrapped
-        from loongforge_megatron.nonfinite import NonFiniteError, weights_finite
+        from loongforge_megatron.nonfinite import NonFiniteError, last_checkpoint, weights_finite
 
         job, c = self.job, self.job.recipe.checkpoint
         if not weights_finite(unwrapped(job)):
-            last = latest_checkpoint(self.root)
+            last = last_checkpoint(self.root)
             raise NonFiniteError(f"step {step}: the weights are not finite, so no checkpoint or export was written"
                                  + (f"; the last checkpoint, {last}, is intact" if last else ""))
         path = None

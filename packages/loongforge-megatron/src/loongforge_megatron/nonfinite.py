@@ -75,6 +75,17 @@ def weights_finite(model_chunks: list[torch.nn.Module]) -> bool:
     return all_ranks_finite(_locally_finite(p.detach() for m in model_chunks for p in m.parameters()))
 
 
+def last_checkpoint(root: Any) -> Any:
+    """The run's latest complete checkpoint, for messages (None when there is none or ``latest`` is unusable)."""
+    from loongforge.checkpoint.atomic import latest_checkpoint
+    from loongforge.errors import CheckpointError
+
+    try:
+        return latest_checkpoint(root)
+    except (CheckpointError, OSError):
+        return None
+
+
 def describe(step: int, out: dict[str, Any]) -> str:
     """``step N: loss nan, grad norm inf``."""
     parts = [f"loss {out.get('loss')}"]
@@ -107,9 +118,7 @@ class NonFiniteGuard:
             return
         where = ""
         if self.checkpoint_dir is not None:
-            from loongforge.checkpoint.atomic import latest_checkpoint
-
-            last = latest_checkpoint(self.checkpoint_dir)
+            last = last_checkpoint(self.checkpoint_dir)
             where = f"; the last checkpoint, {last}, is intact" if last is not None else "; no checkpoint was saved"
         when = "before updating the weights" if out.get("skipped") else "after its update"
         raise NonFiniteError(f"{describe(step, out)} is not finite: stopped {when}{where} "

@@ -284,7 +284,11 @@ class ImageTextConversations:
         self.file = Path(path)
         if not self.file.is_file():
             raise RecipeError(f"'{path}' is not a file of image-text records (JSON list or JSONL)", key="data.path")
-        text = self.file.read_text()
+        try:
+            text = self.file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text (a binary file?); expected a JSON list or JSONL of records",
+                              key="data.path") from None
         try:
             self.records = json.loads(text) if text.lstrip().startswith("[") else [
                 json.loads(line) for line in text.splitlines() if line.strip()]
@@ -339,9 +343,17 @@ class ImageTextConversations:
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         from PIL import Image
 
-        image, ids, mask = self._tokenized(self._record(idx))
-        with Image.open(image) as im:
-            pixels = self.processor(images=im.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        n = self._record(idx)
+        image, ids, mask = self._tokenized(n)
+        try:
+            with Image.open(image) as im:
+                rgb = im.convert("RGB")
+        except (OSError, ValueError) as exc:  # NOTE: PIL's UnidentifiedImageError and truncated files are OSErrors
+            from loongforge.errors import RecipeError
+
+            raise RecipeError(f"{self.file}: record {n + 1}: image '{image}' is unreadable "
+                              f"({str(exc).splitlines()[0][:120]})", key="data.path") from None
+        pixels = self.processor(images=rgb, return_tensors="pt")["pixel_values"][0]
         n = self.text_len
         ids, mask = ids[: n + 1], mask[: n + 1]
         ids = ids + [self.pad] * (n + 1 - len(ids))
