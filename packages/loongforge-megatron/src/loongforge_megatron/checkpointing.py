@@ -19,13 +19,14 @@ failure broadcast) and spawns a multiprocessing manager per process, so it does 
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint, require_complete
+from loongforge.checkpoint.atomic import atomic_checkpoint, disk_full, disk_full_error, latest_checkpoint
 from loongforge.errors import CheckpointError, ParallelPlanError
 from loongforge.parallel.layers import chunk_layer_counts
 
@@ -175,8 +176,16 @@ class Checkpointer:
         }
 
     def save(self, step: int, *, final: bool = False) -> Path | None:
-        """Write the checkpoint of ``step`` (and the HF export when the recipe asks for one)."""
+        """Write the checkpoint of ``step`` (and the HF export when the recipe asks for one); weights that are not
+        finite are never written."""
+        from loongforge_megatron.job import unwrapped
+        from loongforge_megatron.nonfinite import NonFiniteError, last_checkpoint, weights_finite
+
         job, c = self.job, self.job.recipe.checkpoint
+        if not weights_finite(unwrapped(job)):
+            last = last_checkpoint(self.root)
+            raise NonFiniteError(f"step {step}: the weights are not finite, so no checkpoint or export was written"
+                                 + (f"; the last checkpoint, {last}, is intact" if last else ""))
         path = None
         if "dist" in c.save_format:
             path = self._save_dist(step)
@@ -207,7 +216,12 @@ class Checkpointer:
             if self.rank == 0:
                 meta = {"step": step, "layout": _layout(self.job), "ranks": ranks}
                 (staging_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-            torch.save(state, staging_dir / f"rank_{self.rank:05d}.pt")
+            try:
+                torch.save(state, staging_dir / f"rank_{self.rank:05d}.pt")
+            except (OSError, RuntimeError) as exc:
+                if disk_full(exc):
+                    raise disk_full_error(staging_dir / f"rank_{self.rank:05d}.pt", exc) from None
+                raise
             # NOTE: rank 0 publishes (marker + rename + latest) only after every rank's file is written.
             dist.barrier()
         dist.barrier()
@@ -216,18 +230,54 @@ class Checkpointer:
         return self.root / name
 
     def resume(self) -> int:
-        """Load ``checkpoints/latest`` if there is one; return the step to continue from (0 if none)."""
-        path = latest_checkpoint(self.root) if self.root.is_dir() else None
-        box = [str(path) if path else None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return 0
-        path = require_complete(box[0])
-        meta = json.loads((path / "meta.json").read_text())
-        layout = _layout(self.job)
-        src = source_rank(meta, layout=layout, coords=_coords(), rank=self.rank)
-        state = torch.load(path / f"rank_{src:05d}.pt", map_location="cpu", weights_only=True)
+        """Load ``checkpoints/latest`` if there is one; return the step to continue from (0 if none). A checkpoint
+        with a truncated or unreadable file (on any rank) is skipped, with a warning, for the previous one."""
+        from loongforge_megatron.checkpoint_files import UnreadableCheckpointError, read_meta, read_rank_file
         from loongforge_megatron.job import unwrapped
+
+        skipped: list[str] = []
+        bad: list[Path] = []
+        while True:
+            box = [None]
+            if self.rank == 0:
+                try:
+                    path = latest_checkpoint(self.root, verify=True, exclude=tuple(bad), skipped=skipped) \
+                        if self.root.is_dir() else None
+                    box = [("ok", str(path)) if path else None]
+                except CheckpointError as exc:
+                    box = [("error", str(exc))]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and box[0][0] == "error":
+                raise CheckpointError(box[0][1])
+            if box[0] is None:
+                if skipped:
+                    raise CheckpointError(f"no readable checkpoint in {self.root}: " + "; ".join(skipped)
+                                          + "; delete the broken ones or use another --output")
+                return 0
+            path = Path(box[0][1])
+            layout = _layout(self.job)
+            problem, state, meta = None, None, None
+            try:
+                meta = read_meta(path / "meta.json")
+                src = source_rank(meta, layout=layout, coords=_coords(), rank=self.rank)
+                state = read_rank_file(path / f"rank_{src:05d}.pt")
+            except UnreadableCheckpointError as exc:
+                problem = ("unreadable", str(exc))
+            except CheckpointError as exc:
+                problem = ("mismatch", str(exc))
+            problems: list = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            found = [q for q in problems if q is not None]
+            if not found:
+                break
+            fatal = next((msg for kind, msg in found if kind == "mismatch"), None)
+            if fatal is not None:
+                raise CheckpointError(fatal)  # NOTE: a layout / model mismatch: an older step would not fit either
+            found = found[0][1]
+            if self.rank == 0:
+                sys.stderr.write(f"[checkpoint] warning: skipping {path.name}: {found}\n")
+            skipped.append(f"{path.name}: {found}")
+            bad.append(path)
 
         for module, sd in zip(unwrapped(self.job), state["model"], strict=True):
             try:

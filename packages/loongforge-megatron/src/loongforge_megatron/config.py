@@ -41,7 +41,7 @@ class ModelConfig(Section):
     num_attention_heads: int | None = Field(None, ge=1)
     num_query_groups: int | None = Field(None, ge=1)
     head_dim: int | None = Field(None, ge=1)
-    vocab_size: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=2, description="at least 2 (with one token every prediction is certain)")
     max_position_embeddings: int | None = Field(None, ge=1)
     rope_theta: float | None = Field(None, gt=0)
     norm_eps: float | None = Field(None, gt=0)
@@ -146,4 +146,6 @@ class DataConfig(Section):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
+        if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
+            raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self

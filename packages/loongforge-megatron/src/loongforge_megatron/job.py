@@ -55,11 +55,14 @@ class MegatronJob(Job):
         self.whole_components: tuple[str, ...] = ()
         self._adaptations = adapted(self.acc, grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         self._adaptations.__enter__()
+        self._failed = False  # a failed job tears down without waiting for its peers (close)
         try:
             runtime.init_distributed()
             engine.initialize(self.plan, accelerator=self.acc, seed=recipe.train.seed)
             self._build()
-        except BaseException:
+            self._resume()
+        except BaseException as exc:
+            self._failed = not _agreed(exc)
             self.close()
             raise
 
@@ -163,13 +166,31 @@ class MegatronJob(Job):
 
             self.ema = ModelEMA(unwrapped(self), t.ema_decay)  # NOTE: from the initial (or loaded) weights
         from loongforge_megatron.checkpointing import Checkpointer
+        from loongforge_megatron.nonfinite import NonFiniteGuard
 
         self.checkpointer = Checkpointer(self)
+        self.nonfinite = NonFiniteGuard(recipe, checkpoint_dir=self.runtime.checkpoint_dir, log=self.log)
         self._router_first_step = 1  # the first step moe_imbalance.json covers (a resume restores it)
-        if recipe.checkpoint.resume == "auto":
-            self.step_index = self.checkpointer.resume()
-            if self.router_load is not None and self.router_load.total.sum() == 0:
-                self._router_first_step = self.step_index + 1  # a checkpoint without router counts
+
+    def _resume(self) -> None:
+        """Resume from the run's latest checkpoint, then agree that every rank is ready (a rank that failed joins
+        the check, so its peers stop too instead of waiting for it in their first collective)."""
+        from loongforge_megatron.rank_status import all_ranks_ok
+
+        recipe, plan, arch = self.recipe, self.plan, self.arch
+        error = None
+        try:
+            if recipe.checkpoint.resume == "auto":
+                self.step_index = self.checkpointer.resume()
+                if self.router_load is not None and self.router_load.total.sum() == 0:
+                    self._router_first_step = self.step_index + 1  # a checkpoint without router counts
+        except Exception as exc:  # noqa: BLE001 - re-raised by all_ranks_ok on this rank
+            error = exc
+        try:
+            all_ranks_ok(error, what="resuming")
+        except BaseException as exc:
+            _mark_agreed(exc)
+            raise
         if self.log:
             n = arch.num_params()
             split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
@@ -332,6 +353,13 @@ class MegatronJob(Job):
 
     # ------------------------------------------------------------------ running
     def step(self) -> dict[str, float]:
+        try:
+            return self._step()
+        except BaseException as exc:
+            self._failed = not _agreed(exc)
+            raise
+
+    def _step(self) -> dict[str, float]:
         from loongforge_megatron import engine
 
         t0 = time.perf_counter()
@@ -347,12 +375,15 @@ class MegatronJob(Job):
         self.acc.synchronize()
         dt = time.perf_counter() - t0
         self.step_index += 1
+        self.nonfinite.check(self.step_index, out)
         tokens = self.recipe.train.global_batch_size * self.seq_length
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
         if self.arch.is_dit:
             metrics["samples_per_s"] = self.recipe.train.global_batch_size / dt  # images (tokens: latent patches)
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
+        if self.nonfinite.skipped:
+            metrics["skipped_nonfinite"] = self.nonfinite.skipped
         if self.router_load is not None:
             load = self.router_load.collect()
             metrics["moe_expert_imbalance"] = load["max_expert"]
@@ -384,6 +415,13 @@ class MegatronJob(Job):
                                forward_step_fn=self.forward_step_fn)
 
     def run(self) -> dict[str, Any]:
+        try:
+            return self._run()
+        except BaseException as exc:
+            self._failed = not _agreed(exc)
+            raise
+
+    def _run(self) -> dict[str, Any]:
         c = self.recipe.checkpoint
         last: dict[str, Any] = {}
         while self.step_index < self.recipe.train.steps:
@@ -412,16 +450,28 @@ class MegatronJob(Job):
 
         try:
             if dist.is_initialized():
-                if getattr(self, "checkpointer", None) is not None:
+                if getattr(self, "checkpointer", None) is not None and not getattr(self, "_failed", False):
                     # NOTE: a built job tears down only when every rank is done: a rank destroying its gloo group
                     # while a peer still talks to it aborts the peer at exit ("terminate called without an
-                    # active exception"). A job that failed while building skips this (peers may be elsewhere).
+                    # active exception"). A job that failed skips this: its peers may be in another collective
+                    # (they stop when its connections close, or at the launcher's signal).
                     dist.barrier()
                 engine.destroy(process_group=True)
         finally:
             if self._adaptations is not None:
                 self._adaptations.__exit__(None, None, None)
                 self._adaptations = None
+
+
+def _mark_agreed(exc: BaseException) -> None:
+    exc._loongforge_all_ranks = True  # NOTE: every rank raises it at the same point, so close() may still wait
+
+
+def _agreed(exc: BaseException) -> bool:
+    """Whether every rank fails with ``exc`` together (an all-ranks check, a non-finite step)."""
+    from loongforge_megatron.nonfinite import NonFiniteError
+
+    return isinstance(exc, NonFiniteError) or getattr(exc, "_loongforge_all_ranks", False)
 
 
 def unwrapped(job: MegatronJob) -> list[torch.nn.Module]:

@@ -1,16 +1,21 @@
 """Atomic checkpoint directories: a crash mid-save never replaces or corrupts the last good checkpoint.
 
-Save: write into ``<root>/<name>.tmp-<pid>``, fsync, write the completion marker, rename into place, then
-point ``<root>/latest`` at it (temp file + ``os.replace``). Load trusts only directories with the marker.
+Save: write into ``<root>/<name>.tmp-<pid>``, fsync, write the completion marker (which lists every file's size
+and whether the weights were finite), rename into place, then point ``<root>/latest`` at it (temp file +
+``os.replace``). Load trusts only directories with the marker; ``latest_checkpoint(verify=True)`` also skips, with
+a warning, a checkpoint whose files no longer have their recorded sizes (a truncated rank file). ``latest`` must
+name a checkpoint inside its own directory. Retention never deletes the newest checkpoint with finite weights.
 Used by every backend for resume checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,16 +72,70 @@ def write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-space write error (torch.save reports it as a RuntimeError)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "unexpected pos" in text or "Disk quota exceeded" in text
+
+
+def disk_full_error(path: str | os.PathLike, exc: BaseException) -> CheckpointError:
+    """The one-line error for a write to ``path`` that ran out of space."""
+    try:
+        free = f" ({shutil.disk_usage(Path(path).parent).free / 2**20:.0f} MiB free)"
+    except OSError:
+        free = ""
+    return CheckpointError(f"{path}: no space left on the device{free}; free some space (or lower "
+                           "checkpoint.keep_last) and rerun with the same --output to resume")
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a directory whose save finished (it carries the completion marker)."""
     return (Path(path) / MARKER).is_file()
 
 
+def _marker(path: Path) -> dict:
+    try:
+        value = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _created(path: Path) -> int:
     try:
-        return int(json.loads((path / MARKER).read_text())["created_ns"])
-    except (OSError, ValueError, KeyError):
+        return int(_marker(path)["created_ns"])
+    except (KeyError, TypeError, ValueError):
         return 0
+
+
+def is_finite(path: str | os.PathLike) -> bool:
+    """False only for a checkpoint saved with non-finite weights (``atomic_checkpoint(finite=False)``)."""
+    return _marker(Path(path)).get("finite", True) is not False
+
+
+def _file_sizes(staging: Path) -> dict[str, int]:
+    return {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+
+
+def verify_files(path: str | os.PathLike) -> str | None:
+    """What is wrong with the files of complete checkpoint ``path`` (None when every file the marker lists has its
+    recorded size; checkpoints saved before the marker listed files are not checked)."""
+    path = Path(path)
+    marker = _marker(path)
+    if not marker:
+        return f"{path / MARKER} is unreadable"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return None
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} of its {size} bytes (truncated or overwritten)"
+    return None
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -90,12 +149,13 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 @contextlib.contextmanager
 def atomic_checkpoint(
-    root: str | os.PathLike, name: str, *, keep_last: int | None = None
+    root: str | os.PathLike, name: str, *, keep_last: int | None = None, finite: bool = True
 ) -> Iterator[Path]:
     """Yield a staging directory; on normal exit publish it as ``<root>/<name>`` and update ``latest``.
 
-    On an exception the staging directory is removed and nothing visible changes. ``keep_last`` deletes
-    older complete checkpoints beyond the newest N after publishing.
+    On an exception the staging directory is removed and nothing visible changes (running out of space is a
+    ``CheckpointError`` that says so). ``keep_last`` deletes older complete checkpoints beyond the newest N after
+    publishing; ``finite=False`` records weights that are not finite (retention then keeps the newest finite one).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -108,25 +168,68 @@ def atomic_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    fsync_tree(staging)
-    write_atomic(staging / MARKER, json.dumps({"created_ns": time.time_ns(), "name": name}))
-    replace_dir(staging, final)
-    write_atomic(root / LATEST, name)
+    try:
+        fsync_tree(staging)
+        marker = {"created_ns": time.time_ns(), "name": name, "finite": finite, "files": _file_sizes(staging)}
+        write_atomic(staging / MARKER, json.dumps(marker))
+        replace_dir(staging, final)
+        write_atomic(root / LATEST, name)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if disk_full(exc):
+            raise disk_full_error(staging, exc) from None
+        raise
     if keep_last is not None:
         apply_retention(root, keep_last=keep_last)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint to resume from: ``latest`` if it names a complete directory, else the newest complete
-    one, else None. Incomplete (``.tmp-``) directories are never returned."""
-    root = Path(root)
+def _pointed(root: Path) -> Path | None:
+    """The directory ``<root>/latest`` names (None when there is no pointer, or it names nothing readable)."""
     pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if is_complete(target):
-            return target
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_bytes().decode().strip()
+    except (OSError, UnicodeDecodeError):
+        _warn(f"{pointer} is unreadable; using the newest complete checkpoint")
+        return None
+    if not name or "\x00" in name:
+        _warn(f"{pointer} names no checkpoint; using the newest complete checkpoint")
+        return None
+    target = (root / name).resolve()
+    if name.startswith("/") or ".." in Path(name).parts or target.parent != root.resolve():
+        raise CheckpointError(f"{pointer} points outside {root} ('{name[:200]}'): only a checkpoint in the run's own "
+                              "checkpoints directory is resumed; fix or delete the file")
+    return root / name
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"[checkpoint] warning: {message}\n")
+
+
+def latest_checkpoint(
+    root: str | os.PathLike, *, verify: bool = False, exclude: tuple[Path, ...] = (), skipped: list[str] | None = None,
+) -> Path | None:
+    """The checkpoint to resume from: ``latest`` if it names a complete directory, else the newest complete
+    one, else None. Incomplete (``.tmp-``) directories are never returned; a ``latest`` naming a path outside
+    ``root`` is a ``CheckpointError``. With ``verify``, checkpoints whose files lost their recorded sizes (and
+    those in ``exclude``) are skipped with a warning naming them, and the reasons appended to ``skipped``."""
+    root = Path(root)
+    target = _pointed(root)
     done = complete_checkpoints(root)
-    return done[-1] if done else None
+    order = ([target] if target is not None and is_complete(target) else []) + [p for p in reversed(done) if p != target]
+    for path in order:
+        if not verify:
+            return path
+        if path in exclude:
+            continue
+        problem = verify_files(path)
+        if problem is None:
+            return path
+        _warn(f"skipping {path.name}: {problem}")
+        if skipped is not None:
+            skipped.append(f"{path.name}: {problem}")
+    return None
 
 
 def require_complete(path: str | os.PathLike) -> Path:
@@ -155,10 +258,16 @@ def apply_retention(root: str | os.PathLike, *, keep_last: int) -> list[Path]:
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
-    keep = latest_checkpoint(root)
+    done = complete_checkpoints(root)
+    try:
+        keep = {latest_checkpoint(root)}
+    except CheckpointError:
+        keep = set()
+    # NOTE: a run that went NaN must still be resumable from before it did
+    keep |= {next((p for p in reversed(done) if is_finite(p)), None)}
     removed = []
-    for p in complete_checkpoints(root)[:-keep_last]:
-        if p != keep:
+    for p in done[:-keep_last]:
+        if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     for p in root.glob("*.tmp-*"):

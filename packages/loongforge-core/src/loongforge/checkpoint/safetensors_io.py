@@ -5,6 +5,7 @@ Never unpickles: only safetensors files are read. Peak memory is one tensor (rea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from loongforge.checkpoint.atomic import fsync_tree, replace_dir
+from loongforge.checkpoint.atomic import disk_full, disk_full_error, fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,17 +36,77 @@ _DTYPES = {
 }
 
 
+_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for code, dt in _DTYPES.items()}
+
+
+def _check_entry(path: str | os.PathLike, name: str, info: object, data_size: int) -> None:
+    """A header entry's dtype, shape and offsets agree with each other and lie inside the file (checked before
+    anything is allocated, so a bogus shape never reaches ``torch.empty``)."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: tensor '{name}': header entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{path}: tensor '{name}' has an invalid shape {str(shape)[:100]} (non-negative "
+                              "integers expected)")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{path}: tensor '{name}' has invalid data_offsets {str(offsets)[:100]}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = offsets[1] - offsets[0]
+    if numel * _ITEMSIZE[dtype] != nbytes:
+        raise CheckpointError(f"{path}: tensor '{name}' has {nbytes} bytes for shape {shape} of {dtype}")
+    if offsets[1] > data_size:
+        raise CheckpointError(f"{path}: tensor '{name}' ends at byte {offsets[1]} of a {data_size}-byte data "
+                              "section (the file is truncated)")
+
+
 def read_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets), without reading data."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or n > 100 * 2**20:
-            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets), without reading data; every
+    entry is checked against the file's size (a truncated or garbled file is a one-line ``CheckpointError``)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            if len(head) < 8 or n <= 0 or n > 100 * 2**20 or 8 + n > size:
+                raise CheckpointError(f"{path}: not a safetensors file, or truncated (header length {n}, file "
+                                      f"size {size} bytes)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: garbled safetensors header ({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: garbled safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
-    for info in header.values():
+    for name, info in header.items():
+        _check_entry(path, name, info, size - 8 - n)
         info["start"] = 8 + n + info["data_offsets"][0]
     return header
+
+
+def _weight_map(path: Path, index: Path) -> list[Path]:
+    """The shard files an HF index names, each confined to the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' object)") from None
+    root = path.resolve()
+    files = set()
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or (path / shard).resolve().parent != root:
+            raise CheckpointError(f"{index}: key 'weight_map.{tensor}' names '{str(shard)[:200]}', not a file in "
+                                  f"{path}")
+        files.add(path / shard)
+    return sorted(files)
 
 
 class SafetensorsReader:
@@ -60,8 +121,7 @@ class SafetensorsReader:
         if path.is_file():
             files = [path]
         elif (path / INDEX_NAME).is_file():
-            weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-            files = sorted({path / f for f in weight_map.values()})
+            files = _weight_map(path, path / INDEX_NAME)
         elif path.is_dir():
             files = sorted(path.glob("*.safetensors"))
         else:
@@ -93,12 +153,8 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into memory."""
-        f, info = self._info(name)
-        t = torch.empty(info["shape"], dtype=self.dtype(name))
-        nbytes = info["data_offsets"][1] - info["data_offsets"][0]
-        if t.numel() * t.element_size() != nbytes:
-            raise CheckpointError(f"{f}: tensor '{name}' has {nbytes} bytes for shape {info['shape']}")
-        return self.read_rows(name, 0, t)
+        f, info = self._info(name)  # NOTE: read_header checked the shape against the bytes and the file's size
+        return self.read_rows(name, 0, torch.empty(info["shape"], dtype=self.dtype(name)))
 
     def read_rows(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
         """Positioned read of ``out.shape[0]`` dim-0 rows of ``name``, starting at ``row``, into ``out``
@@ -264,20 +320,34 @@ class ShardedSafetensorsWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self._where:
             raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
-        self._where[name].write(name, tensor)
+        with self._space(self._where[name].path):
+            self._where[name].write(name, tensor)
 
     def add_rows(self, name: str, row: int, tensor: torch.Tensor) -> None:
         """Write dim-0 rows ``row..row+len(tensor)`` of ``name`` (see ``StreamingSafetensorsFile.write_rows``)."""
         if name not in self._where:
             raise CheckpointError(f"{self.out_dir}: unexpected tensor '{name}'")
-        self._where[name].write_rows(name, row, tensor)
+        with self._space(self._where[name].path):
+            self._where[name].write_rows(name, row, tensor)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _space(path: Path):
+        """Out of disk space is a ``CheckpointError`` that says so (the caller's abort removes the staging dir)."""
+        try:
+            yield
+        except OSError as exc:
+            if disk_full(exc):
+                raise disk_full_error(path, exc) from None
+            raise
 
     def commit(self) -> Path:
         """Close every shard (fails if a tensor was never written), fsync, rename into place."""
-        for f in self._files:
-            f.close()
-        fsync_tree(self.staging_dir)
-        replace_dir(self.staging_dir, self.out_dir)
+        with self._space(self.staging_dir):
+            for f in self._files:
+                f.close()
+            fsync_tree(self.staging_dir)
+            replace_dir(self.staging_dir, self.out_dir)
         return self.out_dir
 
     def abort(self) -> None:

@@ -128,6 +128,7 @@ class TrainConfig(Section):
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
     )
+    skip_nonfinite: bool = False
 
     @field_validator("lora")
     @classmethod

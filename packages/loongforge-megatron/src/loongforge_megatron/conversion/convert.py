@@ -14,6 +14,7 @@ from pathlib import Path
 from loongforge.checkpoint.atomic import fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.config_check import check_config_matches_weights
 from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
 from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
@@ -27,7 +28,12 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
     if cfg.get("model_type") == "llava":
         from loongforge_megatron.conversion.llava import complete_config
 
@@ -79,6 +85,7 @@ def hf_to_megatron(
     )
     source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
     source.check_names(key_of(p) for p in layout.params())
+    check_config_matches_weights(hf_dir, hf_config, source.reader)
     staging = _staging(out_dir, force)
     try:
         to_megatron_files(source, layout, staging)

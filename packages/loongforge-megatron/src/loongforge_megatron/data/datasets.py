@@ -40,10 +40,15 @@ class PackedSFTDataset:
     """SFT samples packed into rows of ``seq_length`` without cross-sample attention, or one per row."""
 
     def __init__(self, path: str | Path, *, seq_length: int, pad_id: int, pack: bool):
+        from loongforge_megatron.data.indexed_files import check_indexed
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        n = {name: check_indexed(Path(path) / name) for name in ("sft_tokens", "sft_mask")}
         self.tokens = IndexedDataset(str(Path(path) / "sft_tokens"))
         self.mask = IndexedDataset(str(Path(path) / "sft_mask"))
+        if n["sft_tokens"] != n["sft_mask"] or not np.array_equal(self.tokens.sequence_lengths, self.mask.sequence_lengths):
+            raise RecipeError(f"{path}: sft_tokens and sft_mask do not describe the same samples; run `loongforge "
+                              "data prepare --force` to rebuild them", key="data.path")
         self.seq_length, self.pad_id, self.pack = seq_length, pad_id, pack
         self.rows = self._plan_rows()
         used = sum(len(self.tokens[i]) for i in range(len(self.tokens)))
@@ -110,10 +115,16 @@ def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: in
         prefixes, weights = [b.path for b in data.blend], [b.weight for b in data.blend]
     else:
         prefixes, weights = [str(Path(data.path) / "train")], None
+    from loongforge_megatron.data.indexed_files import check_cache, check_indexed, content_key
+
+    key = "data.blend" if data.blend else "data.path"
     for p in prefixes:
         if not Path(p + ".idx").is_file():
-            raise RecipeError(f"dataset '{p}' not found (.idx missing); run `loongforge data prepare` first", key="data.path")
-    cache = Path(data.path or Path(prefixes[0]).parent) / "cache"
+            raise RecipeError(f"dataset '{p}' not found (.idx missing); run `loongforge data prepare` first", key=key)
+    documents = max(check_indexed(p, key=key) for p in prefixes)
+    # NOTE: keyed by the data's content: a corpus prepared again never reuses the old one's sample plan
+    cache = Path(data.path or Path(prefixes[0]).parent) / "cache" / content_key(prefixes)
+    check_cache(cache, num_documents=documents, key=key)
     config = GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=data.seq_length,

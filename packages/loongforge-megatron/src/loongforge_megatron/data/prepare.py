@@ -80,9 +80,12 @@ def prepare(recipe, *, force: bool = False) -> Path:
         raise RecipeError(f"'{out}' is not prepared and the recipe has no data.source to prepare it from", key="data.source")
     out.mkdir(parents=True, exist_ok=True)
     (out / "prepared.json").unlink(missing_ok=True)
+    # NOTE: the sample-index caches describe the old corpus (they are also keyed by content: indexed_files.py)
+    shutil.rmtree(out / "cache", ignore_errors=True)
     start = time.time()
     sft = data.format == "sft"
-    docs = list(iter_documents(data.source, sft=sft))
+    origins: list[str] = []
+    docs = list(iter_documents(data.source, sft=sft, origins=origins))
     if not docs:
         raise RecipeError("the data source yielded no documents", key="data.source")
     if data.train_tokenizer is not None:
@@ -101,16 +104,22 @@ def prepare(recipe, *, force: bool = False) -> Path:
     dtype = np.uint16 if len(tok) < 65500 else np.int32
     n_tokens = 0
     if sft:
-        from loongforge_megatron.data.sft import to_messages, tokenize_conversation
+        from loongforge_megatron.data.sft import sft_sample
 
         tb = builder_cls(str(out / "sft_tokens.bin"), dtype=dtype)
         mb = builder_cls(str(out / "sft_mask.bin"), dtype=np.uint16)
-        for rec in docs:
-            ids, mask = tokenize_conversation(tok, to_messages(rec, data.sft_style))
+        supervised = 0
+        for rec, origin in zip(docs, origins, strict=True):
+            ids, mask = sft_sample(tok, rec, style=data.sft_style, origin=origin)
             ids, mask = ids[: data.seq_length + 1], mask[: data.seq_length + 1]
             tb.add_document(torch.tensor(ids), [len(ids)])
             mb.add_document(torch.tensor(mask), [len(mask)])
             n_tokens += len(ids)
+            supervised += sum(mask[1:])  # NOTE: the first token is never a label
+        if not supervised:
+            raise RecipeError(f"the SFT data has no assistant tokens within data.seq_length {data.seq_length} (no "
+                              f"record of {len(docs)} has an assistant turn that fits), so nothing would be trained",
+                              key="data.source")
         tb.finalize(str(out / "sft_tokens.idx"))
         mb.finalize(str(out / "sft_mask.idx"))
     else:
@@ -123,6 +132,9 @@ def prepare(recipe, *, force: bool = False) -> Path:
                 ids = list(ids) + [eos]
                 builder.add_document(torch.tensor(ids), [len(ids)])
                 n_tokens += len(ids)
+        if n_tokens <= len(docs):  # NOTE: one EOS per document, nothing else
+            raise RecipeError(f"the data source has no text ({len(docs)} documents, all empty): nothing to train on",
+                              key="data.source")
         builder.finalize(str(out / "train.idx"))
     info = {"format": data.format, "documents": len(docs), "tokens": n_tokens, "vocab_size": len(tok), "seconds": round(time.time() - start, 1)}
     tmp = out / "prepared.json.tmp"

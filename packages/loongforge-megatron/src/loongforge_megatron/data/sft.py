@@ -56,3 +56,20 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[li
         for t in range(start, min(end, len(ids))):
             mask[t] = 1
     return ids, mask
+
+
+def sft_sample(tokenizer, record: dict[str, Any], *, style: str, origin: str) -> tuple[list[int], list[int]]:
+    """Token ids and assistant mask of one record; any problem is one ``RecipeError`` naming ``origin``
+    (``file:line``)."""
+    try:
+        messages = to_messages(record, style)
+        for m in messages:
+            if not isinstance(m["content"], str) or not isinstance(m["role"], str):
+                raise RecipeError(f"message contents and roles must be strings, got {type(m['content']).__name__} "
+                                  f"for role {m['role']!r}", key="data.sft_style")
+        return tokenize_conversation(tokenizer, messages)
+    except RecipeError as exc:
+        raise RecipeError(f"{origin}: {exc.message}", key=exc.key) from None
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's chat template refused the conversation
+        detail = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise RecipeError(f"{origin}: the chat template failed ({detail})", key="data.source.paths") from None

@@ -29,9 +29,11 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not (skip & set(p.relative_to(root).parts)))
 
 
-def iter_documents(source, *, sft: bool = False) -> Iterator[object]:
-    """Yield documents (str for pretraining; dict records for SFT) from a ``DataSource``, up to ``max_bytes``."""
+def iter_documents(source, *, sft: bool = False, origins: list[str] | None = None) -> Iterator[object]:
+    """Yield documents (str for pretraining; dict records for SFT) from a ``DataSource``, up to ``max_bytes``;
+    ``origins`` gets each document's ``file`` or ``file:line`` (for errors that name the record)."""
     budget = source.max_bytes
+    where = origins.append if origins is not None else (lambda _: None)
     seen = 0
 
     def take(text_len: int) -> bool:
@@ -46,6 +48,7 @@ def iter_documents(source, *, sft: bool = False) -> Iterator[object]:
             text = path.read_text(errors="replace")
             if not take(len(text)):
                 return
+            where(str(path))
             yield text
         return
     for path in _expand(source.paths):
@@ -53,39 +56,76 @@ def iter_documents(source, *, sft: bool = False) -> Iterator[object]:
             text = path.read_text(errors="replace")
             if not take(len(text)):
                 return
+            where(str(path))
             yield text
         elif source.kind == "jsonl":
-            with open(path) as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise RecipeError(f"{path}:{lineno}: invalid JSON ({exc.msg})", key="data.source.paths") from None
-                    if sft:
-                        if not take(len(line)):
-                            return
-                        yield rec
-                        continue
-                    if source.text_key not in rec:
-                        raise RecipeError(f"{path}:{lineno}: record has no '{source.text_key}' field", key="data.source.text_key")
-                    if not take(len(rec[source.text_key])):
+            for lineno, line in _lines(path):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise RecipeError(f"{path}:{lineno}: invalid JSON ({exc.msg})", key="data.source.paths") from None
+                if not isinstance(rec, dict):
+                    raise RecipeError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}",
+                                      key="data.source.paths")
+                if sft:
+                    if not take(len(line)):
                         return
-                    yield rec[source.text_key]
+                    where(f"{path}:{lineno}")
+                    yield rec
+                    continue
+                if not isinstance(rec.get(source.text_key), str):
+                    what = "has no" if source.text_key not in rec else "has a non-string"
+                    raise RecipeError(f"{path}:{lineno}: record {what} '{source.text_key}' field", key="data.source.text_key")
+                if not take(len(rec[source.text_key])):
+                    return
+                where(f"{path}:{lineno}")
+                yield rec[source.text_key]
         elif source.kind == "parquet":
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
+            table = _parquet(path)
             if sft:
-                for rec in table.to_pylist():
-                    if not take(len(json.dumps(rec))):
+                for row, rec in enumerate(table.to_pylist()):
+                    if not take(len(json.dumps(rec, default=str))):
                         return
+                    where(f"{path}: row {row}")
                     yield rec
                 continue
             if source.text_key not in table.column_names:
                 raise RecipeError(f"{path}: no column '{source.text_key}' (columns: {table.column_names})", key="data.source.text_key")
-            for text in table.column(source.text_key).to_pylist():
+            for row, text in enumerate(table.column(source.text_key).to_pylist()):
+                if not isinstance(text, str):
+                    raise RecipeError(f"{path}: row {row}: column '{source.text_key}' is not a string",
+                                      key="data.source.text_key")
                 if not take(len(text)):
                     return
+                where(f"{path}: row {row}")
                 yield text
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file; a binary file is one error naming it."""
+    def binary(lineno: int) -> RecipeError:
+        return RecipeError(f"{path}:{lineno}: not UTF-8 text (a binary file?); JSONL is one JSON object per line",
+                           key="data.source.paths")
+
+    with open(path, encoding="utf-8") as fh:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(fh, 1):  # noqa: B007 - read in the except clause
+                if "\x00" in line:
+                    raise binary(lineno)
+                yield lineno, line
+        except UnicodeDecodeError:
+            raise binary(lineno + 1) from None
+
+
+def _parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise RecipeError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0][:120]})",
+                          key="data.source.paths") from None

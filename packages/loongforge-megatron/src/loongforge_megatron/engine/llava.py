@@ -284,7 +284,11 @@ class ImageTextConversations:
         self.file = Path(path)
         if not self.file.is_file():
             raise RecipeError(f"'{path}' is not a file of image-text records (JSON list or JSONL)", key="data.path")
-        text = self.file.read_text()
+        try:
+            text = self.file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text (a binary file?); expected a JSON list or JSONL of records",
+                              key="data.path") from None
         try:
             self.records = json.loads(text) if text.lstrip().startswith("[") else [
                 json.loads(line) for line in text.splitlines() if line.strip()]
@@ -321,7 +325,7 @@ class ImageTextConversations:
         if ids.index(self.image_token) >= self.text_len:
             raise RecipeError(f"{where}: '<image>' comes after the first {self.text_len} tokens that fit "
                               "data.seq_length; shorten the prompt or raise seq_length", key="data.path")
-        image = self.file.parent / rec["image"]
+        image = _confined_image(self.file, rec["image"], where)
         if not image.is_file():
             raise RecipeError(f"{where}: image '{image}' not found", key="data.path")
         return image, ids, mask
@@ -339,9 +343,17 @@ class ImageTextConversations:
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         from PIL import Image
 
-        image, ids, mask = self._tokenized(self._record(idx))
-        with Image.open(image) as im:
-            pixels = self.processor(images=im.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        n = self._record(idx)
+        image, ids, mask = self._tokenized(n)
+        try:
+            with Image.open(image) as im:
+                rgb = im.convert("RGB")
+        except (OSError, ValueError) as exc:  # NOTE: PIL's UnidentifiedImageError and truncated files are OSErrors
+            from loongforge.errors import RecipeError
+
+            raise RecipeError(f"{self.file}: record {n + 1}: image '{image}' is unreadable "
+                              f"({str(exc).splitlines()[0][:120]})", key="data.path") from None
+        pixels = self.processor(images=rgb, return_tensors="pt")["pixel_values"][0]
         n = self.text_len
         ids, mask = ids[: n + 1], mask[: n + 1]
         ids = ids + [self.pad] * (n + 1 - len(ids))
@@ -392,3 +404,17 @@ def _clip_processor(model_dir: str | None, side: int):
     if model_dir and (Path(model_dir) / "preprocessor_config.json").is_file():
         return CLIPImageProcessor.from_pretrained(model_dir, local_files_only=True)
     return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+
+
+def _confined_image(records: Any, name: Any, where: str) -> Any:
+    """A record's image path, relative to the records' folder and inside it (no ``..``, no absolute path)."""
+    from pathlib import Path
+
+    from loongforge.errors import RecipeError
+
+    # NOTE: a lexical check: a symlinked image folder inside the records' folder is the user's own choice
+    root = Path(records).parent
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise RecipeError(f"{where}: image '{str(name)[:200]}' is not a path inside the records' folder {root} "
+                          "(relative paths only, no '..')", key="data.path")
+    return root / name

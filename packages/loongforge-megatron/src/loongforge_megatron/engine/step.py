@@ -198,10 +198,12 @@ def train_step(
 
     Returns ``loss`` (token-weighted mean of the loss function's ``loss_key`` report, same on every rank),
     ``grad_norm`` (None when not computed), ``lr`` and ``skipped`` (True when the optimizer skipped the update,
-    e.g. fp16 overflow).
+    e.g. fp16 overflow, or a non-finite step) and ``nonfinite`` (the loss or a gradient was NaN / inf on some rank).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_model_config
+
+    from loongforge_megatron.nonfinite import step_is_finite, uses_loss_scaling
 
     config = get_model_config(model_chunks[0])
     _configure(config, model_chunks, optimizer)
@@ -218,13 +220,20 @@ def train_step(
         forward_only=False,
         forward_step_fn=forward_step_fn,
     )
-    update_successful, grad_norm, _ = optimizer.step()
+    loss = reduce_loss(losses, key=loss_key)
+    # NOTE: a non-finite loss or gradient never reaches the weights (nonfinite.py); fp16's scaler skips by itself
+    finite = step_is_finite(model_chunks, loss, optimizer)
+    if finite or uses_loss_scaling(optimizer):
+        update_successful, grad_norm, _ = optimizer.step()
+    else:
+        update_successful, grad_norm = False, float("nan")
     if update_successful:
         global_batch = num_microbatches * micro_batch_size * mpu.get_data_parallel_world_size()
         scheduler.step(increment=global_batch)
     return {
-        "loss": reduce_loss(losses, key=loss_key),
+        "loss": loss,
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "lr": lr,
         "skipped": not update_successful,
+        "nonfinite": not finite,
     }

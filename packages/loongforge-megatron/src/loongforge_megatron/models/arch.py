@@ -26,7 +26,7 @@ class Arch(BaseModel):
     num_attention_heads: int = Field(ge=1)
     num_query_groups: int | None = Field(None, ge=1, description="KV heads (GQA); default: num_attention_heads")
     head_dim: int | None = Field(None, ge=1)
-    vocab_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=2)
     max_position_embeddings: int = Field(4096, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
