@@ -269,13 +269,36 @@ class MegatronJob(Job):
         except ImportError:
             return "loongforge"
 
+    def _grouped_experts(self) -> bool:
+        """``kernels.moe_grouped_gemm``; unset: grouped on the loongforge spec when grouped_mm runs the expert
+        shapes in this precision on this device, and the stage is not LoRA (its adapters wrap per-expert linears)."""
+        from loongforge_megatron.spec.grouped_experts import grouped_mm_supported
+
+        arch, want = self.arch, self.recipe.kernels.moe_grouped_gemm
+        if not arch.is_moe or want is False:
+            return False
+        ffn = (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) // self.plan.etp
+        ok = grouped_mm_supported(device_type=self.acc.device_type, dtype=self.config.params_dtype,
+                                  hidden_size=arch.hidden_size, ffn_size=ffn)
+        if want is None:
+            return ok and self.spec_name == "loongforge" and self.recipe.train.stage != "lora"
+        if not ok:
+            raise RecipeError(f"kernels.moe_grouped_gemm: torch grouped_mm does not run experts of hidden "
+                              f"{arch.hidden_size} / ffn {ffn} in {self.precision} on {self.acc.device_type} (it needs "
+                              "bf16 on CUDA sm80+, or the CPU, and rows of a multiple of 16 bytes); set it false",
+                              key="kernels.moe_grouped_gemm")
+        return True
+
     def _layer_spec(self):
         from loongforge_megatron import engine
 
         arch = self.arch
         kw = dict(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, multi_latent_attention=arch.is_mla)
+        if self.spec_name == "local":
+            kw["moe_grouped_gemm"] = self._grouped_experts()
         if self.spec_name != "loongforge":
             return engine.layer_spec(self.spec_name, **kw)
+        kw["moe_grouped_gemm"] = self._grouped_experts()
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,

@@ -47,7 +47,8 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
-                          multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None):
+                          multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None,
+                          moe_grouped_gemm: bool = False):
     """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
     kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
@@ -57,7 +58,7 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     from loongforge_megatron.spec.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
-                            multi_latent_attention=multi_latent_attention)
+                            multi_latent_attention=multi_latent_attention, moe_grouped_gemm=moe_grouped_gemm)
     params = {"provider": provider, "accelerator": accelerator}
     norm = ModuleSpec(module=KernelRMSNorm, params=params)
     act = ModuleSpec(module=KernelSwiGLU, params=params)
