@@ -38,10 +38,10 @@ def test_grouped_linear_matches_per_expert_matmuls():
 
 
 def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict | None = None, load: bool = True,
-            save_format: str | None = None):
+            dispatcher: str = "auto"):
     r = {
         "backend": "megatron",
-        "model": {"hf": str(hf_dir)},
+        "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher},
         "data": {"format": "synthetic", "seq_length": 32},
         "train": {"stage": "cpt" if load else "pretrain", "steps": STEPS, "global_batch_size": 4,
                   "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3, "seed": 7},
@@ -64,7 +64,8 @@ def _train(*, rank, world, recipe_path, run_dir, export_dir=None, steps=STEPS):
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
         model = unwrapped(job)[0]
-        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
+        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")}
+                       | {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()
                    if ".experts." in k and not k.endswith("_extra_state")}
         metrics = [job.step() for _ in range(steps)]
@@ -83,15 +84,21 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_grouped_experts_train_like_sequential_mlp(tmp_path, family, tiny_hf, ranks):
+@pytest.mark.parametrize("family,dispatcher", [("qwen3_moe", "auto"), ("deepseek_v3", "auto"),
+                                               ("qwen3_moe", "alltoall")])
+def test_grouped_experts_train_like_sequential_mlp(tmp_path, family, dispatcher, tiny_hf, ranks):
+    """SequentialMLP + megatron's all-to-all dispatcher vs grouped experts with the default (permute) dispatcher
+    and with megatron's."""
     hf = tiny_hf(family, tmp_path / "hf")
     runs = {}
-    for name, grouped in (("sequential", False), ("grouped", None)):  # None: the default picks grouped here
-        runs[name] = ranks(_train, world=1, out=tmp_path / name, recipe_path=_recipe(tmp_path, hf, name, grouped=grouped),
-                           run_dir=tmp_path / f"run_{name}")[0]
+    for name, grouped, disp in (("sequential", False, "alltoall"), ("grouped", None, dispatcher)):
+        # None: the default picks grouped here
+        runs[name] = ranks(_train, world=1, out=tmp_path / name, recipe_path=_recipe(
+            tmp_path, hf, name, grouped=grouped, dispatcher=disp), run_dir=tmp_path / f"run_{name}")[0]
     seq, grp = runs["sequential"], runs["grouped"]
-    assert seq["kinds"] == ["SequentialMLP"] and grp["kinds"] == ["GroupedMLP"], (seq["kinds"], grp["kinds"])
+    expect = ["GroupedMLP", "PermuteDispatcher" if dispatcher == "auto" else "MoEAlltoAllTokenDispatcher"]
+    assert seq["kinds"] == ["MoEAlltoAllTokenDispatcher", "SequentialMLP"], seq["kinds"]
+    assert grp["kinds"] == sorted(expect), grp["kinds"]
     # the same per-expert names, shapes and (loaded) values
     assert sorted(grp["initial"]) == sorted(seq["initial"])
     for k, v in seq["initial"].items():
@@ -108,7 +115,8 @@ def test_grouped_experts_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
                 run_dir=tmp_path / "run_one")[0]
     two = ranks(_train, world=2, out=tmp_path / "two",
                 recipe_path=_recipe(tmp_path, hf, "two", grouped=True, parallel={"ep": 2}), run_dir=tmp_path / "run_two")
-    assert two[0]["kinds"] == ["GroupedMLP"]
+    assert one["kinds"] == ["GroupedMLP", "PermuteDispatcher"]
+    assert two[0]["kinds"] == ["GroupedMLP", "MoEAlltoAllTokenDispatcher"]  # auto: all-to-all under EP
     assert two[0]["losses"] == two[1]["losses"]
     assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
 
@@ -123,7 +131,7 @@ def test_grouped_experts_hf_roundtrip_is_bit_exact(tmp_path, tiny_hf, ranks):
     path = _recipe(tmp_path, hf, "rt", grouped=True, parallel={"ep": 2})
     res = ranks(_train, world=2, out=tmp_path / "ranks", recipe_path=path, run_dir=tmp_path / "run",
                 export_dir=tmp_path / "export", steps=0)
-    assert res[0]["kinds"] == ["GroupedMLP"]
+    assert "GroupedMLP" in res[0]["kinds"]
     src = {}
     for f in sorted(hf.glob("*.safetensors")):
         src.update(load_file(f))

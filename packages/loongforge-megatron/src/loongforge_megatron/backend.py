@@ -114,11 +114,10 @@ class MegatronBackend(Backend):
         arch, model = recipe.model.arch(), data["model"]
         derived = {} if arch.is_dit else {"num_query_groups": arch.kv_heads,
                                           "head_dim": None if arch.is_mla else arch.kv_channels}
-        moe = ("num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
         for key in arch_keys():
             value = getattr(arch, key) if key in type(arch).model_fields else None
             value = derived.get(key) if value is None else value
-            if value is None or (key in moe and not arch.is_moe):
+            if value is None or ((key == "num_experts" or key.startswith("moe_")) and not arch.is_moe):
                 model.pop(key)
             else:
                 model[key] = value

@@ -289,6 +289,21 @@ class MegatronJob(Job):
                               key="kernels.moe_grouped_gemm")
         return True
 
+    def _permute_dispatch(self, *, grouped: bool) -> bool:
+        """``model.moe_token_dispatcher`` permute (auto: where it applies): our fused, sync-free dispatch."""
+        arch, plan = self.arch, self.plan
+        want = arch.moe_token_dispatcher if arch.is_moe else "alltoall"
+        if want not in ("auto", "permute"):
+            return False
+        why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
+               "token dropping (moe_capacity_factor)" if arch.moe_capacity_factor is not None else
+               "SequentialMLP experts (it folds the probabilities into the combine; kernels.moe_grouped_gemm)"
+               if not grouped else None)
+        if want == "permute" and why:
+            raise RecipeError(f"model.moe_token_dispatcher permute runs every expert on one rank, dropless, with grouped "
+                              f"experts; this run has {why}: use alltoall", key="model.moe_token_dispatcher")
+        return why is None
+
     def _layer_spec(self):
         from loongforge_megatron import engine
 
@@ -297,8 +312,12 @@ class MegatronJob(Job):
         if self.spec_name == "local":
             kw["moe_grouped_gemm"] = self._grouped_experts()
         if self.spec_name != "loongforge":
+            if arch.is_moe and arch.moe_token_dispatcher == "permute":
+                raise RecipeError(f"model.moe_token_dispatcher permute is part of the loongforge spec, not "
+                                  f"kernels.spec {self.spec_name}", key="model.moe_token_dispatcher")
             return engine.layer_spec(self.spec_name, **kw)
         kw["moe_grouped_gemm"] = self._grouped_experts()
+        kw["moe_permute_dispatch"] = self._permute_dispatch(grouped=kw["moe_grouped_gemm"])
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,

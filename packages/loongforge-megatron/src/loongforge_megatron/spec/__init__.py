@@ -48,7 +48,7 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
                           multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None,
-                          moe_grouped_gemm: bool = False):
+                          moe_grouped_gemm: bool = False, moe_permute_dispatch: bool = False):
     """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
     kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
@@ -71,4 +71,9 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
         attn = dataclasses.replace(attn, module=KernelRoPESelfAttention, params={**attn.params, **params})
     sub = dataclasses.replace(sub, self_attention=attn,
                               mlp=_with_activation(sub.mlp, act))
-    return with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
+    spec = with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
+    if moe_permute_dispatch:
+        from loongforge_megatron.spec.permute_dispatch import with_permute_dispatch
+
+        spec = with_permute_dispatch(spec, provider=provider, accelerator=accelerator)
+    return spec

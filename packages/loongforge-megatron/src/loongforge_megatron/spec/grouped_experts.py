@@ -149,14 +149,15 @@ class GroupedMLP(_megatron_module()):
         return self.config.activation_func(h)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+                permuted_probs: torch.Tensor | None):
         """Experts' outputs for expert-sorted tokens (``tokens_per_expert`` rows per local expert, in order),
         each scaled by its routing probability after the activation (as megatron's expert MLP)."""
         x = permuted_local_hidden_states
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
         h = grouped_linear(x, self.weight1, offs)
         h = self._activation(h)
-        h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        if permuted_probs is not None:  # NOTE: None when the dispatcher folds the probabilities into its combine
+            h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
         return grouped_linear(h, self.weight2, offs), None
 
     def backward_dw(self):
