@@ -42,9 +42,16 @@ def make_hf(args, out: Path) -> None:
     cfg = hf_config(arch_of(args), torch_dtype="bfloat16")
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def busy(step, n: int = 2) -> tuple[float, str]:
@@ -53,6 +60,8 @@ def busy(step, n: int = 2) -> tuple[float, str]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    if not torch.cuda.is_available():  # the CPU smoke run (--device cpu)
+        return 0.0, ""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -70,6 +79,19 @@ def busy(step, n: int = 2) -> tuple[float, str]:
     return min(1.0, covered / 1e6 / wall), table
 
 
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
 def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None) -> dict:
     import loongforge
     import torch
@@ -83,20 +105,20 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
                   "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0, "precision": "bf16",
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
-        "accelerator": "cuda",
+        "accelerator": args.device,
         "kernels": {"spec": "loongforge", "moe_grouped_gemm": grouped},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     losses, times = [], []
     for _ in range(args.steps):
         m = job.step()
         losses.append(m["loss"])
         times.append(m["step_time"])
-    peak = torch.cuda.max_memory_allocated()
+    peak = _peak()
     frac, table = busy(job.step)
     job.close()
     return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
@@ -108,20 +130,21 @@ def run_hf(args, compiled: bool) -> dict:
     from loongforge_megatron.data.datasets import SyntheticDataset
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32, attn_implementation="sdpa",
-                                                    experts_implementation="grouped_mm").cuda()
+                                                    experts_implementation="grouped_mm").to(args.device)
     model.config.use_cache = False
     vocab = model.config.vocab_size
     fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                            fused=args.device == "cuda")
     data = SyntheticDataset(vocab_size=vocab, seq_length=args.seq, seed=1)
     it = iter(range(10**6))
 
     def step() -> float:
         i = next(it)
         samples = [data[i * args.mbs + j] for j in range(args.mbs)]
-        tokens = torch.stack([s["tokens"] for s in samples]).cuda()
-        labels = torch.stack([s["labels"] for s in samples]).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        tokens = torch.stack([s["tokens"] for s in samples]).to(args.device)
+        labels = torch.stack([s["labels"] for s in samples]).to(args.device)
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             logits = fwd(input_ids=tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), labels.view(-1))
         loss.backward()
@@ -130,15 +153,15 @@ def run_hf(args, compiled: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     losses, times = [], []
     for _ in range(args.steps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         losses.append(step())
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+    peak = _peak()
     frac, table = busy(step)
     return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
 
@@ -146,6 +169,7 @@ def run_hf(args, compiled: bool) -> dict:
 VARIANTS = {
     "loongforge": lambda a: run_ours(a),
     "loongforge_sequential": lambda a: run_ours(a, grouped=False),  # A/B: megatron's SequentialMLP experts
+    "loongforge_alltoall": lambda a: run_ours(a, dispatcher="alltoall"),  # A/B: megatron's dispatcher, grouped
     "hf_grouped_mm": lambda a: run_hf(a, False),
     "hf_grouped_mm_compile": lambda a: run_hf(a, True),
 }
@@ -173,6 +197,7 @@ def main() -> None:
     p.add_argument("--variants", default="loongforge,hf_grouped_mm,hf_grouped_mm_compile")
     p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     p.add_argument("--out", default=None, help="write the table (markdown) here too")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script itself")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -187,13 +212,13 @@ def main() -> None:
     make_hf(args, hf_dir)
     arch = arch_of(args)
     fpt = arch.flops_per_token(args.seq)
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     rows = {}
     for name in args.variants.split(","):
         js = work / f"{name}.json"
         cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
                "--seq", str(args.seq), "--steps", str(args.steps), "--mbs", str(args.mbs), "--preset", args.preset,
-               "--layers", str(args.layers)]
+               "--layers", str(args.layers), "--device", args.device]
         t0 = time.time()
         try:
             subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.timeout)
@@ -238,7 +263,7 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% | "
                      f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential"):
+    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential", "loongforge_alltoall"):
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -246,7 +271,7 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
             lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer): max relative difference "
                           f"{max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential"):
+    for peer in ("loongforge_sequential", "loongforge_alltoall", "hf_grouped_mm", "hf_grouped_mm_compile"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
     return "\n".join(lines)
