@@ -130,7 +130,8 @@ def run_hf(args, compiled: bool) -> dict:
     from loongforge_megatron.data.datasets import SyntheticDataset
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32, attn_implementation="sdpa",
-                                                    experts_implementation="grouped_mm").to(args.device)
+                                                    experts_implementation="grouped_mm",
+                                                    device_map=args.device)
     model.config.use_cache = False
     vocab = model.config.vocab_size
     fwd = torch.compile(model) if compiled else model
