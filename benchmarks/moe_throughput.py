@@ -92,9 +92,8 @@ def _peak() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None) -> dict:
+def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None, router_fusion: bool = True) -> dict:
     import loongforge
-    import torch
     import yaml
 
     recipe = {
@@ -106,7 +105,7 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
-        "kernels": {"spec": "loongforge", "moe_grouped_gemm": grouped},
+        "kernels": {"spec": "loongforge", "moe_grouped_gemm": grouped, "moe_router_fusion": router_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())
@@ -171,6 +170,7 @@ VARIANTS = {
     "loongforge": lambda a: run_ours(a),
     "loongforge_sequential": lambda a: run_ours(a, grouped=False),  # A/B: megatron's SequentialMLP experts
     "loongforge_alltoall": lambda a: run_ours(a, dispatcher="alltoall"),  # A/B: megatron's dispatcher, grouped
+    "loongforge_torch_router": lambda a: run_ours(a, router_fusion=False),  # A/B: megatron's torch routing
     "hf_grouped_mm": lambda a: run_hf(a, False),
     "hf_grouped_mm_compile": lambda a: run_hf(a, True),
 }
@@ -264,7 +264,8 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% | "
                      f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential", "loongforge_alltoall"):
+    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential", "loongforge_alltoall",
+                 "loongforge_torch_router"):
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -272,7 +273,8 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
             lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer): max relative difference "
                           f"{max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
-    for peer in ("loongforge_sequential", "loongforge_alltoall", "hf_grouped_mm", "hf_grouped_mm_compile"):
+    for peer in ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router", "hf_grouped_mm",
+                 "hf_grouped_mm_compile"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
     return "\n".join(lines)

@@ -72,3 +72,18 @@ def test_router_rejects_bad_arguments():
         moe_router_topk(logits, topk=2, num_groups=4, group_topk=2, impl="torch")
     with pytest.raises(ValueError, match="expert_bias"):
         moe_router_topk(logits, topk=2, expert_bias=torch.zeros(6), impl="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], (8192, 128, 8, "softmax", False, None, None, None, False)])
+def test_router_cuda_matches_reference(case):
+    n_tok, n_exp, topk, score, pre, groups, gtopk, scale, with_bias = case
+    logits, bias = _inputs(n_tok, n_exp, with_bias, torch.float32)
+    logits, bias = logits.cuda(), (bias.cuda() if bias is not None else None)
+    kw = dict(topk=topk, score_function=score, pre_softmax=pre, num_groups=groups, group_topk=gtopk,
+              scaling_factor=scale, expert_bias=bias)
+    p_t, i_t = moe_router_topk(logits, impl="triton", **kw)
+    p_r, i_r = moe_router_topk_ref(logits, **kw)
+    assert torch.equal(i_t, i_r)
+    assert_close(p_t, p_r, torch.float32, name="probs")

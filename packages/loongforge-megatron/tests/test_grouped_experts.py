@@ -38,7 +38,7 @@ def test_grouped_linear_matches_per_expert_matmuls():
 
 
 def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict | None = None, load: bool = True,
-            dispatcher: str = "auto"):
+            dispatcher: str = "auto", router_fusion: bool = True):
     r = {
         "backend": "megatron",
         "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher},
@@ -48,7 +48,7 @@ def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict
         "checkpoint": {"save_at_end": False, **({"load": str(hf_dir)} if load else {})},
         "parallel": parallel or {},
         "accelerator": "cpu",
-        "kernels": {"moe_grouped_gemm": grouped},
+        "kernels": {"moe_grouped_gemm": grouped, "moe_router_fusion": router_fusion},
         "logging": {"tensorboard": False},
     }
     path = tmp_path / f"{name}.yaml"
@@ -65,7 +65,8 @@ def _train(*, rank, world, recipe_path, run_dir, export_dir=None, steps=STEPS):
     try:
         model = unwrapped(job)[0]
         kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")}
-                       | {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")})
+                       | {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
+                       | {type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.router")})
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()
                    if ".experts." in k and not k.endswith("_extra_state")}
         metrics = [job.step() for _ in range(steps)]
@@ -91,13 +92,14 @@ def test_grouped_experts_train_like_sequential_mlp(tmp_path, family, dispatcher,
     and with megatron's."""
     hf = tiny_hf(family, tmp_path / "hf")
     runs = {}
-    for name, grouped, disp in (("sequential", False, "alltoall"), ("grouped", None, dispatcher)):
+    for name, grouped, disp, fused in (("sequential", False, "alltoall", False), ("grouped", None, dispatcher, True)):
         # None: the default picks grouped here
         runs[name] = ranks(_train, world=1, out=tmp_path / name, recipe_path=_recipe(
-            tmp_path, hf, name, grouped=grouped, dispatcher=disp), run_dir=tmp_path / f"run_{name}")[0]
+            tmp_path, hf, name, grouped=grouped, dispatcher=disp, router_fusion=fused), run_dir=tmp_path / f"run_{name}")[0]
     seq, grp = runs["sequential"], runs["grouped"]
-    expect = ["GroupedMLP", "PermuteDispatcher" if dispatcher == "auto" else "MoEAlltoAllTokenDispatcher"]
-    assert seq["kinds"] == ["MoEAlltoAllTokenDispatcher", "SequentialMLP"], seq["kinds"]
+    expect = ["FusedTopKRouter", "GroupedMLP",
+              "PermuteDispatcher" if dispatcher == "auto" else "MoEAlltoAllTokenDispatcher"]
+    assert seq["kinds"] == ["MoEAlltoAllTokenDispatcher", "SequentialMLP", "TopKRouter"], seq["kinds"]
     assert grp["kinds"] == sorted(expect), grp["kinds"]
     # the same per-expert names, shapes and (loaded) values
     assert sorted(grp["initial"]) == sorted(seq["initial"])
@@ -115,8 +117,8 @@ def test_grouped_experts_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
                 run_dir=tmp_path / "run_one")[0]
     two = ranks(_train, world=2, out=tmp_path / "two",
                 recipe_path=_recipe(tmp_path, hf, "two", grouped=True, parallel={"ep": 2}), run_dir=tmp_path / "run_two")
-    assert one["kinds"] == ["GroupedMLP", "PermuteDispatcher"]
-    assert two[0]["kinds"] == ["GroupedMLP", "MoEAlltoAllTokenDispatcher"]  # auto: all-to-all under EP
+    assert one["kinds"] == ["FusedTopKRouter", "GroupedMLP", "PermuteDispatcher"]
+    assert two[0]["kinds"] == ["FusedTopKRouter", "GroupedMLP", "MoEAlltoAllTokenDispatcher"]  # all-to-all under EP
     assert two[0]["losses"] == two[1]["losses"]
     assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
 
@@ -146,10 +148,10 @@ def test_grouped_experts_hf_roundtrip_is_bit_exact(tmp_path, tiny_hf, ranks):
 
 def _random_init_experts(*, grouped: bool):
     """The expert tensors of a random-init MoE layer built by megatron (CPU init), by state-dict name."""
+    from loongforge_megatron.spec.grouped_experts import with_grouped_experts
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
-    from loongforge_megatron.spec.grouped_experts import with_grouped_experts
 
     torch.manual_seed(3)
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,

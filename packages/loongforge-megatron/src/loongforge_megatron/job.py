@@ -318,6 +318,7 @@ class MegatronJob(Job):
             return engine.layer_spec(self.spec_name, **kw)
         kw["moe_grouped_gemm"] = self._grouped_experts()
         kw["moe_permute_dispatch"] = self._permute_dispatch(grouped=kw["moe_grouped_gemm"])
+        kw["moe_router_fusion"] = arch.is_moe and self.recipe.kernels.moe_router_fusion
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,

@@ -203,6 +203,9 @@ class KernelsConfig(Section):
                                           "torch grouped_mm each (true) or one expert after another (false, "
                                           "megatron's SequentialMLP); unset: grouped on the loongforge spec where "
                                           "grouped_mm runs (bf16 CUDA, CPU) and not for LoRA")
+    moe_router_fusion: bool = Field(True, description="megatron MoE, loongforge spec: the router's top-k (score "
+                                    "function, expert bias, group-limited selection, scaling) in one fused kernel "
+                                    "of kernels.provider (false: megatron's torch routing)")
 
 
 class LoggingConfig(Section):

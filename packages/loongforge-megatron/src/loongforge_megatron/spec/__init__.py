@@ -48,7 +48,8 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
                           multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None,
-                          moe_grouped_gemm: bool = False, moe_permute_dispatch: bool = False):
+                          moe_grouped_gemm: bool = False, moe_permute_dispatch: bool = False,
+                          moe_router_fusion: bool = False):
     """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
     kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
@@ -72,6 +73,10 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     sub = dataclasses.replace(sub, self_attention=attn,
                               mlp=_with_activation(sub.mlp, act))
     spec = with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
+    if moe_router_fusion:
+        from loongforge_megatron.spec.fused_router import with_fused_router
+
+        spec = with_fused_router(spec, provider=provider, accelerator=accelerator)
     if moe_permute_dispatch:
         from loongforge_megatron.spec.permute_dispatch import with_permute_dispatch
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+
 def _moe_permute(tokens, indices, *, num_experts):
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
