@@ -63,7 +63,10 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Grouped ``x @ weight[e].T`` over the expert-sorted rows of ``x`` (see :class:`GroupedLinearFunction`)."""
+    """Grouped ``x @ weight[e].T`` over the expert-sorted rows of ``x``: grouped_mm's own autograd on CUDA (the
+    gradients reaching it there are dense), :class:`GroupedLinearFunction` elsewhere."""
+    if x.is_cuda:
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
     return GroupedLinearFunction.apply(x, weight, offs)
 
 
