@@ -10,6 +10,7 @@ from loongforge_kernels._dispatch import KernelUnavailableError
 from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
 from loongforge_kernels.fp8_delta import apply_fp8_deltas, encode_fp8_delta
 from loongforge_kernels.moe_permute import moe_permute, moe_unpermute
+from loongforge_kernels.moe_router import moe_router_topk
 from loongforge_kernels.rms_norm import RMSNorm, rms_norm
 from loongforge_kernels.rope import apply_rope
 from loongforge_kernels.sparse_mla import dsa_topk_indices, sparse_mla_attention
@@ -25,6 +26,7 @@ __all__ = [
     "encode_fp8_delta",
     "fused_linear_cross_entropy",
     "moe_permute",
+    "moe_router_topk",
     "moe_unpermute",
     "rms_norm",
     "sparse_mla_attention",

@@ -209,7 +209,8 @@ def moe_permute(
     """Sort tokens [T, H] by their top-k expert ``indices`` [T, k].
 
     Returns ``(permuted [T*k, H], row_id_map [T, k] int32, tokens_per_expert [E] int64)``; pass
-    ``row_id_map`` to :func:`moe_unpermute`. ``num_experts`` (E) avoids a device sync for the count.
+    ``row_id_map`` to :func:`moe_unpermute`. ``num_experts`` (E) avoids a device sync for the count (and
+    ``indices`` must then lie in ``[0, E)``).
     """
     if indices.dim() == 1:
         indices = indices[:, None]
@@ -221,7 +222,12 @@ def moe_permute(
     n_exp = (
         num_experts if num_experts is not None else int(indices.max().item()) + 1 if indices.numel() else 0
     )
-    tokens_per_expert = torch.bincount(indices.reshape(-1).long(), minlength=n_exp)
+    flat = indices.reshape(-1).long()
+    if num_experts is None:
+        tokens_per_expert = torch.bincount(flat, minlength=n_exp)
+    else:  # NOTE: no device sync (bincount reads the maximum back to size its output)
+        tokens_per_expert = torch.zeros(n_exp, dtype=torch.int64, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
     if resolve(impl, tokens) == "triton":
         permuted = MoEPermuteFunction.apply(tokens, row_id_map)
     else:

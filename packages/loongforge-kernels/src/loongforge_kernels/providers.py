@@ -20,6 +20,7 @@ OPS = (
     "moe_permute",
     "moe_unpermute",
     "sparse_mla_attention",
+    "moe_router_topk",
 )
 
 
@@ -28,6 +29,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         apply_rope,
         fused_linear_cross_entropy,
         moe_permute,
+        moe_router_topk,
         moe_unpermute,
         rms_norm,
         sparse_mla_attention,
@@ -42,6 +44,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         moe_permute,
         moe_unpermute,
         sparse_mla_attention,
+        moe_router_topk,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 

@@ -171,3 +171,54 @@ def apply_fp8_deltas_ref(recon: torch.Tensor, gathered: torch.Tensor) -> None:
     scales = gathered[:, nb * FP8_BLOCK :].view(torch.float32)
     dq = q.float().view(world, nb, FP8_BLOCK).mul_(scales[:, :, None]).view(world, nb * FP8_BLOCK)
     recon.add_(dq[:, :n])
+
+
+def moe_router_topk_ref(
+    logits: torch.Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's top-k routing (``topk_routing_with_score_function``, dense output): probs [T, k] in the
+    logits' dtype and expert indices [T, k] (int64), best first. Scores in fp32: softmax (before the top-k with
+    ``pre_softmax``, else over the k chosen logits) or sigmoid (selection on scores + ``expert_bias``, the k
+    chosen scores renormalised when k > 1). Group-limited routing keeps the ``group_topk`` of ``num_groups``
+    expert groups with the largest sum of their top ``topk // group_topk`` selection scores. ``indices`` fixes
+    the selection (the backward of the fused kernel differentiates through this with its indices)."""
+    x = logits.float()
+    n_tok, n_exp = x.shape
+
+    def select(s: torch.Tensor) -> torch.Tensor:
+        if indices is not None:
+            return indices
+        if group_topk:
+            g = s.view(n_tok, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(g).scatter_(1, g.topk(group_topk, dim=-1)[1], 1.0).bool()
+            s = s.masked_fill(~keep.repeat_interleave(n_exp // num_groups, dim=1), float("-inf"))
+        return s.topk(topk, dim=-1)[1]
+
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(x, dim=-1)
+            idx = select(scores)
+            probs = scores.gather(1, idx)
+        else:
+            idx = select(x)
+            probs = torch.softmax(x.gather(1, idx), dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(x)
+        idx = select(scores + expert_bias.float() if expert_bias is not None else scores)
+        probs = scores.gather(1, idx)
+        if topk > 1:
+            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function {score_function!r}; allowed: softmax, sigmoid")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    return probs.to(logits.dtype), idx

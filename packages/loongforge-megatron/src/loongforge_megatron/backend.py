@@ -114,11 +114,10 @@ class MegatronBackend(Backend):
         arch, model = recipe.model.arch(), data["model"]
         derived = {} if arch.is_dit else {"num_query_groups": arch.kv_heads,
                                           "head_dim": None if arch.is_mla else arch.kv_channels}
-        moe = ("num_experts", "moe_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
         for key in arch_keys():
             value = getattr(arch, key) if key in type(arch).model_fields else None
             value = derived.get(key) if value is None else value
-            if value is None or (key in moe and not arch.is_moe):
+            if value is None or ((key == "num_experts" or key.startswith("moe_")) and not arch.is_moe):
                 model.pop(key)
             else:
                 model[key] = value
@@ -142,6 +141,14 @@ class MegatronBackend(Backend):
             # ranks holding different experts: one adapter shared by different experts
             raise RecipeError(f"LoRA on MoE expert MLPs (fc1 / fc2) under expert parallelism (ep {plan.ep}) is not "
                               "supported; use train.lora.targets [qkv, proj], or ep 1", key="train.lora.targets")
+        if recipe.kernels.moe_grouped_gemm and arch.is_moe:
+            if lora is not None and {"fc1", "fc2"} & set(lora.targets):
+                raise RecipeError("kernels.moe_grouped_gemm true cannot take LoRA adapters on the expert MLPs "
+                                  "(fc1 / fc2 are wrapped per expert); leave it unset or false for LoRA",
+                                  key="kernels.moe_grouped_gemm")
+            if recipe.kernels.spec == "te":
+                raise RecipeError("kernels.moe_grouped_gemm selects our grouped_mm experts of the loongforge / local "
+                                  "spec; kernels.spec te uses TransformerEngine's own experts", key="kernels.moe_grouped_gemm")
         hf_weights = [what for what, on in (("an HF export (checkpoint.save_format hf)", "hf" in recipe.checkpoint.save_format),
                                        ("HF weights (checkpoint.load)", bool(recipe.checkpoint.load))) if on]
         if arch.is_moe and plan.etp not in (1, plan.tp) and hf_weights:

@@ -53,6 +53,15 @@ class ModelConfig(Section):
     moe_topk: int | None = Field(None, ge=1)
     moe_ffn_hidden_size: int | None = Field(None, ge=1)
     moe_aux_loss_coeff: float | None = Field(None, ge=0)
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] | None = None
+    moe_z_loss_coeff: float | None = Field(None, gt=0)
+    moe_expert_bias: bool | None = Field(None, description="aux-loss-free balancing: a per-expert routing bias "
+                                         "updated each step toward equal load (DeepSeek-V3)")
+    moe_expert_bias_update_rate: float | None = Field(None, gt=0)
+    moe_capacity_factor: float | None = Field(None, gt=0)
+    moe_token_drop_policy: Literal["probs", "position"] | None = None
+    moe_pad_to_capacity: bool | None = None
+    moe_token_dispatcher: Literal["auto", "permute", "alltoall", "allgather"] | None = None
     # DiT architecture overrides (with num_layers, hidden_size, num_attention_heads, norm_eps)
     patch_size: int | None = Field(None, ge=1)
     sample_size: int | None = Field(None, ge=1, description="DiT: latent side (image side / 8)")

@@ -290,13 +290,56 @@ class MegatronJob(Job):
         except ImportError:
             return "loongforge"
 
+    def _grouped_experts(self) -> bool:
+        """``kernels.moe_grouped_gemm``; unset: grouped on the loongforge spec when grouped_mm runs the expert
+        shapes in this precision on this device, and the stage is not LoRA (its adapters wrap per-expert linears)."""
+        from loongforge_megatron.spec.grouped_experts import grouped_mm_supported
+
+        arch, want = self.arch, self.recipe.kernels.moe_grouped_gemm
+        if not arch.is_moe or want is False:
+            return False
+        ffn = (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) // self.plan.etp
+        ok = grouped_mm_supported(device_type=self.acc.device_type, dtype=self.config.params_dtype,
+                                  hidden_size=arch.hidden_size, ffn_size=ffn)
+        if want is None:
+            return ok and self.spec_name == "loongforge" and self.recipe.train.stage != "lora"
+        if not ok:
+            raise RecipeError(f"kernels.moe_grouped_gemm: torch grouped_mm does not run experts of hidden "
+                              f"{arch.hidden_size} / ffn {ffn} in {self.precision} on {self.acc.device_type} (it needs "
+                              "bf16 on CUDA sm80+, or the CPU, and rows of a multiple of 16 bytes); set it false",
+                              key="kernels.moe_grouped_gemm")
+        return True
+
+    def _permute_dispatch(self, *, grouped: bool) -> bool:
+        """``model.moe_token_dispatcher`` permute (auto: where it applies): our fused, sync-free dispatch."""
+        arch, plan = self.arch, self.plan
+        want = arch.moe_token_dispatcher if arch.is_moe else "alltoall"
+        if want not in ("auto", "permute"):
+            return False
+        why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
+               "token dropping (moe_capacity_factor)" if arch.moe_capacity_factor is not None else
+               "SequentialMLP experts (it folds the probabilities into the combine; kernels.moe_grouped_gemm)"
+               if not grouped else None)
+        if want == "permute" and why:
+            raise RecipeError(f"model.moe_token_dispatcher permute runs every expert on one rank, dropless, with grouped "
+                              f"experts; this run has {why}: use alltoall", key="model.moe_token_dispatcher")
+        return why is None
+
     def _layer_spec(self):
         from loongforge_megatron import engine
 
         arch = self.arch
         kw = dict(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, multi_latent_attention=arch.is_mla)
+        if self.spec_name == "local":
+            kw["moe_grouped_gemm"] = self._grouped_experts()
         if self.spec_name != "loongforge":
+            if arch.is_moe and arch.moe_token_dispatcher == "permute":
+                raise RecipeError(f"model.moe_token_dispatcher permute is part of the loongforge spec, not "
+                                  f"kernels.spec {self.spec_name}", key="model.moe_token_dispatcher")
             return engine.layer_spec(self.spec_name, **kw)
+        kw["moe_grouped_gemm"] = self._grouped_experts()
+        kw["moe_permute_dispatch"] = self._permute_dispatch(grouped=kw["moe_grouped_gemm"])
+        kw["moe_router_fusion"] = arch.is_moe and self.recipe.kernels.moe_router_fusion
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules,

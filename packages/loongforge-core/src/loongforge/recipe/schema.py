@@ -200,6 +200,13 @@ class KernelsConfig(Section):
     grad_accum_fusion: bool = Field(False, description="megatron: add weight gradients into the fp32 main_grad inside "
                                     "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
                                     "installed, else torch.addmm with out_dtype)")
+    moe_grouped_gemm: bool | None = Field(None, description="megatron MoE: all local experts' fc1 / fc2 in one "
+                                          "torch grouped_mm each (true) or one expert after another (false, "
+                                          "megatron's SequentialMLP); unset: grouped on the loongforge spec where "
+                                          "grouped_mm runs (bf16 CUDA, CPU) and not for LoRA")
+    moe_router_fusion: bool = Field(True, description="megatron MoE, loongforge spec: the router's top-k (score "
+                                    "function, expert bias, group-limited selection, scaling) in one fused kernel "
+                                    "of kernels.provider (false: megatron's torch routing)")
 
 
 class LoggingConfig(Section):

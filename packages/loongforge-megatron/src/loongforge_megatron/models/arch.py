@@ -59,6 +59,22 @@ class Arch(BaseModel):
     moe_num_groups: int | None = Field(None, ge=1)
     moe_group_topk: int | None = Field(None, ge=1)
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    # MoE routing options of training (megatron's router / dispatcher settings; not in HF configs)
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss"] = Field(
+        "aux_loss", description="load-balancing loss when moe_aux_loss_coeff > 0: over the micro-batch (aux_loss) "
+        "or per sequence (seq_aux_loss, DeepSeek-V3's)")
+    moe_z_loss_coeff: float | None = Field(None, gt=0, description="router z-loss weight (ST-MoE)")
+    moe_expert_bias_update_rate: float = Field(1e-3, gt=0, description="aux-loss-free balancing (moe_expert_bias): "
+                                               "how far each step moves an expert's bias toward equal load")
+    moe_capacity_factor: float | None = Field(None, gt=0, description="expert capacity = factor x tokens x topk / "
+                                              "experts; tokens over it are dropped (unset: dropless)")
+    moe_token_drop_policy: Literal["probs", "position"] = Field(
+        "probs", description="with moe_capacity_factor: drop the lowest-probability tokens, or the last ones")
+    moe_pad_to_capacity: bool = Field(False, description="with moe_capacity_factor: pad every expert to capacity")
+    moe_token_dispatcher: Literal["auto", "permute", "alltoall", "allgather"] = Field(
+        "auto", description="permute: our fused moe_permute / moe_unpermute kernels, sync-free (all experts on one "
+        "rank: ep 1, etp 1; dropless; grouped experts); alltoall / allgather: megatron's dispatchers; auto: "
+        "permute where it applies, else alltoall")
     # MLA (DeepSeek)
     q_lora_rank: int | None = Field(None, ge=1)
     kv_lora_rank: int | None = Field(None, ge=1)
@@ -100,6 +116,12 @@ class Arch(BaseModel):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_query_groups ({self.kv_heads})"
             )
+        if (self.moe_pad_to_capacity or self.moe_token_drop_policy != "probs") and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_to_capacity / moe_token_drop_policy apply with moe_capacity_factor (token "
+                             "dropping); set it or leave them out")
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
+            raise ValueError("moe_expert_bias (aux-loss-free balancing) needs sigmoid router scores (megatron's "
+                             f"rule); this model routes with {self.moe_score_function}")
         if self.num_experts and self.moe_topk > self.num_experts:
             raise ValueError(f"moe_topk ({self.moe_topk}) exceeds num_experts ({self.num_experts})")
         if self.is_mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):

@@ -253,7 +253,7 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
     return cfg
 
 
-def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool, moe_dispatcher: str = "alltoall",
+def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool, moe_dispatcher: str | None = None,
                        grad_accum_fusion: bool = False):
     """megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for ``arch`` under ``plan``."""
     import torch
@@ -313,11 +313,18 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
             moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn,
             moe_layer_freq=[0] * first + [1] * (arch.num_layers - first),
-            moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+            moe_router_load_balancing_type=arch.moe_aux_loss_type if arch.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
-            moe_token_dispatcher_type=moe_dispatcher,
+            moe_z_loss_coeff=arch.moe_z_loss_coeff,
+            # NOTE: the permute dispatcher is installed by the layer spec in place of megatron's all-to-all one
+            moe_token_dispatcher_type=moe_dispatcher or (
+                "allgather" if arch.moe_token_dispatcher == "allgather" else "alltoall"),
+            moe_expert_capacity_factor=arch.moe_capacity_factor,
+            moe_token_drop_policy=arch.moe_token_drop_policy,
+            moe_pad_expert_input_to_capacity=arch.moe_pad_to_capacity,
             moe_router_score_function=arch.moe_score_function,
             moe_router_enable_expert_bias=arch.moe_expert_bias,
+            moe_router_bias_update_rate=arch.moe_expert_bias_update_rate,
             moe_router_topk_scaling_factor=arch.moe_routed_scaling,
             moe_router_num_groups=arch.moe_num_groups,
             moe_router_group_topk=arch.moe_group_topk,

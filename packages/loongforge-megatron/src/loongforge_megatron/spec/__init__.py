@@ -47,7 +47,9 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 
 
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
-                          multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None):
+                          multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None,
+                          moe_grouped_gemm: bool = False, moe_permute_dispatch: bool = False,
+                          moe_router_fusion: bool = False):
     """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
     kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
@@ -57,7 +59,7 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     from loongforge_megatron.spec.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
-                            multi_latent_attention=multi_latent_attention)
+                            multi_latent_attention=multi_latent_attention, moe_grouped_gemm=moe_grouped_gemm)
     params = {"provider": provider, "accelerator": accelerator}
     norm = ModuleSpec(module=KernelRMSNorm, params=params)
     act = ModuleSpec(module=KernelSwiGLU, params=params)
@@ -70,4 +72,13 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
         attn = dataclasses.replace(attn, module=KernelRoPESelfAttention, params={**attn.params, **params})
     sub = dataclasses.replace(sub, self_attention=attn,
                               mlp=_with_activation(sub.mlp, act))
-    return with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
+    spec = with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
+    if moe_router_fusion:
+        from loongforge_megatron.spec.fused_router import with_fused_router
+
+        spec = with_fused_router(spec, provider=provider, accelerator=accelerator)
+    if moe_permute_dispatch:
+        from loongforge_megatron.spec.permute_dispatch import with_permute_dispatch
+
+        spec = with_permute_dispatch(spec, provider=provider, accelerator=accelerator)
+    return spec

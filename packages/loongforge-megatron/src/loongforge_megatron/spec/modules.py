@@ -8,7 +8,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+
+def _moe_permute(tokens, indices, *, num_experts):
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    row_id = torch.empty_like(order)
+    row_id[order] = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return tokens.index_select(0, order // indices.shape[1]), row_id.view(indices.shape), counts
+
+
+def _moe_unpermute(permuted, row_id_map, probs=None):
+    t, k = row_id_map.shape
+    rows = permuted.index_select(0, row_id_map.reshape(-1)).view(t, k, -1).float()
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(1).to(permuted.dtype)
+
+
 _FALLBACK = {
+    "moe_permute": _moe_permute,
+    "moe_unpermute": _moe_unpermute,
     "rms_norm": lambda x, weight, eps=1e-6: F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps),
     "swiglu": lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :],
 }
