@@ -76,7 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, required=True, help="expert-parallel size the placement is for")
     p.add_argument("--backend", default="megatron")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub) -> None:
+    """Commands of installed packages (entry-point group ``loongforge.commands``: ``register(subparsers)``).
+    One that fails to load still gets a subparser, whose handler reports the load error."""
+    from loongforge import registry
+
+    for name in registry.commands.keys():
+        if name in COMMANDS:
+            continue  # NOTE: a plugin cannot replace a core command
+        try:
+            registry.commands.get(name)(sub)
+        except Exception as exc:
+            msg = str(exc) if isinstance(exc, LoongForgeError) else f"{type(exc).__name__}: {exc}"
+            p = sub.add_parser(name, help=f"(failed to load: {msg.splitlines()[0] if msg else ''})")
+            p.set_defaults(handler=lambda _args, _m=msg: _plugin_load_failed(_m))
+
+
+def _plugin_load_failed(message: str) -> int:
+    raise LoongForgeError(message)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -234,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command](args)
+        handler = COMMANDS.get(args.command) or args.handler
+        return handler(args)
     except LoongForgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)

@@ -97,14 +97,16 @@ class MetricsLogger:
         if self._start is None:
             self._start, self._start_step = now, step - 1
         record = {"step": step, **{k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}}
-        if not self.should_log(step) and "val_loss" not in record:  # evaluations are always recorded
+        evaluation = "val_loss" in record or any(k.startswith("eval/") for k in record)
+        if not self.should_log(step) and not evaluation:  # evaluations are always recorded
             return
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, float) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+                    # NOTE: closed-loop evaluation metrics are already named ``eval/...``
+                    self._tb.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, step)
         if self.console:
             self.info(self._progress_line(step, record, now))
 

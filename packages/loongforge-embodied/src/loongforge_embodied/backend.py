@@ -29,8 +29,6 @@ class EmbodiedBackend(Backend):
         "parallel.components": "it uses one data-parallel strategy for the whole policy",
         "parallel.etp": "it is data-parallel only (shard with parallel.strategy fsdp2 / hsdp)",
         "parallel.recompute_layers": "parallel.recompute full checkpoints each block the policy declares",
-        "train.eval_interval": "it has no validation pass",
-        "train.eval_steps": "it has no validation pass",
         "kernels.spec": "it is the megatron backend's layer spec",
         "kernels.provider": "its policies run torch modules (the FP8 all-gather picks its own codec)",
         "kernels.grad_accum_fusion": "it is megatron's fused weight-gradient accumulation (no main_grad here)",
@@ -79,6 +77,16 @@ class EmbodiedBackend(Backend):
             if d.record is not None:
                 check_root(d.root)
             resolve_arch(recipe.model, d)  # NOTE: the recorded dataset's cameras and dims against the policy
+        if t.eval_interval:
+            env = d.eval_env or (d.record.env if d.record else None)
+            if env is None:
+                raise RecipeError("train.eval_interval runs closed-loop episodes in a simulator: set data.eval_env "
+                                  "(e.g. pusht) or record the data with data.record", key="train.eval_interval")
+            from loongforge_embodied.eval.envs import env_targets
+
+            if env not in env_targets():
+                raise RecipeError(f"unknown environment '{env}'; registered: {', '.join(sorted(env_targets()))}",
+                                  key="data.eval_env")
         if recipe.checkpoint.load:
             raise RecipeError("the embodied backend starts from model.load (exported policy) or resumes from "
                               "OUTPUT/checkpoints; checkpoint.load is not used", key="checkpoint.load")

@@ -81,6 +81,12 @@ class DataConfig(Section):
     task: str = "Push the T-shaped block onto the target."
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes (decode + collate off the main thread)")
     image_shift: int = Field(0, ge=0, description="random-shift augmentation in pixels (0: off)")
+    eval_env: str | None = Field(None, description="simulator of train.eval_interval's closed-loop episodes "
+                                 "(train.eval_steps of them; default: data.record.env)")
+    eval_max_steps: int | None = Field(None, ge=1, description="episode length of those episodes (default: the env's)")
+    eval_workers: int = Field(1, ge=1, description="environment worker processes for those episodes")
+    eval_seed: int = Field(100_000, ge=0, description="episode i of every evaluation uses seed eval_seed + i "
+                           "(away from data.record.seed's episodes)")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

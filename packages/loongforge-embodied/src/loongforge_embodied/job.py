@@ -217,6 +217,12 @@ class EmbodiedJob(Job):
 
         update_ema([(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema], decay)
 
+    def evaluate(self) -> dict[str, float]:
+        """Closed-loop episodes of the current weights (``train.eval_interval``; collective)."""
+        from loongforge_embodied.eval.during_training import evaluate_job
+
+        return evaluate_job(self)
+
     def save(self) -> Path:
         from loongforge_embodied import checkpoint
 
@@ -236,7 +242,13 @@ class EmbodiedJob(Job):
         while self.step_index < steps:
             nxt = self.step_index + 1
             saving = resumable and bool(c.save_interval) and nxt % c.save_interval == 0 and nxt < steps
-            metrics = self.step(report=saving or is_logged_step(nxt, self.recipe.logging.interval, steps))
+            every = self.recipe.train.eval_interval
+            evaluating = bool(every) and nxt % every == 0
+            metrics = self.step(report=saving or evaluating or is_logged_step(nxt, self.recipe.logging.interval, steps))
+            if evaluating:
+                metrics = {**metrics, **self.evaluate()}
+                if self.log and metrics:
+                    self.log.log(self.step_index, metrics)
             last = metrics or last
             if saving:
                 self.save()

@@ -136,14 +136,15 @@ class LeRobotPI05Model(nn.Module):
         return losses[:, :, : self.arch.action_dim].mean(dim=(1, 2))
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict[str, torch.Tensor], *, steps: int | None = None) -> torch.Tensor:
+    def sample_actions(self, batch: dict[str, torch.Tensor], *, steps: int | None = None,
+                       noise: torch.Tensor | None = None) -> torch.Tensor:
         """LeRobot's Euler sampler (KV-cached prefix); returns normalised actions (B, chunk, action_dim).
 
         NOTE: LeRobot 0.6.1's prefix pass (``PiGemmaModel.forward``) calls ``create_causal_mask(cache_position=…)``,
         which transformers 5.24 (our lock; LeRobot's ``pi`` extra pins <5.6) rejects; the ``pi-gemma-mask-kwargs``
         adaptation (``attention.mask_kwargs_adaptation``) translates the call."""
         images, img_masks, tokens, masks = self._inputs(batch)
-        out = self.model.sample_actions(images, img_masks, tokens, masks, num_steps=steps)
+        out = self.model.sample_actions(images, img_masks, tokens, masks, noise=noise, num_steps=steps)
         return out[:, :, : self.arch.action_dim]
 
     def unnormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:

@@ -147,11 +147,15 @@ class TinyVLAModel(nn.Module):
         return (err * valid).sum(-1) / valid.sum(-1).clamp_min(1.0)
 
     @torch.no_grad()
-    def sample_actions(self, batch: dict[str, torch.Tensor], *, steps: int | None = None) -> torch.Tensor:
-        """Integrate the flow from noise (t=1) to actions (t=0) with Euler steps; returns normalised actions."""
+    def sample_actions(self, batch: dict[str, torch.Tensor], *, steps: int | None = None,
+                       noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Integrate the flow from noise (t=1) to actions (t=0) with Euler steps; returns normalised actions.
+        ``noise`` (B, chunk_size, action_dim): the starting point (default: drawn here)."""
         steps = steps or self.arch.num_inference_steps
         b = batch["lang_tokens"].shape[0]
-        x = torch.randn(b, self.arch.chunk_size, self.arch.action_dim, device=batch["lang_tokens"].device)
+        shape = (b, self.arch.chunk_size, self.arch.action_dim)
+        x = torch.randn(shape, device=batch["lang_tokens"].device) if noise is None else noise.to(
+            batch["lang_tokens"].device, torch.float32)
         prefix = self.embed_prefix(batch)
         mask = self._prefix_mask(batch)
         dt = -1.0 / steps
