@@ -20,6 +20,22 @@ ROOT = Path(__file__).resolve().parents[3]
 TOL = 1e-5
 
 
+# NOTE: these tests examine the adaptation door itself, from outside any applied set
+_OUTSIDE_THE_ADAPTATIONS = {"test_adaptation_is_checked_and_reversible", "test_async_masks_adaptation_keeps_torch_for_lerobot"}
+
+
+@pytest.fixture(autouse=True)
+def _pi05_adapted(request):
+    """The policy's adaptations, as a job applies them for its run (the model refuses to run without them)."""
+    if request.node.originalname in _OUTSIDE_THE_ADAPTATIONS:
+        yield
+        return
+    from loongforge_embodied.policies.lerobot_pi05 import attention
+
+    with attention.adapted():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from loongforge_embodied.policies.lerobot_pi05.config import PRESETS
@@ -116,25 +132,22 @@ def test_sdpa_gradients_match_eager(tiny, twin, monkeypatch):
 
 def test_adaptation_is_checked_and_reversible(tiny, monkeypatch):
     from lerobot.policies.pi05 import modeling_pi05
+    from loongforge.accelerator.adaptation import active
     from loongforge.errors import AdaptationError
     from loongforge_embodied.policies.lerobot_pi05 import attention
 
-    installed = modeling_pi05.compute_layer_complete
-    original = installed.__wrapped__
-    attention.uninstall()
-    try:
-        assert modeling_pi05.compute_layer_complete is original
-        attention.install()
-        attention.install()  # idempotent
+    original = modeling_pi05.compute_layer_complete
+    assert attention.NAME not in active() and not hasattr(original, "__wrapped__")
+    with attention.adapted(), attention.adapted():  # a nested set shares the applied one
         assert modeling_pi05.compute_layer_complete.__wrapped__ is original
-    finally:
-        attention.install()
-    attention.uninstall()
+        assert attention.NAME in active()
+    assert modeling_pi05.compute_layer_complete is original and attention.NAME not in active()
+    with pytest.raises(RuntimeError, match="adapted"):  # the model does not silently run LeRobot's eager step
+        tiny[1](tiny[4])
     monkeypatch.setattr(modeling_pi05, "compute_layer_complete", lambda *a, **k: None)  # "an upgraded LeRobot"
     with pytest.raises(AdaptationError, match="pi05-joint-layer"):
-        attention.install()
-    monkeypatch.undo()
-    attention.install()
+        attention.adapted().__enter__()
+    assert attention.NAME not in active()
 
 
 def test_siglip_fused_qkv_is_transformers_attention(tiny):
@@ -192,23 +205,21 @@ def test_token_table_gradient_is_row_sparse(tiny):
 
 def test_async_masks_adaptation_keeps_torch_for_lerobot(tiny):
     """``modeling_pi05.torch`` is a pass-through whose ``tensor()`` only changes how CUDA tensors are copied
-    (pinned, non-blocking); everything else, and CPU results, are torch's own. Uninstalling restores torch."""
+    (pinned, non-blocking); everything else, and CPU results, are torch's own. Leaving the set restores torch."""
     from lerobot.policies.pi05 import modeling_pi05
     from loongforge_embodied.policies.lerobot_pi05 import attention
 
-    proxy = modeling_pi05.torch
-    assert isinstance(proxy, attention._TorchWithAsyncTensor)
-    assert proxy.cat is torch.cat and proxy.bool is torch.bool
-    for data, kw in (([0, 1, 1], {"dtype": torch.bool, "device": "cpu"}), ([1.5, 2.0], {"dtype": torch.bfloat16}),
-                     (3, {})):
-        got, want = proxy.tensor(data, **kw), torch.tensor(data, **kw)
-        assert torch.equal(got, want) and got.dtype == want.dtype and got.device == want.device
-    attention.uninstall()
-    try:
-        assert modeling_pi05.torch is torch
-    finally:
-        attention.install()
-    assert isinstance(modeling_pi05.torch, attention._TorchWithAsyncTensor)
+    with attention.adapted():
+        proxy = modeling_pi05.torch
+        assert isinstance(proxy, attention._TorchWithAsyncTensor)
+        assert proxy.cat is torch.cat and proxy.bool is torch.bool
+        for data, kw in (([0, 1, 1], {"dtype": torch.bool, "device": "cpu"}), ([1.5, 2.0], {"dtype": torch.bfloat16}),
+                         (3, {})):
+            got, want = proxy.tensor(data, **kw), torch.tensor(data, **kw)
+            assert torch.equal(got, want) and got.dtype == want.dtype and got.device == want.device
+    assert modeling_pi05.torch is torch
+    with attention.adapted():
+        assert isinstance(modeling_pi05.torch, attention._TorchWithAsyncTensor)
 
 
 def test_processor_follows_lerobot(tiny):

@@ -20,10 +20,21 @@ class EmbodiedJob(Job):
     """One rank's job. ``step()`` runs one optimizer step over this rank's share of the global batch."""
 
     def __init__(self, recipe: Recipe, runtime: Runtime):
+        from loongforge.accelerator.adaptation import AdaptationSet
+
+        from loongforge_embodied.policies import get_policy
+
         self.recipe, self.runtime = recipe, runtime
         self._owns_pg = not dist.is_initialized()
-        runtime.init_distributed()
         self._ready = False
+        # NOTE: the policy's library adaptations hold for this run only (undone in close)
+        self._adaptations: AdaptationSet | None = AdaptationSet(get_policy(recipe.model.policy).adaptations())
+        self._adaptations.__enter__()
+        try:
+            runtime.init_distributed()
+        except BaseException:
+            self.close()
+            raise
         self._clock: tuple[float, int] | None = None  # (time, step index) since which step_time is measured
         try:
             self._build()
@@ -266,11 +277,16 @@ class EmbodiedJob(Job):
         return {"step": self.step_index, **last}
 
     def close(self) -> None:
-        if self._owns_pg and dist.is_initialized():
-            # NOTE: tear down only when every rank is done; a rank destroying its gloo group while a peer still
-            # talks to it aborts the peer at exit ("terminate called without an active exception").
-            try:
-                if self._ready:
-                    dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        try:
+            if self._owns_pg and dist.is_initialized():
+                # NOTE: tear down only when every rank is done; a rank destroying its gloo group while a peer still
+                # talks to it aborts the peer at exit ("terminate called without an active exception").
+                try:
+                    if self._ready:
+                        dist.barrier()
+                finally:
+                    dist.destroy_process_group()
+        finally:
+            if self._adaptations is not None:
+                self._adaptations.__exit__(None, None, None)
+                self._adaptations = None

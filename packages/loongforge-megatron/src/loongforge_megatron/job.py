@@ -53,7 +53,13 @@ class MegatronJob(Job):
         self.step_index = 0  # optimizer steps done
         # megatron-name prefixes of components every TP rank holds whole (parallel.components.<name>.tp: 1)
         self.whole_components: tuple[str, ...] = ()
-        self._adaptations = adapted(self.acc, grad_accum_fusion=recipe.kernels.grad_accum_fusion)
+        model_adaptations = []
+        if self.arch.is_vlm:
+            from loongforge_megatron.engine.llava_adaptation import clip_adaptations
+
+            model_adaptations = clip_adaptations(cpu=self.acc.device_type == "cpu")
+        self._adaptations = adapted(self.acc, grad_accum_fusion=recipe.kernels.grad_accum_fusion,
+                                    model=model_adaptations)
         self._adaptations.__enter__()
         self._failed = False  # a failed job tears down without waiting for its peers (close)
         try:

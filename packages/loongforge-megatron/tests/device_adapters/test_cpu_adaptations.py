@@ -44,7 +44,7 @@ def test_apply_and_undo(name: str) -> None:
     assert _raw(target) is before
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("tensor-")])
 def test_changed_target_fails_loudly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A target whose source no longer has the CUDA assumption (an upgraded megatron) is refused."""
     real = inspect.getsource

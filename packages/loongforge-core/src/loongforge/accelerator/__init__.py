@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from loongforge.accelerator.adaptation import Adaptation, AdaptationSet, applied, replace_attr
+from loongforge.accelerator.adaptation import Adaptation, AdaptationSet, active, applied, replace_attr
 from loongforge.accelerator.base import Accelerator, Capabilities
 from loongforge.errors import PluginError
 
@@ -14,6 +14,7 @@ __all__ = [
     "Adaptation",
     "AdaptationSet",
     "Capabilities",
+    "active",
     "applied",
     "get_accelerator",
     "replace_attr",

@@ -7,7 +7,8 @@ another's modules, and validating a recipe imports no torch):
   and the dataset-shaped fields ``image_size, num_cameras, state_dim, action_dim, chunk_size``;
 - ``model.py``: the ``nn.Module(arch)``: ``forward(batch) -> (B,)`` per-sample loss, ``components()`` (names
   ``model.freeze`` takes), ``wrap_units()`` (FSDP2 / recompute units in execution order),
-  ``enable_activation_checkpointing()``, ``set_stats(stats)``, ``sample_actions(batch)``;
+  ``enable_activation_checkpointing()``, ``set_stats(stats)``, ``sample_actions(batch)``; optionally a module-level
+  ``adaptations()``: the named library adaptations (``loongforge.accelerator.adaptation``) a run applies;
 - ``processor_<name>.py``: ``prepare_batch(raw, *, arch, stats)`` — collated samples → model inputs; optionally
   ``check_arch(arch)`` (run once at job setup, e.g. load the tokenizer);
 - ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``; optionally
@@ -69,6 +70,12 @@ class PolicySpec:
     @property
     def export(self) -> ModuleType:
         return self.module("export")
+
+    def adaptations(self) -> list:
+        """The library adaptations a run of this policy applies (the model module's optional ``adaptations()``,
+        e.g. lerobot_pi05's joint attention layer); the job holds them for its run and undoes them after."""
+        make = getattr(self.module("model"), "adaptations", None)
+        return list(make()) if make is not None else []
 
     def check_data_pipeline(self, arch: Any, stats: dict[str, Any] | None = None) -> None:
         """The processor's ``check_arch(arch)`` and ``check_stats(arch, stats)`` where it has them: what its workers

@@ -7,6 +7,8 @@ duration of a ``with`` block. Nothing is patched at import time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from loongforge.accelerator.adaptation import Adaptation, AdaptationSet
 
 
@@ -23,15 +25,16 @@ def adaptations_for(device_type: str) -> list[Adaptation]:
     return []
 
 
-def adapted(accelerator, *, grad_accum_fusion: bool = False) -> AdaptationSet:
+def adapted(accelerator, *, grad_accum_fusion: bool = False, model: Sequence[Adaptation] = ()) -> AdaptationSet:
     """An :class:`AdaptationSet` for ``accelerator``: use as ``with adapted(acc): ...`` around a run.
-    ``grad_accum_fusion``: also the stand-in for Apex's fused weight-gradient accumulation where Apex is absent."""
+    ``grad_accum_fusion``: also the stand-in for Apex's fused weight-gradient accumulation where Apex is absent;
+    ``model``: the adaptations the run's model needs (e.g. LLaVA's CLIP norms), applied after the device's."""
     extra = list(accelerator.adaptations("megatron"))
     if grad_accum_fusion:
         from loongforge_megatron.device_adapters.grad_accum import adaptation
 
         extra += [a for a in (adaptation(),) if a is not None]
-    return AdaptationSet(adaptations_for(accelerator.device_type) + extra)
+    return AdaptationSet(adaptations_for(accelerator.device_type) + extra + list(model))
 
 
 __all__ = ["adaptations_for", "adapted"]

@@ -23,6 +23,7 @@ from loongforge_megatron.device_adapters.cpu_torch import (
     CpuTorch,
     module_mentions,
     source_mentions,
+    tensor_method_adaptations,
     with_cuda_copy_as_identity,
     with_cuda_type_names,
 )
@@ -249,7 +250,8 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
 
 
-TARGETS: dict[str, str] = {p.name: p.target for p in _PATCHES} | {
+TARGETS: dict[str, str] = {"tensor-type-cuda-names": "torch.Tensor.type", "tensor-cuda-identity": "torch.Tensor.cuda"} | {
+    p.name: p.target for p in _PATCHES} | {
     f"cuda-devices:{m.rsplit('.', 1)[-1]}": f"{m}.torch" for m in CUDA_LITERAL_MODULES
 }
 """Adaptation name -> the dotted attribute it replaces (for docs and tests)."""
@@ -257,7 +259,7 @@ TARGETS: dict[str, str] = {p.name: p.target for p in _PATCHES} | {
 
 def cpu_adaptations() -> list[Adaptation]:
     """The named adaptations for device type ``cpu`` (see README.md), in the order they are applied."""
-    out: list[Adaptation] = []
+    out: list[Adaptation] = tensor_method_adaptations()
     for p in _PATCHES:
         make = wrap_classmethod if p.classmethod_ else replace_attr
         out.append(

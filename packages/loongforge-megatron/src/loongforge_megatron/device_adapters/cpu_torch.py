@@ -9,6 +9,7 @@ real ``torch`` module that maps CUDA devices to the CPU. Every other module keep
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import types
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from loongforge.accelerator.adaptation import Adaptation, replace_attr
 
 # Factories whose ``device=`` argument megatron sets to "cuda" / torch.cuda.current_device().
 _FACTORIES = frozenset(
@@ -154,42 +156,79 @@ def source_mentions(*needles: str) -> Callable[[Any], bool]:
     return expect
 
 
-@contextlib.contextmanager
-def cuda_type_names() -> Iterator[None]:
-    """While active, ``tensor.type()`` names a CPU tensor as its CUDA twin (``torch.cuda.FloatTensor``).
+# NOTE: megatron's CUDA type checks and ``.cuda()`` calls happen on the thread that runs the wrapped call; a
+# DataLoader or pin-memory thread never sets these, so it sees torch's own behaviour even while a wrapped call runs.
+_CUDA_TYPE_NAMES: contextvars.ContextVar[bool] = contextvars.ContextVar("loongforge_cuda_type_names", default=False)
+_CUDA_COPY_IDENTITY: contextvars.ContextVar[bool] = contextvars.ContextVar("loongforge_cuda_copy_identity",
+                                                                            default=False)
 
-    NOTE: megatron's optimizers accept a parameter only if ``param.type()`` is one of the CUDA names; the
-    check is about the dtype, not the device. Only the no-argument form changes, and only inside the calls
-    wrapped by :func:`with_cuda_type_names`.
-    """
-    original = torch.Tensor.type
+
+def _type_with_cuda_names(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.type``: the no-argument form names a CPU tensor as its CUDA twin, inside :func:`cuda_type_names`."""
 
     def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-        if dtype is None and not kwargs and self.device.type == "cpu":
-            name = original(self)
-            return name.replace("torch.", "torch.cuda.", 1)
+        if dtype is None and not kwargs and _CUDA_TYPE_NAMES.get() and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        if dtype is None and not kwargs:
+            return original(self)
         return original(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original  # type: ignore[method-assign]
+    type_.__wrapped__ = original
+    return type_
+
+
+def _cuda_as_identity(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.cuda``: a CPU tensor is returned as is, inside :func:`cuda_copy_as_identity`."""
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _CUDA_COPY_IDENTITY.get() and self.device.type == "cpu":
+            return self
+        return original(self, *args, **kwargs)
+
+    cuda.__wrapped__ = original
+    return cuda
+
+
+def tensor_method_adaptations() -> list[Adaptation]:
+    """The two ``torch.Tensor`` methods the CPU adaptations scope per call: installed for the run, they change
+    behaviour only in the thread (context) of a call wrapped by :func:`with_cuda_type_names` /
+    :func:`with_cuda_copy_as_identity`; everywhere else they are torch's own."""
+    def torch_own(attr: str) -> Callable[[Any], bool]:
+        return lambda original: original is getattr(torch._C.TensorBase, attr)  # nobody else replaced it
+
+    return [
+        replace_attr("tensor-type-cuda-names", "torch.Tensor.type", _type_with_cuda_names,
+                     description="inside megatron's CUDA type checks only (this thread), a CPU tensor's type() "
+                                 "is its CUDA twin's name", expect=torch_own("type")),
+        replace_attr("tensor-cuda-identity", "torch.Tensor.cuda", _cuda_as_identity,
+                     description="inside megatron calls that move a CPU tensor with .cuda() (this thread), "
+                                 ".cuda() returns the tensor", expect=torch_own("cuda")),
+    ]
 
 
 @contextlib.contextmanager
-def cuda_copy_as_identity() -> Iterator[None]:
-    """While active, ``tensor.cuda()`` on a CPU tensor returns the tensor itself (it is already "on device")."""
-    original = torch.Tensor.cuda
-
-    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self if self.device.type == "cpu" else original(self, *args, **kwargs)
-
-    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+def _flag(var: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = var.set(True)
     try:
         yield
     finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
+        var.reset(token)
+
+
+def cuda_type_names() -> contextlib.AbstractContextManager[None]:
+    """While active, in this thread, ``tensor.type()`` names a CPU tensor as its CUDA twin (``torch.cuda.FloatTensor``).
+
+    NOTE: megatron's optimizers accept a parameter only if ``param.type()`` is one of the CUDA names; the
+    check is about the dtype, not the device. Only the no-argument form changes, only in this thread, and only
+    while ``tensor-type-cuda-names`` (:func:`tensor_method_adaptations`) is applied.
+    """
+    return _flag(_CUDA_TYPE_NAMES)
+
+
+def cuda_copy_as_identity() -> contextlib.AbstractContextManager[None]:
+    """While active, in this thread, ``tensor.cuda()`` on a CPU tensor returns the tensor itself (it is already
+    "on device"); needs ``tensor-cuda-identity`` (:func:`tensor_method_adaptations`) applied."""
+    return _flag(_CUDA_COPY_IDENTITY)
 
 
 def _while(ctx: Callable[[], contextlib.AbstractContextManager[None]]):

@@ -8,7 +8,6 @@ has no separate encoder TP). Pipeline / context / sequence parallelism are not s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -64,25 +63,6 @@ def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
         language, num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=language.hidden_size,
         num_attention_heads=language.num_attention_heads, activation_func=F.gelu, **common, **whole)
     return vision, projection
-
-
-@contextlib.contextmanager
-def _without_te_norms(cpu: bool) -> Iterator[None]:
-    """While building: CLIP's ln_pre/ln_post as megatron's WrappedTorchNorm (without TransformerEngine its default
-    is torch.nn.LayerNorm, which rejects megatron's ``config=`` argument and LLaVAModel cannot pass another), and on
-    CPU ``tensor.cuda()`` as the identity (CLIPViTModel.__init__ moves its position ids to CUDA)."""
-    from megatron.core.models.multimodal import llava_model
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from loongforge_megatron.device_adapters.cpu_torch import cuda_copy_as_identity
-
-    original = llava_model.CLIPViTModel
-    llava_model.CLIPViTModel = functools.partial(original, ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm)
-    try:
-        with cuda_copy_as_identity() if cpu else contextlib.nullcontext():
-            yield
-    finally:
-        llava_model.CLIPViTModel = original
 
 
 def _not_work_in_progress(record: logging.LogRecord) -> bool:
@@ -151,35 +131,36 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                                     linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
     # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
     alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
-    with _without_te_norms(device.type == "cpu"):
-        model = LLaVAModel(
-            language_transformer_config=language,
-            language_transformer_layer_spec=language_spec,
-            language_vocab_size=vocab_size,
-            language_max_sequence_length=max_sequence_length,
-            vision_transformer_config=vision,
-            vision_transformer_layer_spec=vision_spec,
-            drop_vision_class_token=True,
-            vision_projection_config=projection,
-            vision_projection_layer_spec=projection_spec,
-            vision_projection_type="mlp",
-            parallel_output=True,  # NOTE: False with labels at TP > 1 adds ln(TP) to the loss (gathered logits)
-            share_embeddings_and_output_weights=arch.tie_embeddings,
-            language_position_embedding_type="rope",
-            language_rotary_percent=1.0,
-            language_rotary_base=int(arch.rope_theta),
-            img_h=side,
-            img_w=side,
-            patch_dim=patch,
-            image_token_index=arch.vision["image_token_index"],
-            pre_process=first,
-            post_process=last,
-            add_encoder=first,
-            add_decoder=True,
-        )
+    from loongforge_megatron.engine.llava_adaptation import clip_builder
+
+    clip_builder()  # NOTE: LLaVAModel builds its CLIP tower through the run's llava-clip-torch-norms adaptation
+    model = LLaVAModel(
+        language_transformer_config=language,
+        language_transformer_layer_spec=language_spec,
+        language_vocab_size=vocab_size,
+        language_max_sequence_length=max_sequence_length,
+        vision_transformer_config=vision,
+        vision_transformer_layer_spec=vision_spec,
+        drop_vision_class_token=True,
+        vision_projection_config=projection,
+        vision_projection_layer_spec=projection_spec,
+        vision_projection_type="mlp",
+        parallel_output=True,  # NOTE: False with labels at TP > 1 adds ln(TP) to the loss (gathered logits)
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        language_position_embedding_type="rope",
+        language_rotary_percent=1.0,
+        language_rotary_base=int(arch.rope_theta),
+        img_h=side,
+        img_w=side,
+        patch_dim=patch,
+        image_token_index=arch.vision["image_token_index"],
+        pre_process=first,
+        post_process=last,
+        add_encoder=first,
+        add_decoder=True,
+    )
     if first and whole_vision:
-        with _without_te_norms(device.type == "cpu"):
-            _whole_vision(model, vision, projection, vision_spec, projection_spec, alone=alone, side=side, patch=patch)
+        _whole_vision(model, vision, projection, vision_spec, projection_spec, alone=alone, side=side, patch=patch)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
@@ -202,8 +183,10 @@ def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, pr
     vision1.vision_model_type = vision.vision_model_type
     groups = copy.copy(model.pg_collection)
     groups.tp = alone
-    # NOTE: llava_model's CLIPViTModel, as patched by _without_te_norms (WrappedTorchNorm for ln_pre / ln_post)
-    model.vision_model = llava_model.CLIPViTModel(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,
+    from loongforge_megatron.engine.llava_adaptation import clip_builder
+
+    # NOTE: llava_model's CLIPViTModel as the run's llava-clip-torch-norms adaptation has it (WrappedTorchNorm)
+    model.vision_model = clip_builder()(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,
                                       patch_dim=patch, model_subtype=vision.vision_model_type, add_class_token=True,
                                       pg_collection=groups, vp_stage=model.vp_stage)
     model.vision_model.register_load_state_dict_post_hook(llava_model._load_state_dict_hook_ignore_extra_state)

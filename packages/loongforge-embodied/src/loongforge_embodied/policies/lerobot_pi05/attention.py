@@ -1,5 +1,5 @@
 """LeRobot pi05's joint (prefix layer, expert layer) step with ``scaled_dot_product_attention``, installed as a
-named, checked, reversible adaptation of ``modeling_pi05.compute_layer_complete``.
+named, checked, reversible adaptation of ``modeling_pi05.compute_layer_complete``, applied for a run (``adaptations``).
 
 LeRobot's ``compute_layer_complete`` concatenates both streams' queries/keys/values and calls transformers'
 ``eager_attention_forward``: the (B, 8, L, L) scores are materialised (and kept for backward) with the 4-D
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lerobot.policies.pi_gemma import _gated_residual, layernorm_forward
-from loongforge.accelerator.adaptation import AdaptationSet, replace_attr
+from loongforge.accelerator.adaptation import Adaptation, AdaptationSet, replace_attr
 from transformers.models.gemma.modeling_gemma import rotate_half
 
 from loongforge_embodied.policies.lerobot_pi05.build import MODELING, source_has
@@ -36,7 +36,6 @@ from loongforge_embodied.policies.lerobot_pi05.build import MODELING, source_has
 NAME = "pi05-joint-layer"
 MODE = "_loongforge_attention"  # on a prefix layer: "sdpa" or "eager" (LeRobot's own step)
 LAST = "_loongforge_last"  # on the last prefix layer: its prefix output is never read
-_installed: AdaptationSet | None = None
 
 
 def sdpa_layer_complete(inputs_embeds, attention_mask, position_ids, adarms_cond, layers, rotary_emb):
@@ -351,30 +350,30 @@ def siglip_names_adaptation():
     )
 
 
-def install() -> None:
-    """Install the dispatcher for this process (idempotent; models that did not opt in are unaffected), the
-    sync-free mask tensors (process-wide: LeRobot's own ``PI05Policy`` in this process gets them too, with the
+def adaptations() -> list[Adaptation]:
+    """The adaptations a run of this policy applies: the joint-layer dispatcher (models that did not opt in are
+    unaffected), the sync-free mask tensors (LeRobot's own ``PI05Policy`` in the same run gets them too, with the
     same values), and the mask-keyword and SigLIP-name shims where the installed transformers needs them."""
-    global _installed
-    if _installed is None:
-        found = (joint_layer_adaptation(), async_masks_adaptation(), mask_kwargs_adaptation(),
-                 siglip_names_adaptation())
-        s = AdaptationSet([a for a in found if a is not None])
-        s.__enter__()
-        _installed = s
+    found = (joint_layer_adaptation(), async_masks_adaptation(), mask_kwargs_adaptation(), siglip_names_adaptation())
+    return [a for a in found if a is not None]
 
 
-def uninstall() -> None:
-    """Restore LeRobot's ``compute_layer_complete``."""
-    global _installed
-    if _installed is not None:
-        _installed.__exit__(None, None, None)
-        _installed = None
+def adapted() -> AdaptationSet:
+    """``with adapted(): ...``: :func:`adaptations` for the block (a job applies them for its run). Also what
+    ``PI05Policy.from_pretrained`` of our export needs under transformers >= 5.6 (the SigLIP names)."""
+    return AdaptationSet(adaptations())
+
+
+def is_adapted() -> bool:
+    """Whether the joint-layer dispatcher is applied now."""
+    from loongforge.accelerator.adaptation import active
+
+    return NAME in active()
 
 
 def mark_layers(prefix_layers, *, sdpa: bool) -> None:
-    """Opt a model's prefix layers into the dispatcher (``sdpa`` or LeRobot's eager step) and install it."""
-    install()
+    """Opt a model's prefix layers into the dispatcher (``sdpa`` or LeRobot's eager step); it runs while
+    :func:`adaptations` are applied (a job's run, or ``with adapted():``)."""
     for layer in prefix_layers:
         setattr(layer, MODE, "sdpa" if sdpa else "eager")
     setattr(prefix_layers[-1], LAST, True)

@@ -131,6 +131,7 @@ class LeRobotPI05Model(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss (B,): ``PI05Policy.forward(batch, reduction="none")`` without host syncs."""
+        _require_adapted()
         images, img_masks, tokens, masks = self._inputs(batch)
         losses = self.model(images, img_masks, tokens, masks, batch["actions"], batch["noise"], batch["time"])
         return losses[:, :, : self.arch.action_dim].mean(dim=(1, 2))
@@ -143,6 +144,7 @@ class LeRobotPI05Model(nn.Module):
         NOTE: LeRobot 0.6.1's prefix pass (``PiGemmaModel.forward``) calls ``create_causal_mask(cache_position=…)``,
         which transformers 5.24 (our lock; LeRobot's ``pi`` extra pins <5.6) rejects; the ``pi-gemma-mask-kwargs``
         adaptation (``attention.mask_kwargs_adaptation``) translates the call."""
+        _require_adapted()
         images, img_masks, tokens, masks = self._inputs(batch)
         out = self.model.sample_actions(images, img_masks, tokens, masks, noise=noise, num_steps=steps)
         return out[:, :, : self.arch.action_dim]
@@ -151,3 +153,19 @@ class LeRobotPI05Model(nn.Module):
         from loongforge_embodied.policies.lerobot_pi05.processor_lerobot_pi05 import unnormalize
 
         return unnormalize(actions, "action", stats=self.stats_dict(), quantiles=bool(self.arch.quantile_norm))
+
+
+def adaptations() -> list:
+    """What a run of this policy applies through the adaptation door (``attention.adaptations``)."""
+    from loongforge_embodied.policies.lerobot_pi05.attention import adaptations as pi05_adaptations
+
+    return pi05_adaptations()
+
+
+def _require_adapted() -> None:
+    from loongforge_embodied.policies.lerobot_pi05.attention import NAME, is_adapted
+
+    if not torch.compiler.is_compiling() and not is_adapted():
+        raise RuntimeError(f"LeRobotPI05Model runs with its adaptations applied ('{NAME}', ...): a job applies them "
+                           "for its run; elsewhere use `with loongforge_embodied.policies.lerobot_pi05.attention"
+                           ".adapted(): ...`")
