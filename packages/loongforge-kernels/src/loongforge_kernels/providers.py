@@ -20,12 +20,14 @@ OPS = (
     "moe_permute",
     "moe_unpermute",
     "sparse_mla_attention",
+    "fp8_quantize",
 )
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
     from loongforge_kernels import (
         apply_rope,
+        fp8_quantize,
         fused_linear_cross_entropy,
         moe_permute,
         moe_unpermute,
@@ -42,6 +44,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         moe_permute,
         moe_unpermute,
         sparse_mla_attention,
+        fp8_quantize,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 
