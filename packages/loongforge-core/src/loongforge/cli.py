@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from loongforge.errors import LoongForgeError
 
@@ -76,7 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, required=True, help="expert-parallel size the placement is for")
     p.add_argument("--backend", default="megatron")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub: Any) -> None:
+    """Commands from the ``loongforge.commands`` entry points: ``register(subparsers)`` adds one subparser with
+    ``set_defaults(handler=fn)``; a plugin that fails to load is left out (``loongforge plugins`` reports it)."""
+    from loongforge import registry
+
+    for key in registry.commands.keys():
+        if key in COMMANDS:
+            continue
+        try:
+            registry.commands.get(key)(sub)
+        except Exception:  # NOTE: a broken plugin must not break the built-in commands
+            continue
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -234,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command](args)
+        handler = COMMANDS.get(args.command) or getattr(args, "handler", None)
+        return handler(args)
     except LoongForgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)

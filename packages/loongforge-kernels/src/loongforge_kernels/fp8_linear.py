@@ -90,55 +90,68 @@ def shape_ok(recipe: Fp8Recipe, *dims: int) -> bool:
     return all(d > 0 and d % recipe.align == 0 for d in dims)
 
 
+def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool):
+    """``x [M, K] @ weight [N, K].T`` and what the backward needs: the FP8 transposed copies (or bf16 tensors
+    for a backward GEMM that stays bf16). Returns ``(y, saved)``; hand ``saved`` to :func:`fp8_backward`."""
+    g_act, g_w, _ = recipe.granularity
+    fwd8, dgrad8, wgrad8 = gemms
+    e4m3 = torch.float8_e4m3fn
+    saved: list[torch.Tensor | None] = [None] * 6  # xt, xt scale, wt, wt scale, x (bf16 wgrad), w (bf16 dgrad)
+    xs = ws = ()
+    lay = ("n" if fwd8 else "") + ("t" if need_dw and wgrad8 else "")
+    if lay:
+        xs = fp8_quantize(x, g_act, e4m3, layout=lay, check_finite=False)
+        if "t" in lay:
+            saved[0], saved[1] = xs[-2], xs[-1]
+    lay = ("n" if fwd8 else "") + ("t" if need_dx and dgrad8 else "")
+    if lay:
+        ws = fp8_quantize(weight, g_w, e4m3, layout=lay, check_finite=False)
+        if "t" in lay:
+            saved[2], saved[3] = ws[-2], ws[-1]
+    if fwd8:
+        y = _scaled_mm(xs[0], xs[1], ws[0], ws[1], x.dtype, recipe.recipe != "blockwise")
+    else:
+        y = x @ weight.t().to(x.dtype)
+    if need_dw and not wgrad8:
+        saved[4] = x
+    if need_dx and not dgrad8:
+        saved[5] = weight
+    return y, saved
+
+
+def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
+                 w_dtype: torch.dtype):
+    """``(dx, dw)`` of :func:`fp8_forward` for the output grad ``dy [M, N]`` (None where not needed)."""
+    xt, sxt, wt, swt, x_hp, w_hp = saved
+    _, dgrad8, wgrad8 = gemms
+    dy = dy.contiguous()
+    dx = dw = None
+    lay = ("n" if need_dx and dgrad8 else "") + ("t" if need_dw and wgrad8 else "")
+    gs = fp8_quantize(dy, recipe.granularity[2], GRAD_DTYPES[recipe.grad_dtype], layout=lay,
+                      check_finite=False) if lay else ()
+    if need_dx:
+        dx = _scaled_mm(gs[0], gs[1], wt, swt, dy.dtype, False) if dgrad8 else dy @ w_hp.to(dy.dtype)
+    if need_dw:
+        dw = (_scaled_mm(gs[-2], gs[-1], xt, sxt, dy.dtype, False) if wgrad8 else dy.t() @ x_hp).to(w_dtype)
+    return dx, dw
+
+
 class Fp8Matmul(torch.autograd.Function):
     """``x [M, K] @ weight [N, K].T`` with the GEMMs flagged in ``gemms`` (fwd, dgrad, wgrad) in FP8."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool]):
-        g_act, g_w, _ = recipe.granularity
-        fwd8, dgrad8, wgrad8 = gemms
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        e4m3 = torch.float8_e4m3fn
-        saved: list[torch.Tensor | None] = [None, None, None, None]  # xt, xt scale, wt, wt scale
-        x_hp = w_hp = None
-        if fwd8 or (need_dw and wgrad8):
-            lay = ("n" if fwd8 else "") + ("t" if need_dw and wgrad8 else "")
-            xs = fp8_quantize(x, g_act, e4m3, layout=lay, check_finite=False)
-            if "t" in lay:
-                saved[0], saved[1] = xs[-2], xs[-1]
-        if fwd8 or (need_dx and dgrad8):
-            lay = ("n" if fwd8 else "") + ("t" if need_dx and dgrad8 else "")
-            ws = fp8_quantize(weight, g_w, e4m3, layout=lay, check_finite=False)
-            if "t" in lay:
-                saved[2], saved[3] = ws[-2], ws[-1]
-        if fwd8:
-            y = _scaled_mm(xs[0], xs[1], ws[0], ws[1], x.dtype, recipe.recipe != "blockwise")
-        else:
-            y = x @ weight.t().to(x.dtype)
-        if need_dw and not wgrad8:
-            x_hp = x
-        if need_dx and not dgrad8:
-            w_hp = weight
+        y, saved = fp8_forward(x, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw)
         ctx.recipe, ctx.gemms, ctx.w_dtype = recipe, gemms, weight.dtype
-        ctx.save_for_backward(*saved, x_hp, w_hp)
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xt, sxt, wt, swt, x_hp, w_hp = ctx.saved_tensors
-        recipe: Fp8Recipe = ctx.recipe
-        _, dgrad8, wgrad8 = ctx.gemms
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy = dy.contiguous()
-        dx = dw = None
-        lay = ("n" if need_dx and dgrad8 else "") + ("t" if need_dw and wgrad8 else "")
-        gs = fp8_quantize(dy, recipe.granularity[2], GRAD_DTYPES[recipe.grad_dtype], layout=lay,
-                          check_finite=False) if lay else ()
-        if need_dx:
-            dx = _scaled_mm(gs[0], gs[1], wt, swt, dy.dtype, False) if dgrad8 else dy @ w_hp.to(dy.dtype)
-        if need_dw:
-            dw = _scaled_mm(gs[-2], gs[-1], xt, sxt, dy.dtype, False) if wgrad8 else dy.t() @ x_hp
-            dw = dw.to(ctx.w_dtype)
+        dx, dw = fp8_backward(dy, ctx.saved_tensors, ctx.recipe, ctx.gemms, need_dx=need_dx, need_dw=need_dw,
+                              w_dtype=ctx.w_dtype)
         return dx, dw, None, None
 
 
