@@ -215,7 +215,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--variant" in sys.argv and sys.argv[sys.argv.index("--variant") + 1] == "policy":
-        a = argparse.Namespace(**{k.lstrip("-").replace("-", "_"): v for k, v in zip(sys.argv[1::2], sys.argv[2::2])})
+        a = argparse.Namespace(**{k.lstrip("-").replace("-", "_"): v for k, v in zip(sys.argv[1::2], sys.argv[2::2], strict=False)})
         a.layers, a.seq, a.mbs = int(a.layers), int(a.seq), int(a.mbs)
         make_policy(a)
     else:

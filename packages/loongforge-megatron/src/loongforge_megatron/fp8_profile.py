@@ -58,8 +58,8 @@ def _cmd_fp8(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(policy, indent=1))
     n8 = sum(g["fp8_faster"] for e in policy["gemms"].values() for g in (e["fwd"], e["dgrad"], e["wgrad"]))
     for key, e in policy["gemms"].items():
-        cells = "  ".join(f"{g} {e[g]['bf16_ms']:.3f}/{e[g]['fp8_ms']:.3f} ms{' FP8' if e[g]['fp8_faster'] else ''}"
-                          for g in ("fwd", "dgrad", "wgrad"))
+        cells = "  ".join(f"{g} {e[g]['bf16_ms']:.3f}/{e[g]['fp8_ms'] or float('nan'):.3f} ms"
+                          f"{' FP8' if e[g]['fp8_faster'] else ''}" for g in ("fwd", "dgrad", "wgrad"))
         print(f"{e['name']:>8} {key:>18}  {cells}")
     print(f"{n8} of {3 * len(policy['gemms'])} distinct GEMMs faster in FP8 ({fp8.recipe}, {policy['device']}); "
           f"use it with train.fp8.policy={out}")
@@ -95,35 +95,47 @@ def _time_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _time_shape(r: Any, m: int, n: int, k: int, *, reps: int) -> dict[str, Any]:
+    """bf16 and FP8 milliseconds of the three GEMMs of one linear shape (random operands of the right scale)."""
+    from loongforge_kernels.fp8_linear import GRAD_DTYPES, _scaled_mm, shape_ok
+    from loongforge_kernels.fp8_quant import fp8_quantize
+
+    g_act, g_w, g_grad = r.granularity
+    e4m3, gdt = torch.float8_e4m3fn, GRAD_DTYPES[r.grad_dtype]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def q(t, g, dt, lay):
+        return fp8_quantize(t, g, dt, layout=lay, check_finite=False)
+
+    fast = r.recipe != "blockwise"
+    bf16 = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
+    fp8 = {
+        "fwd": lambda: _scaled_mm(*q(x, g_act, e4m3, "n"), *q(w, g_w, e4m3, "n"), torch.bfloat16, fast),
+        "dgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "n"), *q(w, g_w, e4m3, "t"), torch.bfloat16, False),
+        "wgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "t"), *q(x, g_act, e4m3, "t"), torch.bfloat16, False),
+    }
+    entry: dict[str, Any] = {}
+    for g in ("fwd", "dgrad", "wgrad"):
+        t16 = _time_ms(bf16[g], reps)
+        t8 = _time_ms(fp8[g], reps) if shape_ok(r, m, n, k) else None
+        entry[g] = {"bf16_ms": round(t16, 4), "fp8_ms": None if t8 is None else round(t8, 4),
+                    "fp8_faster": t8 is not None and t8 < t16}
+    return entry
+
+
 def profile(shapes: dict[str, tuple[int, int, int]], *, recipe: str, grad_dtype: str, reps: int = 20) -> dict[str, Any]:
     """Time fwd / dgrad / wgrad of every shape in bf16 and FP8; the policy dict (see the module docstring)."""
-    from loongforge_kernels.fp8_linear import GRAD_DTYPES, Fp8Recipe, _scaled_mm, shape_ok
-    from loongforge_kernels.fp8_quant import fp8_quantize
+    from loongforge_kernels.fp8_linear import Fp8Recipe
 
     from loongforge_megatron.spec.fp8 import gemm_key
 
     r = Fp8Recipe(recipe, grad_dtype)
-    g_act, g_w, g_grad = r.granularity
-    e4m3, gdt = torch.float8_e4m3fn, GRAD_DTYPES[grad_dtype]
     gemms: dict[str, Any] = {}
     for name, (m, n, k) in shapes.items():
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        q = lambda t, g, dt, lay: fp8_quantize(t, g, dt, layout=lay, check_finite=False)  # noqa: E731
-        bf16 = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
-        fp8 = {
-            "fwd": lambda: _scaled_mm(*q(x, g_act, e4m3, "n"), *q(w, g_w, e4m3, "n"), torch.bfloat16, r.recipe != "blockwise"),
-            "dgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "n"), *q(w, g_w, e4m3, "t"), torch.bfloat16, False),
-            "wgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "t"), *q(x, g_act, e4m3, "t"), torch.bfloat16, False),
-        }
-        entry: dict[str, Any] = {"name": name}
-        for g in ("fwd", "dgrad", "wgrad"):
-            t16 = _time_ms(bf16[g], reps)
-            t8 = _time_ms(fp8[g], reps) if shape_ok(r, m, n, k) else float("inf")
-            entry[g] = {"bf16_ms": round(t16, 4), "fp8_ms": round(t8, 4) if t8 != float("inf") else None,
-                        "fp8_faster": t8 < t16}
+        entry = _time_shape(r, m, n, k, reps=reps)
+        entry["name"] = name
         gemms[gemm_key(m, n, k)] = entry
-        del x, w, dy
     return {"version": 1, "device": torch.cuda.get_device_name(), "recipe": recipe, "grad_dtype": grad_dtype,
             "torch": torch.__version__, "gemms": gemms}
