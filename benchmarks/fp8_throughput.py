@@ -104,20 +104,14 @@ def run_hf(args, fp8: str | None) -> dict:
     return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def make_policy(args) -> None:
-    """`loongforge fp8 profile` of the benchmark's recipe (in-process: the same function the command runs)."""
-    import torch
-    from loongforge_megatron.fp8_profile import gemm_shapes, profile
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
+def make_policy(args, work: Path) -> None:
+    """``loongforge fp8 profile`` of the benchmark's recipe: the adaptive variant's policy file."""
+    import yaml
 
-    arch = Arch(**{**PRESETS[args.preset], "num_layers": args.layers})
-    policy = profile(gemm_shapes(arch, tp=1, tokens=args.mbs * args.seq), recipe=args.adaptive_recipe,
-                     grad_dtype=args.grad_dtype if args.adaptive_recipe == "tensorwise" else "e4m3")
-    Path(args.policy).write_text(json.dumps(policy, indent=1))
-    for key, e in policy["gemms"].items():
-        print("policy", e["name"], key, {g: e[g] for g in ("fwd", "dgrad", "wgrad")}, flush=True)
-    torch.cuda.synchronize()
+    grad = args.grad_dtype if args.adaptive_recipe == "tensorwise" else "e4m3"
+    (work / "adaptive.yaml").write_text(yaml.safe_dump(_recipe(args, {"recipe": args.adaptive_recipe, "grad_dtype": grad})))
+    subprocess.run([sys.executable, "-m", "loongforge", "fp8", "profile", str(work / "adaptive.yaml"), "-o", args.policy],
+                   timeout=args.timeout, check=False)
 
 
 def child(args) -> None:
@@ -186,10 +180,7 @@ def main() -> None:
     rows: dict = {}
     for name in args.variants.split(","):
         if name == "ours_fp8_adaptive" and not Path(args.policy).is_file():
-            subprocess.run([sys.executable, __file__, "--variant", "policy", "--json", "/dev/null", "--policy",
-                            args.policy, "--preset", args.preset, "--layers", str(args.layers), "--seq", str(args.seq),
-                            "--mbs", str(args.mbs), "--adaptive-recipe", args.adaptive_recipe,
-                            "--grad-dtype", args.grad_dtype], timeout=args.timeout, check=False)
+            make_policy(args, work)
         js = work / f"{name}.json"
         cmd = [sys.executable, __file__, "--variant", name, "--json", str(js), "--preset", args.preset,
                "--layers", str(args.layers), "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps", str(args.steps),
@@ -214,9 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--variant" in sys.argv and sys.argv[sys.argv.index("--variant") + 1] == "policy":
-        a = argparse.Namespace(**{k.lstrip("-").replace("-", "_"): v for k, v in zip(sys.argv[1::2], sys.argv[2::2], strict=False)})
-        a.layers, a.seq, a.mbs = int(a.layers), int(a.seq), int(a.mbs)
-        make_policy(a)
-    else:
-        main()
+    main()

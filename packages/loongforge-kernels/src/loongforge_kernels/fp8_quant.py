@@ -8,7 +8,8 @@ returned *decode* scale is ``1 / scale`` (what ``torch._scaled_mm`` takes). ``la
 ``n`` is ``(q, s)``; ``t`` is the quantization of ``x.T`` (``qt [C, R]`` contiguous, groups along the rows of
 ``x.T``, i.e. down the columns of ``x``), the operand a backward GEMM needs; ``nt`` is both from one read of ``x``
 where the groups allow (tensorwise: one amax pass, then one pass writing both; blockwise: one pass over 128x128
-tiles; rowwise: a row pass and a column pass, since their amaxes are different reductions).
+tiles; rowwise: a row pass for ``q``, and a column-amax pass then a tile pass for ``qt``, since the two are
+different reductions).
 
 The amax is fused into the quantize pass wherever the group fits one program (row, tile, block); tensorwise
 needs a global amax first (one reduction kernel with an atomic max, then the quantize kernel reads it on the
@@ -101,7 +102,8 @@ def _tile_kernel(
     BC: tl.constexpr,
 ):
     """One [BR, BC] tile of x -> q (N_MODE >= 0) and q.T (T_MODE >= 0). Modes: 0 the global amax in AMAX,
-    1 the tile's amax (128x128 blocks), 2 per row of the tile for q / per column for q.T (1x128 tiles)."""
+    1 the tile's amax (128x128 blocks), 2 per row of the tile for q / per column for q.T (1x128 tiles),
+    3 (q.T only) per column of x from the column amaxes in AMAX (rowwise scaling of x.T)."""
     pr = tl.program_id(0)
     pc = tl.program_id(1)
     rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
@@ -137,6 +139,11 @@ def _tile_kernel(
             scale = _scale_of(tl.max(tl.max(a, axis=1), axis=0), FMAX)
             tl.store(ST + pc * tl.cdiv(n_rows, BR) + pr, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale))
             q = _fp8_bits(x, scale, FMAX, IS_E4M3, HW_CVT)
+        elif T_MODE == 3:  # rowwise q.T: the column amaxes of x, from _col_amax_kernel
+            scale = _scale_of(tl.load(AMAX + cols, mask=cmask, other=0.0), FMAX)
+            if pr == 0:
+                tl.store(ST + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
+            q = _fp8_bits(x, scale[None, :], FMAX, IS_E4M3, HW_CVT)
         else:
             scale = _scale_of(tl.max(a, axis=0), FMAX)  # [BC]; q.T's scales stored [n_rows / 128, n_cols]
             tl.store(ST + pr * n_cols + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
@@ -167,25 +174,14 @@ def _row_kernel(X, Q, S, n_rows, n_cols, FMAX: tl.constexpr, IS_E4M3: tl.constex
 
 
 @jit
-def _col_kernel(X, QT, ST, n_rows, n_cols, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
-                BR: tl.constexpr, BC: tl.constexpr):
-    """BC columns: amax per column over n_rows in BR chunks, then q.T (rows of x.T) written transposed."""
-    cols = tl.program_id(0).to(tl.int64) * BC + tl.arange(0, BC)
+def _col_amax_kernel(X, AMAX, n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """Column amaxes of x (atomic max over row tiles, so tall matrices spread over the whole GPU)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
     cmask = cols < n_cols
-    amax = tl.zeros([BC], dtype=tl.float32)
-    for r0 in range(0, n_rows, BR):
-        rows = r0 + tl.arange(0, BR)
-        mask = (rows < n_rows)[:, None] & cmask[None, :]
-        x = _f32(tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0))
-        amax = tl.maximum(amax, tl.max(_abs_inf(x), axis=0))
-    scale = _scale_of(amax, FMAX)
-    for r0 in range(0, n_rows, BR):
-        rows = r0 + tl.arange(0, BR)
-        mask = (rows < n_rows)[:, None] & cmask[None, :]
-        x = _f32(tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0))
-        q = _fp8_bits(x, scale[None, :], FMAX, IS_E4M3, HW_CVT)
-        tl.store(QT + cols[:, None] * n_rows + rows[None, :], tl.trans(q), mask=cmask[:, None] & (rows < n_rows)[None, :])
-    tl.store(ST + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    x = _f32(tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0))
+    tl.atomic_max(AMAX + cols, tl.max(_abs_inf(x), axis=0), mask=cmask)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -222,9 +218,13 @@ def _triton_path(x: torch.Tensor, granularity: str, dtype: torch.dtype, layout: 
             br = 4 if hw else 16
             _row_kernel[(_cdiv(rows, br),)](x, u8(q), s, rows, cols, **kw, BR=br, BC=1024, num_warps=4)
             out += [q, s]
-        if want_t:
+        if want_t:  # column amaxes, then one tile pass writing q.T
             st = torch.empty(cols, 1, dtype=torch.float32, device=dev)
-            _col_kernel[(_cdiv(cols, 64),)](x, u8(qt), st, rows, cols, **kw, BR=64, BC=64, num_warps=4)
+            col_amax = torch.zeros(cols, dtype=torch.float32, device=dev)
+            grid = (_cdiv(rows, 64), _cdiv(cols, 64))
+            _col_amax_kernel[grid](x, col_amax, rows, cols, BR=64, BC=64, num_warps=4)
+            _tile_kernel[grid](x, col_amax, x, x, u8(qt), st, rows, cols, N_MODE=-1, T_MODE=3, **kw, BR=64, BC=64,
+                               num_warps=4)
             out += [qt, st]
         return tuple(out)
     mode = _MODE[granularity]
