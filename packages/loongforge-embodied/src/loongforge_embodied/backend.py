@@ -93,6 +93,13 @@ class EmbodiedBackend(Backend):
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         self.check_recipe(recipe)
+        fp8 = recipe.train.fp8
+        if fp8 is not None and fp8.policy:
+            raise RecipeError("train.fp8.policy (per-GEMM-shape FP8) is a megatron-backend setting; the embodied "
+                              "backend runs every eligible nn.Linear in FP8: remove train.fp8.policy", key="train.fp8.policy")
+        if fp8 is not None and recipe.train.compile:
+            raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "
+                              "from an autograd function); use one of them", key="train.fp8")
         plan = recipe.parallel.plan(world_size)
         plan.grad_accumulation(global_batch_size=recipe.train.global_batch_size,
                                micro_batch_size=recipe.train.micro_batch_size)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from loongforge.backend import Job
+from loongforge.errors import RecipeError
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -43,6 +44,24 @@ class EmbodiedJob(Job):
             raise
         self._ready = True
 
+    def _apply_fp8(self, raw: torch.nn.Module) -> None:
+        """``train.fp8``: the policy's ``nn.Linear`` layers run their GEMMs in FP8 (torchao-style module swap; the
+        parameters and checkpoints are unchanged); output heads named ``lm_head`` stay bf16 unless asked."""
+        from loongforge_kernels.fp8_linear import Fp8Recipe, convert_to_fp8, fp8_unavailable_reason
+
+        fp8 = self.recipe.train.fp8
+        if self.device.type != "cuda":
+            raise RecipeError(f"train.fp8 needs CUDA GPUs with FP8 tensor cores (compute capability 8.9+); this run "
+                              f"is on {self.device.type}", key="train.fp8")
+        reason = fp8_unavailable_reason(fp8.recipe, self.device)
+        if reason:
+            raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
+        skip = (lambda name, mod: False) if fp8.output_layer else (lambda name, mod: name.endswith("lm_head"))
+        swapped = convert_to_fp8(raw, Fp8Recipe(fp8.recipe, fp8.grad_dtype), skip=skip)
+        n = sum(1 for m in raw.modules() if isinstance(m, torch.nn.Linear))
+        self.log.info(f"[embodied] train.fp8 {fp8.recipe} (grads {fp8.grad_dtype}): {3 * len(swapped)} of {3 * n} "
+                      "GEMMs run in FP8")
+
     def _build(self) -> None:
         from loongforge_embodied import checkpoint
         from loongforge_embodied.data.dataset import build_loader
@@ -73,6 +92,8 @@ class EmbodiedJob(Job):
             for m in raw.components()[name]:
                 m.requires_grad_(False)
         raw.to(self.device)
+        if t.fp8 is not None:
+            self._apply_fp8(raw)
         if rt.plan.recompute == "full":
             raw.enable_activation_checkpointing()
         from loongforge_embodied.backend import CUDA_GRAPH_MODES

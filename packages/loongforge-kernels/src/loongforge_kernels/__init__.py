@@ -9,6 +9,7 @@ from __future__ import annotations
 from loongforge_kernels._dispatch import KernelUnavailableError
 from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
 from loongforge_kernels.fp8_delta import apply_fp8_deltas, encode_fp8_delta
+from loongforge_kernels.fp8_quant import fp8_quantize
 from loongforge_kernels.moe_permute import moe_permute, moe_unpermute
 from loongforge_kernels.moe_router import moe_router_topk
 from loongforge_kernels.rms_norm import RMSNorm, rms_norm
@@ -24,6 +25,7 @@ __all__ = [
     "apply_rope",
     "dsa_topk_indices",
     "encode_fp8_delta",
+    "fp8_quantize",
     "fused_linear_cross_entropy",
     "moe_permute",
     "moe_router_topk",

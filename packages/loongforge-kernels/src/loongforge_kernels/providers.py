@@ -21,12 +21,14 @@ OPS = (
     "moe_unpermute",
     "sparse_mla_attention",
     "moe_router_topk",
+    "fp8_quantize",
 )
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
     from loongforge_kernels import (
         apply_rope,
+        fp8_quantize,
         fused_linear_cross_entropy,
         moe_permute,
         moe_router_topk,
@@ -45,6 +47,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         moe_unpermute,
         sparse_mla_attention,
         moe_router_topk,
+        fp8_quantize,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 

@@ -222,3 +222,36 @@ def moe_router_topk_ref(
     if scaling_factor:
         probs = probs * scaling_factor
     return probs.to(logits.dtype), idx
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_AMAX_EPS = 1e-12  # amax floor (torchao's EPS): an all-zero block gets a finite scale
+
+
+def fp8_quantize_ref(x: torch.Tensor, granularity: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current-scaling FP8 quantization of a 2-D ``x``: ``(q, decode_scale)`` with ``x ~ q * decode_scale``.
+
+    Per group (the whole tensor, a row, a 1x128 tile of a row, or a 128x128 block; the last tile / block of a
+    ragged dimension is partial): ``scale = fp8_max / max(amax, 1e-12)`` in fp32, ``q = fp8(clamp(x * scale))``
+    (round to nearest even), ``decode_scale = 1 / scale``. Scale shapes: ``()``, ``[R, 1]``,
+    ``[R, ceil(C / 128)]``, ``[ceil(R / 128), ceil(C / 128)]``. Non-finite input gives non-finite scales.
+    """
+    fmax = FP8_MAX[dtype]
+    xf = x.float()
+    rows, cols = xf.shape
+    if granularity == "tensor":
+        amax = xf.abs().amax()
+    elif granularity == "row":
+        amax = xf.abs().amax(dim=1, keepdim=True)
+    elif granularity in ("block1x128", "block128x128"):
+        br = 128 if granularity == "block128x128" else 1
+        padded = F.pad(xf.abs(), (0, -cols % 128, 0, -rows % br))
+        amax = padded.view(padded.shape[0] // br, br, padded.shape[1] // 128, 128).amax(dim=(1, 3))
+    else:
+        raise ValueError(f"fp8 granularity {granularity!r}; allowed: tensor, row, block1x128, block128x128")
+    # NOTE: torch.div, not ``fmax / t`` (Tensor.__rtruediv__ multiplies by the reciprocal: not IEEE division)
+    scale = torch.div(torch.full_like(amax, fmax), amax.clamp(min=FP8_AMAX_EPS))
+    full = scale
+    if granularity.startswith("block"):
+        br = 128 if granularity == "block128x128" else 1
+        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    q = (xf * full).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()

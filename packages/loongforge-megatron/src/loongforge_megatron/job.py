@@ -91,6 +91,8 @@ class MegatronJob(Job):
         # what one sample is made of, for the schedules and the throughput metrics: tokens, or a DiT's latent patches
         self.seq_length = arch.num_patches if arch.is_dit else recipe.data.seq_length
         self.loss_key = "lm loss"
+        if recipe.train.fp8 is not None:
+            self._check_fp8()
         if arch.is_dit:
             self._build_dit()
         else:
@@ -274,6 +276,34 @@ class MegatronJob(Job):
             from loongforge_megatron.lora import apply_lora
 
             self.lora = apply_lora(chunks, recipe.train.lora, seed=recipe.train.seed)
+        if recipe.train.fp8 is not None:
+            from loongforge_megatron.spec.fp8 import apply_fp8
+
+            fp8 = recipe.train.fp8
+            tokens = recipe.train.micro_batch_size * self.seq_length // self.plan.cp
+            n8, n = apply_fp8(chunks, fp8, tokens=tokens)
+            if self.runtime.is_main:
+                self.log.info(f"[megatron] train.fp8 {fp8.recipe} (grads {fp8.grad_dtype}): {n8} of {n} GEMMs run in FP8"
+                              + (f" (policy {fp8.policy})" if fp8.policy else ""))
+
+    def _check_fp8(self) -> None:
+        """``train.fp8`` needs FP8 tensor cores (CUDA, compute capability >= 8.9; blockwise: Hopper) and ours or
+        megatron's local spec (TransformerEngine's layers have their own FP8, not wired here)."""
+        fp8 = self.recipe.train.fp8
+        if self.acc.device_type != "cuda":
+            raise RecipeError(f"train.fp8 needs CUDA GPUs with FP8 tensor cores (compute capability 8.9+); this run is "
+                              f"on {self.acc.device_type}", key="train.fp8")
+        from loongforge_kernels.fp8_linear import fp8_unavailable_reason
+
+        reason = fp8_unavailable_reason(fp8.recipe, self.device)
+        if reason:
+            raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
+        if getattr(self, "spec_name", None) == "te" or self.recipe.kernels.spec == "te":
+            raise RecipeError("train.fp8 runs on the loongforge or local spec (kernels.spec te has TransformerEngine's "
+                              "own FP8, not wired here)", key="train.fp8")
+        if self.recipe.train.compile:
+            raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "
+                              "from an autograd function); use one of them", key="train.fp8")
 
     def _spec_name(self) -> str:
         """auto: TransformerEngine's spec when TE is installed and the recipe neither loads / exports HF weights nor

@@ -95,6 +95,23 @@ class LoraConfig(Section):
     targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
 
 
+class Fp8Config(Section):
+    """FP8 GEMMs with current scaling (no TransformerEngine): the decoder's linears; CUDA, compute capability >= 8.9."""
+
+    recipe: Literal["tensorwise", "rowwise", "blockwise"] = Field(
+        "tensorwise", description="scales per tensor, per row, or DeepSeek-V3 blocks (1x128 activations / 128x128 weights)")
+    grad_dtype: Literal["e4m3", "e5m2"] = Field("e4m3", description="FP8 format of the gradients (forward is E4M3)")
+    policy: str | None = Field(None, description="policy file of 'loongforge fp8 profile': FP8 only for the GEMMs it "
+                               "measured faster; default every GEMM in FP8")
+    output_layer: bool = Field(False, description="the output layer's GEMMs in FP8 too (default bf16)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Fp8Config:
+        if self.recipe == "blockwise" and self.grad_dtype != "e4m3":
+            raise ValueError("blockwise takes grad_dtype e4m3 (the blockwise GEMMs are E4M3 only)")
+        return self
+
+
 class TrainConfig(Section):
     """Optimisation. The global batch is fixed by the recipe; more processes split it."""
 
@@ -121,6 +138,7 @@ class TrainConfig(Section):
     eval_interval: int | None = Field(None, ge=1)
     eval_steps: int = Field(1, ge=1)
     lora: LoraConfig | None = None
+    fp8: Fp8Config | None = None
     compile: bool = Field(False, description="torch.compile the model: per wrap unit (embodied), per transformer layer (megatron DiT)")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"

@@ -1,0 +1,208 @@
+"""FP8 training throughput on one GPU: LoongForge's megatron backend in bf16 and with train.fp8 (tensorwise,
+rowwise, blockwise, and adaptive: the policy of `loongforge fp8 profile`) vs torchao float8 training (tensorwise,
+rowwise) on HF transformers + torch.compile, same model shape, sequence length and micro-batch.
+
+    python benchmarks/fp8_throughput.py --preset llama3.1-8b --layers 8 --seq 8192 --steps 20 --out FILE
+
+Every variant runs in its own process. Ours start from the same random init (same seed) and train on the same
+synthetic tokens, so their losses compare directly (FP8 vs bf16 after N steps); the torchao rows are an HF model of
+the same shape (its own random init), reported for throughput and with their own loss. Median tokens/s after
+warm-up; ratios print last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OURS = {"ours_bf16": None, "ours_fp8_tensorwise": "tensorwise", "ours_fp8_rowwise": "rowwise",
+        "ours_fp8_blockwise": "blockwise", "ours_fp8_adaptive": "adaptive"}
+TORCHAO = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise", "hf_compile_bf16": None}
+
+
+def _recipe(args, fp8: dict | None) -> dict:
+    train = {"stage": "pretrain", "steps": args.steps, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
+             "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0, "precision": "bf16", "seed": 1}
+    if fp8 is not None:
+        train["fp8"] = fp8
+    return {"backend": "megatron", "model": {"preset": args.preset, "num_layers": args.layers},
+            "data": {"format": "synthetic", "seq_length": args.seq}, "train": train,
+            "checkpoint": {"save_at_end": False}, "accelerator": "cuda", "kernels": {"spec": "loongforge"},
+            "logging": {"tensorboard": False, "interval": 5}}
+
+
+def run_ours(args, fp8: str | None) -> dict:
+    import loongforge
+    import torch
+    import yaml
+
+    tmp = Path(tempfile.mkdtemp())
+    section = None
+    if fp8 == "adaptive":
+        section = {"recipe": args.adaptive_recipe, "policy": str(args.policy)}
+    elif fp8:
+        section = {"recipe": fp8, "grad_dtype": args.grad_dtype if fp8 == "tensorwise" else "e4m3"}
+    (tmp / "r.yaml").write_text(yaml.safe_dump(_recipe(args, section)))
+    job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for _ in range(args.steps):
+        m = job.step()
+        losses.append(m["loss"])
+        times.append(m["step_time"])
+    peak = torch.cuda.max_memory_allocated()
+    job.close()
+    return {"losses": losses, "times": times, "peak_gib": peak / 2**30}
+
+
+def run_hf(args, fp8: str | None) -> dict:
+    import torch
+    import transformers as tf
+    from loongforge_megatron.models.arch import Arch
+    from loongforge_megatron.models.presets import PRESETS
+    from loongforge_megatron.models.translate import hf_config
+
+    cfg = hf_config(Arch(**{**PRESETS[args.preset], "num_layers": args.layers}), torch_dtype="float32")
+    config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.config.use_cache = False
+    if fp8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8),
+                                   module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    fwd = torch.compile(model)
+    vocab = config.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for _ in range(args.steps):
+        tokens = torch.randint(0, vocab, (args.mbs, args.seq + 1), device="cuda", generator=gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fwd(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def make_policy(args, work: Path) -> None:
+    """``loongforge fp8 profile`` of the benchmark's recipe: the adaptive variant's policy file."""
+    import yaml
+
+    grad = args.grad_dtype if args.adaptive_recipe == "tensorwise" else "e4m3"
+    (work / "adaptive.yaml").write_text(yaml.safe_dump(_recipe(args, {"recipe": args.adaptive_recipe, "grad_dtype": grad})))
+    subprocess.run([sys.executable, "-m", "loongforge", "fp8", "profile", str(work / "adaptive.yaml"), "-o", args.policy],
+                   timeout=args.timeout, check=False)
+
+
+def child(args) -> None:
+    try:
+        if args.variant in OURS:
+            out = run_ours(args, OURS[args.variant])
+        else:
+            out = run_hf(args, TORCHAO[args.variant])
+    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
+        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"}
+    Path(args.json).write_text(json.dumps(out))
+
+
+def render(args, rows: dict, device: str) -> str:
+    lines = [f"## {args.preset}, {args.layers} layers, seq {args.seq}, micro-batch {args.mbs}, one {device}, "
+             f"{time.strftime('%Y-%m-%d')}", "",
+             f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Loss: ours vs ours_bf16 at the "
+             "last step (same init and tokens); torchao rows: their own model init.", "",
+             "| variant | tokens/s | peak GiB | loss step 1 → last | last loss vs ours_bf16 |", "|---|---|---|---|---|"]
+    base = rows.get("ours_bf16", {})
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | |")
+            continue
+        rel = ""
+        if name.startswith("ours") and "losses" in base:
+            rel = f"{(r['losses'][-1] - base['losses'][-1]) / base['losses'][-1]:+.2%}"
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} | "
+                     f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | {rel} |")
+    lines.append("")
+    tps = {k: v["tokens_per_s"] for k, v in rows.items() if "tokens_per_s" in v}
+    for name in [k for k in tps if k.startswith("ours_fp8")]:
+        parts = []
+        for peer in ("ours_bf16", "torchao_tensorwise", "torchao_rowwise", "hf_compile_bf16"):
+            if peer in tps:
+                parts.append(f"{tps[name] / tps[peer]:.2f}x {peer}")
+        lines.append(f"{name}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama3.1-8b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--grad-dtype", default="e4m3", help="ours tensorwise: gradient FP8 format")
+    p.add_argument("--adaptive-recipe", default="tensorwise")
+    p.add_argument("--variants", default=",".join([*OURS, "torchao_tensorwise", "torchao_rowwise"]))
+    p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
+    p.add_argument("--out", default=None, help="append the table (markdown) to this file")
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    p.add_argument("--policy", default=None)
+    args = p.parse_args()
+    if args.variant:
+        return child(args)
+
+    import torch
+
+    work = Path(tempfile.mkdtemp())
+    args.policy = args.policy or str(work / "fp8_policy.json")
+    device = torch.cuda.get_device_name()
+    rows: dict = {}
+    for name in args.variants.split(","):
+        if name == "ours_fp8_adaptive" and not Path(args.policy).is_file():
+            make_policy(args, work)
+        js = work / f"{name}.json"
+        cmd = [sys.executable, __file__, "--variant", name, "--json", str(js), "--preset", args.preset,
+               "--layers", str(args.layers), "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps", str(args.steps),
+               "--grad-dtype", args.grad_dtype, "--adaptive-recipe", args.adaptive_recipe, "--policy", args.policy]
+        t0 = time.time()
+        try:
+            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        res = json.loads(js.read_text()) if js.is_file() else {"error": f"no result (crashed or > {args.timeout} s)"}
+        res["wall_s"] = time.time() - t0
+        if "times" in res:
+            res["tokens_per_s"] = args.mbs * args.seq / statistics.median(res["times"][args.warmup:])
+        rows[name] = res
+        print(name, {k: v for k, v in res.items() if k not in ("losses", "times")}, flush=True)
+    text = render(args, rows, device)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

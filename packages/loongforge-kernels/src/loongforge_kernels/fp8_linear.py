@@ -1,0 +1,213 @@
+"""FP8 linear layers with current scaling: the three GEMMs of ``y = x @ W.T`` in FP8 through ``torch._scaled_mm``.
+
+Every GEMM is written ``A [M, Kc] @ B [N, Kc].T`` with both operands quantized along their contraction dim
+``Kc`` (``fp8_quantize``; B's scale passed transposed, which is each scaled-mm mode's expected layout):
+
+- forward ``y = x @ W.T``: A = x, B = W (E4M3 both);
+- input grad ``dx = dy @ W``: A = dy (``grad_dtype``), B = W.T, i.e. W transpose-quantized;
+- weight grad ``dW = dy.T @ x``: A = dy.T, B = x.T (both transpose-quantized).
+
+Recipes (``Fp8Recipe.recipe``): ``tensorwise`` (one scale per tensor; torchao's default), ``rowwise`` (one per
+row of each operand along the contraction; torchao's ``rowwise``), ``blockwise`` (DeepSeek-V3: 1x128 tiles of
+activations and gradients, 128x128 blocks of weights; cuBLAS has this kernel on Hopper only). The forward
+quantizes x and W once in both layouts it needs and saves only the FP8 copies for the backward.
+
+``gemms`` (fwd, dgrad, wgrad) picks which of the three run in FP8 (the adaptive policy's per-GEMM answer); a
+GEMM whose shape the FP8 kernel cannot take (dims not multiples of 16, or of 128 for blockwise) runs in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loongforge_kernels.fp8_quant import fp8_quantize
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+GRAD_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# (activation, weight, gradient) granularity per recipe
+_GRANULARITY = {
+    "tensorwise": ("tensor", "tensor", "tensor"),
+    "rowwise": ("row", "row", "row"),
+    "blockwise": ("block1x128", "block128x128", "block1x128"),
+}
+ALL_FP8 = (True, True, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How the FP8 GEMMs scale: ``recipe`` (tensorwise | rowwise | blockwise) and the gradients' FP8 format."""
+
+    recipe: str = "tensorwise"
+    grad_dtype: str = "e4m3"
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"fp8 grad_dtype {self.grad_dtype!r}; allowed: e4m3, e5m2")
+        if self.recipe == "blockwise" and self.grad_dtype != "e4m3":
+            raise ValueError("fp8 recipe blockwise takes grad_dtype e4m3 (cuBLAS's blockwise GEMMs are E4M3 only)")
+
+    @property
+    def granularity(self) -> tuple[str, str, str]:
+        return _GRANULARITY[self.recipe]
+
+    @property
+    def align(self) -> int:
+        """Every dim of every GEMM must be a multiple of this (each dim is some GEMM's contraction)."""
+        return 128 if self.recipe == "blockwise" else 16
+
+
+def fp8_unavailable_reason(recipe: str = "tensorwise", device: Any = None) -> str | None:
+    """None when this process can run ``recipe``'s FP8 GEMMs on ``device`` (default the current GPU), else why."""
+    if not torch.cuda.is_available():
+        return "FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer; this process sees no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if (major, minor) < (8, 9):
+        return f"FP8 GEMMs need compute capability 8.9 or newer; {name} is {major}.{minor}"
+    if recipe == "blockwise" and major != 9:
+        return f"blockwise FP8 GEMMs (1x128 / 128x128 scales) have a kernel on Hopper (9.0) only; {name} is {major}.{minor}"
+    if recipe in ("rowwise", "blockwise") and torch.version.cuda and _version(torch.version.cuda) < (12, 9):
+        return f"{recipe} FP8 GEMMs need torch built with CUDA 12.9 or newer (cuBLAS scale modes); this is {torch.version.cuda}"
+    return None
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:2])
+
+
+def _scaled_mm(a, sa, b, sb, out_dtype, fast_accum):
+    """``a [M, Kc] @ b [N, Kc].T`` from FP8 operands and their decode scales (b's scale passed transposed)."""
+    return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def shape_ok(recipe: Fp8Recipe, *dims: int) -> bool:
+    return all(d > 0 and d % recipe.align == 0 for d in dims)
+
+
+def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool):
+    """``x [M, K] @ weight [N, K].T`` and what the backward needs: the FP8 transposed copies (or bf16 tensors
+    for a backward GEMM that stays bf16). Returns ``(y, saved)``; hand ``saved`` to :func:`fp8_backward`."""
+    g_act, g_w, _ = recipe.granularity
+    fwd8, dgrad8, wgrad8 = gemms
+    e4m3 = torch.float8_e4m3fn
+    saved: list[torch.Tensor | None] = [None] * 6  # xt, xt scale, wt, wt scale, x (bf16 wgrad), w (bf16 dgrad)
+    xs = ws = ()
+    lay = ("n" if fwd8 else "") + ("t" if need_dw and wgrad8 else "")
+    if lay:
+        xs = fp8_quantize(x, g_act, e4m3, layout=lay, check_finite=False)
+        if "t" in lay:
+            saved[0], saved[1] = xs[-2], xs[-1]
+    lay = ("n" if fwd8 else "") + ("t" if need_dx and dgrad8 else "")
+    if lay:
+        ws = fp8_quantize(weight, g_w, e4m3, layout=lay, check_finite=False)
+        if "t" in lay:
+            saved[2], saved[3] = ws[-2], ws[-1]
+    if fwd8:
+        y = _scaled_mm(xs[0], xs[1], ws[0], ws[1], x.dtype, recipe.recipe != "blockwise")
+    else:
+        y = x @ weight.t().to(x.dtype)
+    if need_dw and not wgrad8:
+        saved[4] = x
+    if need_dx and not dgrad8:
+        saved[5] = weight
+    return y, saved
+
+
+def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
+                 w_dtype: torch.dtype):
+    """``(dx, dw)`` of :func:`fp8_forward` for the output grad ``dy [M, N]`` (None where not needed)."""
+    xt, sxt, wt, swt, x_hp, w_hp = saved
+    _, dgrad8, wgrad8 = gemms
+    dy = dy.contiguous()
+    dx = dw = None
+    lay = ("n" if need_dx and dgrad8 else "") + ("t" if need_dw and wgrad8 else "")
+    gs = fp8_quantize(dy, recipe.granularity[2], GRAD_DTYPES[recipe.grad_dtype], layout=lay,
+                      check_finite=False) if lay else ()
+    if need_dx:
+        dx = _scaled_mm(gs[0], gs[1], wt, swt, dy.dtype, False) if dgrad8 else dy @ w_hp.to(dy.dtype)
+    if need_dw:
+        dw = (_scaled_mm(gs[-2], gs[-1], xt, sxt, dy.dtype, False) if wgrad8 else dy.t() @ x_hp).to(w_dtype)
+    return dx, dw
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """``x [M, K] @ weight [N, K].T`` with the GEMMs flagged in ``gemms`` (fwd, dgrad, wgrad) in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool]):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        y, saved = fp8_forward(x, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw)
+        ctx.recipe, ctx.gemms, ctx.w_dtype = recipe, gemms, weight.dtype
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = fp8_backward(dy, ctx.saved_tensors, ctx.recipe, ctx.gemms, need_dx=need_dx, need_dw=need_dw,
+                              w_dtype=ctx.w_dtype)
+        return dx, dw, None, None
+
+
+def fp8_matmul(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
+               gemms: tuple[bool, bool, bool] = ALL_FP8) -> torch.Tensor:
+    """``x2d @ weight.T`` with FP8 GEMMs where ``gemms`` says and the shape allows, bf16 elsewhere."""
+    m, k = x2d.shape
+    n = weight.shape[0]
+    if not any(gemms) or not shape_ok(recipe, m, n, k):
+        return x2d @ weight.t().to(x2d.dtype)
+    return Fp8Matmul.apply(x2d, weight, recipe, tuple(gemms))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe: Fp8Recipe,
+               gemms: tuple[bool, bool, bool] = ALL_FP8) -> torch.Tensor:
+    """``F.linear`` with FP8 GEMMs: any leading dims, bias added in the output dtype."""
+    y = fp8_matmul(x.reshape(-1, x.shape[-1]), weight, recipe, gemms).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class Fp8Linear(torch.nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 (same parameters and state dict); ``from_linear`` swaps in place."""
+
+    fp8_recipe: Fp8Recipe
+    fp8_gemms: tuple[bool, bool, bool] = ALL_FP8
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, recipe: Fp8Recipe,
+                    gemms: tuple[bool, bool, bool] = ALL_FP8) -> Fp8Linear:
+        linear.__class__ = cls
+        linear.fp8_recipe, linear.fp8_gemms = recipe, tuple(gemms)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cuda":  # NOTE: CPU forward (export, eval on host) keeps the plain linear
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, gemms=self.fp8_gemms)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.recipe}, gemms={self.fp8_gemms}"
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: Fp8Recipe, *, skip=lambda name, module: False,
+                   gemms_for=lambda name, module: ALL_FP8) -> list[str]:
+    """Swap every ``nn.Linear`` of ``model`` (not those ``skip(name, module)`` names, nor ones whose weight
+    shape the recipe cannot take) for :class:`Fp8Linear`; returns the swapped names.
+
+    ``gemms_for(name, module)`` gives each layer's (fwd, dgrad, wgrad) FP8 flags (the adaptive policy)."""
+    swapped = []
+    for name, mod in model.named_modules():
+        if type(mod) is not torch.nn.Linear or skip(name, mod):
+            continue
+        if not shape_ok(recipe, *mod.weight.shape):
+            continue
+        gemms = tuple(gemms_for(name, mod))
+        if any(gemms):
+            Fp8Linear.from_linear(mod, recipe, gemms)
+            swapped.append(name)
+    return swapped

@@ -1,0 +1,155 @@
+"""FP8 column- / row-parallel linears (``train.fp8``): megatron's TP linears with their GEMMs in FP8.
+
+The model is built as usual; :func:`apply_fp8` then gives each decoder ``ColumnParallelLinear`` /
+``RowParallelLinear`` an FP8 subclass (same parameters, state dict and checkpoints; torchao's module-swap idea).
+The subclass replaces only ``_forward_impl``, megatron's linear-with-communication: under sequence parallelism
+the column-parallel input is all-gathered in the forward and its grad reduce-scattered in the backward; without
+it the input grad is all-reduced over TP (``allreduce_dgrad``); row-parallel output reductions stay in megatron's
+``forward``. The weight gradient goes into ``main_grad`` under gradient-accumulation fusion, as megatron's.
+The output layer stays bf16 unless ``train.fp8.output_layer``; embeddings are lookups, not GEMMs.
+
+A policy file (``loongforge fp8 profile``) says per GEMM shape which of the three GEMMs are faster in FP8;
+layers it does not list, or lists as slower, stay bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _Fp8TPLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad_fusion, allreduce_dgrad, sequence_parallel, tp_group, recipe, gemms):
+        from loongforge_kernels.fp8_linear import fp8_forward
+        from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+        total = _gather_along_first_dim(input, group=tp_group) if sequence_parallel else input
+        x2d = total.reshape(-1, total.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        y, saved = fp8_forward(x2d, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw)
+        ctx.save_for_backward(*saved, weight)
+        ctx.cfg = (recipe, gemms, main_grad_fusion and hasattr(weight, "main_grad"), allreduce_dgrad,
+                   sequence_parallel, tp_group, total.shape, bias is not None)
+        out = y.view(*total.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from loongforge_kernels.fp8_linear import fp8_backward
+        from megatron.core.tensor_parallel.mappings import _reduce_scatter_along_first_dim
+
+        *saved, weight = ctx.saved_tensors
+        recipe, gemms, fused, allreduce_dgrad, sp, tp_group, total_shape, has_bias = ctx.cfg
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        dx, dw = fp8_backward(dy, saved, recipe, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=weight.dtype)
+        if dx is not None:
+            dx = dx.view(total_shape)
+            if sp:
+                dx = _reduce_scatter_along_first_dim(dx, group=tp_group)
+            elif allreduce_dgrad:
+                torch.distributed.all_reduce(dx, group=tp_group)
+        if dw is not None and fused:
+            weight.main_grad.add_(dw)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                # NOTE: as megatron's linear: a dummy grad keeps DDP's backward hooks on the main thread
+                dw = torch.zeros(weight.main_grad.shape, dtype=dy.dtype, device=dy.device) \
+                    if getattr(weight, "zero_out_wgrad", False) else torch.empty(weight.main_grad.shape, dtype=dy.dtype, device=dy.device)
+                weight.grad_added_to_main_grad = True
+            else:
+                dw = None
+        db = dy.sum(0) if has_bias else None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+class Fp8ParallelLinear:
+    """Mixin over megatron's Column/RowParallelLinear: ``_forward_impl`` in FP8 on CUDA for trainable weights."""
+
+    fp8_recipe: Any
+    fp8_gemms: tuple[bool, bool, bool] = (True, True, True)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                      sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
+                      gtp_remat_size=1, **kwargs):
+        if (not weight.requires_grad or input.device.type != "cuda" or grad_output_buffer is not None
+                or gtp_remat_size > 1):
+            return super()._forward_impl(
+                input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
+                gtp_remat_size=gtp_remat_size, **kwargs)
+        from loongforge_kernels.fp8_linear import shape_ok
+
+        tp_group = tp_group if tp_group is not None else self.tp_group
+        m = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
+        if not shape_ok(self.fp8_recipe, m, *weight.shape):  # e.g. an expert's token count: bf16 this call
+            return super()._forward_impl(
+                input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, grad_output_buffer=None,
+                wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, gtp_remat_size=gtp_remat_size, **kwargs)
+        return _Fp8TPLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                                  tp_group, self.fp8_recipe, self.fp8_gemms)
+
+
+@functools.cache
+def fp8_class(base: type) -> type:
+    """The FP8 subclass of a megatron parallel linear class (one per base, so isinstance checks still hold)."""
+    return type(f"Fp8{base.__name__}", (Fp8ParallelLinear, base), {})
+
+
+def gemm_key(m: int, n: int, k: int) -> str:
+    """A policy file's key for ``y [m, n] = x [m, k] @ W [n, k].T``."""
+    return f"{m}x{n}x{k}"
+
+
+def load_policy(path: str | Path) -> dict[str, Any]:
+    from loongforge.errors import RecipeError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        data["gemms"]
+    except FileNotFoundError:
+        raise RecipeError(f"'{path}' does not exist (write it with: loongforge fp8 profile RECIPE)",
+                          key="train.fp8.policy") from None
+    except (ValueError, KeyError, TypeError):
+        raise RecipeError(f"'{path}' is not a policy file of 'loongforge fp8 profile'", key="train.fp8.policy") from None
+    return data
+
+
+def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_name: str | None = None) -> tuple[int, int]:
+    """Swap the decoder's TP linears of ``chunks`` to FP8 per ``fp8`` (a ``train.fp8`` section); ``tokens`` is
+    the GEMMs' M (micro-batch tokens of this rank, gathered under SP). Returns (FP8 GEMMs, all GEMMs), three
+    per linear."""
+    from loongforge_kernels.fp8_linear import Fp8Recipe, shape_ok
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    recipe = Fp8Recipe(fp8.recipe, fp8.grad_dtype)
+    policy = load_policy(fp8.policy)["gemms"] if fp8.policy else None
+    n_fp8 = n_all = 0
+    for chunk in chunks:
+        for name, mod in chunk.named_modules():
+            if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or isinstance(mod, Fp8ParallelLinear):
+                continue
+            if name.rsplit(".", 1)[-1] == "output_layer" and not fp8.output_layer:
+                continue
+            if getattr(mod, "weight", None) is None or not mod.weight.requires_grad:
+                continue
+            n_all += 3
+            nw, kw = mod.weight.shape
+            if not shape_ok(recipe, tokens, nw, kw):
+                continue
+            gemms = (True, True, True)
+            if policy is not None:
+                entry = policy.get(gemm_key(tokens, nw, kw))
+                gemms = tuple(bool(entry and entry.get(g, {}).get("fp8_faster")) for g in ("fwd", "dgrad", "wgrad"))
+            if not any(gemms):
+                continue
+            mod.__class__ = fp8_class(type(mod))
+            mod.fp8_recipe, mod.fp8_gemms = recipe, gemms
+            n_fp8 += sum(gemms)
+    return n_fp8, n_all

@@ -1,0 +1,82 @@
+"""train.fp8 on the megatron backend without a GPU: recipe checks, the one-line CPU error, the fp8 command's
+registration, the GEMM shapes the profile times and the policy file's errors. ``loongforge_kernels``'
+``test_gpu_fp8.py`` and ``benchmarks/fp8_throughput.py`` run the FP8 GEMMs on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+TINY = {
+    "backend": "megatron",
+    "model": {"family": "llama", "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 128,
+              "num_attention_heads": 4, "vocab_size": 256},
+    "data": {"format": "synthetic", "seq_length": 32},
+    "train": {"steps": 1, "global_batch_size": 1, "fp8": {"recipe": "rowwise"}},
+    "checkpoint": {"save_at_end": False},
+    "accelerator": "cpu",
+}
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, "-m", "loongforge", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_fp8_recipe_on_cpu_fails_with_one_line(tmp_path):
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
+    r = _cli("train", "r.yaml", "--output", "out", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "train.fp8" in lines[-1] and "cpu" in lines[-1], lines[-3:]
+    assert "Traceback" not in r.stderr
+
+
+def test_fp8_section_is_validated():
+    from loongforge.recipe.schema import TrainConfig
+    from pydantic import ValidationError
+
+    assert TrainConfig(fp8={}).fp8.recipe == "tensorwise"
+    with pytest.raises(ValidationError, match="blockwise takes grad_dtype e4m3"):
+        TrainConfig(fp8={"recipe": "blockwise", "grad_dtype": "e5m2"})
+    with pytest.raises(ValidationError, match="tensorwise"):
+        TrainConfig(fp8={"recipe": "delayed"})
+
+
+def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
+    assert "fp8" in _cli("--help", cwd=tmp_path).stdout
+    r = _cli("fp8", "profile", "r.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "train.fp8" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def test_gemm_shapes_follow_the_tp_split():
+    from loongforge_megatron.fp8_profile import gemm_shapes
+    from loongforge_megatron.models.arch import Arch
+    from loongforge_megatron.models.presets import PRESETS
+
+    arch = Arch(**{**PRESETS["llama3.1-8b"], "num_layers": 8})
+    assert gemm_shapes(arch, tp=1, tokens=8192) == {
+        "qkv": (8192, 6144, 4096), "proj": (8192, 4096, 4096), "fc1": (8192, 28672, 4096), "fc2": (8192, 4096, 14336)}
+    s2 = gemm_shapes(arch, tp=2, tokens=8192, output_layer=True)
+    assert s2["qkv"] == (8192, 3072, 4096) and s2["fc2"] == (8192, 4096, 7168) and s2["output"][1] == 128256 // 2
+
+
+def test_policy_file_errors_name_the_key(tmp_path):
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.spec.fp8 import load_policy
+
+    with pytest.raises(RecipeError, match="train.fp8.policy.*does not exist"):
+        load_policy(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(RecipeError, match="not a policy file"):
+        load_policy(tmp_path / "bad.json")
+    (tmp_path / "ok.json").write_text(json.dumps({"gemms": {}}))
+    assert load_policy(tmp_path / "ok.json") == {"gemms": {}}
