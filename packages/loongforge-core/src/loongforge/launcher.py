@@ -128,18 +128,27 @@ def _torchrun(argv: list[str]) -> int:
         sys.stderr.write(f"error: training stopped by {signal.Signals(exc.sigval).name}\n")
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        failures = sorted(exc.failures.items())
-        codes = [f.exitcode if isinstance(f.exitcode, int) else 1 for _, f in failures]
-        if any(c > 0 for c in codes):
-            # NOTE: a rank failed on its own (its error is on stderr); ranks torchrun then stopped with a signal
-            # are its clean-up, not another cause.
-            return max(c for c in codes if c > 0)
-        for (rank, failure), code in zip(failures, codes, strict=True):
-            if code < 0:  # NOTE: killed by a signal (OOM killer, segfault): nothing of its own reached stderr
-                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-                sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
-        return max((128 - c for c in codes if c < 0), default=1)
+        return _failed_exit_code(exc.failures)
     return 0
+
+
+def _failed_exit_code(failures: dict) -> int:
+    """The launcher's exit code for torchrun's ``failures`` (local rank -> ProcessFailure, in the order seen)."""
+    codes = [(rank, f, f.exitcode if isinstance(f.exitcode, int) else 1) for rank, f in failures.items()]
+    if any(c > 0 for _, _, c in codes):
+        # NOTE: a rank failed on its own (its error is on stderr); ranks torchrun then stopped with a signal
+        # are its clean-up, not another cause.
+        return max(c for _, _, c in codes if c > 0)
+    killed = [(i, rank, f, c) for i, (rank, f, c) in enumerate(codes) if c < 0]
+    if not killed:
+        return 1
+    # NOTE: torch records the ranks it stopped itself (SIGTERM, SIGKILL after its grace period) after the one that
+    # died first, in the order it saw them: the cause is the first one seen, and never a SIGTERM of its clean-up
+    # when another signal is there (an OOM kill's SIGKILL exits 137, not torchrun's 143).
+    _, rank, failure, code = min(killed, key=lambda k: (k[3] == -signal.SIGTERM, k[0]))
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
+    return 128 - code
 
 
 if __name__ == "__main__":
