@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,11 @@ def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Pat
         if config.rdzv_id:
             cmd.append(f"--rdzv-id={config.rdzv_id}")
     elif str(config.nnodes) == "1":
-        cmd.append("--standalone")
+        # NOTE: torchrun's --standalone, with its stores on 127.0.0.1 only (loongforge.loopback_rendezvous)
+        from loongforge.loopback_rendezvous import BACKEND
+
+        cmd += [f"--rdzv-backend={BACKEND}", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
+                "--local-addr=127.0.0.1"]
     else:
         raise LoongForgeError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT")
     cmd += [f"--max-restarts={config.max_restarts}", f"--monitor-interval={config.monitor_interval}"]
@@ -82,6 +87,9 @@ def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, config.nproc))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["LOONGFORGE_LAUNCHED"] = "1"
+    if str(config.nnodes) == "1" and not config.rdzv_endpoint and Path("/sys/class/net/lo").exists():
+        # NOTE: gloo's pair sockets on loopback too: a single-node job listens on no external interface
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # NOTE: the launcher runs in its own session, and SIGTERM / SIGINT / SIGHUP sent to us are passed on to it:
     # torchrun then stops its workers and exits. Killed without that (subprocess.run's SIGKILL after a
     # KeyboardInterrupt, or our own death on SIGTERM), it would leave the workers running, holding the devices. A
@@ -118,6 +126,10 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from loongforge.loopback_rendezvous import register
+
+    register()
 
     # NOTE: its "failed (exitcode: 2) local_rank: 0 ..." line repeats what the worker and our summary say.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,11 @@ def resume(job: EmbodiedJob) -> int:
         if isinstance(exc, torch.OutOfMemoryError | getattr(dist, "DistBackendError", torch.OutOfMemoryError)):
             raise  # NOTE: not a mismatch: resume=never would throw progress away
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+        unreadable = next((e for e in inner if isinstance(e, pickle.UnpicklingError | EOFError | UnicodeDecodeError)), None)
+        if unreadable is not None:  # NOTE: a data file's bytes are garbled (its size was checked before)
+            raise CheckpointError(f"{path}: a .distcp data file is corrupt ({type(unreadable).__name__}: "
+                                  f"{str(unreadable)[:200]}); resume from another checkpoint or another --output") from None
         raise CheckpointError(f"{path} does not match this recipe's model ({first[:300]}); use another --output, "
                               "or checkpoint.resume=never") from None
     if same_world:

@@ -88,6 +88,9 @@ def load(state: dict[str, Any], path: str | Path) -> None:
     themselves, not wrapped in DCP's ``CheckpointException``."""
     import torch.distributed.checkpoint as dcp
 
+    # NOTE: read (and refuse) here first: dcp.load swallows any exception of read_metadata and then fails on
+    # "metadata is None", which would hide the reason
+    check_data_files(Path(path), read_metadata_file(Path(path) / ".metadata"))
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner())
     except CheckpointException as exc:
@@ -95,6 +98,24 @@ def load(state: dict[str, Any], path: str | Path) -> None:
         if cause is not None:
             raise cause from None
         raise
+
+
+def check_data_files(path: Path, metadata: dcp_metadata.Metadata) -> None:
+    """Every data file ``.metadata`` points at is inside ``path`` and long enough for its items: a truncated or
+    missing ``.distcp`` is named here, not reported by DCP as a size mismatch."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{path / '.metadata'} points outside its checkpoint ('{name}'); refused")
+        need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(need.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"{file} is truncated ({file.stat().st_size:,} of {size:,} bytes); the checkpoint "
+                                  "is corrupt")
 
 
 def user_error(exc: BaseException) -> LoongForgeError | None:
