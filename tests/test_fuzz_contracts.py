@@ -420,7 +420,8 @@ def _workers(pid: int) -> list[int]:
     found = []
     for p in _descendants(pid):
         try:
-            if b"loongforge.worker" in Path(f"/proc/{p}/cmdline").read_bytes():
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            if argv[1:3] == [b"-m", b"loongforge.worker"]:  # NOTE: not the launcher, whose argv names it too
                 found.append(p)
         except OSError:
             pass
@@ -435,7 +436,7 @@ def _listening(pids: set[int]) -> set[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkilled_worker_exits_137_and_single_node_listens_on_loopback(tmp_path):
     cmd = [sys.executable, "-m", "loongforge", "train", str(EMB), "--nproc", "2", "--output", str(tmp_path / "run"),
-           *FAST, "train.steps=100000", "checkpoint.save_at_end=false"]
+           *FAST, "train.micro_batch_size=2", "train.steps=100000", "checkpoint.save_at_end=false"]
     proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

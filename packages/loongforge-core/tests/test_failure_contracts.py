@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,3 +163,44 @@ def test_single_node_launch_uses_the_loopback_rendezvous(tmp_path):
     multi = torchrun_command(LaunchConfig(nproc=2, nnodes="2", rdzv_endpoint="head:29400"), recipe_file=tmp_path,
                              output_dir=tmp_path)
     assert "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=head:29400" in multi
+
+
+def _agree_rank(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from loongforge.distributed_health import PeerFailedError, agree
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        agree(None, phase="build")  # NOTE: all fine: returns on every rank
+        mine = ValueError("bad rank file") if rank == 1 else None
+        try:
+            agree(mine, phase="resume")
+            result = "returned"
+        except PeerFailedError as exc:
+            result = f"peer {exc.rank}: {exc}"
+        except ValueError as exc:
+            result = f"own: {exc}"
+        Path(out, f"rank{rank}").write_text(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_agree_ends_the_phase_on_every_rank_with_the_failing_ranks_error(tmp_path):
+    import torch.multiprocessing as mp
+    from loongforge.runtime import free_port
+
+    ctx = mp.start_processes(_agree_rank, args=(2, f"tcp://127.0.0.1:{free_port()}", str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "agree() hung"
+    assert (tmp_path / "rank1").read_text() == "own: bad rank file"
+    assert (tmp_path / "rank0").read_text().startswith("peer 1: rank 1 failed during resume (1 of 2 ranks)")
+
+
+def test_readme_says_a_recipe_is_trusted_code():
+    root = Path(__file__).resolve().parents[3]
+    for readme in (root / "README.md", root / "packages" / "loongforge-core" / "README.md"):
+        text = readme.read_text()
+        assert "trusted code" in text and "kernel_overrides" in text and "LD_PRELOAD" in text, readme
+    assert "listens" in (root / "README.md").read_text() and "127.0.0.1" in (root / "README.md").read_text()

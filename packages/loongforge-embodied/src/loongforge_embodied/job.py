@@ -91,7 +91,14 @@ class EmbodiedJob(Job):
         # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
         self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
-        self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        self.step_index, failure = 0, None
+        try:
+            self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        except Exception as exc:  # NOTE: re-raised by agree(), on this rank; its peers raise PeerFailedError
+            failure = exc
+        from loongforge.distributed_health import agree
+
+        agree(failure, phase="resume", device=self.device if self.device.type != "cpu" else None)
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
         # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
