@@ -272,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"internal error: {type(exc).__name__}: {exc} (set LOONGFORGE_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
+    except BaseException as exc:  # NOTE: e.g. torch DCP's CheckpointException derives from BaseException
+        if isinstance(exc, SystemExit | GeneratorExit) or os.environ.get("LOONGFORGE_DEBUG"):
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")[:300]
+        print(f"internal error: {type(exc).__name__}: {first} (set LOONGFORGE_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

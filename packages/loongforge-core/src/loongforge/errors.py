@@ -48,5 +48,9 @@ class CheckpointError(LoongForgeError):
     """A checkpoint is missing, incomplete, or does not match the model."""
 
 
+class NonFiniteError(LoongForgeError):
+    """Training produced a NaN / inf loss, gradient norm or weight; the message names the step (and what to try)."""
+
+
 class AdaptationError(LoongForgeError):
     """A device adaptation no longer matches the library it patches (e.g. after an upgrade)."""

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,11 @@ def torchrun_command(config: LaunchConfig, *, recipe_file: Path, output_dir: Pat
         if config.rdzv_id:
             cmd.append(f"--rdzv-id={config.rdzv_id}")
     elif str(config.nnodes) == "1":
-        cmd.append("--standalone")
+        # NOTE: torchrun's --standalone, with its stores on 127.0.0.1 only (loongforge.loopback_rendezvous)
+        from loongforge.loopback_rendezvous import BACKEND
+
+        cmd += [f"--rdzv-backend={BACKEND}", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
+                "--local-addr=127.0.0.1"]
     else:
         raise LoongForgeError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT")
     cmd += [f"--max-restarts={config.max_restarts}", f"--monitor-interval={config.monitor_interval}"]
@@ -82,6 +87,9 @@ def launch(config: LaunchConfig, *, recipe_file: Path, output_dir: Path) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, config.nproc))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["LOONGFORGE_LAUNCHED"] = "1"
+    if str(config.nnodes) == "1" and not config.rdzv_endpoint and Path("/sys/class/net/lo").exists():
+        # NOTE: gloo's pair sockets on loopback too: a single-node job listens on no external interface
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # NOTE: the launcher runs in its own session, and SIGTERM / SIGINT / SIGHUP sent to us are passed on to it:
     # torchrun then stops its workers and exits. Killed without that (subprocess.run's SIGKILL after a
     # KeyboardInterrupt, or our own death on SIGTERM), it would leave the workers running, holding the devices. A
@@ -119,6 +127,10 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from loongforge.loopback_rendezvous import register
+
+    register()
+
     # NOTE: its "failed (exitcode: 2) local_rank: 0 ..." line repeats what the worker and our summary say.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
 
@@ -128,18 +140,27 @@ def _torchrun(argv: list[str]) -> int:
         sys.stderr.write(f"error: training stopped by {signal.Signals(exc.sigval).name}\n")
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        failures = sorted(exc.failures.items())
-        codes = [f.exitcode if isinstance(f.exitcode, int) else 1 for _, f in failures]
-        if any(c > 0 for c in codes):
-            # NOTE: a rank failed on its own (its error is on stderr); ranks torchrun then stopped with a signal
-            # are its clean-up, not another cause.
-            return max(c for c in codes if c > 0)
-        for (rank, failure), code in zip(failures, codes, strict=True):
-            if code < 0:  # NOTE: killed by a signal (OOM killer, segfault): nothing of its own reached stderr
-                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-                sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
-        return max((128 - c for c in codes if c < 0), default=1)
+        return _failed_exit_code(exc.failures)
     return 0
+
+
+def _failed_exit_code(failures: dict) -> int:
+    """The launcher's exit code for torchrun's ``failures`` (local rank -> ProcessFailure, in the order seen)."""
+    codes = [(rank, f, f.exitcode if isinstance(f.exitcode, int) else 1) for rank, f in failures.items()]
+    if any(c > 0 for _, _, c in codes):
+        # NOTE: a rank failed on its own (its error is on stderr); ranks torchrun then stopped with a signal
+        # are its clean-up, not another cause.
+        return max(c for _, _, c in codes if c > 0)
+    killed = [(i, rank, f, c) for i, (rank, f, c) in enumerate(codes) if c < 0]
+    if not killed:
+        return 1
+    # NOTE: torch records the ranks it stopped itself (SIGTERM, SIGKILL after its grace period) after the one that
+    # died first, in the order it saw them: the cause is the first one seen, and never a SIGTERM of its clean-up
+    # when another signal is there (an OOM kill's SIGKILL exits 137, not torchrun's 143).
+    _, rank, failure, code = min(killed, key=lambda k: (k[3] == -signal.SIGTERM, k[0]))
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    sys.stderr.write(f"error: rank {rank} (pid {failure.pid}) was killed by {name}\n")
+    return 128 - code
 
 
 if __name__ == "__main__":

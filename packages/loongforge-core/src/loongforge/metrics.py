@@ -1,7 +1,7 @@
 """Run metrics: JSONL + TensorBoard in the run directory and a progress line on the console (rank 0 only).
 
 ``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss`` — tools and tests
-rely on this contract.
+rely on this contract. It is strict JSON: a NaN / inf value is written as ``null``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ def _drop_partial_last_line(path: Path) -> None:
         f.truncate(size - back + cut + 1 if cut >= 0 else (0 if back == size else size))
 
 
+def _finite_or_null(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with NaN / inf floats as None: bare ``NaN`` / ``Infinity`` are not JSON (jq, pandas' strict
+    readers and JavaScript refuse the line)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
 class MetricsLogger:
     """Writes metrics of logged steps. Disabled (a no-op) on non-zero ranks."""
 
@@ -101,7 +107,7 @@ class MetricsLogger:
         if not self.should_log(step) and not evaluation:  # evaluations are always recorded
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, float) and math.isfinite(value):

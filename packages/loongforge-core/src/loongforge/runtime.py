@@ -25,6 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_store(*, world_size: int | None = 1, timeout_s: float = 300.0):
+    """A c10d ``TCPStore`` server listening on 127.0.0.1 only, on a free port.
+
+    NOTE: ``TCPStore(host, ...)`` as master listens on every interface whatever ``host`` says (``host`` is where
+    clients connect), unauthenticated. Handing it a socket already bound to loopback (``master_listen_fd``) keeps a
+    single-node run unreachable from the network."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=True)
+
+
 @dataclass
 class Runtime:
     """What a backend's ``build`` receives. Created once per process by :func:`Runtime.create`."""
@@ -77,9 +95,9 @@ class Runtime:
         if self.accelerator.device_type != "cpu":
             kwargs["device_id"] = self.accelerator.device()
         if self.world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
-            # NOTE: a single in-process run gets a private store on a free port and leaves os.environ alone, so
-            # nothing (a stale MASTER_PORT, RANK) leaks into later runs or into child processes.
-            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+            # NOTE: a single in-process run gets a private store and leaves os.environ alone, so nothing (a stale
+            # MASTER_PORT, RANK) leaks into later runs or into child processes.
+            kwargs["store"] = loopback_store()
         dist.init_process_group(backend=self.accelerator.dist_backend, rank=self.rank, world_size=self.world_size, **kwargs)
 
     def seed(self, seed: int) -> None:

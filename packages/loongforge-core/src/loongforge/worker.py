@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from loongforge.distributed_health import PeerFailedError
 from loongforge.errors import LoongForgeError
 
 FAILED = ".failed"  # OUTPUT/.failed.<restart>: the first failing rank's one-line error (one launch attempt)
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe)
         run_in_process(recipe, output_dir=args.output, write_recipe=rank == 0)
+    except PeerFailedError:
+        return 2  # NOTE: another rank failed in the same phase and prints its own error
     except LoongForgeError as exc:
         message = f"error: {exc}\n"
         if _claim(marker, message) != message:

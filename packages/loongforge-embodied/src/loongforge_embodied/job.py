@@ -36,6 +36,7 @@ class EmbodiedJob(Job):
         except BaseException:
             self.close()
             raise
+        self.skipped_steps = 0  # steps whose update train.skip_nonfinite dropped (since this process started)
         self._clock: tuple[float, int] | None = None  # (time, step index) since which step_time is measured
         try:
             self._build()
@@ -122,7 +123,14 @@ class EmbodiedJob(Job):
         # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
         self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}
                     if t.ema_decay else None)
-        self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        self.step_index, failure = 0, None
+        try:
+            self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+        except Exception as exc:  # NOTE: re-raised by agree(), on this rank; its peers raise PeerFailedError
+            failure = exc
+        from loongforge.distributed_health import agree
+
+        agree(failure, phase="resume", device=self.device if self.device.type != "cpu" else None)
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
         # NOTE: under CUDA graphs a parameter's first gradient is a graph output that AccumulateGrad steals as
         # ``.grad``; the next micro-batch's replay overwrites it (pytorch/pytorch#169545: an error, or silently a
@@ -216,24 +224,33 @@ class EmbodiedJob(Job):
             loss_sum += per_sample.detach().sum()
         scale_target = fused_scale_target(self.optimizer)
         gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-        self.optimizer.step()
+        # NOTE: summed over ranks before the check, so every rank takes the same decision; the check reads the loss
+        # and the (global) grad norm on the host every step, as Megatron-LM's check for NaN in loss and grad does.
+        loss_sum = all_reduce_sum(loss_sum)
+        finite = bool(torch.isfinite(loss_sum) & torch.isfinite(gnorm))
+        if finite:
+            self.optimizer.step()
         if scale_target is not None:
             scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
+        if not finite:
+            self._nonfinite_step(float(loss_sum) / t.global_batch_size, float(gnorm))
         self.optimizer.zero_grad(set_to_none=not self._resident_grads)
-        if self.model.allgather is not None:
+        if finite and self.model.allgather is not None:
             self.model.allgather.step()
-        if self.ema is not None:
+        if finite and self.ema is not None:
             self._update_ema(t.ema_decay)
         self.step_index += 1
         if not report:
             return {}
-        loss = float(all_reduce_sum(loss_sum) / t.global_batch_size)
+        loss = float(loss_sum / t.global_batch_size)
         self.acc.synchronize()
         start, start_step = self._clock
         self._clock = None
         dt = (time.perf_counter() - start) / (self.step_index - start_step)
         metrics: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": float(gnorm), "step_time": dt,
                                    "samples_per_s": t.global_batch_size / dt}
+        if self.skipped_steps:
+            metrics["skipped_steps"] = self.skipped_steps
         if self.model.allgather is not None:
             metrics["allgather_bytes_ratio"] = self.model.allgather.stats.ratio
         mem = self.acc.memory_stats().get("peak_allocated")
@@ -242,6 +259,24 @@ class EmbodiedJob(Job):
         if self.log:
             self.log.log(self.step_index, metrics)
         return metrics
+
+    def _nonfinite_step(self, loss: float, gnorm: float) -> None:
+        """Step ``step_index + 1`` has a NaN / inf loss or grad norm: stop naming it, or (``train.skip_nonfinite``)
+        drop its gradients (no update of weights, optimizer state or EMA) and count it."""
+        from loongforge.errors import NonFiniteError
+
+        step = self.step_index + 1
+        if not self.recipe.train.skip_nonfinite:
+            raise NonFiniteError(f"step {step}: the loss is {loss:g} and the grad norm {gnorm:g} (not finite); stopped "
+                                 "before updating the weights (the last checkpoint is intact). Lower train.lr, raise "
+                                 "train.grad_clip, or set train.skip_nonfinite true to skip such steps")
+        self.skipped_steps += 1
+        discard = getattr(getattr(self.optimizer, "inner", self.optimizer), "discard_prepared", None)
+        if discard is not None:
+            discard()  # NOTE: our fused AdamW prepared this step's gradient table while computing the norm
+        if self.log:
+            self.log.info(f"[embodied] step {step}: loss {loss:g}, grad norm {gnorm:g} not finite: update skipped "
+                          f"({self.skipped_steps} skipped so far; train.skip_nonfinite)")
 
     @torch.no_grad()
     def _update_ema(self, decay: float) -> None:

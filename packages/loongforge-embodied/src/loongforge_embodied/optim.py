@@ -182,6 +182,11 @@ class KernelAdamW(torch.optim.AdamW):
         self._prepared = (grads_key, prepared)
         return prepared
 
+    def discard_prepared(self) -> None:
+        """Forget the gradient table prepared for a step that is not taken (a skipped non-finite step)."""
+        self._prepared = None
+        self._marks = []
+
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor | None:
         """The L2 norm of ``params``' gradients when they are exactly the gradients this optimizer steps (and the
         kernel path serves them), else None."""

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from loongforge.errors import LoongForgeError, PluginError, RecipeError
+from loongforge.recipe import limits
 from loongforge.recipe.schema import SECTIONS, Recipe
 
 
@@ -43,10 +44,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise RecipeError("file not found", file=str(path))
+    if path.stat().st_size > limits.MAX_BYTES:
+        raise RecipeError(f"{path.stat().st_size:,} bytes: larger than a recipe can be ({limits.MAX_BYTES:,})",
+                          file=str(path))
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"not UTF-8 text (byte {exc.start}); save the recipe as UTF-8", file=str(path)) from None
+    except OSError as exc:
+        raise RecipeError(f"cannot be read ({exc.strerror or exc})", file=str(path)) from None
+    limits.check_yaml_depth(text, file=str(path))
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
@@ -101,6 +108,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override '{text}' is not of the form a.b.c=value")
+    if len(text) > limits.MAX_BYTES:
+        raise RecipeError(f"override of {len(text):,} characters: larger than a recipe can be", key=key)
+    limits.check_yaml_depth(raw, file=None, what=f"override '{key}'")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -266,6 +276,7 @@ def _refuse_unused(recipe: Recipe, unused: dict[str, str], *, backend: str) -> N
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, backend_schemas: bool = True) -> Recipe:
     """Load a recipe file with ``extends:`` and overrides, validated. The public entry point."""
     data = apply_overrides(resolve_extends(path), overrides)
+    limits.check_size(data, file=str(path))
     try:
         return validate_recipe(data, file=str(path), backend_schemas=backend_schemas)
     except RecipeError as exc:

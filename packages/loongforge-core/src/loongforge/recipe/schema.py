@@ -21,7 +21,9 @@ SECTIONS = ("backend", "model", "data", "parallel", "train", "checkpoint", "acce
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # NOTE: allow_inf_nan=False: ``lr: inf`` (or ``1e400``, which YAML reads as a string that parses to inf) is an
+    # error naming the key, not a run that goes NaN at its first step.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ComponentParallel(Section):
@@ -143,6 +145,9 @@ class TrainConfig(Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"
     )
+    skip_nonfinite: bool = Field(
+        False, description="a step whose loss or grad norm is NaN / inf: false stops the run naming the step; true "
+        "skips that step's update (weights and optimizer state unchanged) and counts it in the skipped_steps metric")
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
     )

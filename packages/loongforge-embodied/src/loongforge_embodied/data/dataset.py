@@ -62,12 +62,27 @@ class LeRobotSource:
         from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-        meta = LeRobotDatasetMetadata(repo_id, root=root)
-        self.cameras = cameras or list(meta.camera_keys)
-        self.meta = meta
-        window = {"action": [i / meta.fps for i in range(arch.chunk_size)]}
-        self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False,
-                                 video_backend=video_backend())
+        from loongforge_embodied.data.lerobot_files import (
+            HINT,
+            DatasetError,
+            check_dataset,
+            find_unreadable_parquet,
+        )
+
+        # NOTE: first, so that LeRobot never meets a missing file (it would download data.repo_id from the Hub)
+        check_dataset(root)
+        try:
+            meta = LeRobotDatasetMetadata(repo_id, root=root)
+            self.cameras = cameras or list(meta.camera_keys)
+            self.meta = meta
+            window = {"action": [i / meta.fps for i in range(arch.chunk_size)]}
+            self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False,
+                                     video_backend=video_backend())
+        except Exception as exc:  # NOTE: pyarrow / datasets / json errors of a file our checks could not see
+            bad = find_unreadable_parquet(root)
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            what = bad or f"'{root}' ({type(exc).__name__}: {first})"
+            raise DatasetError(f"LeRobot cannot read {what}; {HINT}") from None
 
     def __len__(self) -> int:
         return len(self.ds)

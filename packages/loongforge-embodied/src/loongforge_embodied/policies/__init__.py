@@ -23,7 +23,6 @@ dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``lerobot
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -121,7 +120,9 @@ def dataset_shapes(data: DataConfig) -> dict[str, Any]:
     info_path = Path(data.root or "") / "meta" / "info.json"
     if not info_path.is_file():
         return {}
-    feats = json.loads(info_path.read_text())["features"]
+    from loongforge_embodied.data.lerobot_files import load_info
+
+    feats = load_info(data.root)["features"]
     found = [k for k, f in feats.items() if f["dtype"] in ("image", "video")]
     unknown = [c for c in data.cameras or [] if c not in found]
     if unknown:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import Field, asdict, fields, replace
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 
 class ArchMixin:
@@ -13,7 +13,12 @@ class ArchMixin:
 
     Every such dataclass carries ``stats`` (normalisation statistics, filled at run time): it is not a size, so
     it is neither overridable by name in the error message, nor exported, nor mirrored into LeRobot's config.
+
+    An integer field overridden by a recipe must be positive (a size, a count), except those named in
+    ``may_be_zero`` (flags, ids, "0 = the library's default"), which must not be negative.
     """
+
+    may_be_zero: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def size_fields(cls) -> tuple[Field, ...]:
@@ -38,6 +43,9 @@ class ArchMixin:
             elif want in (int, str) and (type(value) is not want):
                 kind = "an integer" if want is int else "a string"
                 raise ValueError(f"architecture field '{name}' must be {kind}, got {value!r}")
+            elif want is int and value < (0 if name in self.may_be_zero else 1):
+                least = "0 or more" if name in self.may_be_zero else "a positive integer"
+                raise ValueError(f"architecture field '{name}' must be {least}, got {value}")
         return replace(self, **kw)
 
     def to_dict(self) -> dict[str, Any]:

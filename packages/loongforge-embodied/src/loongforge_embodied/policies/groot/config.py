@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from loongforge_embodied.policies.arch import ArchMixin
 from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET
@@ -23,6 +23,8 @@ class GrootArch(ArchMixin):
     dataset and are zero-padded to ``max_state_dim``/``max_action_dim`` (weights are shared across embodiments
     of different sizes, as in GR00T).
     """
+
+    may_be_zero: ClassVar[tuple[str, ...]] = ("extra_vocab", "embodiment_id")
 
     image_size: int = 64
     patch_size: int = 8

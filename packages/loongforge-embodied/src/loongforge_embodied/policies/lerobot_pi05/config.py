@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from loongforge_embodied.policies.arch import ArchMixin
 
@@ -27,6 +27,8 @@ SIZE_FIELDS = ("lm_width", "lm_depth", "lm_mlp", "expert_width", "expert_depth",
 class LeRobotPI05Arch(ArchMixin):
     """``image_size``/``num_cameras``/``state_dim``/``action_dim`` are the dataset's (images are resized with
     padding to ``resolution``; state and actions are zero-padded to ``max_state_dim``/``max_action_dim``)."""
+
+    may_be_zero: ClassVar[tuple[str, ...]] = (*SIZE_FIELDS, "bf16_params", "quantile_norm", "sdpa")
 
     image_size: int = 224
     num_cameras: int = 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from loongforge_embodied.policies.arch import ArchMixin
 from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET
@@ -17,6 +17,8 @@ from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET
 class TinyVLAArch(ArchMixin):
     """Sizes of the three components: ``vision`` (SigLIP), ``language`` (Gemma prefix), ``expert`` (Gemma
     flow-matching action expert). ``state_dim``/``action_dim``/``num_cameras`` come from the dataset."""
+
+    may_be_zero: ClassVar[tuple[str, ...]] = ("extra_vocab",)
 
     image_size: int = 64
     patch_size: int = 16
