@@ -217,3 +217,12 @@ def test_llava_binary_records_and_unreadable_image(tmp_path):
     ds = ImageTextConversations(str(tmp_path / "r.json"), tokenizer=tok, arch=arch, seq_length=64, seed=3)
     with pytest.raises(RecipeError, match=r"r\.json: record 1: image .*x\.png' is unreadable"):
         ds[0]
+
+
+def test_corrupt_parquet_names_the_file(tmp_path, tok):
+    src = tmp_path / "part.parquet"
+    src.write_bytes(b"PAR1" + b"\x00garbage" * 20)
+    recipe = _recipe(tmp_path, {"format": "pretrain", "path": str(tmp_path / "data"), "tokenizer": str(tok),
+                                "source": {"kind": "parquet", "paths": [str(src)]}})
+    with pytest.raises(RecipeError, match=r"part\.parquet: not a readable Parquet file"):
+        _prepare(recipe)
