@@ -123,12 +123,16 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
     return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
 
 
-def run_hf(args, compiled: bool) -> dict:
+def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
+    """transformers' model; fp32 master weights under bf16 autocast (as ours), or all-bf16 weights and AdamW
+    (``bf16_weights``: not the same optimizer numerics, but grouped_mm then runs in bf16 — transformers casts the
+    experts' input to their weights' dtype, so under autocast its grouped_mm sees fp32)."""
     import torch
     import transformers as tf
     from loongforge_megatron.data.datasets import SyntheticDataset
 
-    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32, attn_implementation="sdpa",
+    dtype = torch.bfloat16 if bf16_weights else torch.float32
+    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=dtype, attn_implementation="sdpa",
                                                     experts_implementation="grouped_mm",
                                                     device_map=args.device)
     model.config.use_cache = False
@@ -173,6 +177,7 @@ VARIANTS = {
     "loongforge_torch_router": lambda a: run_ours(a, router_fusion=False),  # A/B: megatron's torch routing
     "hf_grouped_mm": lambda a: run_hf(a, False),
     "hf_grouped_mm_compile": lambda a: run_hf(a, True),
+    "hf_grouped_mm_bf16": lambda a: run_hf(a, False, bf16_weights=True),
 }
 
 
@@ -264,8 +269,8 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% | "
                      f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "loongforge_sequential", "loongforge_alltoall",
-                 "loongforge_torch_router"):
+    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "hf_grouped_mm_bf16", "loongforge_sequential",
+                 "loongforge_alltoall", "loongforge_torch_router"):
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -273,8 +278,8 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
             lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer): max relative difference "
                           f"{max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
-    for peer in ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router", "hf_grouped_mm",
-                 "hf_grouped_mm_compile"):
+    for peer in ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router", "hf_grouped_mm_bf16",
+                 "hf_grouped_mm", "hf_grouped_mm_compile"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
     return "\n".join(lines)

@@ -191,3 +191,18 @@ def test_grouped_linear_bf16_cuda_matches_per_expert_matmuls():
     dw = torch.stack([de.float().T @ xe.float() for de, xe in zip(dy.split(counts), x.split(counts), strict=True)])
     for got, want in ((y, ref), (x.grad, dx), (w.grad, dw)):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.slow
+def test_permute_dispatch_with_token_dropping_equals_alltoall(tmp_path, tiny_hf, ranks):
+    """Capacity factor 0.5 (tokens dropped every step): the permute dispatcher gives megatron's all-to-all losses."""
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    runs = {}
+    for disp in ("alltoall", "permute"):
+        path = _recipe(tmp_path, hf, disp, grouped=True, dispatcher=disp)
+        r = yaml.safe_load(path.read_text())
+        r["model"]["moe_capacity_factor"] = 0.5
+        path.write_text(yaml.safe_dump(r))
+        runs[disp] = ranks(_train, world=1, out=tmp_path / disp, recipe_path=path, run_dir=tmp_path / f"run_{disp}")[0]
+    assert "PermuteDispatcher" in runs["permute"]["kinds"]
+    assert _close(runs["permute"]["losses"], runs["alltoall"]["losses"], LOSS_RTOL), runs

@@ -22,7 +22,7 @@ def _permute_kernel(X, ROW_ID, Y, stride_x, stride_y, hidden, TOPK: tl.constexpr
     x = tl.load(X + t * stride_x + cols, mask=mask, other=0.0)
     for k in tl.static_range(TOPK):
         dst = tl.load(ROW_ID + t * TOPK + k).to(tl.int64)
-        tl.store(Y + dst * stride_y + cols, x, mask=mask)
+        tl.store(Y + dst * stride_y + cols, x, mask=mask & (dst >= 0))
 
 
 @jit
@@ -45,7 +45,7 @@ def _gather_sum_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOPK):
         src = tl.load(ROW_ID + t * TOPK + k).to(tl.int64)
-        row = tl.load(SRC + src * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(SRC + src * stride_src + cols, mask=mask & (src >= 0), other=0.0).to(tl.float32)
         if HAS_PROBS:
             row = row * tl.load(PROBS + t * TOPK + k).to(tl.float32)
         acc += row
@@ -76,13 +76,14 @@ def _unpermute_bwd_kernel(
     dy = tl.load(DOUT + t * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(TOPK):
         dst = tl.load(ROW_ID + t * TOPK + k).to(tl.int64)
+        ok = mask & (dst >= 0)
         if HAS_PROBS:
             p = tl.load(PROBS + t * TOPK + k).to(tl.float32)
-            tl.store(DPERM + dst * stride_dperm + cols, (dy * p).to(DPERM.dtype.element_ty), mask=mask)
-            row = tl.load(PERM + dst * stride_perm + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DPERM + dst * stride_dperm + cols, (dy * p).to(DPERM.dtype.element_ty), mask=ok)
+            row = tl.load(PERM + dst * stride_perm + cols, mask=ok, other=0.0).to(tl.float32)
             tl.store(DPROBS_PART + (t * TOPK + k) * n_col_blocks + cb, tl.sum(dy * row, axis=0))
         else:
-            tl.store(DPERM + dst * stride_dperm + cols, dy.to(DPERM.dtype.element_ty), mask=mask)
+            tl.store(DPERM + dst * stride_dperm + cols, dy.to(DPERM.dtype.element_ty), mask=ok)
 
 
 def _grid(n_tokens: int, hidden: int, device: torch.device) -> tuple[tuple[int, int], int, int]:
@@ -101,7 +102,8 @@ class MoEPermuteFunction(torch.autograd.Function):
     def forward(ctx, tokens, row_id_map):
         x = _rows(tokens)
         n_tok, topk = row_id_map.shape
-        y = torch.empty(n_tok * topk, x.shape[1], dtype=x.dtype, device=x.device)
+        # NOTE: zeros: rows of dropped slots (the tail) are written by no program
+        y = torch.zeros(n_tok * topk, x.shape[1], dtype=x.dtype, device=x.device)
         grid, block, warps = _grid(n_tok, x.shape[1], x.device)
         if n_tok:
             _permute_kernel[grid](
@@ -175,7 +177,7 @@ class MoEUnpermuteFunction(torch.autograd.Function):
         dout = _rows(dout)
         n_tok, topk = row_id_map.shape
         grid, block, warps = _grid(n_tok, x.shape[1], x.device)
-        dperm = torch.empty_like(x)
+        dperm = torch.zeros_like(x)  # NOTE: rows of dropped slots get no gradient
         dprobs_part = torch.empty(n_tok * topk, grid[1], dtype=torch.float32, device=x.device)
         if n_tok:
             _unpermute_bwd_kernel[grid](
@@ -206,7 +208,8 @@ def moe_permute(
     num_experts: int | None = None,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort tokens [T, H] by their top-k expert ``indices`` [T, k].
+    """Sort tokens [T, H] by their top-k expert ``indices`` [T, k]; a negative index is a dropped slot (a token
+    over an expert's capacity, or routed nowhere): it gets no row, and the buffer's last rows stay zero.
 
     Returns ``(permuted [T*k, H], row_id_map [T, k] int32, tokens_per_expert [E] int64)``; pass
     ``row_id_map`` to :func:`moe_unpermute`. ``num_experts`` (E) avoids a device sync for the count (and
@@ -223,11 +226,12 @@ def moe_permute(
         num_experts if num_experts is not None else int(indices.max().item()) + 1 if indices.numel() else 0
     )
     flat = indices.reshape(-1).long()
+    kept = (flat >= 0).long()
     if num_experts is None:
-        tokens_per_expert = torch.bincount(flat, minlength=n_exp)
+        tokens_per_expert = torch.bincount(flat.clamp(min=0), weights=kept, minlength=n_exp).long()
     else:  # NOTE: no device sync (bincount reads the maximum back to size its output)
         tokens_per_expert = torch.zeros(n_exp, dtype=torch.int64, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat))
+            0, flat.clamp(min=0), kept)
     if resolve(impl, tokens) == "triton":
         permuted = MoEPermuteFunction.apply(tokens, row_id_map)
     else:

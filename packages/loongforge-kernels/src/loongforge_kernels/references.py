@@ -76,31 +76,41 @@ def linear_cross_entropy_ref(
 
 
 def moe_row_id_map(indices: torch.Tensor) -> torch.Tensor:
-    """[T, k] position of each (token, slot) in the expert-sorted order (stable: token order within an expert)."""
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    """[T, k] position of each (token, slot) in the expert-sorted order (stable: token order within an expert).
+
+    A slot whose expert index is negative (a token dropped there, e.g. over capacity) gets -1: it has no row;
+    the valid rows come first, so the sorted buffer's tail of ``#dropped`` rows belongs to no slot."""
+    flat = indices.reshape(-1).long()
+    dropped = flat < 0
+    key = torch.where(dropped, torch.iinfo(torch.int64).max, flat)
+    order = torch.argsort(key, stable=True)
     row_id = torch.empty_like(order)
     row_id[order] = torch.arange(flat.numel(), device=flat.device)
-    return row_id.view(indices.shape).to(torch.int32)
+    return row_id.masked_fill(dropped, -1).view(indices.shape).to(torch.int32)
 
 
 def moe_permute_ref(tokens: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
-    """Copy token t to rows ``row_id_map[t, :]`` of the expert-sorted output [T*k, H]."""
+    """Copy token t to rows ``row_id_map[t, :]`` of the expert-sorted output [T*k, H] (rows of no slot: zeros)."""
     topk = row_id_map.shape[1]
-    src = torch.empty(row_id_map.numel(), dtype=torch.int64, device=tokens.device)
-    src[row_id_map.reshape(-1).long()] = torch.arange(row_id_map.numel(), device=tokens.device) // topk
-    return tokens.index_select(0, src)
+    flat = row_id_map.reshape(-1).long()
+    keep = flat >= 0
+    out = tokens.new_zeros(row_id_map.numel(), tokens.shape[1])
+    src = torch.arange(row_id_map.numel(), device=tokens.device) // topk
+    return out.index_put((flat[keep],), tokens.index_select(0, src[keep]))
 
 
 def moe_unpermute_ref(
     permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """out[t] = sum_k probs[t, k] * permuted[row_id_map[t, k]] in fp32, output in permuted.dtype."""
+    """out[t] = sum_k probs[t, k] * permuted[row_id_map[t, k]] in fp32 over the slots with a row (row id >= 0),
+    output in permuted.dtype."""
     t, k = row_id_map.shape
-    rows = permuted.index_select(0, row_id_map.reshape(-1).long()).view(t, k, -1).float()
+    flat = row_id_map.reshape(-1).long()
+    rows = permuted.index_select(0, flat.clamp(min=0)).view(t, k, -1).float()
+    w = (flat >= 0).view(t, k, 1).float()
     if probs is not None:
-        rows = rows * probs.float().unsqueeze(-1)
-    return rows.sum(1).to(permuted.dtype)
+        w = w * probs.float().unsqueeze(-1)
+    return (rows * w).sum(1).to(permuted.dtype)
 
 
 def sparse_mla_ref(

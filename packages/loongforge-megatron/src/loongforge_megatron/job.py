@@ -353,11 +353,11 @@ class MegatronJob(Job):
         if want not in ("auto", "permute"):
             return False
         why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
-               "token dropping (moe_capacity_factor)" if arch.moe_capacity_factor is not None else
+               "experts padded to capacity (moe_pad_to_capacity)" if arch.moe_pad_to_capacity else
                "SequentialMLP experts (it folds the probabilities into the combine; kernels.moe_grouped_gemm)"
                if not grouped else None)
         if want == "permute" and why:
-            raise RecipeError(f"model.moe_token_dispatcher permute runs every expert on one rank, dropless, with grouped "
+            raise RecipeError(f"model.moe_token_dispatcher permute runs every expert on one rank, unpadded, with grouped "
                               f"experts; this run has {why}: use alltoall", key="model.moe_token_dispatcher")
         return why is None
 

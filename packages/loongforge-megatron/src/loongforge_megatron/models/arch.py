@@ -73,8 +73,8 @@ class Arch(BaseModel):
     moe_pad_to_capacity: bool = Field(False, description="with moe_capacity_factor: pad every expert to capacity")
     moe_token_dispatcher: Literal["auto", "permute", "alltoall", "allgather"] = Field(
         "auto", description="permute: our fused moe_permute / moe_unpermute kernels, sync-free (all experts on one "
-        "rank: ep 1, etp 1; dropless; grouped experts); alltoall / allgather: megatron's dispatchers; auto: "
-        "permute where it applies, else alltoall")
+        "rank: ep 1, etp 1; not padded to capacity; grouped experts); alltoall / allgather: megatron's "
+        "dispatchers; auto: permute where it applies, else alltoall")
     # MLA (DeepSeek)
     q_lora_rank: int | None = Field(None, ge=1)
     kv_lora_rank: int | None = Field(None, ge=1)

@@ -10,20 +10,29 @@ import torch.nn.functional as F
 
 
 def _moe_permute(tokens, indices, *, num_experts):
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    """loongforge-kernels' ``moe_permute`` reference semantics (a negative index: a dropped slot, no row)."""
+    flat = indices.reshape(-1).long()
+    dropped = flat < 0
+    order = torch.argsort(torch.where(dropped, torch.iinfo(torch.int64).max, flat), stable=True)
     row_id = torch.empty_like(order)
     row_id[order] = torch.arange(flat.numel(), device=flat.device)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-    return tokens.index_select(0, order // indices.shape[1]), row_id.view(indices.shape), counts
+    row_id = row_id.masked_fill(dropped, -1)
+    keep = ~dropped
+    src = torch.arange(flat.numel(), device=flat.device) // indices.shape[1]
+    out = tokens.new_zeros(flat.numel(), tokens.shape[1]).index_put((row_id[keep],), tokens.index_select(0, src[keep]))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat.clamp(min=0), keep.long())
+    return out, row_id.view(indices.shape).to(torch.int32), counts
 
 
 def _moe_unpermute(permuted, row_id_map, probs=None):
     t, k = row_id_map.shape
-    rows = permuted.index_select(0, row_id_map.reshape(-1)).view(t, k, -1).float()
+    flat = row_id_map.reshape(-1).long()
+    rows = permuted.index_select(0, flat.clamp(min=0)).view(t, k, -1).float()
+    w = (flat >= 0).view(t, k, 1).float()
     if probs is not None:
-        rows = rows * probs.float().unsqueeze(-1)
-    return rows.sum(1).to(permuted.dtype)
+        w = w * probs.float().unsqueeze(-1)
+    return (rows * w).sum(1).to(permuted.dtype)
 
 
 _FALLBACK = {

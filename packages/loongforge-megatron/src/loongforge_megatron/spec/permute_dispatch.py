@@ -1,6 +1,7 @@
-"""Token dispatch for MoE layers whose experts all live on this rank (ep = 1, expert-TP = 1), dropless: the fused
+"""Token dispatch for MoE layers whose experts all live on this rank (ep = 1, expert-TP = 1): the fused
 ``moe_permute`` kernel sorts the tokens by expert, and ``moe_unpermute`` combines the experts' outputs weighted by
-the routing probabilities (folded into the combine, so the experts never scale their activations).
+the routing probabilities (folded into the combine, so the experts never scale their activations). Tokens over
+an expert's capacity (``moe_capacity_factor``) are dropped without padding: their slots get no row.
 
 No host synchronisation: the token counts stay on the device (the grouped experts take them there), where
 megatron's all-to-all dispatcher copies them to the host once per layer even without expert parallelism.
@@ -35,8 +36,10 @@ class PermuteDispatcher(_MoETokenDispatcher):
         if self.ep_size != 1 or self.tp_size != 1:
             raise ValueError(f"the permute dispatcher runs all experts on one rank (ep {self.ep_size}, expert tp "
                              f"{self.tp_size}); use moe_token_dispatcher alltoall")
-        if config.moe_expert_capacity_factor is not None:
-            raise ValueError("the permute dispatcher is dropless; with moe_capacity_factor use alltoall")
+        if config.moe_pad_expert_input_to_capacity:
+            raise ValueError("the permute dispatcher does not pad experts to capacity; with moe_pad_to_capacity "
+                             "use alltoall")
+        self.may_drop = config.moe_expert_capacity_factor is not None
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.provider, self.accelerator = provider, accelerator
         self._permute = self._unpermute = None
@@ -53,9 +56,15 @@ class PermuteDispatcher(_MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         self.routing_map = routing_map
         tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
-        # NOTE: dropless routing marks exactly top-k experts per token; their probabilities are the top-k of the
-        # masked scores (differentiable: the router's gradient flows through the gather)
-        self.probs_k, indices = probs.masked_fill(~routing_map, float("-inf")).topk(self.topk, dim=-1)
+        # NOTE: routing marks at most top-k experts per token (fewer where capacity dropped some); their
+        # probabilities are the top-k of the masked scores (differentiable: the router's gradient flows through
+        # the gather). A slot of a dropped expert gets index -1: no row, no weight.
+        probs_k, indices = probs.masked_fill(~routing_map, float("-inf")).topk(self.topk, dim=-1)
+        if self.may_drop:
+            kept = routing_map.gather(1, indices)
+            indices = indices.masked_fill(~kept, -1)
+            probs_k = torch.where(kept, probs_k, torch.zeros_like(probs_k))
+        self.probs_k = probs_k
         permuted, self.row_id_map, _ = self._permute(tokens, indices, num_experts=self.num_experts)
         self.tokens_per_expert = routing_map.sum(dim=0)
         return permuted, None
