@@ -80,3 +80,50 @@ def test_policy_file_errors_name_the_key(tmp_path):
         load_policy(tmp_path / "bad.json")
     (tmp_path / "ok.json").write_text(json.dumps({"gemms": {}}))
     assert load_policy(tmp_path / "ok.json") == {"gemms": {}}
+
+
+def _swap_body(policy: str | None) -> dict:
+    import torch
+    from loongforge.recipe.schema import Fp8Config
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge_megatron.engine.layer_spec import row_parallel_linear
+    from loongforge_megatron.spec.fp8 import Fp8ParallelLinear, apply_fp8
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    init = torch.nn.init.normal_
+    model = torch.nn.Module()
+    model.fc1 = ColumnParallelLinear(64, 256, config=cfg, init_method=init, bias=False, gather_output=False)
+    model.fc2 = row_parallel_linear()(256, 64, config=cfg, init_method=init, bias=False, input_is_parallel=True,
+                                      skip_bias_add=True)
+    model.odd = ColumnParallelLinear(64, 100, config=cfg, init_method=init, bias=False, gather_output=False)
+    model.output_layer = ColumnParallelLinear(64, 512, config=cfg, init_method=init, bias=False, gather_output=False)
+    keys = set(model.state_dict())
+    x = torch.randn(16, 2, 64)
+    before = model.fc2(model.fc1(x)[0])[0]
+    n8, n = apply_fp8([model], Fp8Config(recipe="tensorwise", policy=policy), tokens=32)
+    after = model.fc2(model.fc1(x)[0])[0]  # CPU tensors: megatron's own linear
+    return {"counts": (n8, n), "keys_same": set(model.state_dict()) == keys, "equal": torch.equal(before, after),
+            "fp8": sorted(k for k, m in model.named_children() if isinstance(m, Fp8ParallelLinear)),
+            "gemms": {k: m.fp8_gemms for k, m in model.named_children() if isinstance(m, Fp8ParallelLinear)},
+            "row_base": isinstance(model.fc2, RowParallelLinear) and type(model.fc2).__name__}
+
+
+def test_apply_fp8_swaps_decoder_linears(in_world, tmp_path):
+    r = in_world(_swap_body, out=tmp_path, policy=None)
+    assert r["fp8"] == ["fc1", "fc2"]  # not the output layer, not 100 outputs (not a multiple of 16)
+    assert r["counts"] == (6, 9) and r["keys_same"] and r["equal"]
+    assert r["row_base"] == "Fp8OwnGroupRowParallelLinear"
+
+
+def test_apply_fp8_follows_the_policy(in_world, tmp_path):
+    from loongforge_megatron.spec.fp8 import gemm_key
+
+    faster = {"fp8_faster": True}
+    slower = {"fp8_faster": False}
+    policy = {"gemms": {gemm_key(32, 256, 64): {"fwd": faster, "dgrad": slower, "wgrad": faster},
+                        gemm_key(32, 64, 256): {"fwd": slower, "dgrad": slower, "wgrad": slower}}}
+    (tmp_path / "p.json").write_text(json.dumps(policy))
+    r = in_world(_swap_body, out=tmp_path / "run", policy=str(tmp_path / "p.json"))
+    assert r["fp8"] == ["fc1"] and r["gemms"]["fc1"] == (True, False, True) and r["counts"] == (2, 9)

@@ -155,6 +155,10 @@ class MegatronBackend(Backend):
             # NOTE: the HF mappings shard a routed expert over all TP ranks or none (etp = tp or 1)
             raise RecipeError(f"parallel.etp {plan.etp} with tp {plan.tp} has no HF layout for {' or '.join(hf_weights)}: "
                               "use etp 1 or etp = tp", key="parallel.etp")
+        if recipe.train.fp8 is not None and recipe.train.fp8.policy:
+            from loongforge_megatron.spec.fp8 import load_policy
+
+            load_policy(recipe.train.fp8.policy)  # a missing or foreign file names train.fp8.policy
         te_needs = te_incompatible(recipe)
         if recipe.kernels.spec == "te" and te_needs:
             raise RecipeError(f"kernels.spec te cannot be used with {te_needs}: TransformerEngine's layers fold the norms "
