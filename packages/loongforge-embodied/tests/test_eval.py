@@ -92,12 +92,11 @@ def test_replaying_recorded_expert_actions_succeeds(recorded):
 
 
 def _tiny_vla_policy():
+    import torch
     from loongforge_embodied.eval.envs.pusht import TASK
     from loongforge_embodied.eval.trained_policy import TrainedPolicy
     from loongforge_embodied.policies.tiny_vla.config import PRESETS
     from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
-
-    import torch
 
     torch.manual_seed(0)
     arch = PRESETS["tiny"].with_overrides(state_dim=2, action_dim=2, num_cameras=1)
@@ -109,10 +108,9 @@ def _tiny_vla_policy():
 
 def test_malformed_requests_get_an_error_and_the_server_keeps_serving():
     import websockets.sync.client
+    from loongforge_embodied.eval.server import PolicyServer
     from openpi_client import msgpack_numpy
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
-    from loongforge_embodied.eval.server import PolicyServer
 
     policy, arch = _tiny_vla_policy()
     size = arch.image_size

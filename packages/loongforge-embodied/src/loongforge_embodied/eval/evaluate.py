@@ -118,7 +118,7 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
                             results[ep] = EpisodeResult(ep, ep_seed, error="no worker left to run it")
                         pending.clear()
     finally:
-        for conn, w in live.items():
+        for conn in live:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
