@@ -221,7 +221,7 @@ def test_eval_interval_needs_a_simulator():
 def test_eval_interval_logs_success_rate_during_training(recorded, tmp_path, env):
     run = tmp_path / "run"
     proc = subprocess.run(_cli("train", str(RECIPE), "--output", str(run), f"data.root={recorded}",
-                               "train.steps=4", "train.eval_interval=2", "train.eval_steps=2",
+                               "train.steps=4", "train.warmup_steps=1", "train.eval_interval=2", "train.eval_steps=2",
                                "data.eval_max_steps=16", "checkpoint.save_format=[hf]", "logging.interval=2"),
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
