@@ -92,12 +92,11 @@ def test_replaying_recorded_expert_actions_succeeds(recorded):
 
 
 def _tiny_vla_policy():
+    import torch
     from loongforge_embodied.eval.envs.pusht import TASK
     from loongforge_embodied.eval.trained_policy import TrainedPolicy
     from loongforge_embodied.policies.tiny_vla.config import PRESETS
     from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
-
-    import torch
 
     torch.manual_seed(0)
     arch = PRESETS["tiny"].with_overrides(state_dim=2, action_dim=2, num_cameras=1)
@@ -109,10 +108,9 @@ def _tiny_vla_policy():
 
 def test_malformed_requests_get_an_error_and_the_server_keeps_serving():
     import websockets.sync.client
+    from loongforge_embodied.eval.server import PolicyServer
     from openpi_client import msgpack_numpy
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
-    from loongforge_embodied.eval.server import PolicyServer
 
     policy, arch = _tiny_vla_policy()
     size = arch.image_size
@@ -223,7 +221,7 @@ def test_eval_interval_needs_a_simulator():
 def test_eval_interval_logs_success_rate_during_training(recorded, tmp_path, env):
     run = tmp_path / "run"
     proc = subprocess.run(_cli("train", str(RECIPE), "--output", str(run), f"data.root={recorded}",
-                               "train.steps=4", "train.eval_interval=2", "train.eval_steps=2",
+                               "train.steps=4", "train.warmup_steps=1", "train.eval_interval=2", "train.eval_steps=2",
                                "data.eval_max_steps=16", "checkpoint.save_format=[hf]", "logging.interval=2"),
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,8 +36,6 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
              replan: int | None = None, out_dir: str | Path | None = None, videos: int = 0,
              on_episode_start: Callable[[int, int], None] | None = None, label: str | None = None) -> dict[str, Any]:
     """Run the episodes against the server at ``address``; write ``out_dir/summary.json`` (+ videos, plot)."""
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
     from loongforge_embodied.eval.envs import load_env, resolve_env
 
     if episodes < 1 or workers < 1:
@@ -47,9 +45,7 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
     target = resolve_env(env)
     cls = load_env(target)
     max_steps = max_steps or cls.max_steps
-    probe = WebsocketClientPolicy(host=address)
-    metadata = probe.get_server_metadata()
-    probe._ws.close()
+    metadata = server_metadata(address)
     provided = set(getattr(cls, "observation_keys", ()) or ())
     missing = [k for k in metadata["features"] if provided and k not in provided]
     if missing:
@@ -118,7 +114,7 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
                             results[ep] = EpisodeResult(ep, ep_seed, error="no worker left to run it")
                         pending.clear()
     finally:
-        for conn, w in live.items():
+        for conn in live:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
@@ -132,6 +128,21 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
     if out is not None:
         write_summary(summary, out)
     return summary
+
+
+def server_metadata(address: str) -> dict[str, Any]:
+    """The metadata a policy server sends on connect (what its requests must hold)."""
+    import websockets.exceptions
+    import websockets.sync.client
+    from openpi_client import msgpack_numpy
+
+    try:
+        with websockets.sync.client.connect(address, compression=None, max_size=None, open_timeout=30) as ws:
+            return msgpack_numpy.unpackb(ws.recv(timeout=30))
+    except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
+        from loongforge.errors import LoongForgeError
+
+        raise LoongForgeError(f"no policy server at {address} ({type(exc).__name__}: {exc})") from None
 
 
 def summarize(results: list[EpisodeResult], *, env: str, policy: str | None, seed: int, max_steps: int, workers: int,

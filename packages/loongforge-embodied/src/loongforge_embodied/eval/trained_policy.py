@@ -105,9 +105,9 @@ class TrainedPolicy:
         import torch
 
         a = self.model.arch
-        images = torch.stack([torch.stack([torch.from_numpy(np.ascontiguousarray(r[k])).permute(2, 0, 1)
+        images = torch.stack([torch.stack([torch.from_numpy(np.array(r[k])).permute(2, 0, 1)
                                            for k in self.cameras]) for r in requests]).float().div_(255.0)
-        raw = {"images": images, "state": torch.from_numpy(np.stack([r["observation.state"] for r in requests])),
+        raw = {"images": images, "state": torch.from_numpy(np.stack([r["observation.state"] for r in requests]).astype(np.float32)),
                "task": [r.get("prompt") or self.task for r in requests]}
         batch = {k: v.to(self.device) for k, v in self._prepare(raw, arch=a, stats=self.stats).items()}
         # NOTE: each request's starting noise is seeded by its content, so a chunk does not depend on the

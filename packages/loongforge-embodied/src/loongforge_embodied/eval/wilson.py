@@ -13,4 +13,7 @@ def wilson_interval(successes: int, n: int, *, z: float = 1.959964) -> tuple[flo
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # NOTE: exact ends at 0 / n and n / n (the formula gives them up to rounding)
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return lo, hi
