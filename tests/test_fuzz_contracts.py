@@ -421,7 +421,7 @@ def _workers(pid: int) -> list[int]:
     for p in _descendants(pid):
         try:
             argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-            if argv[1:3] == [b"-m", b"loongforge.worker"]:  # NOTE: not the launcher, whose argv names it too
+            if b"loongforge.worker" in argv and b"loongforge.launcher" not in argv:  # NOTE: the launcher names it too
                 found.append(p)
         except OSError:
             pass
