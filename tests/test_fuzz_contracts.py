@@ -294,6 +294,85 @@ def test_megatron_raw_input_is_one_line_naming_it(tmp_path, capsys, case):
     assert_contract(rc, lines, named=str(src))
 
 
+# ---- checkpoints: HF safetensors read by `loongforge convert` (megatron) ---------------------------------------------
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+         "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+         "torch_dtype": "float32"}
+
+
+def _llama_weights() -> dict:
+    import torch
+
+    h, f, v, kv = 64, 128, 256, 2 * 16
+    w = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+              p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+              p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+              p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(shape, generator=g) * 0.02 for k, shape in w.items()}
+
+
+def _set_header(data: bytes, edit) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(k for k in sorted(header) if k != "__metadata__")]
+
+
+SAFETENSORS = {
+    "truncated": lambda d: d[: len(d) // 2],
+    "tail cut": lambda d: d[:-16],
+    "empty": lambda d: b"",
+    "header garbled": lambda d: d[:8] + b"{not json" + d[17:],
+    "header length huge": lambda d: (2**62).to_bytes(8, "little") + d[8:],
+    "negative shape": lambda d: _set_header(d, lambda h: _first_tensor(h).update(shape=[-5, 64])),
+    "huge shape": lambda d: _set_header(d, lambda h: _first_tensor(h).update(shape=[2**40, 2**20])),
+    "offsets past end": lambda d: _set_header(d, lambda h: _first_tensor(h).update(data_offsets=[0, 2**40])),
+    "bad dtype": lambda d: _set_header(d, lambda h: _first_tensor(h).update(dtype="F99")),
+}
+SAFETENSORS_UNFIXED = {"header garbled", "huge shape", "negative shape", "offsets past end"}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(LLAMA))
+    save_file(_llama_weights(), str(out / "model.safetensors"))
+    return out
+
+
+_ST_XFAIL = pytest.mark.xfail(strict=True, reason="safetensors reader (loongforge.checkpoint.safetensors_io) does "
+                              "not refuse it in one line naming the file yet")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_ST_XFAIL) if c in SAFETENSORS_UNFIXED else c
+                                  for c in sorted(SAFETENSORS)])
+def test_damaged_safetensors_in_convert_is_one_line_naming_it(hf_dir, tmp_path, capsys, case):
+    src = Path(shutil.copytree(hf_dir, tmp_path / "src"))
+    st = src / "model.safetensors"
+    st.write_bytes(SAFETENSORS[case](st.read_bytes()))
+    rc, lines = cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megatron")
+    assert_contract(rc, lines, named=str(src))
+
+
+def test_intact_safetensors_convert(hf_dir, tmp_path, capsys):
+    rc, lines = cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--to", "megatron")
+    assert rc == 0, lines
+
+
 # ---- checkpoints: embodied resume ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
