@@ -54,7 +54,7 @@ def test_launcher_builds_torchrun_command(tmp_path):
 
     cmd = torchrun_command(LaunchConfig(nproc=2, max_restarts=3), recipe_file=tmp_path / "r.yaml", output_dir=tmp_path)
     assert cmd[1:3] == ["-m", "loongforge.launcher"]  # torchrun's run() on torchrun's own argument parser
-    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=3" in cmd
+    assert "--nproc-per-node=2" in cmd and "--rdzv-backend=loongforge-loopback" in cmd and "--max-restarts=3" in cmd
     from torch.distributed.run import parse_args
 
     parsed = parse_args(cmd[3:])  # NOTE: the arguments are torchrun's, as PyTorch users know them

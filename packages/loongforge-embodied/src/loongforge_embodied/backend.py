@@ -77,10 +77,6 @@ class EmbodiedBackend(Backend):
             if d.record is not None:
                 check_root(d.root)
             resolve_arch(recipe.model, d)  # NOTE: the recorded dataset's cameras and dims against the policy
-            if (Path(d.root) / "meta" / "info.json").is_file():
-                from loongforge_embodied.data.lerobot_files import check_dataset
-
-                check_dataset(d.root)  # NOTE: a missing or truncated file is one line now, not a worker's traceback
         if t.eval_interval:
             env = d.eval_env or (d.record.env if d.record else None)
             if env is None:

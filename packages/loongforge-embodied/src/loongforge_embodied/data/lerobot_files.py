@@ -34,13 +34,15 @@ def read_json(path: Path) -> Any:
         raise DatasetError(f"{path} is not valid JSON ({str(exc)[:200]}); {HINT}") from None
 
 
-def load_info(root: str | Path) -> dict[str, Any]:
-    """``meta/info.json`` with the keys the trainer and LeRobot rely on checked."""
+def load_info(root: str | Path, *, full: bool = False) -> dict[str, Any]:
+    """``meta/info.json`` with its features checked (what a recipe check reads), and with ``full`` the other keys
+    LeRobot relies on."""
     path = Path(root) / "meta" / "info.json"
     info = read_json(path)
     if not isinstance(info, dict):
         raise DatasetError(f"{path} is not a JSON object; {HINT}")
-    for key, kind in (("features", dict), ("fps", int | float), ("total_episodes", int), ("data_path", str)):
+    keys = (("features", dict), ("fps", int | float), ("total_episodes", int), ("data_path", str))
+    for key, kind in keys if full else keys[:1]:
         if not isinstance(info.get(key), kind) or isinstance(info.get(key), bool):
             raise DatasetError(f"{path}: '{key}' is missing or malformed; {HINT}")
     feats = info["features"]
@@ -73,7 +75,7 @@ def _parquet_rows(path: Path, *, column: str | None = None) -> list[Any] | None:
 def check_dataset(root: str | Path) -> dict[str, Any]:
     """Check the files LeRobot will open for the dataset at ``root``; returns ``meta/info.json``."""
     root = Path(root)
-    info = load_info(root)
+    info = load_info(root, full=True)
     stats_path = root / "meta" / "stats.json"
     stats = read_json(stats_path)
     for key in ("observation.state", "action"):
