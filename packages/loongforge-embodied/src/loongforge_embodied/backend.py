@@ -32,7 +32,6 @@ class EmbodiedBackend(Backend):
         "train.eval_interval": "it has no validation pass",
         "train.eval_steps": "it has no validation pass",
         "kernels.spec": "it is the megatron backend's layer spec",
-        "kernels.provider": "its policies run torch modules (the FP8 all-gather picks its own codec)",
         "kernels.grad_accum_fusion": "it is megatron's fused weight-gradient accumulation (no main_grad here)",
     }
 

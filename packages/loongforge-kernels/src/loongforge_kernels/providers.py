@@ -20,12 +20,18 @@ OPS = (
     "moe_permute",
     "moe_unpermute",
     "sparse_mla_attention",
+    "adamw",
+    "fp8_delta_encode",
+    "fp8_delta_apply",
 )
+"""The ops the ``torch`` and ``triton`` providers serve (one record each: op name -> callable)."""
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
     from loongforge_kernels import (
+        apply_fp8_deltas,
         apply_rope,
+        encode_fp8_delta,
         fused_linear_cross_entropy,
         moe_permute,
         moe_unpermute,
@@ -33,6 +39,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         sparse_mla_attention,
         swiglu,
     )
+    from loongforge_kernels.adamw import adamw_step_
 
     fns = (
         rms_norm,
@@ -42,6 +49,9 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         moe_permute,
         moe_unpermute,
         sparse_mla_attention,
+        adamw_step_,
+        encode_fp8_delta,
+        apply_fp8_deltas,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 
