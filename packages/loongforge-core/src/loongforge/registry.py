@@ -1,6 +1,8 @@
 """Plugin registries over Python entry points.
 
-Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``.
+Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``, ``loongforge.commands``
+(key: command name; value: ``module:register`` where ``register(subparsers) -> None`` adds its argparse subparser
+and ``set_defaults(handler=fn)``, ``fn(args) -> int`` the exit code).
 Entries load lazily (on first ``get``), a key declared by two distributions is rejected naming both, and a
 plugin that fails to import is reported with its error instead of crashing unrelated commands.
 """
@@ -14,7 +16,7 @@ from typing import Any
 
 from loongforge.errors import PluginError
 
-GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels")
+GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands")
 
 # Which distribution provides a well-known key, so a missing plugin gets an actionable message.
 KNOWN_PROVIDERS = {
@@ -137,5 +139,6 @@ accelerators = Registry(
     builtins={"cpu": "loongforge.accelerator.cpu:CpuAccelerator", "cuda": "loongforge.accelerator.cuda:CudaAccelerator"},
 )
 kernels = Registry("loongforge.kernels")
+commands = Registry("loongforge.commands")
 
-REGISTRIES = {r.group: r for r in (backends, accelerators, kernels)}
+REGISTRIES = {r.group: r for r in (backends, accelerators, kernels, commands)}
