@@ -25,6 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_distributed(accelerator: Accelerator, *, rank: int = 0, world_size: int = 1) -> None:
+    """The one way LoongForge starts torch.distributed: the accelerator's backend; a launched rank rendezvouses
+    through torchrun's environment (env://), a lone process through a private store on a free port. A no-op when
+    a process group exists already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if accelerator.device_type != "cpu":
+        kwargs["device_id"] = accelerator.device()
+    if world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+        # NOTE: a single in-process run gets a private store on a free port and leaves os.environ alone, so
+        # nothing (a stale MASTER_PORT, RANK) leaks into later runs or into child processes.
+        kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(backend=accelerator.dist_backend, rank=rank, world_size=world_size, **kwargs)
+
+
 @dataclass
 class Runtime:
     """What a backend's ``build`` receives. Created once per process by :func:`Runtime.create`."""
@@ -69,18 +87,7 @@ class Runtime:
 
     def init_distributed(self) -> None:
         """Initialise torch.distributed with the accelerator's backend (also for a single process)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return
-        kwargs = {}
-        if self.accelerator.device_type != "cpu":
-            kwargs["device_id"] = self.accelerator.device()
-        if self.world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
-            # NOTE: a single in-process run gets a private store on a free port and leaves os.environ alone, so
-            # nothing (a stale MASTER_PORT, RANK) leaks into later runs or into child processes.
-            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend=self.accelerator.dist_backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        init_distributed(self.accelerator, rank=self.rank, world_size=self.world_size)
 
     def seed(self, seed: int) -> None:
         self.accelerator.manual_seed(seed)
