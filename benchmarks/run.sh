@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed to issues 5 and 6, in phases that each fit one device call (<= 10 minutes).
+# Named GPU benchmarks (and their GPU tests), each runnable on its own on a machine with NVIDIA GPUs.
 #
-#   bash benchmarks/device_session.sh PHASE [OUT]      # OUT defaults to $OUT (the device tool's return folder)
+#   bash benchmarks/run.sh BENCHMARK OUT
 #
-# Run on the device machine from the repository root, carrying these git-ignored folders (fill them here with
-# `pip download --no-deps --only-binary :all: --python-version 3.12 -d .whl <pkg>==<version>`; our own packages
-# come from packages/*/src through PYTHONPATH, but their entry points (backends, kernel providers) need the installed
-# metadata of their wheels in .whl too: `for p in packages/*/; do uv build --wheel -o .whl $p; done`):
-#   .whl  megatron-core, pydantic(-core), annotated-types, typing-inspection, liger-kernel, diffusers 0.42.1
-#   .whl2 lerobot 0.6.1 + draccus, mergedeep, toml, termcolor, gymnasium, farama-notifications
-#   .whl3 datasets, dill, multiprocess, jsonlines, av              (phase e2e only: LeRobotDataset decoding)
-#   .vla_data/pusht224                                             (phase e2e only: `loongforge data prepare
-#         recipes/embodied/tiny_vla_pusht.yaml data.root=.vla_data/pusht224 data.repo_id=local/pusht224
-#         data.record.episodes=10 data.record.max_steps=100 data.record.image_size=224`)
-# Phases:
+# Needs: the repository checked out with its packages importable (`uv sync`, or the workspace packages' wheels and
+# their dependencies installed with pip: megatron-core, diffusers, liger-kernel, lerobot[dataset]; `uv build --wheel
+# packages/X` builds ours, whose entry points register the backends and kernel providers), `nvidia-smi`, and the
+# GPUs a benchmark names below. Optional: wheels in `.whl/` (and `.whl2/`, `.whl3/`) are installed into /tmp/site
+# first, for a machine without network access or a preinstalled environment; `.tl/` holds TileLang for `tilelang`.
+# The end-to-end pi05 benchmarks (e2e*) read a recorded PushT dataset at `.vla_data/pusht224`:
+#   loongforge data prepare recipes/embodied/tiny_vla_pusht.yaml data.root=.vla_data/pusht224 \
+#     data.repo_id=local/pusht224 data.record.episodes=10 data.record.max_steps=100 data.record.image_size=224
+# Writes: OUT/gpu.txt (the GPUs), OUT/<step>.log for every step (the last 25 lines also on stdout), the tables a
+# step writes with --out under OUT, and `vla_throughput.py`'s records (appended to
+# benchmarks/results/vla_throughput_<policy>_<gpu>.jsonl, copied to OUT). Copy the numbers you keep into
+# benchmarks/results/<what>_<model>_<hardware>_<date>.md (a new row in that day's table).
+#
+# Benchmarks (GPUs, about how long):
 #   check  (1 GPU, ~5 min)  fused FP8 codec GPU test + codec timing; flce kernel vs eager/compile;
 #                           pi05 model step, ours vs LeRobot's PI05Policy, batch 16
 #   e2e    (1 GPU, ~9 min)  pi05 end to end on the recorded dataset (data loading included), ours then LeRobot's
 #   fp8    (2 GPUs, ~8 min) delta-FP8 vs bf16 FSDP2 all-gather over 200 steps
 #   compile (1 GPU, ~6 min) our pi05 step with train.compile (per-unit torch.compile), batch 16 and 32
 #   step   (1 GPU, ~8 min)  pi05 model step ours vs LeRobot's (no profile), then ours with train.compile, batch 16
-#   tilelang (1 GPU, ~8 min) TileLang sparse MLA GPU tests + benchmark rows, and the CUDA-graph training test; carry .tl
-#         (tilelang 0.1.15 and z3-solver unpacked and xz-compressed: the wheels are 47 + 28 MB, over one call's
-#         64 MiB; `tar -C <unzipped wheel> -cJf .tl/tl.tar.xz .`, same for z3 -> .tl/z3.tar.xz, plus the
-#         apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
+#   tilelang (1 GPU, ~8 min) TileLang sparse MLA GPU tests + benchmark rows, and the CUDA-graph training test; needs
+#         .tl/ (tilelang 0.1.15 and z3-solver unpacked and xz-compressed: `tar -C <unzipped wheel> -cJf
+#         .tl/tl.tar.xz .`, same for z3 -> .tl/z3.tar.xz, plus the apache-tvm-ffi 0.1.12 and torch-c-dlpack-ext wheels)
 #   graphs (1 GPU, ~9 min)  ours with train.compile_mode reduce-overhead, then train.compile's host + kernel profile
 #   e2e_graphs (1 GPU, ~9 min) pi05 end to end on the recorded dataset: ours with CUDA graphs, then LeRobot's loop
 #   e2e_pair (1 GPU, ~6 min) the paired end-to-end measurement alone: LeRobot's loop, then ours with CUDA graphs
@@ -43,27 +45,26 @@
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
-# a phase add up to <= 520 s, leaving the rest of a call's 600 s for the install and CUDA start-up.
+# one benchmark add up to <= 520 s.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?phase: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_gaf|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown phase '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
-out=${2:-${OUT:?give OUT}}
+phase=${1:?benchmark: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_gaf|dit_profile|llm|kernels|x2|flce)$ ]] || { echo "unknown benchmark '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce)" >&2; exit 2; }
+out=${2:?usage: bash benchmarks/run.sh BENCHMARK OUT}
 mkdir -p "$out"
 site=/tmp/site
 wheels=(.whl/*.whl .whl2/*.whl)
 [[ $phase == e2e* ]] && wheels+=(.whl3/*.whl)
-for dir in .whl .whl2 $([[ $phase == e2e* ]] && echo .whl3); do
-  [[ -n $(echo $dir/*.whl) ]] || { echo "no wheels in $dir: carry it (see the header)" >&2; exit 3; }
-done
-if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    "${wheels[@]}" > "$out/pip.log" 2>&1; then
-  tail -5 "$out/pip.log"
-  exit 3
+if (( ${#wheels[@]} )); then  # optional: preinstalled environments need none
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "${wheels[@]}" > "$out/pip.log" 2>&1; then
+    tail -5 "$out/pip.log"
+    exit 3
+  fi
 fi
 PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':')$site
 if [[ $phase == tilelang ]]; then
-  [[ -f .tl/tl.tar.xz && -f .tl/z3.tar.xz ]] || { echo "carry .tl (see the header)" >&2; exit 3; }
+  [[ -f .tl/tl.tar.xz && -f .tl/z3.tar.xz ]] || { echo "tilelang: put .tl/tl.tar.xz and .tl/z3.tar.xz in place (see the header)" >&2; exit 3; }
   mkdir -p /tmp/tlsite && tar -xJf .tl/tl.tar.xz -C /tmp/tlsite && tar -xJf .tl/z3.tar.xz -C /tmp/tlsite \
     && python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/tlsite .tl/*.whl >> "$out/pip.log" 2>&1 \
     || { echo "tilelang unpack/install failed" >&2; tail -5 "$out/pip.log"; exit 3; }
@@ -82,9 +83,7 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "=== $name: exit $rc after $((SECONDS - t0))s"
   tail -n 25 "$out/$name.log"
-  # vla_throughput.py appends its records to benchmarks/results/ of this copy of the repo: keep them in OUT now,
-  # so a later step that runs past the call's limit cannot lose them.
-  # (only the records this call wrote: the device tool returns a limited number of files)
+  # vla_throughput.py appends its records to benchmarks/results/: a copy in OUT after each step
   find benchmarks/results -name 'vla_throughput_*.jsonl' -newer "$out/gpu.txt" -exec cp {} "$out"/ \; 2>/dev/null || true
 }
 
@@ -216,7 +215,7 @@ from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/ll
       --warmup 5 --only ours --compile
     ;;
   fp8)
-    export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device KINDS.md)
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast off
     step fp8_allgather 520 python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
       benchmarks/fp8_allgather.py --steps 200 --out "$out/fp8_allgather.md"
     ;;
