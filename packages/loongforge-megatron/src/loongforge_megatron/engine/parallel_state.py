@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
 from loongforge.runtime import free_port  # noqa: F401  NOTE: core's one free_port, still imported by the test harness
 
 if TYPE_CHECKING:
