@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from loongforge_embodied.policies import siglip_names
-from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import LeRobotPI05Arch
 
 STAT_KEYS = ("state_mean", "state_std", "state_q01", "state_q99", "action_mean", "action_std", "action_q01",
              "action_q99")
