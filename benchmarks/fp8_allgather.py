@@ -9,7 +9,7 @@ primes, is left out of the times but not of the bytes), loss at the end and its 
 is printed last. Writes a markdown table to ``--out``.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/fp8_allgather.py --steps 200 \\
-        --out benchmarks/results/fp8_allgather_$(date +%F)_h200.md
+        --out benchmarks/results/fp8_allgather_pi05_h200x2_$(date +%F).md
 
 ``--codec-only`` (one GPU, no torchrun) times the encode / decode alone, the torch code against the fused
 Triton kernels (``loongforge_kernels.fp8_delta``), and checks that both give the same bytes; the full run adds

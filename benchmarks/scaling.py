@@ -11,7 +11,7 @@ the per-layer token imbalance across EP ranks (max/mean - 1), counted from the r
 (``moe_imbalance.json`` in the run directory).
 Part 3 (vla): the embodied backend's pi05-shaped preset with fsdp2 and hsdp; samples/s/GPU and scaling efficiency.
 Every run is `loongforge train` through torchrun; numbers come from the run directory's metrics.jsonl.
-Results: benchmarks/results/scaling_<date>_<gpus>xh200.md (the anchor: torchtitan reports 6,667 tokens/s/GPU for
+Results: benchmarks/results/scaling_llama_h200x<gpus>_<date>.md (the anchor: torchtitan reports 6,667 tokens/s/GPU for
 Llama-3.1-8B with FSDP2 + compile on H100, 10.9k with float8 on H200).
 """
 
@@ -133,7 +133,7 @@ def main() -> None:
         lines += ["## Embodied pi05 fsdp2/hsdp", "", "Run `benchmarks/vla_throughput.py` per GPU count (not automated here yet).", ""]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"scaling_{time.strftime('%Y-%m-%d')}_{args.gpus}xh200.md")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"scaling_llama_h200x{args.gpus}_{time.strftime('%Y-%m-%d')}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")
 

@@ -9,7 +9,7 @@ Peers: ``lerobot_step``, the model step alone: ``PI05Policy`` stepped the way ``
 ``--data-root``), LeRobot's own loop end to end: ``lerobot_train.train`` on the same recorded dataset, data loading
 and preprocessing included (see ``lerobot_peer.py``). Prints samples/s, GPU busy % (if pynvml is present) and the
 ratios last (with ``--data-root`` ours includes data loading in both ratios); appends a JSON line to
-``benchmarks/results/vla_throughput_<date>_<gpu>.jsonl``.
+``benchmarks/results/vla_throughput_<policy>_<gpu>.jsonl`` (one file per policy and GPU; each record has its date).
 
     uv run python benchmarks/vla_throughput.py --batch 16 --steps 30                       # ours vs lerobot_step
     uv run python benchmarks/vla_throughput.py --batch 16 --data-root .vla_data/pusht224   # + lerobot_e2e
@@ -254,7 +254,7 @@ def _num_cameras(data_root: str) -> int:
 def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     """``res`` plus the sides it lacks from the latest earlier records of the same setup in ``log`` (which ends
     with ``res`` itself), and the time of the run each borrowed side comes from."""
-    same = ("batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding",
+    same = ("date", "batch", "data_root", "workers", "compile", "compile_mode", "policy", "recompute", "prompt_padding",
             "tokenizer")
     merged, paired = dict(res), {}
     for line in log.read_text().splitlines()[:-1]:
@@ -330,11 +330,12 @@ def main() -> None:
         print("lerobot_e2e:", json.dumps(res["lerobot_e2e"]), flush=True)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    gpu = res["gpu"].replace(" ", "-").lower()
-    log = out / f"vla_throughput_{time.strftime('%Y%m%d')}_{gpu}.jsonl"
+    gpu = res["gpu"].lower().removeprefix("nvidia ").replace(" ", "-")
+    res = {"date": time.strftime("%Y-%m-%d"), **res}
+    log = out / f"vla_throughput_{args.policy.removeprefix('lerobot_')}_{gpu}.jsonl"
     with open(log, "a") as f:
         f.write(json.dumps(res) + "\n")
-    # NOTE: with --only, the other side comes from the latest earlier record of the same setup in today's file
+    # NOTE: with --only, the other side comes from the latest earlier record of the same setup of today in the file
     # (the e2e sides run as two processes of one command, each needing the whole GPU).
     merged, paired = merge_earlier(log, res) if args.only else (dict(res), {})
     for peer, what in (("lerobot_e2e", "end to end"), ("lerobot_step", "model step")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import loongforge
 import pytest
@@ -47,6 +48,21 @@ def test_plugins_lists_builtin_accelerators(capsys):
     assert "cpu          loongforge-core" in out
     groups = [line for line in out.splitlines() if line.startswith("loongforge.")]
     assert groups == ["loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands"]
+    assert "place-experts loongforge-megatron" in out  # a backend's command, from its entry point
+
+
+def test_a_plugin_command_is_loaded_only_when_asked_for(tmp_path):
+    """``loongforge validate`` imports no command module; ``loongforge place-experts`` imports only its own."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from loongforge.cli import main; main(sys.argv[1:]); "
+             "print('LOADED', 'loongforge_megatron.commands' in sys.modules)")
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "quickstart" / "llama_stdlib.yaml"
+    got = subprocess.run([sys.executable, "-c", probe, "validate", str(recipe)], capture_output=True, text=True)
+    assert "LOADED False" in got.stdout, got.stderr[-2000:]
+    got = subprocess.run([sys.executable, "-c", probe, "place-experts", "--help"], capture_output=True, text=True)
+    assert "--loads" in got.stdout, got.stderr[-2000:]
 
 
 def test_launcher_builds_torchrun_command(tmp_path):

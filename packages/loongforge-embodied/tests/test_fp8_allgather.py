@@ -107,11 +107,15 @@ def test_torch_codec_is_the_fused_kernels_reference(numel, dtype):
 
 
 def test_fused_codec_only_on_cuda():
-    from loongforge_embodied.fp8_allgather import _fused_codec
+    """auto: the triton provider's fused codec on CUDA; on the CPU (no interpreter) the torch reference."""
+    from loongforge_embodied.fp8_allgather import delta_hook
     from loongforge_kernels import fp8_delta
 
-    assert _fused_codec(torch.device("cpu")) is None
-    assert _fused_codec(torch.device("cuda", 0)) is fp8_delta
+    cpu = delta_hook(device_type="cpu")
+    assert cpu.encode.func is fp8_delta.encode_fp8_delta and cpu.encode.keywords == {"impl": "torch"}
+    cuda = delta_hook(device_type="cuda")
+    assert cuda.encode.func is fp8_delta.encode_fp8_delta and cuda.encode.keywords == {"impl": "triton"}
+    assert cuda.apply.func is fp8_delta.apply_fp8_deltas and cuda.apply.keywords == {"impl": "triton"}
 
 
 # ----------------------------------------------------------------------------------------------- recipe
@@ -195,7 +199,7 @@ def _driver(*, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from loongforge.api import build_job, load_recipe
     from loongforge.errors import RecipeError
-    from loongforge_embodied.fp8_allgather import enable_delta_fp8_allgather, meter_allgather
+    from loongforge_embodied.fp8_allgather import _install, delta_hook, meter_allgather
 
     dist.init_process_group("gloo")
     res: dict = {}
@@ -207,8 +211,8 @@ def _driver(*, rank: int, world: int) -> dict:
     for name in ("bf16", "fp8"):
         with tempfile.TemporaryDirectory() as tmp:
             job, _ = build_job(load_recipe(RECIPE, RUN), output_dir=tmp)
-            # NOTE: the recipe path refuses CPU; ``allow_cpu`` is the test-only bypass of that check.
-            hook = (enable_delta_fp8_allgather(job.model.module, reprime_every=REPRIME, allow_cpu=True)
+            # NOTE: the recipe path refuses CPU; the test installs the hook itself (no FP8 hardware check).
+            hook = (_install(job.model.module, delta_hook(device_type="cpu", reprime_every=REPRIME))
                     if name == "fp8" else meter_allgather(job.model.module))
             job.model.allgather = hook  # the job calls hook.step() after each optimizer step
             losses = [job.step()["loss"] for _ in range(STEPS)]

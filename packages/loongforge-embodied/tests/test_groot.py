@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from loongforge_embodied.data.dataset import FlowSamples, SyntheticSource, collate
-from loongforge_embodied.policies.groot.config import PRESETS
-from loongforge_embodied.policies.groot.model import GrootModel
+from loongforge_embodied.policies.groot.configuration_groot import PRESETS
+from loongforge_embodied.policies.groot.modeling_groot import GrootModel
 from loongforge_embodied.policies.groot.processor_groot import prepare_batch
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "embodied" / "tiny_groot_synthetic.yaml"
@@ -121,8 +121,8 @@ def test_recipe_validates_trains_and_exports_through_the_cli(tmp_path, monkeypat
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
 
-    import loongforge_embodied.policies.groot.configuration_groot  # noqa: F401  registers the type
     from lerobot.policies.factory import get_policy_class
+    from loongforge_embodied.policies.groot.configuration_groot import GrootConfig  # noqa: F401  registers the type
 
     policy = get_policy_class("loongforge_groot").from_pretrained(run / "hf")
     obs = {k: torch.rand(2, 3, 64, 64) for k in policy.config.camera_keys}

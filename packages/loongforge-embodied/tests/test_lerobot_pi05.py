@@ -38,8 +38,8 @@ def _pi05_adapted(request):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from loongforge_embodied.policies.lerobot_pi05.config import PRESETS
-    from loongforge_embodied.policies.lerobot_pi05.model import LeRobotPI05Model
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import PRESETS
+    from loongforge_embodied.policies.lerobot_pi05.modeling_lerobot_pi05 import LeRobotPI05Model
     from loongforge_embodied.policies.lerobot_pi05.processor_lerobot_pi05 import prepare_batch
 
     arch = PRESETS["tiny"]
@@ -315,7 +315,7 @@ def test_hugging_face_tokenizer_as_lerobot_calls_it(tmp_path):
 
 
 def test_training_steps_reduce_the_loss(tiny):
-    from loongforge_embodied.policies.lerobot_pi05.model import LeRobotPI05Model
+    from loongforge_embodied.policies.lerobot_pi05.modeling_lerobot_pi05 import LeRobotPI05Model
 
     arch, _, _, _, inp = tiny
     torch.manual_seed(0)
@@ -336,7 +336,7 @@ def test_real_size_is_lerobots_pi05():
     """gemma_2b + gemma_300m + So400m on the meta device: 4.14B parameters, LeRobot's bf16/fp32 split."""
     from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
     from loongforge_embodied.policies.lerobot_pi05.build import pi05_config
-    from loongforge_embodied.policies.lerobot_pi05.config import PRESETS
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import PRESETS
 
     with torch.device("meta"):
         model = PI05Pytorch(pi05_config(PRESETS["pi05"]))

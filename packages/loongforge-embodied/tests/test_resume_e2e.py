@@ -66,7 +66,7 @@ def test_prepare_train_kill_resume_export(tmp_path, env):
 
     check = subprocess.run([sys.executable, "-c", (
         "import sys, torch\n"
-        "import loongforge_embodied.policies.tiny_vla.configuration_tiny_vla  # registers the type\n"
+        "from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAConfig  # registers the type\n"
         "from lerobot.policies.factory import get_policy_class\n"
         "cls = get_policy_class('loongforge_tiny_vla')\n"
         "p = cls.from_pretrained(sys.argv[1])\n"

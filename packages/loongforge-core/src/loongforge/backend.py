@@ -65,15 +65,6 @@ class Backend(ABC):
         """``loongforge data prepare RECIPE``: build the data the recipe's ``data`` section describes."""
         raise PluginError(f"backend '{self.name}' has no data preparation step")
 
-    def convert(self, src: str, dst: str, *, to: str, **layout: Any) -> None:
-        """``loongforge convert SRC DST --to ...``: checkpoint conversion in this backend's layouts."""
-        raise PluginError(f"backend '{self.name}' has no checkpoint conversion")
-
-    def place_experts(self, src: str, dst: str, *, loads: str, ep: int, force: bool = False) -> dict:
-        """``loongforge place-experts SRC DST --loads RUN/moe_imbalance.json --ep N``: renumber a MoE checkpoint's
-        experts so each expert-parallel rank gets a balanced load; returns the placement report."""
-        raise PluginError(f"backend '{self.name}' has no expert placement")
-
 
 def get_backend_class(name: str) -> type[Backend]:
     """The Backend class registered as ``name`` (``PluginError`` naming the package to install if absent)."""

@@ -22,7 +22,27 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
 
 
-def build_parser() -> argparse.ArgumentParser:
+CORE_COMMANDS = ("train", "validate", "recipes", "plugins", "plot", "data")
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction, wanted: str | None) -> None:
+    """Commands from the ``loongforge.commands`` entry-point group (a backend's ``convert``, ``place-experts``,
+    ...). Only ``wanted``'s module is imported when a plugin command is asked for by name; the help imports all."""
+    from loongforge import registry
+    from loongforge.errors import PluginError
+
+    keys = [k for k in registry.commands.keys() if k not in CORE_COMMANDS]
+    for key in [wanted] if wanted in keys else ([] if wanted in CORE_COMMANDS else keys):
+        try:
+            registry.commands.get(key)(sub)
+        except PluginError:
+            if key == wanted:
+                raise
+            # NOTE: a broken plugin leaves the other commands usable; ``loongforge plugins`` shows why it failed
+
+
+def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; ``wanted``: the command asked for (None: every command, for the help)."""
     parser = argparse.ArgumentParser(prog="loongforge", description="Train LLMs, VLMs, diffusion and embodied models from YAML recipes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -42,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list shipped recipes")
     p.add_argument("--dir", default=None)
 
-    sub.add_parser("plugins", help="list installed backends, accelerators and kernel providers")
+    sub.add_parser("plugins", help="list installed backends, accelerators, kernel providers and commands")
 
     p = sub.add_parser("plot", help="write a PNG of a run's loss and throughput")
     p.add_argument("run")
@@ -55,49 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("overrides", nargs="*", default=[])
     dp.add_argument("--force", action="store_true", help="rebuild even if the prepared data exists")
 
-    p = sub.add_parser("convert", help="convert checkpoints between HF and a backend's layout")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=["megatron", "hf"])
-    p.add_argument("--backend", default="megatron")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=None)
-    p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline split: layers on stage 0")
-    p.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline split: layers on the last stage")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
-
-    p = sub.add_parser("place-experts", help="renumber a MoE checkpoint's experts to balance expert-parallel ranks")
-    p.add_argument("src", help="HF MoE checkpoint directory")
-    p.add_argument("dst")
-    p.add_argument("--loads", required=True, help="a training run's moe_imbalance.json (tokens per expert)")
-    p.add_argument("--ep", type=int, required=True, help="expert-parallel size the placement is for")
-    p.add_argument("--backend", default="megatron")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
-    _add_plugin_commands(sub)
+    _add_plugin_commands(sub, wanted)
     return parser
-
-
-def _add_plugin_commands(sub) -> None:
-    """Commands of installed packages (entry-point group ``loongforge.commands``: ``register(subparsers)``).
-    One that fails to load still gets a subparser, whose handler reports the load error."""
-    from loongforge import registry
-
-    for name in registry.commands.keys():
-        if name in COMMANDS:
-            continue  # NOTE: a plugin cannot replace a core command
-        try:
-            registry.commands.get(name)(sub)
-        except Exception as exc:
-            msg = str(exc) if isinstance(exc, LoongForgeError) else f"{type(exc).__name__}: {exc}"
-            p = sub.add_parser(name, help=f"(failed to load: {msg.splitlines()[0] if msg else ''})")
-            p.set_defaults(handler=lambda _args, _m=msg: _plugin_load_failed(_m))
-
-
-def _plugin_load_failed(message: str) -> int:
-    raise LoongForgeError(message)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -198,37 +177,6 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from loongforge.backend import get_backend
-    from loongforge.errors import CheckpointError
-
-    src = Path(args.src)
-    if not src.exists():
-        raise CheckpointError(f"{src} does not exist (SRC: an HF model directory, or a `loongforge convert` output "
-                              "for --to hf / resharding)")
-    if (src / "latest").is_file() or any(src.glob("rank_*.pt")):
-        raise CheckpointError(f"{src} is a training checkpoint (resume state), not a convertible layout: train "
-                              "with checkpoint.save_format [dist, hf] for HF weights")
-    get_backend(args.backend).convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                                      ep=args.ep, etp=args.etp, force=args.force,
-                                      first_stage_layers=args.first_stage_layers,
-                                      last_stage_layers=args.last_stage_layers)
-    print(f"wrote {args.dst}")
-    return 0
-
-
-def _cmd_place_experts(args: argparse.Namespace) -> int:
-    from loongforge.backend import get_backend
-
-    report = get_backend(args.backend).place_experts(args.src, args.dst, loads=args.loads, ep=args.ep, force=args.force)
-    for layer, r in report["layers"].items():
-        print(f"layer {layer}: EP-rank imbalance {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f}")
-    print(f"wrote {args.dst} (placement in expert_placement.json)")
-    return 0
-
-
 COMMANDS = {
     "train": _cmd_train,
     "validate": _cmd_validate,
@@ -236,14 +184,18 @@ COMMANDS = {
     "plugins": _cmd_plugins,
     "plot": _cmd_plot,
     "data": _cmd_data,
-    "convert": _cmd_convert,
-    "place-experts": _cmd_place_experts,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print ``error: ...`` on one line and return 2."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(first)
+    except LoongForgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     # NOTE: overrides may follow options (``train R --output D a.b=1``); argparse leaves those in ``extra``.
     stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
@@ -255,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        handler = COMMANDS.get(args.command) or args.handler
+        handler = getattr(args, "handler", None) or COMMANDS[args.command]
         return handler(args)
     except LoongForgeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Plugin registries over Python entry points.
 
 Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``, ``loongforge.commands``
-(a backend's own CLI commands: key = command name, value = ``module:register`` with ``register(subparsers)``
-adding its argparse subparser and ``set_defaults(handler=fn)``, ``fn(args) -> int`` the exit code).
+(key: command name; value: ``module:register`` where ``register(subparsers) -> None`` adds its argparse subparser
+and ``set_defaults(handler=fn)``, ``fn(args) -> int`` the exit code).
 Entries load lazily (on first ``get``), a key declared by two distributions is rejected naming both, and a
 plugin that fails to import is reported with its error instead of crashing unrelated commands.
 """

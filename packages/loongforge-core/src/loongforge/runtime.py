@@ -43,6 +43,24 @@ def loopback_store(*, world_size: int | None = 1, timeout_s: float = 300.0):
                          wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=True)
 
 
+def init_distributed(accelerator: Accelerator, *, rank: int = 0, world_size: int = 1) -> None:
+    """The one way LoongForge starts torch.distributed: the accelerator's backend; a launched rank rendezvouses
+    through torchrun's environment (env://), a lone process through a private store on a free port. A no-op when
+    a process group exists already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if accelerator.device_type != "cpu":
+        kwargs["device_id"] = accelerator.device()
+    if world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+        # NOTE: a single in-process run gets a private store on loopback and leaves os.environ alone, so
+        # nothing (a stale MASTER_PORT, RANK) leaks into later runs or into child processes.
+        kwargs["store"] = loopback_store()
+    dist.init_process_group(backend=accelerator.dist_backend, rank=rank, world_size=world_size, **kwargs)
+
+
 @dataclass
 class Runtime:
     """What a backend's ``build`` receives. Created once per process by :func:`Runtime.create`."""
@@ -87,18 +105,7 @@ class Runtime:
 
     def init_distributed(self) -> None:
         """Initialise torch.distributed with the accelerator's backend (also for a single process)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return
-        kwargs = {}
-        if self.accelerator.device_type != "cpu":
-            kwargs["device_id"] = self.accelerator.device()
-        if self.world_size == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
-            # NOTE: a single in-process run gets a private store and leaves os.environ alone, so nothing (a stale
-            # MASTER_PORT, RANK) leaks into later runs or into child processes.
-            kwargs["store"] = loopback_store()
-        dist.init_process_group(backend=self.accelerator.dist_backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        init_distributed(self.accelerator, rank=self.rank, world_size=self.world_size)
 
     def seed(self, seed: int) -> None:
         self.accelerator.manual_seed(seed)

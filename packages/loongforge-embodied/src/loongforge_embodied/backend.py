@@ -30,7 +30,6 @@ class EmbodiedBackend(Backend):
         "parallel.etp": "it is data-parallel only (shard with parallel.strategy fsdp2 / hsdp)",
         "parallel.recompute_layers": "parallel.recompute full checkpoints each block the policy declares",
         "kernels.spec": "it is the megatron backend's layer spec",
-        "kernels.provider": "its policies run torch modules (the FP8 all-gather picks its own codec)",
         "kernels.grad_accum_fusion": "it is megatron's fused weight-gradient accumulation (no main_grad here)",
     }
 

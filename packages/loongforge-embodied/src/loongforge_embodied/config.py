@@ -53,7 +53,7 @@ class ModelConfig(Section):
         from loongforge_embodied.policies import get_policy, resolve_arch
 
         arch = resolve_arch(self)  # unknown arch fields raise here, at load time
-        check = getattr(get_policy(self.policy).module("config"), "check_recipe_arch", None)
+        check = getattr(get_policy(self.policy).module(f"configuration_{self.policy}"), "check_recipe_arch", None)
         if check is not None:  # NOTE: a policy's file-system checks (e.g. lerobot_pi05's local tokenizer)
             check(arch)
         return self

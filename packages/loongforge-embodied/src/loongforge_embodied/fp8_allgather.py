@@ -23,11 +23,11 @@ backward reduce-scatter and the sharded fp32 master weights are unchanged.
 
 Costs: ``R`` is one full copy of the trainable parameters in the gather dtype on every rank (FSDP otherwise
 keeps only shards between gathers), and two passes over the group per gather (encode the shard, decode all
-shards). On CUDA each pass is one fused Triton kernel (``loongforge_kernels.fp8_delta``, which also writes the
-gathered parameters), bit-identical to the torch code here; ``LOONGFORGE_KERNELS=torch`` selects its torch
-reference instead. The win is bandwidth: worth it where the link, not the GPU, bounds the all-gather (across
+shards). The codec comes from the core's kernel registry (ops ``fp8_delta_encode`` / ``fp8_delta_apply``, chosen
+by ``kernels.provider``): on CUDA the triton provider's fused kernels (``loongforge_kernels.fp8_delta``, which also
+write the gathered parameters), bit-identical to the torch code here, which runs where no provider serves. The win is bandwidth: worth it where the link, not the GPU, bounds the all-gather (across
 nodes).
-GPU only: FP8 needs SM >= 8.9; ``allow_cpu=True`` exists for the gloo tests alone.
+GPU only: FP8 needs SM >= 8.9 (the gloo tests install :func:`delta_hook` on the CPU themselves).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,19 +99,6 @@ def _apply_deltas(recon: torch.Tensor, gathered: torch.Tensor) -> None:
     scales = gathered[:, nb * BLOCK:].view(torch.float32)
     dq = q.float().view(world, nb, BLOCK).mul_(scales[:, :, None]).view(world, nb * BLOCK)
     recon.add_(dq[:, :n])
-
-
-def _fused_codec(device: torch.device):
-    """``loongforge_kernels.fp8_delta`` (fused Triton encode / decode, bit-identical to the two functions
-    above) for CUDA tensors; None on CPU or without the package, where the torch code above runs.
-    NOTE: imported here, not at the top: CPU-only uses (the gloo tests) never load triton."""
-    if device.type != "cuda":
-        return None
-    try:
-        from loongforge_kernels import fp8_delta
-    except ImportError:
-        return None
-    return fp8_delta
 
 
 # ----------------------------------------------------------------------------------------------- FSDP hook
@@ -179,15 +167,15 @@ class _GroupAllGather:
         rows = self.recon.view(world, -1)
         # NOTE: ``inp`` is a view into ``out`` (FSDP copies the shard in at this rank's offset): encode it before
         # ``out`` is overwritten.
-        codec = _fused_codec(inp.device)
-        payload = _encode_delta(inp, rows[rank]) if codec is None else codec.encode_fp8_delta(inp, rows[rank])
+        encode, apply = self.owner.encode, self.owner.apply
+        payload = _encode_delta(inp, rows[rank]) if encode is None else encode(inp, rows[rank])
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=inp.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
-        if codec is None:
+        if apply is None:
             _apply_deltas(rows, gathered.view(world, -1))
             out.copy_(self.recon)
         else:  # one pass: updates the reconstruction and writes the gathered parameters
-            codec.apply_fp8_deltas(rows, gathered.view(world, -1), out=out.view(world, -1))
+            apply(rows, gathered.view(world, -1), out=out.view(world, -1))
         st.bytes_sent += gathered.numel()
 
 
@@ -199,6 +187,9 @@ class AllGatherHook:
 
     quantize: bool
     reprime_every: int = 0
+    # the codec's two passes (``kernels.choose``: fp8_delta_encode / fp8_delta_apply); None: the torch code here
+    encode: Callable[..., torch.Tensor] | None = None
+    apply: Callable[..., None] | None = None
     stats: AllGatherStats = field(default_factory=AllGatherStats)
     groups: list[_GroupAllGather] = field(default_factory=list)
     timing: bool = False
@@ -266,19 +257,30 @@ def _install(model: nn.Module, hook: AllGatherHook) -> AllGatherHook:
     return hook
 
 
-def enable_delta_fp8_allgather(model: nn.Module, *, reprime_every: int = 0, allow_cpu: bool = False,
-                               timing: bool = False) -> AllGatherHook:
+def enable_delta_fp8_allgather(model: nn.Module, *, reprime_every: int = 0, timing: bool = False,
+                               kernels: str = "auto", accelerator: Any = None) -> AllGatherHook:
     """Install delta-FP8 parameter all-gathers on every ``fully_shard`` module of ``model`` (after FSDP2 was
     applied). ``reprime_every=K``: a full-precision gather after every K-th :meth:`AllGatherHook.step`
-    (0: only the first). ``allow_cpu`` is for tests only: it skips the CUDA / SM >= 8.9 check so the hook runs
-    on gloo. ``timing`` records the time spent in the gathers (:meth:`AllGatherHook.take_time_ms`)."""
+    (0: only the first). ``timing`` records the time spent in the gathers (:meth:`AllGatherHook.take_time_ms`).
+    ``kernels``: the recipe's ``kernels.provider``, which picks the codec (``loongforge_embodied.kernels``)."""
     if reprime_every < 0:
         raise ValueError(f"reprime_every must be >= 0 (got {reprime_every})")
     device = next(model.parameters()).device
-    reason = None if (allow_cpu and device.type == "cpu") else fp8_unsupported_reason(device)
+    reason = fp8_unsupported_reason(device)
     if reason:
         raise RuntimeError(f"delta-FP8 all-gather {reason}")
-    return _install(model, AllGatherHook(quantize=True, reprime_every=reprime_every, timing=timing))
+    return _install(model, delta_hook(device_type=device.type, reprime_every=reprime_every, timing=timing,
+                                      kernels=kernels, accelerator=accelerator))
+
+
+def delta_hook(*, device_type: str, reprime_every: int = 0, timing: bool = False, kernels: str = "auto",
+               accelerator: Any = None) -> AllGatherHook:
+    """The quantizing hook with its codec chosen through the core's kernel registry (not yet installed)."""
+    from loongforge_embodied.kernels import choose
+
+    encode = choose("fp8_delta_encode", provider=kernels, device_type=device_type, accelerator=accelerator).impl
+    apply = choose("fp8_delta_apply", provider=kernels, device_type=device_type, accelerator=accelerator).impl
+    return AllGatherHook(quantize=True, reprime_every=reprime_every, timing=timing, encode=encode, apply=apply)
 
 
 def meter_allgather(model: nn.Module, *, timing: bool = False) -> AllGatherHook:

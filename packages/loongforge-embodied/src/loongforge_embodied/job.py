@@ -81,6 +81,11 @@ class EmbodiedJob(Job):
         self.features = {"cameras": cams}
         # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
         rt.seed(t.seed)
+        from loongforge_embodied import kernels
+
+        # NOTE: an explicit kernels.provider that cannot serve AdamW / the FP8 codec here is one clear error now
+        kernels.check(provider=r.kernels.provider, device_type=self.device.type, accelerator=self.acc,
+                      ops=kernels.OPS if r.model.fp8_allgather.enabled else ("adamw",))
         policy = get_policy(r.model.policy)
         # NOTE: e.g. the tokenizer loads and the statistics are checked here, not first in a DataLoader worker
         stats = source.stats()
@@ -110,15 +115,17 @@ class EmbodiedJob(Job):
             comm_hook=r.model.comm_hook, shard_size=r.parallel.shard_size,
             reshard_after_forward=r.model.reshard_after_forward, prefetch=r.model.prefetch,
             fp8_allgather=r.model.fp8_allgather.enabled, reprime_every=r.model.fp8_allgather.reprime_every,
+            kernels=r.kernels.provider, accelerator=self.acc,
         )
         self.trainable = [p for p in raw.parameters() if p.requires_grad]
         groups = param_groups(raw.named_parameters(), t.weight_decay)
         # NOTE: one rank only: with data parallelism a table's reduced gradient also has the other ranks' rows
         row_sparse = raw.row_sparse_params() if hasattr(raw, "row_sparse_params") and rt.world_size == 1 else []
+        kernels = dict(kernels=r.kernels.provider, accelerator=self.acc)
         if self.model.strategy == "zero1" and rt.world_size > 1:
-            self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type)
+            self.optimizer = ZeroOneOptimizer(groups, t, device_type=self.device.type, **kernels)
         else:
-            self.optimizer = make_optimizer(groups, t, device_type=self.device.type, row_sparse=row_sparse)
+            self.optimizer = make_optimizer(groups, t, device_type=self.device.type, row_sparse=row_sparse, **kernels)
         self._mark_rows = bool(row_sparse) and hasattr(self.optimizer, "mark_rows")
         # NOTE: fp32 averages whatever the weights' dtype: a bf16 average would round most (1 - decay) steps away.
         self.ema = ({n: p.detach().float().clone() for n, p in raw.named_parameters() if p.requires_grad}

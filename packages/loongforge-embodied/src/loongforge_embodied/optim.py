@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,17 +42,21 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float)
 
 
 def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str,
-                   row_sparse: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
-    """``row_sparse``: embedding tables for ``KernelAdamW`` (CUDA); the job marks their looked-up rows."""
+                   row_sparse: Iterable[nn.Parameter] = (), kernels: str = "auto",
+                   accelerator: Any = None) -> torch.optim.Optimizer:
+    """``row_sparse``: embedding tables for ``KernelAdamW``; the job marks their looked-up rows. ``kernels``: the
+    recipe's ``kernels.provider``, which picks AdamW's step through the core's registry (``kernels.choose``)."""
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.adam_beta1)
-    # NOTE: fused AdamW on accelerators (on CUDA its step is our Triton kernel: ``KernelAdamW``); foreach on CPU,
-    # where fused is slower.
+    from loongforge_embodied.kernels import choose
+
+    # NOTE: fused AdamW on accelerators (where the triton provider serves ``adamw`` its step is our kernel:
+    # ``KernelAdamW``); foreach on CPU, where fused is slower.
     fused = device_type != "cpu"
     kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None,
               foreach=None if fused else True)
-    if device_type == "cuda":
-        return KernelAdamW(groups, row_sparse=row_sparse, **kw)
+    if choose("adamw", provider=kernels, device_type=device_type, accelerator=accelerator).provider == "triton":
+        return KernelAdamW(groups, row_sparse=row_sparse, impl="triton", **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
@@ -75,14 +80,15 @@ class KernelAdamW(torch.optim.AdamW):
 
     Falls back to torch's step for what the kernel does not cover: amsgrad, maximize, capturable,
     differentiable, ``found_inf``, tensor learning rates, a closure, sparse / non-contiguous / misaligned
-    tensors, other dtypes, an unusable ``grad_scale``, and ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor)
+    tensors, other dtypes, an unusable ``grad_scale``, and (``impl=None``) ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor)
     parameters update their local shards. The per-group ``AdamWPlan`` (offsets of parameters, moments and steps)
     is kept while the group's parameters with gradients, and the addresses of them and of their state, stay the
     same; a fallback step drops plans with row-sparse tables (torch's step moved rows the plan had not marked)."""
 
-    def __init__(self, *args, row_sparse=(), **kwargs):
+    def __init__(self, *args, row_sparse=(), impl: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._row_sparse = {id(p) for p in row_sparse}
+        self._impl = impl  # NOTE: the backend pins "triton" (its kernel choice); None: loongforge_kernels' default
         self._reset()
 
     def _reset(self) -> None:
@@ -162,7 +168,7 @@ class KernelAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 work.append((gi, group, params))
-        if not work or resolve(None, _local(work[0][2][0])) != "triton":
+        if not work or resolve(getattr(self, "_impl", None), _local(work[0][2][0])) != "triton":
             return None
         try:
             scale = getattr(self, "grad_scale", None)
@@ -260,7 +266,8 @@ class ZeroOneOptimizer:
     NOTE: our own rather than ``ZeroRedundancyOptimizer`` so optimizer state is keyed by parameter name on the
     owning rank and saves through DCP without gathering onto one rank."""
 
-    def __init__(self, groups: list[dict], t: TrainConfig, *, device_type: str, group: dist.ProcessGroup | None = None):
+    def __init__(self, groups: list[dict], t: TrainConfig, *, device_type: str, group: dist.ProcessGroup | None = None,
+                 kernels: str = "auto", accelerator: Any = None):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         params = [p for g in groups for p in g["params"]]
@@ -273,7 +280,8 @@ class ZeroOneOptimizer:
             self.owner[p], load[r] = r, load[r] + p.numel()
         mine = [{**g, "params": [p for p in g["params"] if self.owner[p] == self.rank]} for g in groups]
         mine = [g for g in mine if g["params"]]
-        self.inner = make_optimizer(mine, t, device_type=device_type) if mine else None
+        self.inner = make_optimizer(mine, t, device_type=device_type, kernels=kernels,
+                                    accelerator=accelerator) if mine else None
         self.params = params
         self._src = {r: dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def resolve_strategy(strategy: str, world_size: int) -> str:
 def parallelize(
     model: nn.Module, *, strategy: str, world_size: int, device: torch.device, precision: str,
     comm_hook: str = "none", shard_size: int | None = None, reshard_after_forward: bool = True, prefetch: int = 1,
-    fp8_allgather: bool = False, reprime_every: int = 0,
+    fp8_allgather: bool = False, reprime_every: int = 0, kernels: str = "auto", accelerator: Any = None,
 ) -> Parallelized:
     """Wrap ``model`` (already on ``device``, frozen params already ``requires_grad=False``)."""
     strategy = resolve_strategy(strategy, world_size)
@@ -88,7 +88,8 @@ def parallelize(
     if fp8_allgather:
         from loongforge_embodied.fp8_allgather import enable_delta_fp8_allgather
 
-        par.allgather = enable_delta_fp8_allgather(model, reprime_every=reprime_every)
+        par.allgather = enable_delta_fp8_allgather(model, reprime_every=reprime_every, kernels=kernels,
+                                                   accelerator=accelerator)
     return par
 
 

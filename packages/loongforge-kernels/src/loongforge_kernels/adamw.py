@@ -37,7 +37,7 @@ from loongforge_kernels.fp8_delta import _f32, _round_to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements and warps per program: on the H200 8192 x 16 moves pi05's optimizer bytes at 3.66 TB/s, 2048 x 4 at
-# 3.55, 4096 x 8 at 2.85 (benchmarks/results/adamw_2026-12-01_h200.md). The interpreter pays per program.
+# 3.55, 4096 x 8 at 2.85 (benchmarks/results/adamw_pi05_h200_2026-12-01.md). The interpreter pays per program.
 BLOCK = {"cuda": 8192, "cpu": 1024}
 NUM_WARPS = 16
 # A pointer-table row: the element offsets of param, grad, exp_avg, exp_avg_sq (from the first param's / grad's

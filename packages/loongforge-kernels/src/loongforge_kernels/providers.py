@@ -22,13 +22,19 @@ OPS = (
     "sparse_mla_attention",
     "moe_router_topk",
     "fp8_quantize",
+    "adamw",
+    "fp8_delta_encode",
+    "fp8_delta_apply",
 )
+"""The ops the ``torch`` and ``triton`` providers serve (one record each: op name -> callable)."""
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
     from loongforge_kernels import (
+        apply_fp8_deltas,
         apply_rope,
         fp8_quantize,
+        encode_fp8_delta,
         fused_linear_cross_entropy,
         moe_permute,
         moe_router_topk,
@@ -37,6 +43,7 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         sparse_mla_attention,
         swiglu,
     )
+    from loongforge_kernels.adamw import adamw_step_
 
     fns = (
         rms_norm,
@@ -48,6 +55,9 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         sparse_mla_attention,
         moe_router_topk,
         fp8_quantize,
+        adamw_step_,
+        encode_fp8_delta,
+        apply_fp8_deltas,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from loongforge.backend import Job
+from loongforge.checkpoint import padded_vocab_size
 from loongforge.errors import CheckpointError, RecipeError
 
 if TYPE_CHECKING:
@@ -32,11 +33,6 @@ def class_labels_json(names: list[str]) -> str:
     import json
 
     return json.dumps({"id2label": {str(i): n for i, n in enumerate(names)}}, indent=1)
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    step = VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // step) * step
 
 
 class MegatronJob(Job):
@@ -102,7 +98,7 @@ class MegatronJob(Job):
             # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused by the backend) mean ours.
             self.spec_name = ("local" if recipe.kernels.spec == "local" else "loongforge") if arch.is_vlm \
                 else self._spec_name()
-            self.vocab_size = padded_vocab(arch.vocab_size, plan.tp)
+            self.vocab_size = padded_vocab_size(arch.vocab_size, divisible_by=VOCAB_DIVISIBLE_BY, tp_size=plan.tp)
             if arch.is_vlm:
                 self._build_vlm()
             else:

@@ -43,7 +43,7 @@ def _tp2_logits(*, rank, world, recipes, tokens, run_dir, ports):
 
 def test_online_load_tp2_logits_equal_transformers(tmp_path, tiny_hf, recipe, ranks):
     import transformers as tf
-    from loongforge_megatron.engine.parallel_state import free_port
+    from loongforge.runtime import free_port
 
     hfs = {"llama": tiny_hf("llama", tmp_path / "llama"),
            "qwen3": tiny_hf("qwen3", tmp_path / "qwen3", vocab_size=ODD_VOCAB)}

@@ -1,8 +1,10 @@
 """Kernel providers: the contract between kernel packages, hardware plugins and backends.
 
 A provider (registered under the ``loongforge.kernels`` entry-point group) maps op names (``rms_norm``,
-``swiglu``, ``rope``, ``fused_linear_cross_entropy``, ...) to callables. Backends ask :func:`select_op`; an
-accelerator plugin may override some ops through ``Accelerator.kernel_overrides()``.
+``swiglu``, ``rope``, ``fused_linear_cross_entropy``, ``adamw``, ``fp8_delta_encode``, ...) to callables: one
+implementation record per op. Both backends ask :func:`select` / :func:`select_op` with the recipe's
+``kernels.provider``; an accelerator plugin may override some ops through ``Accelerator.kernel_overrides()``.
+The record format and how to add an op: ``packages/loongforge-kernels/README.md``.
 
 Selection rule (as in Liger-Kernel): an explicitly requested provider that cannot serve an op raises;
 ``auto`` walks the preference order and falls back to the next provider.
@@ -38,15 +40,19 @@ def _provider(name: str) -> KernelProvider:
     return cls()
 
 
-def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", accelerator: Any = None) -> Callable[..., Any]:
-    """Return the implementation of ``op`` for ``device_type``.
+def select(op: str, *, provider: str = "auto", device_type: str = "cpu", accelerator: Any = None
+           ) -> tuple[str, Callable[..., Any]]:
+    """``(who serves it, implementation)`` of ``op`` for ``device_type``: the one selection rule.
 
-    ``provider`` is ``auto`` or a provider name. Accelerator overrides win over providers.
+    ``provider`` is ``auto`` or a provider name (the recipe's ``kernels.provider``). An explicit provider that
+    cannot serve ``op`` here raises :class:`PluginError` (it never becomes another); ``auto`` takes the first of
+    :data:`AUTO_ORDER` that can, and raises only when none can. Accelerator overrides win over providers
+    (who: ``accelerator:<name>``).
     """
     if accelerator is not None:
         override = accelerator.kernel_overrides().get(op)
         if override is not None:
-            return override
+            return f"accelerator:{accelerator.name}", override
     from loongforge import registry
 
     no_jit = accelerator is not None and not accelerator.capabilities().triton
@@ -60,7 +66,7 @@ def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", acce
         impl = prov.ops().get(op)
         if impl is None:
             raise PluginError(f"kernel provider '{provider}' has no op '{op}'")
-        return impl
+        return provider, impl
     reasons = []
     for name in AUTO_ORDER:
         if name not in registry.kernels or (no_jit and name in JIT_PROVIDERS):
@@ -71,5 +77,10 @@ def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", acce
             reasons.append(str(exc))
             continue
         if prov.unavailable_reason(device_type) is None and op in prov.ops():
-            return prov.ops()[op]
+            return name, prov.ops()[op]
     raise PluginError(f"no kernel provider serves op '{op}' on {device_type} ({'; '.join(reasons) or 'none installed'})")
+
+
+def select_op(op: str, *, provider: str = "auto", device_type: str = "cpu", accelerator: Any = None) -> Callable[..., Any]:
+    """The implementation of ``op`` for ``device_type`` under :func:`select`'s rule."""
+    return select(op, provider=provider, device_type=device_type, accelerator=accelerator)[1]

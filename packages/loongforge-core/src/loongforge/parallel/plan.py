@@ -44,18 +44,9 @@ class ParallelPlan:
     components: dict[str, ParallelPlan] = field(default_factory=dict)
 
     @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    @property
     def edp(self) -> int:
         """Expert data-parallel size: ranks that hold the same experts."""
         return self.world_size // (self.pp * self.ep * self.etp)
-
-    @property
-    def replicate_size(self) -> int:
-        """HSDP: number of replicas (dp / shard_size)."""
-        return self.dp // (self.shard_size or self.dp)
 
     def component(self, name: str) -> ParallelPlan:
         """The plan of one model component (falls back to the global plan)."""

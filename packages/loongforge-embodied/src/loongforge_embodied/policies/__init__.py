@@ -3,9 +3,9 @@
 A policy folder ``policies/<name>/`` provides, found lazily by module name (choosing one policy never imports
 another's modules, and validating a recipe imports no torch):
 
-- ``config.py``: ``PRESETS`` — named frozen dataclasses of sizes with ``with_overrides(**kw)``, ``to_dict()``
+- ``configuration_<name>.py``: ``PRESETS`` — named frozen dataclasses of sizes with ``with_overrides(**kw)``, ``to_dict()``
   and the dataset-shaped fields ``image_size, num_cameras, state_dim, action_dim, chunk_size``;
-- ``model.py``: the ``nn.Module(arch)``: ``forward(batch) -> (B,)`` per-sample loss, ``components()`` (names
+- ``modeling_<name>.py``: the ``nn.Module(arch)``: ``forward(batch) -> (B,)`` per-sample loss, ``components()`` (names
   ``model.freeze`` takes), ``wrap_units()`` (FSDP2 / recompute units in execution order),
   ``enable_activation_checkpointing()``, ``set_stats(stats)``, ``sample_actions(batch)``; optionally a module-level
   ``adaptations()``: the named library adaptations (``loongforge.accelerator.adaptation``) a run applies;
@@ -13,7 +13,9 @@ another's modules, and validating a recipe imports no torch):
   ``check_arch(arch)`` (run once at job setup, e.g. load the tokenizer);
 - ``export.py``: ``write_pretrained(out_dir, *, arch, weights, features)`` and ``load_model(path)``; optionally
   ``serving_note(arch) -> str`` (logged after an export: what serving the export in LeRobot must match);
-- LeRobot's ``configuration_<name>.py`` / ``modeling_<name>.py`` (``from_pretrained``, ``select_action``).
+- where LeRobot loads our export (tiny_vla, groot), the same two modules also hold LeRobot's config and policy
+  classes (``from_pretrained``, ``select_action``), made on first access so that choosing a preset imports no
+  lerobot (lerobot_pi05 exports LeRobot's own ``pi05`` type instead).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
 dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``lerobot_glue`` (the bodies of
@@ -57,10 +59,10 @@ class PolicySpec:
 
     @property
     def presets(self) -> dict[str, Any]:
-        return self.module("config").PRESETS
+        return self.module(f"configuration_{self.name}").PRESETS
 
     def model_cls(self) -> type:
-        return getattr(self.module("model"), self.model_class)
+        return getattr(self.module(f"modeling_{self.name}"), self.model_class)
 
     @property
     def prepare_batch(self):
@@ -73,7 +75,7 @@ class PolicySpec:
     def adaptations(self) -> list:
         """The library adaptations a run of this policy applies (the model module's optional ``adaptations()``,
         e.g. lerobot_pi05's joint attention layer); the job holds them for its run and undoes them after."""
-        make = getattr(self.module("model"), "adaptations", None)
+        make = getattr(self.module(f"modeling_{self.name}"), "adaptations", None)
         return list(make()) if make is not None else []
 
     def check_data_pipeline(self, arch: Any, stats: dict[str, Any] | None = None) -> None:

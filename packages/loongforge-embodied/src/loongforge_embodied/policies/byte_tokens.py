@@ -14,7 +14,7 @@ BYTE_VOCAB = 256
 
 def encode_tasks(tasks: list[str], *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """UTF-8 bytes → token ids (pad 0), truncated to ``max_tokens``; returns (ids, mask)."""
-    # NOTE: torch is imported here, not at the top: the policies' config.py read the constants above and must
+    # NOTE: torch is imported here, not at the top: the policies' configuration modules read the constants above and must
     # stay torch-free (validating a recipe imports no torch).
     import torch
 

@@ -31,10 +31,6 @@ def key_of(p: Param) -> Key:
     return tuple(p.hf[r] for r in p.rule.roles)
 
 
-def _meta(specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
-    return {r: torch.empty(s, dtype=d, device="meta") for r, (d, s) in specs.items()}
-
-
 def _explain(p: Param, group: dict[str, Spec], err: Exception) -> CheckpointError:
     shapes = ", ".join(f"'{p.hf[r]}' {tuple(s)}" for r, (_, s) in group.items())
     return CheckpointError(f"cannot build '{p.megatron}' from {shapes}: {err}")

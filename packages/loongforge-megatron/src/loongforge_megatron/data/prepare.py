@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 import time
 import warnings
@@ -143,10 +142,3 @@ def prepare(recipe, *, force: bool = False) -> Path:
     print(f"[data] {len(docs)} documents, {n_tokens} tokens -> {out} ({info['seconds']}s)", file=sys.stderr)
     return out
 
-
-def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
-    """Copy HF tokenizer files (for exports)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-    for name in names:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)

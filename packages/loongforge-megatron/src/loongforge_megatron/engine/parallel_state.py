@@ -1,6 +1,6 @@
 """Process groups and RNG seeding for a run, from a core :class:`ParallelPlan`.
 
-``initialize`` creates the default process group (if the launcher has not), megatron-core's model-parallel
+``initialize`` creates the default process group (if the job has not: core's ``runtime.init_distributed``), megatron-core's model-parallel
 groups and its model-parallel RNG states; ``destroy`` tears the model-parallel state down so one process can
 run several layouts (tests do).
 """
@@ -8,31 +8,15 @@ run several layouts (tests do).
 from __future__ import annotations
 
 import os
-import socket
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from loongforge.runtime import free_port  # noqa: F401  NOTE: core's one free_port, still imported by the test harness
 
 if TYPE_CHECKING:
     from loongforge.accelerator.base import Accelerator
     from loongforge.parallel.plan import ParallelPlan
-
-
-def free_port() -> int:
-    """A TCP port that is free on this host right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _single_process_env() -> None:
-    """NOTE: env:// rendezvous needs these; torchrun sets them, a plain ``python`` run does not."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
 
 
 def initialize(plan: ParallelPlan, *, accelerator: Accelerator, seed: int) -> None:
@@ -51,10 +35,13 @@ def initialize(plan: ParallelPlan, *, accelerator: Accelerator, seed: int) -> No
             "`with loongforge_megatron.device_adapters.adapted(accelerator): ...`"
         )
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            _single_process_env()
+        from loongforge.runtime import init_distributed
+
+        # NOTE: core's one way (torchrun's env:// for a launched rank, a private store for a lone process);
+        # nothing is written into os.environ
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=accelerator.dist_backend)
+        init_distributed(accelerator, rank=int(os.environ.get("RANK", "0")),
+                         world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if dist.get_world_size() != plan.world_size:
         raise ValueError(
             f"parallel plan is for {plan.world_size} processes but the world has {dist.get_world_size()}"

@@ -63,6 +63,3 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dit-tiny": dict(family="dit", num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2, sample_size=8, in_channels=4, learn_sigma=True, num_classes=10),
 }
 
-
-def preset_names(family: str | None = None) -> list[str]:
-    return sorted(k for k, v in PRESETS.items() if family is None or v["family"] == family)

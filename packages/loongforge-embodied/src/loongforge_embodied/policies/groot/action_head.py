@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from loongforge_embodied.policies.groot.config import GrootArch
+from loongforge_embodied.policies.groot.configuration_groot import GrootArch
 
 
 class CategorySpecificLinear(nn.Module):

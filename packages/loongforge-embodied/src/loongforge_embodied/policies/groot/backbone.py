@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loongforge_embodied.policies.groot.config import GrootArch
+from loongforge_embodied.policies.groot.configuration_groot import GrootArch
 
 
 def pixel_shuffle(x: torch.Tensor) -> torch.Tensor:

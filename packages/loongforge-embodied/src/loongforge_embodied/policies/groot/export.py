@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loongforge_embodied.policies import lerobot_export
-from loongforge_embodied.policies.groot.config import GrootArch
+from loongforge_embodied.policies.groot.configuration_groot import GrootArch
 
 
 def write_pretrained(out_dir: Path, *, arch: GrootArch, weights: dict[str, torch.Tensor],
@@ -22,6 +22,6 @@ def write_pretrained(out_dir: Path, *, arch: GrootArch, weights: dict[str, torch
 
 def load_model(path: str | Path):
     """Our own loader (no LeRobot import): the bare :class:`GrootModel` from an exported directory."""
-    from loongforge_embodied.policies.groot.model import GrootModel
+    from loongforge_embodied.policies.groot.modeling_groot import GrootModel
 
     return lerobot_export.load_model(path, arch_class=GrootArch, model_class=GrootModel)

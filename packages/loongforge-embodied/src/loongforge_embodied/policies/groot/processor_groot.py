@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_embodied.policies.byte_tokens import encode_tasks
-from loongforge_embodied.policies.groot.config import GrootArch
+from loongforge_embodied.policies.groot.configuration_groot import GrootArch
 
 
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:

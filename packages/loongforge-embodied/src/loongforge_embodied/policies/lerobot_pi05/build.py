@@ -20,7 +20,7 @@ from typing import Any
 
 from loongforge.accelerator.adaptation import Adaptation, AdaptationSet, replace_attr
 
-from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch
+from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import LeRobotPI05Arch
 
 MODELING = "lerobot.policies.pi05.modeling_pi05"
 
@@ -65,7 +65,7 @@ def _gemma_sizes(arch: LeRobotPI05Arch, original: Callable, variant: str):
     """``get_gemma_config`` of a shrunken model: the prefix variant gets ``lm_*``, the expert ``expert_*``."""
     from lerobot.policies.pi05.modeling_pi05 import GemmaConfig
 
-    from loongforge_embodied.policies.lerobot_pi05.config import NUM_HEADS, NUM_KV_HEADS
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import NUM_HEADS, NUM_KV_HEADS
 
     original(variant)  # unknown variants still fail the way LeRobot fails
     if variant == arch.paligemma_variant:

@@ -20,7 +20,10 @@ import torch
 
 from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.lerobot_export import staged_dir
-from loongforge_embodied.policies.lerobot_pi05.config import LEROBOT_TOKENIZER, LeRobotPI05Arch
+from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import (
+    LEROBOT_TOKENIZER,
+    LeRobotPI05Arch,
+)
 
 SIDECAR = "loongforge.json"
 STATS_PREFIX = "stats."
@@ -94,7 +97,7 @@ def load_model(path: str | Path):
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
-    from loongforge_embodied.policies.lerobot_pi05.model import LeRobotPI05Model
+    from loongforge_embodied.policies.lerobot_pi05.modeling_lerobot_pi05 import LeRobotPI05Model
 
     path = Path(path)
     model = LeRobotPI05Model(arch_from_dir(path))

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from loongforge_embodied.policies.lerobot_pi05.config import LeRobotPI05Arch, hub_cache
+from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import LeRobotPI05Arch, hub_cache
 
 BOS, PAD, BYTE_OFFSET = 2, 0, 217  # Gemma / PaliGemma vocabulary: <bos>, <pad>, <0x00>
 _steps: dict[int, tuple] = {}

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loongforge_embodied.policies import lerobot_export
-from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
+from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAArch
 
 
 def write_pretrained(out_dir: Path, *, arch: TinyVLAArch, weights: dict[str, torch.Tensor],
@@ -22,6 +22,6 @@ def write_pretrained(out_dir: Path, *, arch: TinyVLAArch, weights: dict[str, tor
 
 def load_model(path: str | Path):
     """Our own loader (no LeRobot import): the bare :class:`TinyVLAModel` from an exported directory."""
-    from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
+    from loongforge_embodied.policies.tiny_vla.modeling_tiny_vla import TinyVLAModel
 
     return lerobot_export.load_model(path, arch_class=TinyVLAArch, model_class=TinyVLAModel)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_embodied.policies.byte_tokens import BYTE_VOCAB, TEXT_OFFSET, encode_tasks
-from loongforge_embodied.policies.tiny_vla.config import TinyVLAArch
+from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAArch
 
 STATE_RANGE = 3.0  # normalised state is clipped to ±3 std before binning
 
