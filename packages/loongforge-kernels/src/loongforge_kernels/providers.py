@@ -33,8 +33,8 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
     from loongforge_kernels import (
         apply_fp8_deltas,
         apply_rope,
-        fp8_quantize,
         encode_fp8_delta,
+        fp8_quantize,
         fused_linear_cross_entropy,
         moe_permute,
         moe_router_topk,
