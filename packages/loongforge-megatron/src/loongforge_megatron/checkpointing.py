@@ -238,18 +238,19 @@ class Checkpointer:
         skipped: list[str] = []
         bad: list[Path] = []
         while True:
-            box = [None]
+            box: list = [None]
             if self.rank == 0:
                 try:
                     path = latest_checkpoint(self.root, verify=True, exclude=tuple(bad), skipped=skipped) \
                         if self.root.is_dir() else None
-                    box = [("ok", str(path)) if path else None]
+                    box = [("ok", str(path)) if path else ("none", skipped)]
                 except CheckpointError as exc:
                     box = [("error", str(exc))]
             dist.broadcast_object_list(box, src=0)
-            if box[0] is not None and box[0][0] == "error":
+            if box[0][0] == "error":
                 raise CheckpointError(box[0][1])
-            if box[0] is None:
+            if box[0][0] == "none":
+                skipped = box[0][1]  # NOTE: rank 0's list (it also holds what its size checks skipped)
                 if skipped:
                     raise CheckpointError(f"no readable checkpoint in {self.root}: " + "; ".join(skipped)
                                           + "; delete the broken ones or use another --output")
