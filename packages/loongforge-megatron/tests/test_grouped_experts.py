@@ -206,3 +206,76 @@ def test_permute_dispatch_with_token_dropping_equals_alltoall(tmp_path, tiny_hf,
         runs[disp] = ranks(_train, world=1, out=tmp_path / disp, recipe_path=path, run_dir=tmp_path / f"run_{disp}")[0]
     assert "PermuteDispatcher" in runs["permute"]["kinds"]
     assert _close(runs["permute"]["losses"], runs["alltoall"]["losses"], LOSS_RTOL), runs
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.moe_token_dispatcher=permute", "kernels.moe_grouped_gemm=false"], "model.moe_token_dispatcher"),
+    (["kernels.moe_grouped_gemm=true", "train.stage=lora"], "kernels.moe_grouped_gemm"),
+    (["model.moe_expert_bias=true"], "model"),  # aux-loss-free balancing needs sigmoid scores
+    (["model.moe_pad_to_capacity=true"], "model"),  # padding applies with a capacity factor
+])
+def test_recipe_checks_name_the_key(overrides, key, capsys):
+    from pathlib import Path
+
+    from loongforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes/llm/tiny/qwen3_moe_tiny.yaml"
+    assert main(["validate", str(recipe), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"key '{key}'" in err and "Traceback" not in err, err
+
+
+def test_routing_options_reach_megatron_config():
+    from types import SimpleNamespace
+
+    from loongforge_megatron.models.arch import Arch
+    from loongforge_megatron.models.presets import PRESETS
+    from loongforge_megatron.models.translate import transformer_config
+
+    arch = Arch(**{**PRESETS["deepseek-v3-tiny"], "moe_aux_loss_coeff": 1e-4, "moe_aux_loss_type": "seq_aux_loss",
+                   "moe_z_loss_coeff": 1e-3, "moe_capacity_factor": 1.25, "moe_token_drop_policy": "position",
+                   "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather"})
+    plan = SimpleNamespace(tp=1, pp=1, vpp=1, first_stage_layers=None, last_stage_layers=None, cp=1, ep=1, etp=1,
+                           sp=False, recompute=None)
+    c = transformer_config(arch, plan=plan, precision="fp32", cpu_init=True)
+    assert (c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff) == ("seq_aux_loss", 1e-4, 1e-3)
+    assert (c.moe_expert_capacity_factor, c.moe_token_drop_policy) == (1.25, "position")
+    assert (c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate) == (True, 2e-3)
+    assert c.moe_token_dispatcher_type == "allgather"
+
+
+def _train_cli(recipe_path, out_dir) -> dict[int, float]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-m", "loongforge", "train", str(recipe_path), "--output", str(out_dir)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {int(r["step"]): r["loss"] for r in map(json.loads, filter(str.strip, lines)) if "loss" in r}
+
+
+@pytest.mark.slow
+def test_grouped_experts_resume_is_bitwise_exact(tmp_path, tiny_hf):
+    """A run resumed from its step-2 checkpoint (grouped experts, Adam state of the stacked weights) continues
+    with the uninterrupted run's losses, bitwise."""
+    import shutil
+
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    path = _recipe(tmp_path, hf, "resume", grouped=True)
+    r = yaml.safe_load(path.read_text())
+    r["train"]["steps"] = 4
+    r["checkpoint"].update(save_interval=2, keep_last=5)
+    path.write_text(yaml.safe_dump(r))
+    straight, resumed = tmp_path / "A", tmp_path / "B"
+    ref = _train_cli(path, straight)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    got = _train_cli(path, resumed)
+    assert sorted(got) == [3, 4], got
+    for step, loss in got.items():
+        assert loss == ref[step], (step, loss, ref[step])

@@ -149,6 +149,15 @@ class MegatronBackend(Backend):
             if recipe.kernels.spec == "te":
                 raise RecipeError("kernels.moe_grouped_gemm selects our grouped_mm experts of the loongforge / local "
                                   "spec; kernels.spec te uses TransformerEngine's own experts", key="kernels.moe_grouped_gemm")
+        if arch.is_moe and arch.moe_token_dispatcher == "permute":
+            why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
+                   "moe_pad_to_capacity" if arch.moe_pad_to_capacity else
+                   "kernels.moe_grouped_gemm false" if recipe.kernels.moe_grouped_gemm is False else
+                   f"kernels.spec {recipe.kernels.spec}" if recipe.kernels.spec in ("te", "local") else None)
+            if why:
+                raise RecipeError(f"model.moe_token_dispatcher permute runs every expert on one rank, unpadded, with "
+                                  f"grouped experts of the loongforge spec; this recipe has {why}: use alltoall",
+                                  key="model.moe_token_dispatcher")
         hf_weights = [what for what, on in (("an HF export (checkpoint.save_format hf)", "hf" in recipe.checkpoint.save_format),
                                        ("HF weights (checkpoint.load)", bool(recipe.checkpoint.load))) if on]
         if arch.is_moe and plan.etp not in (1, plan.tp) and hf_weights:
