@@ -85,11 +85,10 @@ def test_policy_file_errors_name_the_key(tmp_path):
 def _swap_body(policy: str | None) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
-
     from loongforge_megatron.engine.layer_spec import row_parallel_linear
     from loongforge_megatron.spec.fp8 import Fp8ParallelLinear, apply_fp8
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
     init = torch.nn.init.normal_
