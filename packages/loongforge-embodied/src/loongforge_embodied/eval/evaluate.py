@@ -34,7 +34,8 @@ def _exit_text(code: int | None) -> str:
 
 def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: int = 0, max_steps: int | None = None,
              replan: int | None = None, out_dir: str | Path | None = None, videos: int = 0,
-             on_episode_start: Callable[[int, int], None] | None = None, label: str | None = None) -> dict[str, Any]:
+             on_episode_start: Callable[[int, int], None] | None = None, label: str | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the episodes against the server at ``address``; write ``out_dir/summary.json`` (+ videos, plot)."""
     from loongforge_embodied.eval.envs import load_env, resolve_env
 
@@ -91,6 +92,11 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
                                 r = EpisodeResult(**msg[1])
                                 results[r.episode] = r
                                 w["episode"] = None
+                                if progress is not None:
+                                    done = sum(x.success for x in results.values())
+                                    progress(f"episode {r.episode} (seed {r.seed}): "
+                                             f"{'success' if r.success else 'error' if r.error else 'failure'} in "
+                                             f"{r.length} steps | {len(results)}/{episodes} done, {done} successes")
                             conn.send(pending.pop() if pending else None)
                         elif msg[0] == "start":
                             w["episode"] = (msg[1], seed + msg[1])

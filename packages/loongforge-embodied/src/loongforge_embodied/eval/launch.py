@@ -4,6 +4,7 @@ exported policy directory, or a recipe (its ``model.load``, or an environment's 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,8 @@ def run_eval(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         # NOTE: a replay starts from the recorded seeds; anything else from seeds away from them (held out)
         seed = args.seed if args.seed is not None else (record_seed or 0) if args.policy == "replay" else HELD_OUT_SEED
         summary = evaluate(address=address, env=env, episodes=args.episodes, workers=args.workers, seed=seed,
-                           max_steps=args.max_steps, replan=args.replan, out_dir=out, videos=args.videos)
+                           max_steps=args.max_steps, replan=args.replan, out_dir=out, videos=args.videos,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
         if server is not None:
             server.stop()
