@@ -122,15 +122,32 @@ def test_nonfinite_step_stops_naming_it_and_keeps_the_last_finite_checkpoint(tmp
             job.run()
         bad = int(str(err.value).split()[1].rstrip(":"))
         assert bad >= 2
-        assert all(torch.isfinite(p).all() for p in job.model.raw.parameters())
     finally:
         job.close()
         job.runtime.logger.close()
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     assert read_trainer_meta(tmp_path / "checkpoints" / latest)["step"] == bad - 1
+    from loongforge_embodied.safe_dcp import read_metadata_file
+
+    assert read_metadata_file(tmp_path / "checkpoints" / latest / ".metadata").state_dict_metadata
     assert not (tmp_path / "hf").exists()
     records = _strict_json_lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, bad))
+
+
+def test_first_nonfinite_step_is_named_when_steps_between_reports_are_not_read(tmp_path):
+    from loongforge.errors import NonFiniteError
+
+    job = _job(tmp_path, "train.steps=9", "train.lr=1e6", "train.grad_clip=0", "logging.interval=8",
+               "checkpoint.save_at_end=true")
+    try:
+        with pytest.raises(NonFiniteError, match=r"^step 2: ") as err:
+            job.run()
+        assert "the last checkpoint is intact" in str(err.value)
+    finally:
+        job.close()
+        job.runtime.logger.close()
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step_*"))
 
 
 def test_skip_nonfinite_skips_the_update_and_counts_it(tmp_path):

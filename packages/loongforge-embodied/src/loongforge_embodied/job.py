@@ -73,6 +73,8 @@ class EmbodiedJob(Job):
 
         r, rt, t = self.recipe, self.runtime, self.recipe.train
         self.acc, self.device = rt.accelerator, rt.accelerator.device()
+        # (step, loss, grad norm) of the first non-finite step, or zeros (see step())
+        self._first_nonfinite = torch.zeros(3, device=self.device)
         self.precision = self.acc.resolve_precision(t.precision)
         self.log = rt.logger
         source = self._source()
@@ -231,16 +233,25 @@ class EmbodiedJob(Job):
             loss_sum += per_sample.detach().sum()
         scale_target = fused_scale_target(self.optimizer)
         gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
-        # NOTE: summed over ranks before the check, so every rank takes the same decision; the check reads the loss
-        # and the (global) grad norm on the host every step, as Megatron-LM's check for NaN in loss and grad does.
+        # NOTE: the loss is summed over ranks (the grad norm is global already), so every rank sees the same verdict.
         loss_sum = all_reduce_sum(loss_sum)
-        finite = bool(torch.isfinite(loss_sum) & torch.isfinite(gnorm))
+        ok = torch.isfinite(loss_sum) & torch.isfinite(gnorm)
+        finite = True
+        if t.skip_nonfinite:
+            finite = bool(ok)  # NOTE: skipping needs the verdict on the host before the update: one sync per step
+        else:
+            # NOTE: no host sync: the first non-finite step is kept on the device and read at the reported steps and
+            # before every save or export (check_finite), so its weights are never written
+            new = (self._first_nonfinite[0] == 0) & ~ok
+            vals = torch.stack([torch.full_like(loss_sum, self.step_index + 1), loss_sum / t.global_batch_size,
+                                gnorm.to(loss_sum.device, loss_sum.dtype)])
+            self._first_nonfinite = torch.where(new, vals, self._first_nonfinite)
         if finite:
             self.optimizer.step()
         if scale_target is not None:
             scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
         if not finite:
-            self._nonfinite_step(float(loss_sum) / t.global_batch_size, float(gnorm))
+            self._skip_nonfinite(float(loss_sum) / t.global_batch_size, float(gnorm))
         self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if finite and self.model.allgather is not None:
             self.model.allgather.step()
@@ -249,6 +260,7 @@ class EmbodiedJob(Job):
         self.step_index += 1
         if not report:
             return {}
+        self.check_finite()
         loss = float(loss_sum / t.global_batch_size)
         self.acc.synchronize()
         start, start_step = self._clock
@@ -267,16 +279,22 @@ class EmbodiedJob(Job):
             self.log.log(self.step_index, metrics)
         return metrics
 
-    def _nonfinite_step(self, loss: float, gnorm: float) -> None:
-        """Step ``step_index + 1`` has a NaN / inf loss or grad norm: stop naming it, or (``train.skip_nonfinite``)
-        drop its gradients (no update of weights, optimizer state or EMA) and count it."""
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteError`` naming the first step since this process started whose loss or grad norm was NaN /
+        inf (``train.skip_nonfinite`` false); reads one small tensor from the device."""
         from loongforge.errors import NonFiniteError
 
+        step, loss, gnorm = self._first_nonfinite.tolist()
+        if step:
+            raise NonFiniteError(f"step {int(step)}: the loss is {loss:g} and the grad norm {gnorm:g} (not finite); "
+                                 "stopped, and nothing of it or after it is saved (the last checkpoint is intact). "
+                                 "Lower train.lr, raise train.grad_clip, or set train.skip_nonfinite true to skip such "
+                                 "steps")
+
+    def _skip_nonfinite(self, loss: float, gnorm: float) -> None:
+        """Step ``step_index + 1`` has a NaN / inf loss or grad norm and ``train.skip_nonfinite`` is set: its
+        gradients are dropped (no update of weights, optimizer state or EMA) and it is counted."""
         step = self.step_index + 1
-        if not self.recipe.train.skip_nonfinite:
-            raise NonFiniteError(f"step {step}: the loss is {loss:g} and the grad norm {gnorm:g} (not finite); stopped "
-                                 "before updating the weights (the last checkpoint is intact). Lower train.lr, raise "
-                                 "train.grad_clip, or set train.skip_nonfinite true to skip such steps")
         self.skipped_steps += 1
         discard = getattr(getattr(self.optimizer, "inner", self.optimizer), "discard_prepared", None)
         if discard is not None:
@@ -300,10 +318,13 @@ class EmbodiedJob(Job):
     def save(self) -> Path:
         from loongforge_embodied import checkpoint
 
+        self.check_finite()
         return checkpoint.save(self, self.step_index)
 
     def export(self, out_dir: Path | None = None) -> Path:
         from loongforge_embodied import checkpoint
+
+        self.check_finite()
 
         return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
 
@@ -326,6 +347,7 @@ class EmbodiedJob(Job):
             last = metrics or last
             if saving:
                 self.save()
+        self.check_finite()
         if c.save_at_end and resumable:
             self.save()
         if "hf" in c.save_format:
