@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from loongforge.recipe.schema import Section
+from loongforge.recipe.schema import KernelsConfig, Section
 from pydantic import Field, model_validator
 
 from loongforge_megatron.models.arch import Arch
@@ -147,3 +147,13 @@ class DataConfig(Section):
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         return self
+
+
+class MegatronKernelsConfig(KernelsConfig):
+    """The recipe's ``kernels`` section with the megatron backend's own keys."""
+
+    spec: Literal["auto", "loongforge", "te", "local"] = Field(
+        "auto", description="the layer spec (auto: loongforge unless TransformerEngine is installed)")
+    grad_accum_fusion: bool = Field(False, description="add weight gradients into the fp32 main_grad inside "
+                                    "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
+                                    "installed, else torch.addmm with out_dtype)")
