@@ -87,9 +87,7 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("recipe", "override"), [
-    ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
     ("embodied/tiny_vla_synthetic.yaml", "parallel.components={vision: {tp: 1}}"),
-    ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),
     ("embodied/tiny_vla_synthetic.yaml", "train.eval_interval=2"),
 ])
 def test_keys_a_backend_does_not_use_are_refused(recipe, override, capsys):
@@ -104,5 +102,25 @@ def test_keys_a_backend_does_not_use_are_refused(recipe, override, capsys):
     assert key in get_backend_class(resolve_extends(ROOT / recipe)["backend"]).unused_keys
 
 
+@pytest.mark.parametrize(("recipe", "override"), [
+    ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
+    ("llm/tiny/llama_tiny.yaml", "parallel.strategy=auto"),
+    ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),
+    ("embodied/tiny_vla_synthetic.yaml", "kernels.grad_accum_fusion=true"),
+])
+def test_another_backends_keys_are_unknown_keys(recipe, override, capsys):
+    """A key one backend owns (``Backend.parallel_schema`` / ``kernels_schema``) does not exist for the other: an
+    unknown-key error naming it and the allowed keys, in one line; the other backend lists none of them."""
+    key = override.split("=")[0]
+    code = main(["validate", str(ROOT / recipe), override])
+    err = capsys.readouterr().err
+    assert code == 2 and f"key '{key}': unknown key" in err and "allowed keys" in err and err.count("\n") == 1, err
+    from loongforge.backend import get_backend_class
+
+    for name in ("megatron", "embodied"):
+        assert key not in get_backend_class(name).unused_keys
+
+
 def test_an_unused_key_at_its_default_is_accepted(capsys):
-    assert main(["validate", str(ROOT / "llm/tiny/llama_tiny.yaml"), "parallel.strategy=auto"]) == 0, capsys.readouterr()
+    assert main(["validate", str(ROOT / "embodied/tiny_vla_synthetic.yaml"), "train.eval_steps=1"]) == 0, \
+        capsys.readouterr()

@@ -146,7 +146,7 @@ def test_unreported_steps_never_wait_for_the_gpu(tmp_path):
 
 def test_kernel_adamw_trains_torch_adamws_losses(tmp_path, monkeypatch):
     """The job's optimizer on CUDA (our AdamW kernel, the row-sparse token table, the clip's norm from the same
-    table) vs torch's fused AdamW + foreach norm (``LOONGFORGE_KERNELS=torch``): the same losses and weights
+    table) vs torch's fused AdamW + foreach norm (``kernels.provider=torch``): the same losses and weights
     over 5 steps, fp32 (TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -157,8 +157,7 @@ def test_kernel_adamw_trains_torch_adamws_losses(tmp_path, monkeypatch):
             "logging.console=false", "logging.tensorboard=false"]
     runs = {}
     for impl in ("auto", "torch"):
-        monkeypatch.setenv("LOONGFORGE_KERNELS", impl)
-        job, _ = build_job(load_recipe(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml", over),
+        job, _ = build_job(load_recipe(ROOT / "recipes/embodied/lerobot_pi05_tiny.yaml", [*over, f"kernels.provider={impl}"]),
                            output_dir=tmp_path / impl)
         try:
             losses = [job.step(report=True)["loss"] for _ in range(5)]

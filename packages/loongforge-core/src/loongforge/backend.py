@@ -40,6 +40,9 @@ class Backend(ABC):
     name: ClassVar[str] = "base"
     model_schema: ClassVar[type[BaseModel] | None] = None
     data_schema: ClassVar[type[BaseModel] | None] = None
+    # subclasses of core's ParallelConfig / KernelsConfig with this backend's own keys (None: core's as is)
+    parallel_schema: ClassVar[type[BaseModel] | None] = None
+    kernels_schema: ClassVar[type[BaseModel] | None] = None
     #: keys of the shared sections this backend does not use (dotted key -> why, or what to use instead): a recipe
     #: that sets one to anything but its default is refused rather than silently ignored.
     unused_keys: ClassVar[dict[str, str]] = {}

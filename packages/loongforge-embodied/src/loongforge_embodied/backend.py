@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
 
-from loongforge_embodied.config import COMPONENTS, DataConfig, ModelConfig
+from loongforge_embodied.config import COMPONENTS, DataConfig, EmbodiedParallelConfig, ModelConfig
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -25,12 +25,11 @@ class EmbodiedBackend(Backend):
     name = "embodied"
     model_schema = ModelConfig
     data_schema = DataConfig
+    parallel_schema = EmbodiedParallelConfig
     unused_keys = {
         "parallel.components": "it uses one data-parallel strategy for the whole policy",
         "parallel.etp": "it is data-parallel only (shard with parallel.strategy fsdp2 / hsdp)",
         "parallel.recompute_layers": "parallel.recompute full checkpoints each block the policy declares",
-        "kernels.spec": "it is the megatron backend's layer spec",
-        "kernels.grad_accum_fusion": "it is megatron's fused weight-gradient accumulation (no main_grad here)",
     }
 
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from loongforge.recipe.schema import Section
+from loongforge.recipe.schema import ParallelConfig, Section
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 COMPONENTS = ("vision", "language", "expert")
@@ -93,3 +93,12 @@ class DataConfig(Section):
         if self.format == "lerobot" and not self.root:
             raise ValueError("data.format 'lerobot' needs data.root (a local LeRobotDataset directory)")
         return self
+
+
+class EmbodiedParallelConfig(ParallelConfig):
+    """The recipe's ``parallel`` section with the embodied backend's own keys."""
+
+    strategy: Literal["auto", "ddp", "zero1", "fsdp2", "hsdp"] = Field(
+        "auto", description="data-parallel strategy (auto: ddp)"
+    )
+    shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (replicas = dp / shard_size)")

@@ -10,7 +10,7 @@ from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
 from pydantic import ValidationError
 
-from loongforge_megatron.config import DataConfig, ModelConfig
+from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -37,10 +37,7 @@ class MegatronBackend(Backend):
     name = "megatron"
     model_schema = ModelConfig
     data_schema = DataConfig
-    unused_keys = {
-        "parallel.strategy": "it shards with parallel.distributed_optimizer; leave parallel.strategy auto",
-        "parallel.shard_size": "hsdp shard groups are an embodied-backend setting; use parallel.dp / distributed_optimizer",
-    }
+    kernels_schema = MegatronKernelsConfig
 
     @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:

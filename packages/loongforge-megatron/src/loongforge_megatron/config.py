@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from loongforge.recipe.schema import Section
+from loongforge.recipe.schema import KernelsConfig, Section
 from pydantic import Field, model_validator
 
 from loongforge_megatron.models.arch import Arch
@@ -158,3 +158,20 @@ class DataConfig(Section):
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
             raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self
+
+
+class MegatronKernelsConfig(KernelsConfig):
+    """The recipe's ``kernels`` section with the megatron backend's own keys."""
+
+    spec: Literal["auto", "loongforge", "te", "local"] = Field(
+        "auto", description="the layer spec (auto: loongforge unless TransformerEngine is installed)")
+    grad_accum_fusion: bool = Field(False, description="add weight gradients into the fp32 main_grad inside "
+                                    "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
+                                    "installed, else torch.addmm with out_dtype)")
+    moe_grouped_gemm: bool | None = Field(None, description="MoE: all local experts' fc1 / fc2 in one "
+                                          "torch grouped_mm each (true) or one expert after another (false, "
+                                          "megatron's SequentialMLP); unset: grouped on the loongforge spec where "
+                                          "grouped_mm runs (bf16 CUDA, CPU) and not for LoRA")
+    moe_router_fusion: bool = Field(True, description="MoE, loongforge spec: the router's top-k (score "
+                                    "function, expert bias, group-limited selection, scaling) in one fused kernel "
+                                    "of kernels.provider (false: megatron's torch routing)")

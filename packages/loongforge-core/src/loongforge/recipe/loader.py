@@ -225,19 +225,38 @@ def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_sc
         raise RecipeError("required key is missing (e.g. backend: megatron)", key="backend", file=file)
     if not isinstance(data["backend"], str):
         raise RecipeError(f"must be a backend name (got {data['backend']!r})", key="backend", file=file)
+    backend_cls, missing = None, None
+    own: dict[str, Any] = {}  # the sections a backend extends with its own keys, validated by its schema below
+    if backend_schemas:
+        from loongforge.backend import get_backend_class
+
+        try:
+            backend_cls = get_backend_class(data["backend"])
+        except PluginError as exc:
+            missing = exc  # NOTE: reported after the core sections' own errors, as before
+        own = {s: data[s] for s in ("parallel", "kernels")
+               if getattr(backend_cls, f"{s}_schema", None) is not None and s in data}
     try:
-        recipe = Recipe.model_validate(data)
+        recipe = Recipe.model_validate({k: v for k, v in data.items() if k not in own})
     except ValidationError as exc:
         raise validation_error(exc, schema=Recipe, file=file) from None
-    _check_plugin_names(recipe, file=file)
-    if not backend_schemas:
+    if backend_cls is None:
+        _check_plugin_names(recipe, file=file)
+        if missing is not None:
+            raise RecipeError(str(missing), key="backend", file=file) from None
         return recipe
-    from loongforge.backend import get_backend_class
-
-    try:
-        backend_cls = get_backend_class(recipe.backend)
-    except PluginError as exc:
-        raise RecipeError(str(exc), key="backend", file=file) from None
+    for section in ("parallel", "kernels"):
+        schema = getattr(backend_cls, f"{section}_schema", None)
+        if schema is None:
+            continue
+        raw = own.get(section) or {}
+        if not isinstance(raw, dict):
+            raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
+        try:
+            setattr(recipe, section, schema.model_validate(raw))
+        except ValidationError as exc:
+            raise validation_error(exc, schema=schema, prefix=section, file=file) from None
+    _check_plugin_names(recipe, file=file)
     for section in ("model", "data"):
         schema = getattr(backend_cls, f"{section}_schema", None)
         if schema is None:

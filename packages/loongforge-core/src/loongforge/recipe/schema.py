@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SECTIONS = ("backend", "model", "data", "parallel", "train", "checkpoint", "accelerator", "kernels", "logging")
 
@@ -41,7 +49,8 @@ class ComponentParallel(Section):
 
 
 class ParallelConfig(Section):
-    """Parallel layout. ``dp`` is derived from the world size; set it only to assert it."""
+    """Parallel layout. ``dp`` is derived from the world size; set it only to assert it. A backend adds its own
+    keys by subclassing (``Backend.parallel_schema``; e.g. the embodied backend's ``strategy``)."""
 
     tp: int = Field(1, ge=1, description="tensor parallel size")
     pp: int = Field(1, ge=1, description="pipeline parallel size")
@@ -58,10 +67,6 @@ class ParallelConfig(Section):
     distributed_optimizer: bool = Field(False, description="shard optimizer state across dp (ZeRO-1)")
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: int | None = Field(None, ge=1, description="layers per recompute unit (full recompute)")
-    strategy: Literal["auto", "ddp", "zero1", "fsdp2", "hsdp"] = Field(
-        "auto", description="embodied backend data-parallel strategy; megatron uses distributed_optimizer"
-    )
-    shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (replicas = dp / shard_size)")
     components: dict[str, ComponentParallel] = Field(default_factory=dict)
 
     def plan(self, world_size: int):
@@ -216,20 +221,10 @@ class AcceleratorConfig(Section):
 
 
 class KernelsConfig(Section):
-    """Kernel selection. ``spec`` picks the megatron layer spec (auto: loongforge unless TE is installed)."""
+    """Kernel selection through the core's provider registry. A backend adds its own keys by subclassing
+    (``Backend.kernels_schema``; e.g. the megatron backend's layer ``spec``)."""
 
     provider: str = Field("auto", description="auto | torch | triton | tilelang | a plugin's provider")
-    spec: Literal["auto", "loongforge", "te", "local"] = "auto"
-    grad_accum_fusion: bool = Field(False, description="megatron: add weight gradients into the fp32 main_grad inside "
-                                    "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
-                                    "installed, else torch.addmm with out_dtype)")
-    moe_grouped_gemm: bool | None = Field(None, description="megatron MoE: all local experts' fc1 / fc2 in one "
-                                          "torch grouped_mm each (true) or one expert after another (false, "
-                                          "megatron's SequentialMLP); unset: grouped on the loongforge spec where "
-                                          "grouped_mm runs (bf16 CUDA, CPU) and not for LoRA")
-    moe_router_fusion: bool = Field(True, description="megatron MoE, loongforge spec: the router's top-k (score "
-                                    "function, expert bias, group-limited selection, scaling) in one fused kernel "
-                                    "of kernels.provider (false: megatron's torch routing)")
 
 
 class LoggingConfig(Section):
@@ -246,11 +241,12 @@ class Recipe(Section):
     backend: str
     model: Any = None
     data: Any = None
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    # NOTE: SerializeAsAny: a backend's subclass (its own keys) is dumped whole into the run's recipe.yaml
+    parallel: SerializeAsAny[ParallelConfig] = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     accelerator: AcceleratorConfig = Field(default_factory=AcceleratorConfig)
-    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    kernels: SerializeAsAny[KernelsConfig] = Field(default_factory=KernelsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @field_validator("accelerator", mode="before")
