@@ -46,7 +46,7 @@ def test_plugins_lists_builtin_accelerators(capsys):
     out = capsys.readouterr().out
     assert "cpu          loongforge-core" in out
     groups = [line for line in out.splitlines() if line.startswith("loongforge.")]
-    assert groups == ["loongforge.backends", "loongforge.accelerators", "loongforge.kernels"]
+    assert groups == ["loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.megatron.models"]
 
 
 def test_launcher_builds_torchrun_command(tmp_path):

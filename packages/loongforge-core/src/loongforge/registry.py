@@ -1,6 +1,7 @@
 """Plugin registries over Python entry points.
 
-Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``.
+Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``, and the megatron backend's
+``loongforge.megatron.models`` (read by that backend; listed here so ``loongforge plugins`` shows it).
 Entries load lazily (on first ``get``), a key declared by two distributions is rejected naming both, and a
 plugin that fails to import is reported with its error instead of crashing unrelated commands.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 from loongforge.errors import PluginError
 
-GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels")
+GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.megatron.models")
 
 # Which distribution provides a well-known key, so a missing plugin gets an actionable message.
 KNOWN_PROVIDERS = {
@@ -138,4 +139,5 @@ accelerators = Registry(
 )
 kernels = Registry("loongforge.kernels")
 
-REGISTRIES = {r.group: r for r in (backends, accelerators, kernels)}
+megatron_models = Registry("loongforge.megatron.models")  # model families of the megatron backend
+REGISTRIES = {r.group: r for r in (backends, accelerators, kernels, megatron_models)}

@@ -15,24 +15,12 @@ from loongforge.checkpoint.atomic import fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
-from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
+from loongforge_megatron.models.registry import get_family, read_hf_config
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
                    "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
-
-
-def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    cfg = json.loads(path.read_text())
-    if cfg.get("model_type") == "llava":
-        from loongforge_megatron.conversion.llava import complete_config
-
-        cfg = complete_config(cfg)
-    return cfg
 
 
 def copy_assets(src: Path, dst: Path) -> None:
