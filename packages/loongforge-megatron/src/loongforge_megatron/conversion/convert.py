@@ -16,19 +16,8 @@ from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
+from loongforge_megatron.models.base import copy_assets
 from loongforge_megatron.models.registry import get_family, read_hf_config
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
-                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
-
-
-def copy_assets(src: Path, dst: Path) -> None:
-    """Copy config, tokenizer and other non-weight files (top level only)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
-            shutil.copy2(f, dst / f.name)
 
 
 def _staging(out_dir: Path, force: bool) -> Path:

@@ -1,10 +1,25 @@
-"""Defaults of the :class:`ModelSpec` HF-checkpoint hooks, for a family whose checkpoint is a plain decoder's."""
+"""Defaults of the :class:`ModelSpec` HF-checkpoint hooks (a family whose checkpoint is a plain decoder's), and the
+copy of an HF directory's non-weight files (config, tokenizer) that conversions and exports share."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from loongforge_megatron.models.spec import HFConfig
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
+                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
+
+
+def copy_assets(src: Path, dst: Path) -> None:
+    """Copy config, tokenizer and other non-weight files (top level only)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
 
 
 class HFCheckpoint:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from loongforge.errors import RecipeError
 
-from loongforge_megatron.models.base import HFCheckpoint
+from loongforge_megatron.models.base import HFCheckpoint, copy_assets
 from loongforge_megatron.models.gpt import names
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.translate import arch_fields, hf_fields, transformer_config
@@ -146,8 +146,6 @@ def tokenizer_assets(recipe: Any):
         return None
 
     def put(staging: Path) -> None:
-        from loongforge_megatron.conversion.convert import copy_assets
-
         copy_assets(Path(tok_dir), staging)
 
     return put
