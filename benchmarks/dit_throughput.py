@@ -7,7 +7,7 @@ eager and + ``torch.compile`` (ours also with ``train.compile``, and with ``kern
 Every variant runs in its own process and starts from the same random-init diffusers checkpoint (weights
 perturbed so no adaLN gate is zero). Data: our synthetic latents (labels with 10% classifier-free-guidance
 dropout, timesteps and noise drawn per sample). Objective for both: DiT's hybrid loss — MSE on the noise plus
-L_vlb for the learned variance (``engine.dit.variational_bound``, the same function on both sides). AdamW
+L_vlb for the learned variance (``models.dit.model.variational_bound``, the same function on both sides). AdamW
 (lr 1e-4, no weight decay, betas 0.9 / 0.999), grad clip 1.0, bf16 autocast on the peer and bf16 params with fp32
 master weights on ours (GPU; fp32 on CPU). Median images/s after warm-up, MFU (6·N + 12·L·H·T FLOPs per patch
 token, against 989 TFLOP/s dense bf16), peak memory and the losses; ratios last.
@@ -31,10 +31,10 @@ PEAK_BF16 = 989e12  # H100 / H200 SXM dense bf16
 def make_diffusers(preset: str, out: Path) -> None:
     import torch
     from diffusers import DiTTransformer2DModel
-    from loongforge_megatron.models.dit import DiTArch
-    from loongforge_megatron.models.presets import PRESETS
+    from loongforge_megatron.models.dit.arch import DiTArch
+    from loongforge_megatron.models.registry import presets
 
-    arch = DiTArch(**PRESETS[preset])
+    arch = DiTArch(**presets()[preset][1])
     torch.manual_seed(0)
     model = DiTTransformer2DModel(num_attention_heads=arch.num_attention_heads,
                                   attention_head_dim=arch.hidden_size // arch.num_attention_heads,
@@ -112,8 +112,8 @@ def run_diffusers(args, compiled: bool) -> dict:
     import torch
     from diffusers import DDPMScheduler, DiTTransformer2DModel
     from loongforge_megatron.data.latents import SyntheticLatents
-    from loongforge_megatron.engine.dit import variational_bound
-    from loongforge_megatron.models.dit import arch_from_diffusers
+    from loongforge_megatron.models.dit.arch import arch_from_diffusers
+    from loongforge_megatron.models.dit.model import variational_bound
 
     device = torch.device(args.device)
     model = DiTTransformer2DModel.from_pretrained(args.hf_dir, torch_dtype=torch.float32).to(device).train()
@@ -187,7 +187,7 @@ def main() -> None:
     args = p.parse_args()
     if args.variant:
         return child(args)
-    from loongforge_megatron.models.dit import arch_from_diffusers
+    from loongforge_megatron.models.dit.arch import arch_from_diffusers
 
     work = Path(tempfile.mkdtemp())
     hf_dir = work / "dit"

@@ -65,11 +65,10 @@ def run_ours(args, fp8: str | None) -> dict:
 def run_hf(args, fp8: str | None) -> dict:
     import torch
     import transformers as tf
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
-    from loongforge_megatron.models.translate import hf_config
+    from loongforge_megatron.models.registry import hf_config, presets
 
-    cfg = hf_config(Arch(**{**PRESETS[args.preset], "num_layers": args.layers}), torch_dtype="float32")
+    spec, fields = presets()[args.preset]
+    cfg = hf_config(spec.arch({**fields, "num_layers": args.layers}), torch_dtype="float32")
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -28,11 +28,10 @@ PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 def make_hf(preset: str, out: Path) -> None:
     import torch
     import transformers as tf
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
-    from loongforge_megatron.models.translate import hf_config
+    from loongforge_megatron.models.registry import hf_config, presets
 
-    cfg = hf_config(Arch(**PRESETS[preset]), torch_dtype="bfloat16")
+    spec, fields = presets()[preset]
+    cfg = hf_config(spec.arch(fields), torch_dtype="bfloat16")
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -153,7 +152,7 @@ def main() -> None:
         return child(args)
 
     import torch
-    from loongforge_megatron.models.translate import arch_from_hf
+    from loongforge_megatron.models.registry import arch_from_hf
 
     mbs = dict(kv.split("=") for kv in args.mbs.split(","))
     work = Path(tempfile.mkdtemp())

@@ -28,16 +28,16 @@ PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 
 
 def arch_of(args):
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
+    from loongforge_megatron.models.registry import presets
 
-    return Arch(**{**PRESETS[args.preset], "num_layers": args.layers})
+    spec, fields = presets()[args.preset]
+    return spec.arch({**fields, "num_layers": args.layers})
 
 
 def make_hf(args, out: Path) -> None:
     import torch
     import transformers as tf
-    from loongforge_megatron.models.translate import hf_config
+    from loongforge_megatron.models.registry import hf_config
 
     cfg = hf_config(arch_of(args), torch_dtype="bfloat16")
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})

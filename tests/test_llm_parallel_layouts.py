@@ -1,9 +1,9 @@
 """Acceptance: every parallel layout of the megatron backend (2 gloo processes, tiny models, fp32, the loongforge
 spec: SDPA attention + fused kernels + fused linear cross-entropy) gives the single-process losses over 5 steps.
 
-All runs start from the same weights — a tiny model saved by transformers, loaded online into each layout's
-shards — because random initialisation itself depends on the layout (megatron seeds each pipeline stage and
-expert-parallel rank separately)."""
+All runs start from the same weights, a tiny model saved by transformers and loaded online into each layout's
+shards, so the online load is exercised at every layout too (random init is layout-invariant as well:
+``packages/loongforge-megatron/tests/engine/test_random_init_layouts.py``)."""
 
 from __future__ import annotations
 

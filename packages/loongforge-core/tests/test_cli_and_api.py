@@ -47,7 +47,10 @@ def test_plugins_lists_builtin_accelerators(capsys):
     out = capsys.readouterr().out
     assert "cpu          loongforge-core" in out
     groups = [line for line in out.splitlines() if line.startswith("loongforge.")]
-    assert groups == ["loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands"]
+    assert groups == [
+        "loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands",
+        "loongforge.megatron.models",
+    ]
     assert "place-experts loongforge-megatron" in out  # a backend's command, from its entry point
 
 

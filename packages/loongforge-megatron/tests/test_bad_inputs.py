@@ -174,7 +174,7 @@ def test_prepare_force_gives_a_new_corpus_a_new_sample_plan(tmp_path, tok):
 
 @pytest.mark.parametrize("image", ["../outside.png", "/etc/hosts", "sub/../../outside.png"])
 def test_llava_image_paths_stay_in_the_records_folder(tmp_path, image):
-    from loongforge_megatron.engine.llava import _confined_image
+    from loongforge_megatron.models.llava.model import _confined_image
 
     (tmp_path / "outside.png").write_bytes(b"x")
     records = tmp_path / "data" / "r.json"
@@ -201,7 +201,7 @@ def test_llava_binary_records_and_unreadable_image(tmp_path):
     from types import SimpleNamespace
 
     from loongforge_megatron.data.tokenizer import train_bpe
-    from loongforge_megatron.engine.llava import ImageTextConversations
+    from loongforge_megatron.models.llava.model import ImageTextConversations
 
     tok = train_bpe(["a b c d what is this"] * 4, vocab_size=280, out_dir=tmp_path / "tok")
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})

@@ -113,7 +113,7 @@ def test_variational_bound_matches_the_paper_and_trains_only_the_variance():
     [-1, 1] too); zero when the model's mean and variance are the true posterior's; its gradient reaches the
     variance output only (the mean enters detached)."""
     from diffusers import DDPMScheduler
-    from loongforge_megatron.engine.dit import variational_bound
+    from loongforge_megatron.models.dit.model import variational_bound
 
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear")
     g = torch.Generator().manual_seed(3)
@@ -143,12 +143,10 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _forward_step_and_export(*, rank, world, tmp_path, hf_dir, ref_model, x, t, y):
     """The job's part of the test below, in a rank (``ranks``): (the trained model's output, diffusers')."""
-    from loongforge_megatron.hf_io import export_hf
-    from loongforge_megatron.job import unwrapped
 
     job, runtime = build(tmp_path, cpt(hf_dir, "data.class_dropout=0.3"))
     try:
-        ours_model = unwrapped(job)[0]
+        ours_model = job.chunks[0]
         with torch.no_grad():
             ours, ref = ours_model(x, t, y), ref_model(x, t, y).sample
         assert rel_err(ours, ref) <= RTOL, rel_err(ours, ref)
@@ -157,7 +155,7 @@ def _forward_step_and_export(*, rank, world, tmp_path, hf_dir, ref_model, x, t, 
         assert (labels == NUM_CLASSES).any() and (labels < NUM_CLASSES).any()  # classifier-free-guidance dropout
         loss = job.step()["loss"]
         assert loss == pytest.approx(diffusers_loss(ref_model, batches), rel=RTOL)
-        export_hf(job, tmp_path / "exported")
+        job.export("hf", tmp_path / "exported")
         with torch.no_grad():
             trained = ours_model(x, t, y)
     finally:
@@ -326,9 +324,8 @@ def _first_step_and_export(*, rank, world, tmp_path, over) -> tuple[list[dict], 
     try:
         batches = job.schedule.microbatches(0, device=CPU)
         loss = job.step()["loss"]
-        from loongforge_megatron.hf_io import export_hf
 
-        export_hf(job, tmp_path / "exported")
+        job.export("hf", tmp_path / "exported")
     finally:
         close(job, runtime)
     return batches, loss

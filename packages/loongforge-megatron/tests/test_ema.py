@@ -21,9 +21,8 @@ def _job(out: Path, *over: str):
 
 
 def _weights(job) -> dict[str, torch.Tensor]:
-    from loongforge_megatron.job import unwrapped
 
-    return {n: p.detach().float().clone() for n, p in unwrapped(job)[0].named_parameters()}
+    return {n: p.detach().float().clone() for n, p in job.chunks[0].named_parameters()}
 
 
 def _average_follows_each_step(*, rank, world, run_dir):

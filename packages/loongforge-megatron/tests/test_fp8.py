@@ -59,10 +59,10 @@ def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):
 
 def test_gemm_shapes_follow_the_tp_split():
     from loongforge_megatron.fp8_profile import gemm_shapes
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
+    from loongforge_megatron.models.registry import presets
 
-    arch = Arch(**{**PRESETS["llama3.1-8b"], "num_layers": 8})
+    spec, fields = presets()["llama3.1-8b"]
+    arch = spec.arch({**fields, "num_layers": 8})
     assert gemm_shapes(arch, tp=1, tokens=8192) == {
         "qkv": (8192, 6144, 4096), "proj": (8192, 4096, 4096), "fc1": (8192, 28672, 4096), "fc2": (8192, 4096, 14336)}
     s2 = gemm_shapes(arch, tp=2, tokens=8192, output_layer=True)

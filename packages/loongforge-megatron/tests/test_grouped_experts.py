@@ -59,11 +59,10 @@ def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict
 def _train(*, rank, world, recipe_path, run_dir, export_dir=None, steps=STEPS):
     """Losses and grad norms of STEPS steps, the experts' module type and the state dict's expert tensors."""
     import loongforge
-    from loongforge_megatron.job import unwrapped
 
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
-        model = unwrapped(job)[0]
+        model = job.chunks[0]
         kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")}
                        | {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
                        | {type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.router")})
@@ -71,9 +70,7 @@ def _train(*, rank, world, recipe_path, run_dir, export_dir=None, steps=STEPS):
                    if ".experts." in k and not k.endswith("_extra_state")}
         metrics = [job.step() for _ in range(steps)]
         if export_dir is not None:
-            from loongforge_megatron.hf_io import export_hf
-
-            export_hf(job, export_dir)
+            job.export("hf", export_dir)
         return {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
                 "kinds": kinds, "initial": initial}
     finally:
@@ -228,11 +225,11 @@ def test_recipe_checks_name_the_key(overrides, key, capsys):
 def test_routing_options_reach_megatron_config():
     from types import SimpleNamespace
 
-    from loongforge_megatron.models.arch import Arch
-    from loongforge_megatron.models.presets import PRESETS
-    from loongforge_megatron.models.translate import transformer_config
+    from loongforge_megatron.models.gpt.translate import transformer_config
+    from loongforge_megatron.models.registry import presets
 
-    arch = Arch(**{**PRESETS["deepseek-v3-tiny"], "moe_aux_loss_coeff": 1e-4, "moe_aux_loss_type": "seq_aux_loss",
+    spec, fields = presets()["deepseek-v3-tiny"]
+    arch = spec.arch({**fields, "moe_aux_loss_coeff": 1e-4, "moe_aux_loss_type": "seq_aux_loss",
                    "moe_z_loss_coeff": 1e-3, "moe_capacity_factor": 1.25, "moe_token_drop_policy": "position",
                    "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather"})
     plan = SimpleNamespace(tp=1, pp=1, vpp=1, first_stage_layers=None, last_stage_layers=None, cp=1, ep=1, etp=1,

@@ -190,12 +190,11 @@ def test_unsupported_layouts_are_refused(capsys):
 
 def _step_export_step(*, rank, world, hf_dir, run_dir, export_dir) -> tuple[list[dict], float]:
     """One CPT step, the online HF export, then (step 2's micro-batches, step 2's loss); in a rank."""
-    from loongforge_megatron.hf_io import export_hf
 
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt_overrides(hf_dir)), output_dir=run_dir)
     try:
         job.step()
-        export_hf(job, export_dir)
+        job.export("hf", export_dir)
         batches = job.schedule.microbatches(1, device=torch.device("cpu"))
         ours = job.step()["loss"]
     finally:
@@ -275,7 +274,7 @@ def test_bf16_trains_and_hub_configs_are_completed(tmp_path):
     (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
     from loongforge_megatron.conversion.convert import read_hf_config
     from loongforge_megatron.conversion.layout import MegatronLayout
-    from loongforge_megatron.models.translate import arch_from_hf
+    from loongforge_megatron.models.registry import arch_from_hf
 
     arch = arch_from_hf(tmp_path / "hub")
     assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.vocab_size) == (32, 4096, 32, 32064)
@@ -292,7 +291,7 @@ def test_image_text_records_are_shuffled_per_epoch_and_checked(tmp_path):
 
     from loongforge.errors import RecipeError
     from loongforge_megatron.data.tokenizer import train_bpe
-    from loongforge_megatron.engine.llava import ImageTextConversations
+    from loongforge_megatron.models.llava.model import ImageTextConversations
     from PIL import Image
 
     tok = train_bpe(["a b c d what is this"] * 4, vocab_size=280, out_dir=tmp_path / "tok")

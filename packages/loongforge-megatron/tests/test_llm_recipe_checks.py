@@ -108,7 +108,7 @@ def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, referen
     """YaRN on llama / qwen (e.g. Qwen3's long-context setting) goes to megatron's GPT ``yarn`` embedding with the
     cos/sin factor: over 32 tokens with an original context of 16 the first-step loss equals transformers' with
     YaRN, which differs from the unscaled model's; the export writes the scaling back."""
-    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+    from loongforge_megatron.models.registry import arch_from_hf, hf_config
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     # NOTE: larger weights make attention (and so the positions) matter to the loss; llama's default init barely does
@@ -127,7 +127,7 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
     """DeepSeek-V3's YaRN (frequencies, and mscale on the softmax scale) goes to megatron's MLA: the first-step loss
     equals transformers' with YaRN, which differs from the unscaled model's (so plain RoPE would fail here), and
     the export writes the scaling back."""
-    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+    from loongforge_megatron.models.registry import arch_from_hf, hf_config
 
     hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=YARN)
     plain = tiny_hf("deepseek_v3", tmp_path / "plain")
@@ -145,14 +145,13 @@ def test_auto_spec_keeps_our_layer_names_where_hf_weights_or_packed_sft_need_the
     import sys
     import types
 
-    from loongforge_megatron.job import MegatronJob
+    from loongforge_megatron.models.gpt.family import kernel_spec
 
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
-    job = MegatronJob.__new__(MegatronJob)
     for over, spec in ((["checkpoint.save_format=[dist]"], "te"), (["checkpoint.save_format=[dist,hf]"], "loongforge"),
                        (["checkpoint.load=/some/hf"], "loongforge")):
-        job.recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.spec=auto", *over])
-        assert job._spec_name() == spec, over
+        recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.spec=auto", *over])
+        assert kernel_spec(recipe) == spec, over
 
 
 def test_te_spec_without_transformer_engine_is_one_line(tmp_path, capsys):
@@ -193,7 +192,7 @@ def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path, capsys):
     attention; at or below the window it validates (the window masks nothing there), and the HF export writes a
     Mistral again (LlamaForCausalLM would attend past the window). Qwen's sliding_window counts only with
     use_sliding_window."""
-    from loongforge_megatron.models.translate import arch_from_hf, hf_config
+    from loongforge_megatron.models.registry import arch_from_hf, hf_config
 
     llama = ["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null"]
     mistral = _hf_config_dir(tmp_path / "mistral", "mistral", sliding_window=32)

@@ -16,7 +16,6 @@ def _train_child(*, rank, world, recipe, run_dir, over):
     of megatron's ``tensor_parallel.checkpoint`` (what full and selective recompute go through) and the runs of
     the functions it was given (once in the forward, once more when the backward recomputes them)."""
     import loongforge
-    from loongforge_megatron.job import unwrapped
     from megatron.core import tensor_parallel
     from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -38,7 +37,7 @@ def _train_child(*, rank, world, recipe, run_dir, over):
     job, runtime = loongforge.build_job(recipe, output_dir=run_dir)
     try:
         losses = [job.step()["loss"] for _ in range(STEPS)]
-        config = next(m for m in unwrapped(job)[0].modules() if isinstance(m, TransformerBlock)).config
+        config = next(m for m in job.chunks[0].modules() if isinstance(m, TransformerBlock)).config
     finally:
         job.close()
         runtime.logger.close()

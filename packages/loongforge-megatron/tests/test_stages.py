@@ -115,14 +115,12 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer, ranks):
 
 def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_dir):
     """The LoRA job and its checks, in a rank (``ranks``): the megatron job never runs in pytest's process."""
-    from loongforge_megatron.hf_io import export_hf
-    from loongforge_megatron.job import unwrapped
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict
     from safetensors.torch import load_file
 
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
-        module = unwrapped(job)[0]
+        module = job.chunks[0]
         before = {k: v.clone() for k, v in module.state_dict().items() if "_extra_state" not in k}
         for _ in range(3):
             job.step()
@@ -135,7 +133,7 @@ def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_d
         expected = layer.base.weight + (8 / 4) * layer.lora_B @ layer.lora_A
         merged = merged_state_dict(module)
         assert torch.allclose(merged["decoder.layers.0.self_attention.linear_proj.weight"], expected, rtol=0, atol=1e-6)
-        export_hf(job, export_dir)
+        job.export("hf", export_dir)
         exported = load_file(export_dir / "model.safetensors")
         assert torch.allclose(exported["model.layers.0.self_attn.o_proj.weight"], expected, rtol=0, atol=1e-6)
         base_hf = load_file(hf_dir / "model.safetensors")

@@ -2,7 +2,8 @@
 
 Groups: ``loongforge.backends``, ``loongforge.accelerators``, ``loongforge.kernels``, ``loongforge.commands``
 (key: command name; value: ``module:register`` where ``register(subparsers) -> None`` adds its argparse subparser
-and ``set_defaults(handler=fn)``, ``fn(args) -> int`` the exit code).
+and ``set_defaults(handler=fn)``, ``fn(args) -> int`` the exit code), and the megatron backend's
+``loongforge.megatron.models`` (read by that backend; listed here so ``loongforge plugins`` shows it).
 Entries load lazily (on first ``get``), a key declared by two distributions is rejected naming both, and a
 plugin that fails to import is reported with its error instead of crashing unrelated commands.
 """
@@ -16,7 +17,10 @@ from typing import Any
 
 from loongforge.errors import PluginError
 
-GROUPS = ("loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands")
+GROUPS = (
+    "loongforge.backends", "loongforge.accelerators", "loongforge.kernels", "loongforge.commands",
+    "loongforge.megatron.models",
+)
 
 # Which distribution provides a well-known key, so a missing plugin gets an actionable message.
 KNOWN_PROVIDERS = {
@@ -141,4 +145,5 @@ accelerators = Registry(
 kernels = Registry("loongforge.kernels")
 commands = Registry("loongforge.commands")
 
-REGISTRIES = {r.group: r for r in (backends, accelerators, kernels, commands)}
+megatron_models = Registry("loongforge.megatron.models")  # model families of the megatron backend
+REGISTRIES = {r.group: r for r in (backends, accelerators, kernels, commands, megatron_models)}

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,19 +32,19 @@ from loongforge.checkpoint.atomic import atomic_checkpoint, disk_full, disk_full
 from loongforge.errors import CheckpointError, ParallelPlanError
 from loongforge.parallel.layers import chunk_layer_counts
 
-if TYPE_CHECKING:
-    from loongforge_megatron.job import MegatronJob
+from loongforge_megatron.engine.model import unwrap
 
 # Layout keys that must match for a data-parallel reshard (everything that changes what a rank holds).
 _MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep", "etp")
 SPLIT = "layers_per_chunk"  # decoder layers of every (vpp, pp) chunk; saves before uneven splits lack it (even)
 
 
-def _layout(job: MegatronJob) -> dict[str, int]:
-    p = job.plan
+def layout_record(plan: Any, *, num_layers: int, whole: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What a checkpoint records of the layout it was saved with (``meta.json``'s ``layout``)."""
+    p = plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
-            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": list(job.whole_components),
-            SPLIT: chunk_layer_counts(job.arch.num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
+            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": list(whole),
+            SPLIT: chunk_layer_counts(num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
                                       last=p.last_stage_layers)}
 
 
@@ -92,19 +94,19 @@ def _coords() -> dict[str, int]:
             "etp": mpu.get_expert_tensor_parallel_rank(), "dp": mpu.get_data_parallel_rank()}
 
 
-def _rng_state(job: MegatronJob) -> dict[str, Any]:
+def _rng_state(accelerator: Any) -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    state = {"torch": torch.get_rng_state(), "accelerator": job.acc.get_rng_state()}
+    state = {"torch": torch.get_rng_state(), "accelerator": accelerator.get_rng_state()}
     state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
 
 
-def _set_rng_state(job: MegatronJob, state: dict[str, Any]) -> None:
+def _set_rng_state(accelerator: Any, state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
-    job.acc.set_rng_state(state["accelerator"])
+    accelerator.set_rng_state(state["accelerator"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -151,70 +153,75 @@ def _prune_exports(root: Path, prefix: str, *, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass
 class Checkpointer:
-    """Save / resume for one :class:`MegatronJob` (all ranks call every method)."""
+    """Save / resume of one run's training state (all ranks call every method): the model chunks, optimizer,
+    scheduler, RNG, EMA and router counts, under ``root``; ``exports`` writes the HF / PEFT directories a
+    ``save_format`` asks for (``{"hf": fn(out_dir), "peft": fn(out_dir)}``) into ``final_dirs`` at the end."""
 
-    def __init__(self, job: MegatronJob):
-        self.job = job
-        self.root = job.runtime.checkpoint_dir
+    root: Path
+    chunks: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    accelerator: Any
+    layout: dict[str, Any]  # :func:`layout_record`
+    save_format: tuple[str, ...] = ("dist",)
+    save_interval: int = 0
+    keep_last: int = 1
+    ema: Any = None
+    router_load: Any = None
+    exports: dict[str, Callable[[Path], Any]] = field(default_factory=dict)
+    final_dirs: dict[str, Path] = field(default_factory=dict)
+    log: Any = None
+
+    def __post_init__(self) -> None:
         self.rank = dist.get_rank()
 
-    def _state(self) -> dict[str, Any]:
-        from loongforge_megatron.job import unwrapped
-
-        job = self.job
+    def _state(self, step: int) -> dict[str, Any]:
+        load = self.router_load
         return {
-            "step": job.step_index,
-            "model": [m.state_dict() for m in unwrapped(job)],
-            "optimizer": job.optimizer.state_dict(),
-            "scheduler": job.scheduler.state_dict(),
-            "rng": _rng_state(job),
-            **({"ema": job.ema.state_dict()} if job.ema is not None else {}),
-            **({"optimizer_shards": _optimizer_shards(job.optimizer)} if job.plan.distributed_optimizer else {}),
-            **({"router_load": {"tokens_per_expert": job.router_load.total.clone(), "first_step": job._router_first_step}}
-               if job.router_load is not None else {}),
+            "step": step,
+            "model": [unwrap(m).state_dict() for m in self.chunks],
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(self.accelerator),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
+            **({"optimizer_shards": _optimizer_shards(self.optimizer)} if self.layout["distributed_optimizer"] else {}),
+            **({"router_load": {"tokens_per_expert": load.total.clone(), "first_step": load.first_step}}
+               if load is not None else {}),
         }
 
     def save(self, step: int, *, final: bool = False) -> Path | None:
-        """Write the checkpoint of ``step`` (and the HF export when the recipe asks for one); weights that are not
-        finite are never written."""
-        from loongforge_megatron.job import unwrapped
+        """Write the checkpoint of ``step`` (and the HF / PEFT exports the save format asks for); weights that are
+        not finite are never written."""
         from loongforge_megatron.nonfinite import NonFiniteError, last_checkpoint, weights_finite
 
-        job, c = self.job, self.job.recipe.checkpoint
-        if not weights_finite(unwrapped(job)):
+        if not weights_finite([unwrap(m) for m in self.chunks]):
             last = last_checkpoint(self.root)
             raise NonFiniteError(f"step {step}: the weights are not finite, so no checkpoint or export was written"
                                  + (f"; the last checkpoint, {last}, is intact" if last else ""))
         path = None
-        if "dist" in c.save_format:
+        if "dist" in self.save_format:
             path = self._save_dist(step)
-        if "hf" in c.save_format and (final or c.save_interval):
-            from loongforge_megatron.hf_io import export_hf
-
-            export_hf(job, job.runtime.hf_dir if final else self.root / f"hf_step_{step:08d}")
-            if not final and self.rank == 0:
-                _prune_exports(self.root, "hf_step_", keep_last=c.keep_last)
-        if "peft" in c.save_format and (final or c.save_interval):
-            from loongforge_megatron.hf_io import export_peft
-
-            export_peft(job, job.runtime.output_dir / "peft" if final else self.root / f"peft_step_{step:08d}")
-            if not final and self.rank == 0:
-                _prune_exports(self.root, "peft_step_", keep_last=c.keep_last)
+        for kind in ("hf", "peft"):
+            if kind in self.save_format and (final or self.save_interval):
+                self.exports[kind](self.final_dirs[kind] if final else self.root / f"{kind}_step_{step:08d}")
+                if not final and self.rank == 0:
+                    _prune_exports(self.root, f"{kind}_step_", keep_last=self.keep_last)
         return path
 
     def _save_dist(self, step: int) -> Path:
         name = f"step_{step:08d}"
-        state = self._state()
+        state = self._state(step)
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, _coords())
-        ctx = atomic_checkpoint(self.root, name, keep_last=self.job.recipe.checkpoint.keep_last) if self.rank == 0 else nullcontext(None)
+        ctx = atomic_checkpoint(self.root, name, keep_last=self.keep_last) if self.rank == 0 else nullcontext(None)
         with ctx as staging:
             box = [str(staging) if staging is not None else None]
             dist.broadcast_object_list(box, src=0)
             staging_dir = Path(box[0])
             if self.rank == 0:
-                meta = {"step": step, "layout": _layout(self.job), "ranks": ranks}
+                meta = {"step": step, "layout": self.layout, "ranks": ranks}
                 (staging_dir / "meta.json").write_text(json.dumps(meta, indent=1))
             try:
                 torch.save(state, staging_dir / f"rank_{self.rank:05d}.pt")
@@ -225,15 +232,14 @@ class Checkpointer:
             # NOTE: rank 0 publishes (marker + rename + latest) only after every rank's file is written.
             dist.barrier()
         dist.barrier()
-        if self.job.log:
-            self.job.log.info(f"[checkpoint] saved step {step} -> {self.root / name}")
+        if self.log:
+            self.log.info(f"[checkpoint] saved step {step} -> {self.root / name}")
         return self.root / name
 
     def resume(self) -> int:
         """Load ``checkpoints/latest`` if there is one; return the step to continue from (0 if none). A checkpoint
         with a truncated or unreadable file (on any rank) is skipped, with a warning, for the previous one."""
         from loongforge_megatron.checkpoint_files import UnreadableCheckpointError, read_meta, read_rank_file
-        from loongforge_megatron.job import unwrapped
 
         skipped: list[str] = []
         bad: list[Path] = []
@@ -256,7 +262,7 @@ class Checkpointer:
                                           + "; delete the broken ones or use another --output")
                 return 0
             path = Path(box[0][1])
-            layout = _layout(self.job)
+            layout = self.layout
             problem, state, meta = None, None, None
             try:
                 meta = read_meta(path / "meta.json")
@@ -280,7 +286,7 @@ class Checkpointer:
             skipped.append(f"{path.name}: {found}")
             bad.append(path)
 
-        for module, sd in zip(unwrapped(self.job), state["model"], strict=True):
+        for module, sd in zip((unwrap(m) for m in self.chunks), state["model"], strict=True):
             try:
                 module.load_state_dict(sd)
             except RuntimeError as exc:  # NOTE: shapes or names differ: the recipe changed the model
@@ -288,30 +294,33 @@ class Checkpointer:
                 detail = lines[1] if len(lines) > 1 else lines[0] if lines else type(exc).__name__
                 raise CheckpointError(f"{path} does not match this recipe's model ({detail[:300]}); use another "
                                       "--output, or checkpoint.resume=never") from None
-        self.job.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         if layout["distributed_optimizer"]:
-            _load_optimizer_shards(self.job.optimizer, state.get("optimizer_shards"), path)
-        self.job.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(self.job, state["rng"])
-        if self.job.ema is not None:
+            _load_optimizer_shards(self.optimizer, state.get("optimizer_shards"), path)
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(self.accelerator, state["rng"])
+        if self.ema is not None:
             if "ema" not in state:  # NOTE: EMA switched on for a run saved without it: it starts here
-                self.job.ema.reset()  # the averages were taken of the initial weights, before the load
-                if self.job.log:
-                    self.job.log.info(f"[checkpoint] {path} has no EMA weights: the average starts from step "
-                                      f"{state['step']}'s weights")
+                self.ema.reset()  # the averages were taken of the initial weights, before the load
+                if self.log:
+                    self.log.info(f"[checkpoint] {path} has no EMA weights: the average starts from step "
+                                  f"{state['step']}'s weights")
             else:
                 try:
-                    self.job.ema.load_state_dict(state["ema"])
+                    self.ema.load_state_dict(state["ema"])
                 except ValueError as exc:
                     raise CheckpointError(f"{path}: {exc}; use another --output, or checkpoint.resume=never") from None
         saved_load = state.get("router_load")
-        load = self.job.router_load
+        load = self.router_load
         # NOTE: the counts are global sums (all ranks hold the same), so they carry over any resharding; older
         # checkpoints have none, and then moe_imbalance.json covers the steps from the resume on (its first_step).
-        if load is not None and saved_load is not None and saved_load["tokens_per_expert"].shape == load.total.shape:
-            load.total.copy_(saved_load["tokens_per_expert"])
-            self.job._router_first_step = int(saved_load["first_step"])
-        if self.job.log:
+        if load is not None:
+            if saved_load is not None and saved_load["tokens_per_expert"].shape == load.total.shape:
+                load.total.copy_(saved_load["tokens_per_expert"])
+                load.first_step = int(saved_load["first_step"])
+            else:
+                load.first_step = int(state["step"]) + 1
+        if self.log:
             resharded = "" if meta["layout"] == layout else f" (data-parallel size {meta['layout']['dp']} -> {layout['dp']})"
-            self.job.log.info(f"[checkpoint] resumed from {path}{resharded}")
+            self.log.info(f"[checkpoint] resumed from {path}{resharded}")
         return int(state["step"])

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import difflib
-from typing import Literal
+from typing import Any, Literal
 
 from loongforge.recipe.schema import KernelsConfig, Section
 from pydantic import Field, model_validator
 
-from loongforge_megatron.models.arch import Arch
-from loongforge_megatron.models.dit import DiTArch
-from loongforge_megatron.models.presets import PRESETS
+from loongforge_megatron.models import registry
 
 _NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
-_DIT_FIELDS = [f for f in DiTArch.model_fields if f != "family"]
 
 
 def arch_keys() -> list[str]:
@@ -26,7 +23,8 @@ class ModelConfig(Section):
     diffusers ``DiTTransformer2DModel`` folder), or explicit sizes. Any architecture field given here overrides the
     preset / HF value."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "dit"] | None = None
+    family: str | None = Field(None, description="model family (default llama with explicit sizes); `loongforge "
+                               "plugins` lists them under loongforge.megatron.models")
     preset: str | None = None
     hf: str | None = Field(None, description="HF model directory; its config.json gives the architecture")
     tokenizer: str | None = Field(None, description="HF tokenizer dir (default: data.tokenizer, then model.hf)")
@@ -71,41 +69,56 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.preset is not None and self.preset not in PRESETS:
-            close = difflib.get_close_matches(self.preset, PRESETS, n=1)
+        if self.family is not None and self.family not in registry.families:
+            known = registry.families.keys()
+            close = difflib.get_close_matches(self.family, known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ValueError(f"unknown preset '{self.preset}'; {hint}available: {', '.join(sorted(PRESETS))}")
+            raise ValueError(f"unknown model family '{self.family}'; {hint}installed: {', '.join(known)}")
+        presets = registry.presets()
+        if self.preset is not None and self.preset not in presets:
+            close = difflib.get_close_matches(self.preset, presets, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"unknown preset '{self.preset}'; {hint}available: {', '.join(sorted(presets))}")
         if self.preset and self.hf:
             raise ValueError("give either preset or hf, not both")
         if not self.preset and not self.hf:
-            need = (("num_layers", "hidden_size", "num_attention_heads") if self.family == "dit" else
-                    ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"))
-            missing = [f for f in need if getattr(self, f) is None]
+            fields = registry.get(self.family or "llama").arch_type.model_fields
+            need = [f for f, info in fields.items() if info.is_required()]
+            missing = [f for f in need if getattr(self, f, None) is None]
             if missing:
                 raise ValueError(f"give a preset, an hf directory, or explicit sizes (missing: {', '.join(missing)})")
         return self
 
-    def arch(self) -> Arch | DiTArch:
-        """Resolve preset / HF config / explicit sizes into an :class:`Arch` (a :class:`DiTArch` for family dit)."""
+    def _resolve(self):
+        """(spec, architecture) from the HF config / preset / family with the recipe's overrides."""
         if self.hf:
-            from loongforge_megatron.models.translate import arch_from_hf
-
-            base = arch_from_hf(self.hf).model_dump()
+            found = registry.arch_from_hf(self.hf)
+            spec, base = registry.spec_of(found), found.model_dump()
         elif self.preset:
-            base = dict(PRESETS[self.preset])
+            spec, base = registry.presets()[self.preset]
         else:
-            base = {}
+            spec, base = registry.get(self.family or "llama"), {}
         if self.family:
+            if self.family != base.get("family", spec.name) and self.family != spec.name:
+                spec = registry.get(self.family)
             base["family"] = self.family
         given = {f: getattr(self, f) for f in arch_keys() if getattr(self, f) is not None}
-        dit = base.get("family") == "dit"
-        fields = _DIT_FIELDS if dit else Arch.model_fields
+        fields = spec.arch_type.model_fields
         wrong = [f for f in given if f not in fields]
         if wrong:
-            kind = "a DiT" if dit else "a language model"
-            raise ValueError(f"model.{wrong[0]} is not a setting of {kind}")
+            raise ValueError(f"model.{wrong[0]} is not a setting of {spec.kind}")
         base.update(given)
-        return DiTArch(**base) if dit else Arch(**base)
+        arch = spec.arch(base)
+        return registry.spec_of(arch), arch
+
+    def arch(self) -> Any:
+        """Resolve preset / HF config / explicit sizes into the family's architecture (an ``Arch``, a DiT's
+        ``DiTArch``, ...)."""
+        return self._resolve()[1]
+
+    def spec(self) -> Any:
+        """The :class:`~loongforge_megatron.models.spec.ModelSpec` that trains this model."""
+        return self._resolve()[0]
 
 
 class DataSource(Section):

@@ -1,7 +1,8 @@
-"""Online HF checkpoints for a running job: load an HF directory into this rank's shards, export HF safetensors.
+"""Online HF checkpoints of this rank's model chunks: load an HF directory into its shards, export HF safetensors.
 
-Both go through the conversion package's name maps and split/merge rules, so the offline converter and
-training share one definition of every layout.
+Both go through the model spec's name map and the conversion package's split/merge rules, so the offline
+converter and training share one definition of every layout. The functions take the chunks (DDP-wrapped or
+not), the parallel plan and the spec explicitly.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from loongforge.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from loongforge_megatron.job import MegatronJob
+from loongforge_megatron.engine.model import unwrap
+from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
 
 
 def _ranks():
@@ -34,26 +35,30 @@ def _module_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def load_hf_into(job: MegatronJob, hf_dir: str | Path) -> None:
-    """Load ``hf_dir`` into every model chunk of this rank; each rank reads only the tensors it holds."""
+def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any, whole: tuple[str, ...] = (),
+                 log: Any = None) -> None:
+    """Load ``hf_dir`` into every model chunk of this rank; each rank reads only the tensors it holds. ``whole``:
+    megatron-name prefixes of components every TP rank holds unsplit."""
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY, unwrapped
 
-    plan = job.plan
-    for vpp_rank, module in enumerate(unwrapped(job)):
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise CheckpointError(f"checkpoint.load '{hf_dir}' is not an HF model directory (no config.json); a run's "
+                              "own checkpoints resume with the same --output, other megatron checkpoints load "
+                              "after `loongforge convert SRC DST --to hf`")
+    for vpp_rank, module in enumerate(unwrap(m) for m in chunks):
         dtype = next(module.parameters()).dtype
         sd = shard_state_dict_for_rank(
             hf_dir, tp_size=plan.tp, pp_size=plan.pp, ep_size=plan.ep, etp_size=plan.etp, vpp_rank=vpp_rank,
             vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY, expected_shapes=_module_shapes(module),
             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
-            dtype=dtype, whole=job.whole_components, **_ranks(),
+            dtype=dtype, whole=whole, **_ranks(),
         )
         missing, unexpected = module.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise CheckpointError(f"{hf_dir}: missing {missing[:3]} unexpected {unexpected[:3]} after loading")
-    if job.log:
-        job.log.info(f"[checkpoint] loaded HF weights from {hf_dir}")
+    if log:
+        log.info(f"[checkpoint] loaded HF weights from {hf_dir}")
 
 
 def _comm_device() -> torch.device:
@@ -105,23 +110,21 @@ class _Holdings:
             raise CheckpointError(f"rank {rank}: the model has no tensor '{name}'") from None
 
 
-def _gather_plan(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
+def _gather_plan(chunks: list[torch.nn.Module], state: Callable[[torch.nn.Module], dict[str, torch.Tensor]], *,
+                 spec: Any, arch: Any, plan: Any, whole: tuple[str, ...]):
     """What every rank holds under ``state(module)`` and who sends it: (layout, hf config, mine, holdings)."""
-    from loongforge_megatron.conversion.families import get_family
     from loongforge_megatron.conversion.layout import MegatronLayout
-    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY, unwrapped
-    from loongforge_megatron.models.translate import hf_config
 
-    plan = job.plan
-    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[job.config.params_dtype]
-    config = hf_config(job.arch, torch_dtype=dtype)
-    layout = MegatronLayout(get_family(hf_config=config).name, config, tp=plan.tp, pp=plan.pp,
+    modules = [unwrap(m) for m in chunks]
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[modules[0].config.params_dtype]
+    config = spec.hf_config(arch, torch_dtype=dtype)
+    layout = MegatronLayout(spec.name, config, tp=plan.tp, pp=plan.pp,
                             vpp=plan.vpp, ep=plan.ep, etp=plan.etp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
                             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
-                            whole=job.whole_components)
+                            whole=whole)
     r = _ranks()
     mine = {}
-    for vpp_rank, module in enumerate(unwrapped(job)):
+    for vpp_rank, module in enumerate(modules):
         mine[(r["tp_rank"], r["pp_rank"], r["ep_rank"], vpp_rank)] = {
             k: v.detach() for k, v in state(module).items() if not k.endswith("_extra_state")}
     shapes = {key: {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()} for key, sd in mine.items()}
@@ -153,21 +156,23 @@ def _send_mine(mine, holdings: _Holdings, rank, name: str, me: int, device: torc
         dist.send(mine[key][name].to(device).contiguous(), dst=0)
 
 
-def _gather_averaged(job: MegatronJob, state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]):
+def _gather_averaged(chunks: list[torch.nn.Module], state: Callable[[torch.nn.Module], dict[str, torch.Tensor]], *,
+                     ema: Any, **model: Any):
     """:func:`_gather_plan` of the EMA weights when the recipe keeps them (``train.ema_decay``: every export holds
     the average, what EMA recipes evaluate and ship; with LoRA the averaged adapters, merged for the HF export),
     else of the trained weights."""
-    ema = getattr(job, "ema", None)
     if ema is None:
-        return _gather_plan(job, state)
+        return _gather_plan(chunks, state, **model)
     with ema.applied():
-        layout, config, mine, holdings = _gather_plan(job, state)
+        layout, config, mine, holdings = _gather_plan(chunks, state, **model)
         # NOTE: copies: the parameters get the trained weights back when the block ends
         mine = {key: {k: v.clone() for k, v in sd.items()} for key, sd in mine.items()}
     return layout, config, mine, holdings
 
 
-def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
+def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, arch: Any, plan: Any,
+              whole: tuple[str, ...] = (), ema: Any = None, assets: Callable[[Path], None] | None = None,
+              log: Any = None) -> Path | None:
     """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer
     (a DiT: a diffusers DiTTransformer2DModel folder, config.json + diffusion_pytorch_model.safetensors).
 
@@ -175,36 +180,33 @@ def export_hf(job: MegatronJob, out_dir: str | Path) -> Path | None:
     the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All
     ranks walk the same order (``hf_params`` x ``shard_sources``), which pairs every send with its receive.
 
+    ``assets(staging)`` writes the files beside the weights (tokenizer, class labels); ``ema``: the weights'
+    running average, exported instead of them.
+
     NOTE: if rank 0 fails mid-export the other ranks wait in ``send`` until the process-group timeout.
     """
     import json
 
-    from loongforge_megatron.conversion.convert import copy_assets
     from loongforge_megatron.conversion.engine import MegatronSource, hf_params, key_of, to_hf_dir
-    from loongforge_megatron.data.prepare import tokenizer_dir
     from loongforge_megatron.lora import merged_state_dict
 
-    layout, config, mine, holdings = _gather_averaged(job, merged_state_dict)
+    layout, config, mine, holdings = _gather_averaged(chunks, merged_state_dict, ema=ema, spec=spec, arch=arch,
+                                                      plan=plan, whole=whole)
     me = dist.get_rank()
     out = None
     if me == 0:
         read = _receiver(mine, holdings)
-        tok_dir = None if job.arch.is_dit else tokenizer_dir(job.recipe)
 
         def put_assets(staging: Path) -> None:
-            if tok_dir is not None:
-                copy_assets(Path(tok_dir), staging)
+            if assets is not None:
+                assets(staging)
             (staging / "config.json").write_text(json.dumps(config, indent=2))
-            if getattr(job, "class_names", None):
-                from loongforge_megatron.job import class_labels_json
-
-                (staging / "classes.json").write_text(class_labels_json(job.class_names))
 
         out = Path(out_dir)
         to_hf_dir(MegatronSource(layout, read=read, spec=holdings.spec), layout, out, max_shard_bytes=5 * 2**30,
                   force=True, assets=put_assets)
-        if job.log:
-            job.log.info(f"[checkpoint] HF export -> {out}")
+        if log:
+            log.info(f"[checkpoint] HF export -> {out}")
     else:
         # NOTE: mirrors the reads of rank 0's MegatronSource.write_rows, in the same order.
         device = _comm_device()
@@ -250,10 +252,12 @@ def _is_column(p) -> bool:
     return not isinstance(rule, RowParallel)
 
 
-def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
+def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any, base_model: str | None, spec: Any,
+                arch: Any, plan: Any, whole: tuple[str, ...] = (), ema: Any = None, log: Any = None) -> Path | None:
     """Write the LoRA adapters as a PEFT directory on rank 0: ``adapter_model.safetensors`` +
     ``adapter_config.json``, with HF module names (fused qkv -> q/k/v_proj, fc1 -> gate/up_proj, proj -> o_proj,
-    fc2 -> down_proj). Adapters are small, so rank 0 gathers them all, then writes atomically.
+    fc2 -> down_proj). Adapters are small, so rank 0 gathers them all, then writes atomically. ``lora``: the
+    recipe's ``train.lora``; ``base_model``: the HF model the adapters apply to.
     """
     import json
 
@@ -263,10 +267,10 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
     from loongforge_megatron.conversion.engine import MegatronSource
     from loongforge_megatron.lora import adapter_state_dict
 
-    lora = job.recipe.train.lora
-    if job.recipe.train.stage != "lora" or lora is None:
+    if lora is None:
         raise CheckpointError("checkpoint.save_format 'peft' needs train.stage: lora")
-    layout, _, mine, holdings = _gather_averaged(job, adapter_state_dict)
+    layout, _, mine, holdings = _gather_averaged(chunks, adapter_state_dict, ema=ema, spec=spec, arch=arch, plan=plan,
+                                                 whole=whole)
     me = dist.get_rank()
     lora_names = {n for held in holdings.specs.values() for n in held}
     out = None
@@ -278,7 +282,7 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "base_model_name_or_path": job.recipe.model.hf, "inference_mode": True, "init_lora_weights": True,
+            "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         }
         out = Path(out_dir)
@@ -289,8 +293,8 @@ def export_peft(job: MegatronJob, out_dir: str | Path) -> Path | None:
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
         fsync_tree(staging)
         replace_dir(staging, out)
-        if job.log:
-            job.log.info(f"[checkpoint] PEFT adapters -> {out}")
+        if log:
+            log.info(f"[checkpoint] PEFT adapters -> {out}")
     else:
         # NOTE: mirrors rank 0's reads in _peft_tensors, in the same order.
         from loongforge_megatron.conversion.engine import hf_params, key_of

@@ -22,7 +22,6 @@ VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 def _tp2_logits(*, rank, world, recipes, tokens, run_dir, ports):
     import loongforge
     import torch.distributed as dist
-    from loongforge_megatron.job import unwrapped
     from megatron.core import parallel_state as mpu
 
     result = {}
@@ -30,7 +29,7 @@ def _tp2_logits(*, rank, world, recipes, tokens, run_dir, ports):
         os.environ["MASTER_PORT"] = str(port)  # NOTE: job.close() destroys the process group; a fresh port each job
         job, _ = loongforge.build_job(loongforge.load_recipe(path), output_dir=run_dir / name)
         try:
-            model = unwrapped(job)[0].eval()
+            model = job.chunks[0].eval()
             with torch.no_grad():
                 local = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
             parts = [torch.empty_like(local) for _ in range(mpu.get_tensor_model_parallel_world_size())]
@@ -64,18 +63,17 @@ def test_online_load_tp2_logits_equal_transformers(tmp_path, tiny_hf, recipe, ra
 
 def _train_export(*, rank, world, recipe_path, run_dir, export_dir):
     import loongforge
-    from loongforge_megatron.hf_io import _ranks, export_hf
-    from loongforge_megatron.job import unwrapped
+    from loongforge_megatron.hf_io import _ranks
     from loongforge_megatron.lora import merged_state_dict
 
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
         losses = [job.step()["loss"] for _ in range(2)]
-        export_hf(job, export_dir)
+        job.export("hf", export_dir)
         r = _ranks()
         shards = {(r["tp_rank"], r["pp_rank"], r["ep_rank"], v): {k: t.detach().clone() for k, t in
                                                                  merged_state_dict(m).items() if not k.endswith("_extra_state")}
-                  for v, m in enumerate(unwrapped(job))}
+                  for v, m in enumerate(job.chunks)}
         return {"losses": losses, "shards": shards}
     finally:
         job.close()
@@ -84,7 +82,7 @@ def _train_export(*, rank, world, recipe_path, run_dir, export_dir):
 def test_export_tp2_pp2_equals_trained_weights(tmp_path, tiny_hf, recipe, ranks):
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("llama", tmp_path / "hf", vocab_size=ODD_VOCAB)
     path = recipe(tmp_path / "r.yaml", hf, steps=2, parallel={"tp": 2, "pp": 2}, resume="never", save_at_end=False)
@@ -127,7 +125,7 @@ def test_export_ep2_moe_takes_experts_from_every_expert_rank(tmp_path, tiny_hf, 
     """EP=2 (dp=2): ep rank 1 lives on dp rank 1, so export must not read only data-parallel rank 0."""
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("qwen3_moe", tmp_path / "hf")
     path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"ep": 2}, resume="never", save_at_end=False)
@@ -153,7 +151,7 @@ def test_export_etp1_under_tp2_ep2_moe(tmp_path, tiny_hf, recipe, ranks):
     tensors back, bitwise."""
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.job import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("qwen3_moe", tmp_path / "hf")
     path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"tp": 2, "sp": True, "ep": 2, "etp": 1},
@@ -178,14 +176,13 @@ def test_export_etp1_under_tp2_ep2_moe(tmp_path, tiny_hf, recipe, ranks):
 
 def _lora_exports(*, rank, world, recipe_path, run_dir, merged_dir, peft_dir):
     import loongforge
-    from loongforge_megatron.hf_io import export_hf, export_peft
 
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
         for _ in range(2):
             job.step()
-        export_hf(job, merged_dir)
-        export_peft(job, peft_dir)
+        job.export("hf", merged_dir)
+        job.export("peft", peft_dir)
         return {}
     finally:
         job.close()

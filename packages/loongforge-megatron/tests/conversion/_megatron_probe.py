@@ -1,5 +1,5 @@
-"""Build tiny megatron-core GPTModels (local spec, TP=1, CPU, one gloo process) from our config translation and
-print ``{family: {param name: shape}}`` as JSON. Run as a subprocess so torch.distributed state stays out of
+"""Build tiny megatron-core GPTModels (local spec, TP=1, CPU, one gloo process) from the family's arch of the HF
+config and our TransformerConfig translation (what training builds) and print ``{family: {param name: shape}}`` as JSON. Run as a subprocess so torch.distributed state stays out of
 the test process. Usage: python _megatron_probe.py CONFIGS.json OUT.json"""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,24 +19,20 @@ torch.cuda.current_device = lambda: "cpu"
 
 
 def build(family: str, hf: dict) -> dict[str, list[int]]:
-    import torch.nn.functional as F
     from loongforge.checkpoint import padded_vocab_size
-    from loongforge_megatron.conversion import get_family
+    from loongforge.parallel.plan import ParallelPlan
+    from loongforge_megatron.models.gpt.translate import transformer_config
+    from loongforge_megatron.models.registry import get_family
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    cfg = get_family(family).megatron_config(hf)
-    t, m = dict(cfg["transformer"]), cfg["model"]
-    assert t.pop("activation") == "silu"
-    mla = t.get("multi_latent_attention", False)
-    t.update(activation_func=F.silu, use_cpu_initialization=True, params_dtype=torch.float32,
-             rotary_base=m["rotary_base"])
-    if not mla:
-        t.pop("rotary_base")
-    config = (MLATransformerConfig if mla else TransformerConfig)(**t)
+    arch = get_family(family).arch_from_hf(hf, path=Path("config.json"))
+    # NOTE: the allgather dispatcher: alltoall's asks for a CUDA stream (the job runs it under the CPU adaptations)
+    config = transformer_config(arch, plan=ParallelPlan(world_size=1), precision="fp32", cpu_init=True,
+                                moe_dispatcher="allgather")
+    mla = arch.is_mla
 
     class NoAttention(torch.nn.Module):  # NOTE: local DotProductAttention rejects MLA's k_channels kwarg
         def __init__(self, *args, **kwargs):
@@ -46,13 +43,13 @@ def build(family: str, hf: dict) -> dict[str, list[int]]:
         attn = layer.submodules.self_attention
         if mla:
             attn.submodules.core_attention = ModuleSpec(module=NoAttention)
-            if t.get("q_lora_rank") is None:
+            if arch.q_lora_rank is None:
                 attn.submodules.q_layernorm = IdentityOp
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(m["vocab_size"], divisible_by=128, tp_size=1),
-        max_sequence_length=m["max_sequence_length"], position_embedding_type="rope",
-        share_embeddings_and_output_weights=m["share_embeddings_and_output_weights"],
+        vocab_size=padded_vocab_size(arch.vocab_size, divisible_by=128, tp_size=1),
+        max_sequence_length=arch.max_position_embeddings, position_embedding_type="rope",
+        share_embeddings_and_output_weights=arch.tie_embeddings,
     )
     return {k: list(v.shape) for k, v in model.state_dict().items() if "_extra_state" not in k}
 

@@ -39,7 +39,7 @@ NAMES = {
         "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
         "decoder.layers.*.mlp.shared_experts.linear_fc2.weight"},
 }
-FAMILY = {"llama_tied": "llama", "qwen2": "llama"}
+FAMILY = {"llama_tied": "llama"}
 
 
 def template(name: str) -> str:

@@ -46,4 +46,11 @@ def test_layout_json_roundtrip(tiny_hf, tmp_path):
     layout = hf_to_megatron(tiny_hf("deepseek_v3"), tmp_path / "mg", tp=2, ep=2)
     loaded = MegatronLayout.load(tmp_path / "mg")
     assert loaded == layout and loaded.etp == 2 and loaded.padded_vocab_size == 256
-    assert loaded.megatron_config["transformer"]["multi_latent_attention"] is True
+    from loongforge.parallel.plan import ParallelPlan
+    from loongforge_megatron.models.gpt.translate import transformer_config
+    from loongforge_megatron.models.registry import get_family
+
+    # NOTE: the layout names the family; its spec gives the megatron config (one translation, training's)
+    arch = get_family(loaded.family).arch_from_hf(loaded.hf_config, path=tmp_path / "mg")
+    config = transformer_config(arch, plan=ParallelPlan(world_size=1), precision="fp32", cpu_init=True)
+    assert config.multi_latent_attention is True

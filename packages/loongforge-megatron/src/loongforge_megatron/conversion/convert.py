@@ -16,37 +16,9 @@ from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.config_check import check_config_matches_weights
 from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
-from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
-                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
-
-
-def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    if cfg.get("model_type") == "llava":
-        from loongforge_megatron.conversion.llava import complete_config
-
-        cfg = complete_config(cfg)
-    return cfg
-
-
-def copy_assets(src: Path, dst: Path) -> None:
-    """Copy config, tokenizer and other non-weight files (top level only)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
-            shutil.copy2(f, dst / f.name)
+from loongforge_megatron.models.base import copy_assets
+from loongforge_megatron.models.registry import get_family, read_hf_config
 
 
 def _staging(out_dir: Path, force: bool) -> Path:

@@ -19,8 +19,8 @@ import torch
 from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import MegatronLayout, Rank
+from loongforge_megatron.models.registry import get_family
 
 Key = tuple[str, ...]
 Spec = tuple[torch.dtype, tuple[int, ...]]
@@ -132,7 +132,7 @@ class HFSource:
     def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict):
         self.family, self.hf_config = get_family(family), hf_config
         reader = SafetensorsReader(hf_dir)
-        self.reader = reader if self.family.hf_alias is None else AliasedReader(reader, self.family.hf_alias)
+        self.reader = AliasedReader(reader, self.family.hf_alias)
 
     def check_names(self, needed: Iterable[Key]) -> None:
         """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""

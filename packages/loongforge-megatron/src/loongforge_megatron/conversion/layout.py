@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from loongforge.checkpoint import Expert, NameMap, Param, padded_vocab_size
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion.families import get_family
+from loongforge_megatron.models.registry import get_family
 
 LAYOUT_FILE = "loongforge_layout.json"
 ASSETS_DIR = "hf_assets"
@@ -39,7 +39,6 @@ class MegatronLayout:
     first_stage_layers: int | None = None  # uneven pipeline split (megatron's num_layers_in_first_pipeline_stage)
     last_stage_layers: int | None = None
     make_vocab_size_divisible_by: int = 128
-    megatron_config: dict[str, Any] = field(default_factory=dict)
     # megatron-name prefixes of components kept whole (TP 1) on every TP rank, e.g. a VLM's vision tower
     whole: tuple[str, ...] = ()
 
@@ -53,8 +52,6 @@ class MegatronLayout:
             raise CheckpointError(f"etp must be 1 or equal to tp ({self.tp}), got {self.etp}")
         if self.vpp > 1 and self.pp == 1:
             raise CheckpointError("vpp > 1 needs pp > 1")
-        if not self.megatron_config:
-            object.__setattr__(self, "megatron_config", get_family(self.family).megatron_config(self.hf_config))
         object.__setattr__(self, "whole", tuple(self.whole))
 
     @property
@@ -129,4 +126,5 @@ class MegatronLayout:
         if data.pop("format", None) != FORMAT:
             raise CheckpointError(f"{path}: unknown format (expected '{FORMAT}')")
         data.pop("padded_vocab_size", None)
+        data.pop("megatron_config", None)  # NOTE: written by earlier versions; the family's spec derives it
         return cls(**data)

@@ -20,8 +20,8 @@ from loongforge_megatron.conversion.engine import (
     shard,
     to_hf_dir,
 )
-from loongforge_megatron.conversion.families import get_family
 from loongforge_megatron.conversion.layout import MegatronLayout, Rank
+from loongforge_megatron.models.registry import get_family
 
 
 def shard_state_dict_for_rank(

@@ -1,4 +1,4 @@
-"""Build the language model: one megatron ``GPTModel`` per virtual pipeline chunk, wrapped in megatron DDP.
+"""Build the language model: one megatron ``GPTModel`` per virtual pipeline chunk; wrap chunks in megatron DDP.
 
 NOTE: GPTModel, not HybridModel. megatron-core 0.19 marks GPTModel deprecated, but HybridModel's only shipped
 stack spec is built from TransformerEngine modules (CUDA only) and a layer-pattern string; our ``local`` spec
@@ -8,7 +8,6 @@ is a TransformerLayer spec that GPTModel takes directly. Revisit when megatron s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ def _block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=TorchNorm)
 
 
-def build_model(
+def build_chunks(
     *,
     transformer_config: Any,
     layer_spec: Any,
@@ -50,14 +49,10 @@ def build_model(
     rotary_percent: float = 1.0,
     share_embeddings_and_output_weights: bool = False,
     vpp: int = 1,
-    use_distributed_optimizer: bool = False,
-    grad_reduce_in_fp32: bool = True,
-    overlap_grad_reduce: bool = False,
     device: torch.device | str | None = None,
     rope_scaling_factor: float | None = None,
-    pre_wrap: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> list[torch.nn.Module]:
-    """One DDP-wrapped ``GPTModel`` per virtual pipeline chunk of this rank (a list of length ``vpp``).
+    """One ``GPTModel`` per virtual pipeline chunk of this rank (a list of length ``vpp``), before DDP.
 
     Call after :func:`loongforge_megatron.engine.parallel_state.initialize`. ``transformer_config`` must set
     ``calculate_per_token_loss=True``: the engine's loss is a token-weighted mean over micro-batches and
@@ -102,9 +97,15 @@ def build_model(
         if device is not None:
             model.to(device)
         chunks.append(model)
+    return chunks
 
-    return wrap_ddp(chunks, config, use_distributed_optimizer=use_distributed_optimizer,
-                    grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce, pre_wrap=pre_wrap)
+
+def build_model(*, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = True,
+                overlap_grad_reduce: bool = False, **kwargs: Any) -> list[torch.nn.Module]:
+    """:func:`build_chunks` wrapped in megatron DDP (for callers with no weights to load in between)."""
+    chunks = build_chunks(**kwargs)
+    return wrap_ddp(chunks, kwargs["transformer_config"], use_distributed_optimizer=use_distributed_optimizer,
+                    grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce)
 
 
 def wrap_ddp(
@@ -114,15 +115,11 @@ def wrap_ddp(
     use_distributed_optimizer: bool,
     grad_reduce_in_fp32: bool = True,
     overlap_grad_reduce: bool = False,
-    pre_wrap: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (GPTModel, LLaVAModel, DiTModel), each in megatron's DDP, parameters broadcast
-    from data-parallel rank 0. ``pre_wrap(chunks)`` runs first: initial weights and LoRA adapters go in before
-    DDP sizes its grad buffers for the trainable parameters it sees."""
+    from data-parallel rank 0. Load initial weights and add LoRA adapters before: DDP sizes its grad buffers for
+    the trainable parameters it sees."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    if pre_wrap is not None:
-        pre_wrap(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,

@@ -32,6 +32,7 @@ class RouterLoad:
         if num_experts % ep:
             raise ValueError(f"{num_experts} experts do not split over ep = {ep}")
         self.ep, self.repeat = ep, repeat
+        self.first_step = 1  # the first step the counts cover (a resume restores it)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # whole run, on the host
         for module in modules:

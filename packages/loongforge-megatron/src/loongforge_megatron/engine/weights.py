@@ -1,4 +1,5 @@
-"""Load an unsharded GPTModel state dict into this rank's (TP/PP/VPP/EP-sharded) model chunks.
+"""Whole-model weights for this rank's (TP/PP/VPP/EP-sharded) GPTModel chunks: load an unsharded state dict, or
+draw a seeded initial model that does not depend on the layout.
 
 The full state dict uses the names of a single-process GPTModel (``decoder.layers.<global layer>``,
 ``...local_experts.<global expert>``). Each rank renames its local layers/experts to global ones and takes its
@@ -76,3 +77,60 @@ def load_full_state_dict(model_chunks: list[torch.nn.Module], state_dict: dict[s
                 if shard.shape != tensor.shape:
                     raise ValueError(f"{name}: shard {tuple(shard.shape)} != local {tuple(tensor.shape)}")
                 tensor.data.copy_(shard)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def _draw(init, full: torch.Tensor, seed: int) -> None:
+    """``init(full)`` from a generator seeded by ``seed`` alone (torch's init functions take one)."""
+    g = torch.Generator(device=full.device).manual_seed(seed)
+    try:
+        init(full, generator=g)
+    except TypeError:  # NOTE: an init function without a generator argument: seed the global RNG around it
+        with torch.random.fork_rng(devices=[full.device] if full.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            init(full)
+
+
+@torch.no_grad()
+def seeded_init(model_chunks: list[torch.nn.Module], *, config: Any, seed: int) -> None:
+    """Redraw every randomly initialised parameter of this rank's GPTModel chunks from a generator seeded by
+    ``seed`` and the parameter's *global* name, whole, then keep this rank's slice: the same recipe and seed give
+    the same initial model at any tp / pp / vpp / ep / etp (megatron draws per stage, in build order, from
+    ``seed + 100 * pp_rank``).
+
+    The distributions are megatron's own: ``config.output_layer_init_method`` for the layers it uses it for
+    (``linear_proj``, ``linear_fc2``), ``config.init_method`` for the other weights. Parameters megatron sets to a
+    constant (biases 0, norm weights 1) stay as they are.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    etp_rank, etp_size = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+    ep_rank, ep_size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        layer_offset = get_transformer_layer_offset(config, vp_stage=getattr(model, "vp_stage", None))
+        num_local_experts = (config.num_moe_experts or 0) // ep_size
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                continue  # a constant init (zeros / ones)
+            key = _global_name(name, layer_offset=layer_offset, expert_offset=ep_rank * num_local_experts)
+            if key == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+                key = "embedding.word_embeddings.weight"  # NOTE: the last stage's copy of the tied embedding
+            is_expert = not getattr(param, "allreduce", True)
+            rank, size = (etp_rank, etp_size) if is_expert else (tp_rank, tp_size)
+            shape = list(param.shape)
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= size
+            out_layer = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            init = config.output_layer_init_method if out_layer else config.init_method
+            full = torch.empty(shape, dtype=torch.float32, device=param.device)
+            _draw(init, full, _name_seed(seed, key))
+            param.copy_(tp_shard(full, param, rank=rank, size=size))

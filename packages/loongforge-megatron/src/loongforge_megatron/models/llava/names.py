@@ -17,15 +17,7 @@ import torch
 from loongforge.checkpoint import ColumnParallel, Entry, FusedQKV, NameMap, Replicated, Reshaped, RowParallel
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion.common import (
-    Family,
-    HFConfig,
-    base_megatron_config,
-    dense_mlp,
-    ends,
-    gqa_attention,
-    norms,
-)
+from loongforge_megatron.models.gpt.names import HFConfig, dense_mlp, ends, gqa_attention, norms
 
 V = "vision_tower.vision_model."
 _VISION_LAYER = re.compile(r"^vision_tower\.vision_model\.encoder\.layers\.(\d+)\.")
@@ -117,13 +109,6 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
     return NameMap(_vision(h) + [_language(e) for e in language])
 
 
-def megatron_config(h: HFConfig) -> dict:
-    cfg = base_megatron_config(text_config(h))
-    cfg["vision"] = {"vision_config": h["vision_config"], "vision_layers": vision_layers_used(h),
-                     "image_token_index": h.get("image_token_index", h.get("image_token_id"))}
-    return cfg
-
-
 def ignore_hf(h: HFConfig, name: str) -> bool:
     """CLIP layers past the feature layer and the post-layernorm (only HF's pooler reads them)."""
     if name.startswith(V + "post_layernorm.") or "rotary_emb.inv_freq" in name:
@@ -150,7 +135,3 @@ def hf_alias(name: str) -> str:
     if name.startswith("vision_tower.") and not name.startswith(V):
         return V + name[len("vision_tower."):]
     return name
-
-
-FAMILY = Family("llava", ("llava",), name_map, megatron_config, ignore_hf=ignore_hf, text_config=text_config,
-                hf_alias=hf_alias, hf_extra=hf_extra, export_config=export_config)

@@ -1,5 +1,5 @@
-"""DiT (Peebles & Xie) on megatron-core: a class-conditional latent diffusion transformer, its training objective
-and forward step.
+"""DiT's model (Peebles & Xie) on megatron-core: a class-conditional latent diffusion transformer, its training
+objective and forward step.
 
 The transformer is megatron's own ``TransformerBlock`` of :class:`AdaLNZeroLayer` s: a ``TransformerLayer`` whose
 ``SelfAttention`` (fused QKV, non-causal: ``AttnMaskType.no_mask``) and ``MLP`` (GELU-tanh) are megatron's, built
@@ -37,7 +37,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import make_viewless_tensor
 
 from loongforge_megatron.engine.layer_spec import row_parallel_linear
-from loongforge_megatron.engine.model import wrap_ddp
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.spec.attention import SDPAttention
 
@@ -263,10 +262,9 @@ class DiTModel(MegatronModule):
         return x.reshape(b, -1, gh * p, gw * p)
 
 
-def build_dit(*, config: Any, arch: Any, device: torch.device, use_distributed_optimizer: bool,
-              attention: str = "sdpa", grad_reduce_in_fp32: bool = True, pre_wrap: Any = None,
+def build_dit(*, config: Any, arch: Any, device: torch.device, attention: str = "sdpa",
               compile_mode: str | None = None) -> list[torch.nn.Module]:
-    """``[DDP(DiTModel)]`` for this rank (one chunk: no pipeline parallelism). ``compile_mode`` (``"default"`` or
+    """``[DiTModel]`` for this rank, before DDP (one chunk: no pipeline parallelism). ``compile_mode`` (``"default"`` or
     another ``torch.compile`` mode) compiles each transformer layer, as torchtitan compiles per block: one graph
     serves every layer, and megatron's DDP hooks and recompute stay outside it."""
     model = DiTModel(config, arch, attention=attention)
@@ -275,8 +273,7 @@ def build_dit(*, config: Any, arch: Any, device: torch.device, use_distributed_o
     if compile_mode is not None:
         for layer in model.decoder.layers:
             layer.compile(mode=None if compile_mode == "default" else compile_mode)
-    return wrap_ddp([model], config, use_distributed_optimizer=use_distributed_optimizer,
-                    grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
+    return [model]
 
 
 def noise_scheduler():

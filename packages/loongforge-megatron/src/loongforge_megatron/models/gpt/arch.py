@@ -1,8 +1,8 @@
 """The architecture of a decoder-only LM: the family-neutral numbers a preset or an HF config.json gives.
 
-One :class:`Arch` describes Llama 2/3/3.x, Qwen2/2.5, Qwen3 (dense and MoE) and DeepSeek-V3-style (MLA + MoE
-with shared experts) models. ``translate.py`` turns it into megatron-core's TransformerConfig and into an HF
-config; ``presets.py`` holds the published sizes.
+One :class:`Arch` describes Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3 (dense and MoE) and DeepSeek-V3-style (MLA +
+MoE with shared experts) models. ``translate.py`` turns it into megatron-core's TransformerConfig and into an HF
+config with each family's file (``llama.py`` ...), which also holds the family's published sizes.
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-
 
 class Arch(BaseModel):
     """Model shape. Fields left None are derived (head_dim = hidden / heads, kv heads = heads)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] = "llama"
+    family: str = Field("llama", description="the model family (a key of the loongforge.megatron.models registry)")
     num_layers: int = Field(ge=1)
     hidden_size: int = Field(ge=1)
     ffn_hidden_size: int = Field(ge=1)
@@ -81,11 +79,6 @@ class Arch(BaseModel):
     qk_nope_head_dim: int | None = Field(None, ge=1)
     qk_rope_head_dim: int | None = Field(None, ge=1)
     v_head_dim: int | None = Field(None, ge=1)
-    # VLM (LLaVA): the language model above plus a CLIP vision tower and an MLP projector, in HF's LlavaConfig
-    # spelling: vision_config (CLIPVisionConfig fields), projector_hidden_act, vision_feature_layer,
-    # vision_feature_select_strategy, image_token_index, image_seq_length, multimodal_projector_bias.
-    vision: dict | None = None
-
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -98,13 +91,18 @@ class Arch(BaseModel):
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 
-    @property
-    def is_vlm(self) -> bool:
-        return self.vision is not None
+    def derived(self) -> dict[str, int | None]:
+        """Fields left None that the architecture derives, as a recipe would spell them (``validate --show``)."""
+        return {"num_query_groups": self.kv_heads, "head_dim": None if self.is_mla else self.kv_channels}
 
     @property
     def is_dit(self) -> bool:
-        return False  # NOTE: diffusion transformers are models.dit.DiTArch
+        return False
+
+    @property
+    def spec_name(self) -> str:
+        """The registry key of the spec that trains this architecture."""
+        return self.family
 
     @property
     def is_mla(self) -> bool:

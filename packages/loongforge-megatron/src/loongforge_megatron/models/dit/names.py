@@ -12,7 +12,7 @@ from __future__ import annotations
 from loongforge.checkpoint import ColumnParallel, Entry, FusedQKV, NameMap, Replicated, RowParallel, Shared
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion.common import Family, HFConfig
+from loongforge_megatron.models.spec import HFConfig
 
 L = "decoder.layers.*."
 H = "transformer_blocks.*."
@@ -20,7 +20,7 @@ EMB = "transformer_blocks.{i}.norm1.emb."
 
 
 def _arch(h: HFConfig):
-    from loongforge_megatron.models.dit import arch_from_diffusers
+    from loongforge_megatron.models.dit.arch import arch_from_diffusers
 
     try:
         return arch_from_diffusers(h)
@@ -66,10 +66,6 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
     return NameMap(first + layers + last)
 
 
-def megatron_config(h: HFConfig) -> dict:
-    return {"dit": _arch(h).model_dump()}
-
-
 def text_config(h: HFConfig) -> HFConfig:
     """Layer count; the class table (classes + the null class) stands in for the vocabulary."""
     arch = _arch(h)
@@ -78,10 +74,6 @@ def text_config(h: HFConfig) -> HFConfig:
 
 def export_config(h: HFConfig) -> HFConfig:
     """A legacy ``Transformer2DModel`` DiT config is written as the ``DiTTransformer2DModel`` it loads as."""
-    from loongforge_megatron.models.dit import diffusers_config
+    from loongforge_megatron.models.dit.arch import diffusers_config
 
     return {**h, **diffusers_config(_arch(h))}
-
-
-FAMILY = Family("dit", ("DiTTransformer2DModel", "Transformer2DModel"), name_map, megatron_config,
-                text_config=text_config, export_config=export_config, hf_weights="diffusion_pytorch_model")

@@ -1,4 +1,4 @@
-"""VLM (LLaVA) on megatron-core: ``LLaVAModel`` with local specs, its forward step, and synthetic image-text data.
+"""LLaVA's model on megatron-core: ``LLaVAModel`` with local specs, its forward step, and its image-text data.
 
 The configs and conventions are the ones verified against transformers' ``LlavaForConditionalGeneration`` in
 ``docs/design/vlm_llava_on_megatron.md``: the CLIP tower is built with only the layers LLaVA reads, its class token
@@ -37,7 +37,7 @@ def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
     import torch.nn.functional as F
     from megatron.core.activations import quick_gelu
 
-    from loongforge_megatron.conversion.llava import vision_layers_used
+    from loongforge_megatron.models.llava.names import vision_layers_used
 
     v = arch.vision["vision_config"]
     acts = {"quick_gelu": quick_gelu, "gelu": F.gelu}
@@ -95,10 +95,9 @@ VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" compon
 
 
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
-                use_distributed_optimizer: bool, grad_reduce_in_fp32: bool = True,
-                pre_wrap: Any = None, spec: str = "local", provider: str = "auto",
-                accelerator: Any = None, whole_vision: bool = False) -> list[torch.nn.Module]:
-    """``[DDP(LLaVAModel)]`` for this rank, built with :func:`layer_specs`. With pipeline parallelism the first stage
+                spec: str = "local", provider: str = "auto", accelerator: Any = None,
+                whole_vision: bool = False) -> list[torch.nn.Module]:
+    """``[LLaVAModel]`` for this rank (before DDP), built with :func:`layer_specs`. With pipeline parallelism the first stage
     holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
     their language layers (megatron's split), the last one the output layer.
 
@@ -114,7 +113,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     from megatron.core.transformer.mlp import MLPSubmodules
 
     from loongforge_megatron.engine.layer_spec import row_parallel_linear
-    from loongforge_megatron.engine.model import _not_deprecation_notice, wrap_ddp
+    from loongforge_megatron.engine.model import _not_deprecation_notice
 
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
     logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_not_work_in_progress)
@@ -166,8 +165,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
     # NOTE: CLIP's conv1 and the (Wrapped)TorchNorms are built in fp32 whatever params_dtype says.
     model.to(device=device, dtype=language.params_dtype)
-    return wrap_ddp([model], language, use_distributed_optimizer=use_distributed_optimizer,
-                    grad_reduce_in_fp32=grad_reduce_in_fp32, pre_wrap=pre_wrap)
+    return [model]
 
 
 def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, projection_spec: Any, *, alone: Any,

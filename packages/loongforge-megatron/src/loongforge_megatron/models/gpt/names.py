@@ -1,4 +1,5 @@
-"""Building blocks shared by the family maps: megatron-core local-spec names <-> HF names for the usual pieces.
+"""HF name-map building blocks of the GPT families: megatron-core local-spec names <-> HF names for the usual
+pieces (embedding / head, norms, GQA or MLA attention, dense MLP, routed experts).
 
 Names are those of megatron-core 0.19.2's local (non-TransformerEngine) GPT layer spec; the test
 ``test_megatron_names.py`` builds real models and fails if an upgrade renames anything.
@@ -7,7 +8,6 @@ Names are those of megatron-core 0.19.2's local (non-TransformerEngine) GPT laye
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from loongforge.checkpoint import (
@@ -26,28 +26,6 @@ from loongforge.errors import CheckpointError
 HFConfig = dict[str, Any]
 L = "decoder.layers.*."
 H = "model.layers.*."
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family = a config translation + a name map (no sharding code)."""
-
-    name: str
-    model_types: tuple[str, ...]
-    name_map: Callable[..., NameMap]  # (hf_config, *, divisible_by) -> NameMap
-    megatron_config: Callable[[HFConfig], dict[str, dict[str, Any]]]
-    num_experts: Callable[[HFConfig], int] = lambda h: 0
-    ignore_hf: Callable[[HFConfig, str], bool] = field(default=lambda h, name: "rotary_emb.inv_freq" in name)
-    # the language model's part of the config (a VLM nests it as text_config), for layer count and vocab
-    text_config: Callable[[HFConfig], HFConfig] = lambda h: h
-    # a checkpoint's tensor name -> the name map's spelling (e.g. transformers 5 drops LLaVA's ``vision_model.``)
-    hf_alias: Callable[[str], str] | None = None
-    # HF tensors an export adds that the megatron model has no parameter for (name -> tensor)
-    hf_extra: Callable[[HFConfig], dict[str, Any]] = lambda h: {}
-    # the config.json an HF export writes for a source config (e.g. LLaVA's CLIP tower cut to the layers it runs)
-    export_config: Callable[[HFConfig], HFConfig] = lambda h: h
-    # the weight files' stem an export writes (transformers: model.safetensors; diffusers: diffusion_pytorch_model)
-    hf_weights: str = "model"
 
 
 def head_dim(h: HFConfig) -> int:
@@ -130,34 +108,9 @@ def replicated(meg: str, hf: str, **kw) -> Entry:
     return Entry(L + meg, H + hf, Replicated(), **kw)
 
 
-def base_megatron_config(h: HFConfig) -> dict[str, dict[str, Any]]:
-    """TransformerConfig fields (``transformer``) and GPTModel kwargs (``model``) for a llama-like model.
-
-    ``activation`` is a name ("silu") rather than a function so the dict stays JSON; the backend maps it.
-    """
+def decoder(h: HFConfig, *, divisible_by: int, qkv_bias: bool = False, qk_norm: bool = False) -> NameMap:
+    """A Llama-layout decoder: embedding, per layer norms + GQA attention + SwiGLU MLP, final norm and head."""
     if h.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act '{h.get('hidden_act')}' is not supported (only 'silu')")
-    transformer = {
-        "num_layers": h["num_hidden_layers"],
-        "hidden_size": h["hidden_size"],
-        "ffn_hidden_size": h["intermediate_size"],
-        "num_attention_heads": h["num_attention_heads"],
-        "num_query_groups": num_query_groups(h),
-        "kv_channels": head_dim(h),
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": h.get("rms_norm_eps", 1e-6),
-        "gated_linear_unit": True,
-        "activation": "silu",
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": False,
-    }
-    model = {
-        "vocab_size": h["vocab_size"],
-        "max_sequence_length": h.get("max_position_embeddings", 4096),
-        "position_embedding_type": "rope",
-        "rotary_base": h.get("rope_theta") or (h.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        "rope_scaling": h.get("rope_scaling") or h.get("rope_parameters"),
-        "share_embeddings_and_output_weights": bool(h.get("tie_word_embeddings", False)),
-    }
-    return {"transformer": transformer, "model": model}
+    first, last = ends(h, divisible_by=divisible_by)
+    return NameMap(first + norms() + gqa_attention(h, qkv_bias=qkv_bias, qk_norm=qk_norm) + dense_mlp() + last)

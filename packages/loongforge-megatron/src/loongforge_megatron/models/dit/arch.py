@@ -36,9 +36,9 @@ class DiTArch(BaseModel):
 
     # what the backend asks every architecture
     is_dit = property(lambda self: True)
-    is_vlm = property(lambda self: False)
     is_moe = property(lambda self: False)
     num_experts = property(lambda self: None)
+    spec_name = property(lambda self: "dit")
 
     @property
     def head_dim(self) -> int:

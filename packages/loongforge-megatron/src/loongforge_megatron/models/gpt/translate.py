@@ -1,31 +1,15 @@
-"""Translate an :class:`Arch` to and from HF configs, and into megatron-core's TransformerConfig."""
+"""What every GPT family shares: an :class:`Arch` from / to the fields of a transformers decoder config, and the
+megatron-core TransformerConfig of an :class:`Arch` (each family file adds its own fields on both sides)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from loongforge.errors import RecipeError
-from loongforge_megatron.models.arch import Arch
-from loongforge_megatron.models.dit import DiTArch, arch_from_diffusers, diffusers_config, is_dit_config
 
-HF_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "deepseek_v3": "deepseek_v3",
-}
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
+from loongforge_megatron.models.gpt.arch import Arch
 
 
 def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -34,47 +18,6 @@ def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
     return float(theta), scaling
-
-
-def arch_from_hf(hf_dir: str | Path) -> Arch | DiTArch:
-    """Read ``config.json`` of an HF model directory into an :class:`Arch` (a diffusers DiT transformer's into a
-    :class:`DiTArch`)."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        if (Path(hf_dir) / "model_index.json").is_file() and (Path(hf_dir) / "transformer" / "config.json").is_file():
-            raise RecipeError(f"'{hf_dir}' is a diffusers pipeline; give its transformer folder "
-                              f"'{Path(hf_dir) / 'transformer'}'", key="model.hf")
-        raise RecipeError(f"no config.json in HF model directory '{hf_dir}'", key="model.hf")
-    cfg = json.loads(path.read_text())
-    if is_dit_config(cfg):
-        try:
-            return arch_from_diffusers(cfg)
-        except ValueError as exc:
-            raise RecipeError(f"{path}: {exc}".splitlines()[0], key="model.hf") from None
-    if cfg.get("model_type") == "llava":
-        return _llava_arch(cfg, path)
-    return _arch_from_config(cfg, path)
-
-
-LLAVA_FIELDS = ("projector_hidden_act", "vision_feature_layer", "vision_feature_select_strategy", "image_token_index",
-                "image_seq_length", "multimodal_projector_bias")
-
-
-def _llava_arch(cfg: dict[str, Any], path: Path) -> Arch:
-    """LLaVA: the text config as the language model, the vision config and projector fields as ``Arch.vision``."""
-    from loongforge_megatron.conversion.llava import complete_config
-
-    cfg = complete_config(cfg)
-    text, vision = dict(cfg.get("text_config") or {}), dict(cfg.get("vision_config") or {})
-    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-        raise RecipeError(f"{path}: LLaVA with a '{vision.get('model_type')}' vision tower is not supported (CLIP only)",
-                          key="model.hf")
-    arch = _arch_from_config(text, path)
-    if arch.family != "llama":
-        raise RecipeError(f"{path}: LLaVA with a '{text['model_type']}' language model is not supported (llama)",
-                          key="model.hf")
-    extra = {k: cfg[k] for k in LLAVA_FIELDS if k in cfg}  # NOTE: complete_config spells the image token one way
-    return arch.model_copy(update={"vision": {"vision_config": vision, **extra}})
 
 
 # HF DeepSeek's YaRN defaults (modeling_deepseek_v3 / transformers' _compute_yarn_parameters)
@@ -111,12 +54,13 @@ def _gpt_yarn(scaling: dict[str, Any], cfg: dict[str, Any], path: Path) -> dict[
             "truncate": float(bool(scaling.get("truncate", True)))}
 
 
-def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
-    model_type = cfg.get("model_type")
-    family = HF_MODEL_TYPES.get(model_type)
-    if family is None:
-        allowed = ", ".join(sorted(HF_MODEL_TYPES))
-        raise RecipeError(f"model_type '{model_type}' in {path} is not supported; supported: {allowed}", key="model.hf")
+def arch_fields(cfg: dict[str, Any], path: Path, *, family: str, mla_yarn: bool = False) -> dict[str, Any]:
+    """The :class:`Arch` fields every transformers decoder config gives (sizes, RoPE and its scaling, norms,
+    tied embeddings); a family adds its own (biases, q/k norms, experts, MLA). ``mla_yarn``: YaRN as megatron's
+    MLA takes it (HF DeepSeek's), else as its GPT ``yarn`` embedding does."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise RecipeError(f"{path}: hidden_act '{cfg.get('hidden_act')}' is not supported (only 'silu')",
+                          key="model.hf")
     theta, scaling = _rope_params(cfg)
     heads = cfg["num_attention_heads"]
     fields: dict[str, Any] = dict(
@@ -135,7 +79,7 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
         init_std=cfg.get("initializer_range", 0.02),
     )
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind == "yarn" and family == "deepseek_v3":
+    if kind == "yarn" and mla_yarn:
         # NOTE: megatron's MLA has HF DeepSeek's YaRN (frequencies and the softmax-scale / cos-sin mscale)
         fields["rope_yarn"] = {k: float(scaling.get(k, d)) for k, d in YARN_DEFAULTS.items()}
         fields["rope_yarn"]["factor"] = float(scaling["factor"])
@@ -149,57 +93,19 @@ def _arch_from_config(cfg: dict[str, Any], path: Path) -> Arch:
     if kind == "llama3":
         fields["rope_scaling_factor"] = float(scaling["factor"])
         fields["rope_original_max_position"] = int(scaling.get("original_max_position_embeddings", 8192))
-    if model_type == "mistral" or cfg.get("use_sliding_window"):
-        # NOTE: Mistral applies a non-null sliding_window; Qwen configs carry one that only use_sliding_window enables
+    if cfg.get("use_sliding_window"):
+        # NOTE: Qwen configs carry a sliding_window that only use_sliding_window enables
         fields["sliding_window"] = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
+        if cfg.get("max_window_layers") is not None:
             fields["max_window_layers"] = cfg["max_window_layers"]
-    if family == "llama":
-        fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
-    if family == "qwen2":
-        fields["qkv_bias"] = True
-    if family in ("qwen3", "qwen3_moe"):
-        fields["qk_norm"] = True
-        fields["qkv_bias"] = bool(cfg.get("attention_bias", False))
-    if family == "qwen3_moe":
-        fields.update(num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), moe_topk=cfg["num_experts_per_tok"],
-                      moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_norm_topk=bool(cfg.get("norm_topk_prob", True)))
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise RecipeError("Qwen3-MoE configs with mlp_only_layers / decoder_sparse_step != 1 are not supported", key="model.hf")
-    if family == "deepseek_v3":
-        fields.pop("head_dim")
-        fields.update(
-            num_query_groups=heads,
-            qk_norm=True,  # MLA's q_a_layernorm / kv_a_layernorm
-            num_experts=cfg["n_routed_experts"],
-            moe_topk=cfg["num_experts_per_tok"],
-            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-            moe_shared_expert_ffn=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1),
-            moe_first_dense_layers=cfg.get("first_k_dense_replace", 0),
-            moe_score_function="sigmoid",
-            moe_expert_bias=True,
-            moe_norm_topk=bool(cfg.get("norm_topk_prob", True)),
-            moe_routed_scaling=cfg.get("routed_scaling_factor", 1.0),
-            moe_num_groups=cfg.get("n_group"),
-            moe_group_topk=cfg.get("topk_group"),
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=cfg["kv_lora_rank"],
-            qk_nope_head_dim=cfg["qk_nope_head_dim"],
-            qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
-        )
-    return Arch(**fields)
+    return fields
 
 
-def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str, Any]:
-    """An HF ``config.json`` dict for ``arch`` (what an HF export writes; diffusers' for a DiT)."""
-    if arch.is_dit:
-        return diffusers_config(arch)
-    if arch.is_vlm:
-        return _llava_hf_config(arch, torch_dtype=torch_dtype)
+def hf_fields(arch: Arch, *, architecture: str, model_type: str, torch_dtype: str) -> dict[str, Any]:
+    """The transformers config fields every GPT family writes; the family adds its own."""
     cfg: dict[str, Any] = dict(
-        architectures=[HF_ARCHITECTURES[arch.family]],
-        model_type=arch.family,
+        architectures=[architecture],
+        model_type=model_type,
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.ffn_hidden_size,
@@ -226,30 +132,6 @@ def hf_config(arch: Arch | DiTArch, *, torch_dtype: str = "float32") -> dict[str
     if arch.rope_scaling_factor:
         cfg["rope_scaling"] = dict(rope_type="llama3", factor=arch.rope_scaling_factor, low_freq_factor=1.0,
                                    high_freq_factor=4.0, original_max_position_embeddings=arch.rope_original_max_position or 8192)
-    if arch.family == "llama":
-        cfg.update(attention_bias=arch.qkv_bias, mlp_bias=False)
-        if arch.sliding_window:  # NOTE: a Mistral (read as llama) goes back as one: Llama would attend past it
-            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=arch.sliding_window)
-    if arch.family.startswith("qwen") and arch.sliding_window:
-        # NOTE: written back as read (HF's defaults would be use_sliding_window false, or another max_window_layers)
-        cfg.update(use_sliding_window=True, sliding_window=arch.sliding_window)
-        if arch.max_window_layers is not None:
-            cfg["max_window_layers"] = arch.max_window_layers
-    if arch.family in ("qwen3", "qwen3_moe"):
-        cfg["attention_bias"] = arch.qkv_bias
-    if arch.family == "qwen3_moe":
-        cfg.update(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk, moe_intermediate_size=arch.moe_ffn_hidden_size,
-                   norm_topk_prob=arch.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-                   router_aux_loss_coef=arch.moe_aux_loss_coeff)
-    if arch.family == "deepseek_v3":
-        cfg.pop("head_dim")
-        cfg.update(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk, moe_intermediate_size=arch.moe_ffn_hidden_size,
-                   n_shared_experts=(arch.moe_shared_expert_ffn or 0) // (arch.moe_ffn_hidden_size or 1),
-                   first_k_dense_replace=arch.moe_first_dense_layers, norm_topk_prob=arch.moe_norm_topk,
-                   routed_scaling_factor=arch.moe_routed_scaling or 1.0, n_group=arch.moe_num_groups or 1,
-                   topk_group=arch.moe_group_topk or 1, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
-                   qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
-                   rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc")
     return cfg
 
 
@@ -365,23 +247,3 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
                             ("correction_range_round_to_int", bool(y.get("truncate", 1.0)))):
             setattr(config, f"yarn_{name}", value)
     return config
-
-
-def _llava_hf_config(arch: Arch, *, torch_dtype: str) -> dict[str, Any]:
-    """LlavaConfig of a LLaVA arch. The CLIP tower is written with the layers the model runs and
-    ``vision_feature_layer = -1`` (the same features as a deeper tower read at -2: megatron's tower holds no more)."""
-    from loongforge_megatron.conversion.llava import vision_layers_used
-
-    v = arch.vision
-    text = hf_config(arch.model_copy(update={"vision": None}), torch_dtype=torch_dtype)
-    text.pop("architectures", None)
-    vision = {"model_type": "clip_vision_model", **v["vision_config"],
-              "num_hidden_layers": vision_layers_used({"vision_config": v["vision_config"], **v})}
-    return {
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": text,
-        "vision_config": vision, "image_token_index": v["image_token_index"],
-        **({"image_seq_length": v["image_seq_length"]} if v.get("image_seq_length") else {}),
-        "projector_hidden_act": v.get("projector_hidden_act", "gelu"),
-        "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "multimodal_projector_bias": True,
-        "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": torch_dtype,
-    }

@@ -1,0 +1,57 @@
+"""Defaults of the :class:`ModelSpec` HF-checkpoint hooks (a family whose checkpoint is a plain decoder's), and the
+copy of an HF directory's non-weight files (config, tokenizer) that conversions and exports share."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from loongforge_megatron.models.spec import HFConfig
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
+                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
+
+
+def copy_assets(src: Path, dst: Path) -> None:
+    """Copy config, tokenizer and other non-weight files (top level only)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
+
+
+class HFCheckpoint:
+    """A transformers checkpoint with ``model.safetensors``, no experts, nothing to ignore but rotary buffers."""
+
+    hf_weights = "model"
+
+    def complete_hf_config(self, cfg: HFConfig) -> HFConfig:
+        return cfg
+
+    def num_experts(self, cfg: HFConfig) -> int:
+        return 0
+
+    def text_config(self, cfg: HFConfig) -> HFConfig:
+        """The language model's part of the config (a VLM nests it), for the layer count and the vocabulary."""
+        return cfg
+
+    def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name
+
+    def hf_alias(self, name: str) -> str:
+        """A checkpoint's tensor name -> the name map's spelling."""
+        return name
+
+    def hf_extra(self, cfg: HFConfig) -> dict[str, Any]:
+        """HF tensors an export adds that the megatron model has no parameter for."""
+        return {}
+
+    def export_config(self, cfg: HFConfig) -> HFConfig:
+        """The config.json an HF export writes for a source config."""
+        return cfg
+
+    def adaptations(self, *, arch: Any, accelerator: Any) -> list:
+        """Patches of megatron-core the model needs for the run (none: megatron's layers as they are)."""
+        return []

@@ -1,0 +1,1 @@
+"""DiT: class-conditional latent diffusion transformers (diffusers DiTTransformer2DModel checkpoints)."""

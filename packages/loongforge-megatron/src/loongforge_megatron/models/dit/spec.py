@@ -1,0 +1,164 @@
+"""DiT's spec: presets, diffusers ``DiTTransformer2DModel`` config both ways, name map, recipe checks, latents
+and the adaLN-Zero model with its DDPM objective."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from loongforge.errors import RecipeError
+
+from loongforge_megatron.models.base import HFCheckpoint
+from loongforge_megatron.models.dit import names
+from loongforge_megatron.models.dit.arch import (
+    DIFFUSERS_CLASS,
+    LEGACY_CLASS,
+    DiTArch,
+    arch_from_diffusers,
+    diffusers_config,
+)
+from loongforge_megatron.models.spec import Data, HFConfig, Model
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # DiT-XL/2 as facebook/DiT-XL-2-256
+    "dit-xl-2-256": dict(family="dit", num_layers=28, hidden_size=1152, num_attention_heads=16, patch_size=2, sample_size=32, in_channels=4, learn_sigma=True, num_classes=1000),
+    "dit-tiny": dict(family="dit", num_layers=2, hidden_size=64, num_attention_heads=4, patch_size=2, sample_size=8, in_channels=4, learn_sigma=True, num_classes=10),
+}
+
+
+def class_labels_json(names: list[str]) -> str:
+    """``{"id2label": {"0": name, ...}}``: the label ids a class-conditional model was trained with."""
+    import json
+
+    return json.dumps({"id2label": {str(i): n for i, n in enumerate(names)}}, indent=1)
+
+
+class DiT(HFCheckpoint):
+    """Class-conditional DiT <-> diffusers ``DiTTransformer2DModel`` (or the legacy ``Transformer2DModel``)."""
+
+    name = "dit"
+    model_types = (DIFFUSERS_CLASS, LEGACY_CLASS)
+    presets = PRESETS
+    hf_weights = "diffusion_pytorch_model"
+    kind = "a DiT"
+    arch_type = DiTArch
+
+    # ---------------------------------------------------------------- architecture
+    def arch(self, fields: Any) -> DiTArch:
+        return DiTArch(**fields)
+
+    def arch_from_hf(self, cfg: HFConfig, *, path: Path) -> DiTArch:
+        try:
+            return arch_from_diffusers(cfg)
+        except ValueError as exc:
+            raise RecipeError(f"{path}: {exc}".splitlines()[0], key="model.hf") from None
+
+    def hf_config(self, arch: DiTArch, *, torch_dtype: str = "float32") -> HFConfig:
+        return diffusers_config(arch)
+
+    # ---------------------------------------------------------------- HF checkpoint
+    def name_map(self, cfg: HFConfig, *, divisible_by: int = 128):
+        return names.name_map(cfg, divisible_by=divisible_by)
+
+    def text_config(self, cfg: HFConfig) -> HFConfig:
+        return names.text_config(cfg)
+
+    def export_config(self, cfg: HFConfig) -> HFConfig:
+        return names.export_config(cfg)
+
+    # ---------------------------------------------------------------- recipe checks
+    def check(self, recipe: Any, plan: Any, arch: DiTArch) -> None:
+        """What the DiT path supports: TP / DP / distributed optimizer (+ recompute), pretrain or CPT on latents
+        (synthetic, or an image folder encoded by model.vae), resumable checkpoints and diffusers export."""
+        from loongforge_megatron.models.gpt.family import one_layout
+
+        if recipe.kernels.provider != "auto":
+            raise RecipeError("DiT models use no fused kernels (SDPA attention only); leave kernels.provider auto",
+                              key="kernels.provider")
+        one_layout(recipe)
+        if importlib.util.find_spec("diffusers") is None:
+            raise RecipeError("DiT models need diffusers: pip install 'loongforge-megatron[diffusion]'", key="model")
+        for key, value in (("parallel.pp", plan.pp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
+            if value != 1:
+                raise RecipeError(f"DiT models train with tensor and data parallelism only (got {value})", key=key)
+        if plan.sp:
+            raise RecipeError("DiT models do not support sequence parallelism yet", key="parallel.sp")
+        for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
+            if n % plan.tp:
+                raise RecipeError(f"DiT {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
+        t, data, model = recipe.train, recipe.data, recipe.model
+        if t.stage not in ("pretrain", "cpt"):
+            raise RecipeError(f"DiT models support train.stage pretrain / cpt (got '{t.stage}')", key="train.stage")
+        if t.eval_interval:
+            raise RecipeError("DiT models have no validation pass yet; remove train.eval_interval",
+                              key="train.eval_interval")
+        if "peft" in recipe.checkpoint.save_format:
+            raise RecipeError("DiT models have no LoRA adapters to export", key="checkpoint.save_format")
+        if recipe.kernels.spec == "te":
+            raise RecipeError("DiT models use the loongforge (SDPA) or local attention spec, not te",
+                              key="kernels.spec")
+        if data.format != "latents":
+            raise RecipeError(f"DiT models train on data.format latents (synthetic without data.path, an image "
+                              f"folder with it; got '{data.format}')", key="data.format")
+        if model.tokenizer:
+            raise RecipeError("DiT models have no tokenizer", key="model.tokenizer")
+        defaults = type(data).model_fields
+        for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split"):
+            if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
+                raise RecipeError(f"not used by DiT models (a sample is {arch.num_patches} latent patches)",
+                                  key=f"data.{key}")
+        if data.path and not model.vae:
+            raise RecipeError("an image folder (data.path) needs model.vae, the diffusers AutoencoderKL folder that "
+                              "encodes it", key="model.vae")
+        if model.vae and not data.path:
+            raise RecipeError("model.vae encodes the images of data.path; synthetic latents (no data.path) need none",
+                              key="model.vae")
+        if data.image_size is not None:
+            from loongforge_megatron.data.latents import VAE_DOWNSAMPLING as f
+
+            if data.image_size % (f * arch.patch_size):
+                raise RecipeError(f"{data.image_size} is not divisible by {f} (VAE) x {arch.patch_size} (patch) = "
+                                  f"{f * arch.patch_size}", key="data.image_size")
+            if data.image_size != f * arch.sample_size:
+                raise RecipeError(f"{data.image_size} px images give {data.image_size // f} x {data.image_size // f} "
+                                  f"latents but the model's sample_size is {arch.sample_size}; set model.sample_size: "
+                                  f"{data.image_size // f}", key="data.image_size")
+
+    # ---------------------------------------------------------------- training
+    def data(self, *, recipe: Any, arch: DiTArch, runtime: Any, device: Any) -> Data:
+        """Latents first, so a bad image folder or VAE fails before the model is built. An image folder's class
+        names (sorted sub-folders = labels 0..n-1) go to OUTPUT/classes.json and into every export, so samples can
+        be asked for by name (DiTPipeline's id2label)."""
+        from loongforge_megatron.data.latents import build_latents
+
+        latents, encoder = build_latents(recipe, arch=arch, device=device)
+        classes = getattr(latents, "classes", None)
+        assets = None
+        if classes:
+            if runtime.is_main:
+                from loongforge.checkpoint.atomic import write_atomic
+
+                write_atomic(runtime.output_dir / "classes.json", class_labels_json(classes))
+
+            def assets(staging: Path) -> None:
+                (staging / "classes.json").write_text(class_labels_json(classes))
+
+        return Data(train=latents, seq_length=arch.num_patches, samples_per_s=True, assets=assets, encoder=encoder)
+
+    def model(self, *, recipe: Any, arch: DiTArch, plan: Any, accelerator: Any, device: Any, precision: str,
+              data: Data) -> Model:
+        from loongforge_megatron.models.dit import model as dit
+
+        config = dit.transformer_config(arch, plan=plan, precision=precision,
+                                        grad_accum_fusion=recipe.kernels.grad_accum_fusion)
+        spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        chunks = dit.build_dit(config=config, arch=arch, device=device,
+                               attention="local" if spec_name == "local" else "sdpa",
+                               compile_mode=recipe.train.compile_mode if recipe.train.compile else None)
+        forward_step = functools.partial(dit.forward_step, scheduler=dit.noise_scheduler(), encoder=data.encoder)
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, loss_key=dit.LOSS_KEY)
+
+
+SPEC = DiT()

@@ -1,0 +1,153 @@
+"""DeepSeek-V3 (and V2-style MLA): multi-latent attention, ``first_k_dense_replace`` dense layers, then MoE
+layers with a sigmoid router carrying ``e_score_correction_bias`` and shared experts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from loongforge.checkpoint import Entry, GatedMLP, NameMap, RowParallel
+from loongforge.errors import RecipeError
+
+from loongforge_megatron.models.gpt.arch import Arch
+from loongforge_megatron.models.gpt.family import GPTFamily
+from loongforge_megatron.models.gpt.names import (
+    H,
+    HFConfig,
+    L,
+    column,
+    dense_mlp,
+    ends,
+    norms,
+    replicated,
+    routed_experts,
+)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # MLA + MoE with a shared expert, sigmoid routing with expert bias, grouped top-k
+    "deepseek-v3": dict(family="deepseek_v3", num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, vocab_size=129280, max_position_embeddings=163840, rope_theta=10000.0, norm_eps=1e-6,
+                        num_experts=256, moe_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_ffn=2048, moe_first_dense_layers=3, moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling=2.5, moe_num_groups=8, moe_group_topk=4,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_norm=True, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    "deepseek-v3-tiny": dict(family="deepseek_v3", num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, vocab_size=512, max_position_embeddings=256, norm_eps=1e-6,
+                             num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_ffn=32, moe_first_dense_layers=1, moe_score_function="sigmoid", moe_expert_bias=True, moe_routed_scaling=2.5, moe_num_groups=2, moe_group_topk=1,
+                             q_lora_rank=32, kv_lora_rank=16, qk_norm=True, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+}
+
+
+def is_moe_layer(h: HFConfig, layer: int) -> bool:
+    freq = h.get("moe_layer_freq", 1) or 1
+    return h["n_routed_experts"] > 0 and layer >= h.get("first_k_dense_replace", 0) and layer % freq == 0
+
+
+def mla_attention(h: HFConfig) -> list[Entry]:
+    """MLA projections: all column-parallel in the local spec (down projections are gathered after the matmul)."""
+    a = "self_attention."
+    out = []
+    if h.get("q_lora_rank") is None:
+        out.append(column(a + "linear_q_proj.weight", "self_attn.q_proj.weight"))
+    else:
+        out += [
+            column(a + "linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+            replicated(a + "q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+            column(a + "linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+        ]
+    out += [
+        column(a + "linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+        replicated(a + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+        column(a + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+        Entry(L + a + "linear_proj.weight", H + "self_attn.o_proj.weight", RowParallel()),
+    ]
+    return out
+
+
+def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    first, last = ends(h, divisible_by=divisible_by)
+
+    def moe(i: int) -> bool:
+        return is_moe_layer(h, i)
+
+    def dense(i: int) -> bool:
+        return not is_moe_layer(h, i)
+
+    shared = []
+    if h.get("n_shared_experts"):
+        s = "mlp.shared_experts."
+        shared = [
+            Entry(L + s + "linear_fc1.weight", {"gate": H + s + "gate_proj.weight", "up": H + s + "up_proj.weight"},
+                  GatedMLP(), layers=moe),
+            Entry(L + s + "linear_fc2.weight", H + s + "down_proj.weight", RowParallel(), layers=moe),
+        ]
+    experts = routed_experts(h["n_routed_experts"], layers=moe, router_bias="e_score_correction_bias")
+    return NameMap(first + norms() + mla_attention(h) + dense_mlp(layers=dense) + experts + shared + last)
+
+
+def _ignore(h: HFConfig, name: str) -> bool:
+    # NOTE: released DeepSeek-V3 checkpoints carry multi-token-prediction layers past num_hidden_layers.
+    m = _LAYER.match(name)
+    return "rotary_emb.inv_freq" in name or (m is not None and int(m.group(1)) >= h["num_hidden_layers"])
+
+
+class DeepseekV3(GPTFamily):
+    """``DeepseekV3ForCausalLM`` (a DeepSeek-V2 checkpoint converts with the same map)."""
+
+    name = "deepseek_v3"
+    model_types = ("deepseek_v3", "deepseek_v2")
+    presets = PRESETS
+    hf_architecture = "DeepseekV3ForCausalLM"
+    mla_yarn = True
+
+    def read_hf(self, cfg: dict, fields: dict[str, Any], *, path: Path) -> dict[str, Any]:
+        if cfg.get("model_type") != "deepseek_v3":
+            raise RecipeError(f"model_type '{cfg.get('model_type')}' in {path} is not supported for training; "
+                              "supported: deepseek_v3", key="model.hf")
+        fields.pop("head_dim")
+        fields.update(
+            num_query_groups=cfg["num_attention_heads"],
+            qk_norm=True,  # MLA's q_a_layernorm / kv_a_layernorm
+            num_experts=cfg["n_routed_experts"],
+            moe_topk=cfg["num_experts_per_tok"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            moe_shared_expert_ffn=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1),
+            moe_first_dense_layers=cfg.get("first_k_dense_replace", 0),
+            moe_score_function="sigmoid",
+            moe_expert_bias=True,
+            moe_norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            moe_routed_scaling=cfg.get("routed_scaling_factor", 1.0),
+            moe_num_groups=cfg.get("n_group"),
+            moe_group_topk=cfg.get("topk_group"),
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+        )
+        return fields
+
+    def write_hf(self, arch: Arch, cfg: dict) -> dict:
+        cfg.pop("head_dim")
+        cfg.update(n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk, moe_intermediate_size=arch.moe_ffn_hidden_size,
+                   n_shared_experts=(arch.moe_shared_expert_ffn or 0) // (arch.moe_ffn_hidden_size or 1),
+                   first_k_dense_replace=arch.moe_first_dense_layers, norm_topk_prob=arch.moe_norm_topk,
+                   routed_scaling_factor=arch.moe_routed_scaling or 1.0, n_group=arch.moe_num_groups or 1,
+                   topk_group=arch.moe_group_topk or 1, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                   qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+                   rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc")
+        return cfg
+
+    def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
+        return name_map(cfg, divisible_by=divisible_by)
+
+    def num_experts(self, cfg: HFConfig) -> int:
+        return cfg["n_routed_experts"]
+
+    def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
+        return _ignore(cfg, name)
+
+    def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
+        """MLA has no q/k/v projections to bias; nothing else to refuse here."""
+
+
+SPEC = DeepseekV3()

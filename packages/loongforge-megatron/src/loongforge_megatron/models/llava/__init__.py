@@ -1,0 +1,1 @@
+"""LLaVA (CLIP vision tower + MLP projector + Llama) on megatron's LLaVAModel."""

@@ -1,0 +1,94 @@
+"""What the megatron backend asks of a model family: the :class:`ModelSpec` protocol.
+
+A spec is one object per family (registered under the ``loongforge.megatron.models`` entry-point group, the
+backend's own families included). It owns everything model-specific: presets, the architecture and its HF config
+both ways, the HF name map, the recipe checks, the data, and the model chunks with their forward step. The job
+reads only the spec: recipe -> spec -> data + model -> HF weights -> LoRA -> DDP -> optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from loongforge.accelerator.adaptation import Adaptation
+    from loongforge.checkpoint import NameMap
+    from loongforge.parallel.plan import ParallelPlan
+    from loongforge.recipe.schema import Recipe
+    from loongforge.runtime import Runtime
+
+HFConfig = dict[str, Any]
+
+
+@dataclass
+class Data:
+    """What a spec's data step gives the job: the datasets (index -> sample dict), what one sample is made of
+    (``seq_length``: tokens, or a DiT's latent patches) and what an HF export writes beside the weights."""
+
+    train: Any
+    valid: Any = None
+    seq_length: int = 0
+    tokenizer: Any = None
+    samples_per_s: bool = False  # report samples (images) per second too
+    assets: Callable[[Path], None] | None = None  # writes tokenizer / label files into an export's directory
+    encoder: Any = None  # what turns a batch's raw inputs into the model's (a DiT's VAE), for the forward step
+
+
+@dataclass
+class Model:
+    """This rank's model chunks before DDP (one per virtual pipeline stage) and how to train them."""
+
+    chunks: list[torch.nn.Module]
+    config: Any  # the megatron TransformerConfig the chunks were built with
+    kernels: str  # the layer spec used (te / loongforge / local), for the log
+    forward_step: Callable | None = None  # megatron forward_step_func (None: the engine's GPT step)
+    loss_key: str = "lm loss"
+    whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
+
+
+@runtime_checkable
+class ModelSpec(Protocol):
+    """One model family. ``models.base.HFCheckpoint`` gives the HF-checkpoint hooks their usual defaults."""
+
+    name: str  # the family: recipe ``model.family``, the registry key
+    model_types: tuple[str, ...]  # HF ``model_type`` (diffusers ``_class_name``) values this family reads
+    presets: Mapping[str, Mapping[str, Any]]  # named sizes (recipe ``model.preset``)
+    hf_weights: str  # weight files' stem an export writes (model / diffusion_pytorch_model)
+
+    # architecture
+    def arch(self, fields: Mapping[str, Any]) -> Any:
+        """The typed architecture from preset / HF / recipe fields (raises ValueError naming a bad field)."""
+
+    def arch_from_hf(self, cfg: HFConfig, *, path: Path) -> Any:
+        """The architecture an HF ``config.json`` describes (RecipeError naming model.hf when unsupported)."""
+
+    def hf_config(self, arch: Any, *, torch_dtype: str) -> HFConfig:
+        """The ``config.json`` an HF export of ``arch`` writes."""
+
+    # HF checkpoint (offline converter, online load, export)
+    def complete_hf_config(self, cfg: HFConfig) -> HFConfig: ...
+    def name_map(self, cfg: HFConfig, *, divisible_by: int) -> NameMap: ...
+    def num_experts(self, cfg: HFConfig) -> int: ...
+    def text_config(self, cfg: HFConfig) -> HFConfig: ...
+    def ignore_hf(self, cfg: HFConfig, name: str) -> bool: ...
+    def hf_alias(self, name: str) -> str: ...
+    def hf_extra(self, cfg: HFConfig) -> dict[str, torch.Tensor]: ...
+    def export_config(self, cfg: HFConfig) -> HFConfig: ...
+
+    # training
+    def check(self, recipe: Recipe, plan: ParallelPlan, arch: Any) -> None:
+        """Refuse (RecipeError naming the key) what this family cannot train, before any process starts."""
+
+    def adaptations(self, *, arch: Any, accelerator: Any) -> Sequence[Adaptation]:
+        """Patches of megatron-core this family's model needs, applied by the job for the run (through the
+        accelerator adaptation door, with the device's own)."""
+
+    def data(self, *, recipe: Recipe, arch: Any, runtime: Runtime, device: torch.device) -> Data: ...
+
+    def model(self, *, recipe: Recipe, arch: Any, plan: ParallelPlan, accelerator: Any, device: torch.device,
+              precision: str, data: Data) -> Model:
+        """This rank's chunks with a seeded, layout-invariant random init (the job loads HF weights over it)."""
