@@ -99,10 +99,9 @@ def local_layer_spec(
     qk_layernorm: bool = False,
     multi_latent_attention: bool = False,
     normalization: str = "RMSNorm",
-    moe_grouped_gemm: bool = False,
 ):
-    """megatron-core's local GPT layer spec (``SequentialMLP`` experts, or our grouped-GEMM experts with
-    ``moe_grouped_gemm``), with :class:`TorchNorm` norms."""
+    """megatron-core's local GPT layer spec (``SequentialMLP`` experts: ``spec.grouped_experts`` swaps in grouped
+    GEMMs), with :class:`TorchNorm` norms."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -130,12 +129,7 @@ def local_layer_spec(
         }
         attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **changes))
         sub = dataclasses.replace(sub, self_attention=attn)
-    spec = dataclasses.replace(spec, submodules=sub)
-    if moe_grouped_gemm and num_experts:
-        from loongforge_megatron.spec.grouped_experts import with_grouped_experts
-
-        spec = with_grouped_experts(spec)
-    return spec
+    return dataclasses.replace(spec, submodules=sub)
 
 
 def _swap(module: Any, megatron_norms: tuple[type, ...]) -> Any:

@@ -59,7 +59,11 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     from loongforge_megatron.spec.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
-                            multi_latent_attention=multi_latent_attention, moe_grouped_gemm=moe_grouped_gemm)
+                            multi_latent_attention=multi_latent_attention)
+    if moe_grouped_gemm and num_experts:
+        from loongforge_megatron.spec.grouped_experts import with_grouped_experts
+
+        spec = with_grouped_experts(spec)
     params = {"provider": provider, "accelerator": accelerator}
     norm = ModuleSpec(module=KernelRMSNorm, params=params)
     act = ModuleSpec(module=KernelSwiGLU, params=params)

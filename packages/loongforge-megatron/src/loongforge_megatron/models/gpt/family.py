@@ -258,6 +258,14 @@ def layer_spec(config: Any, arch: Arch, *, spec_name: str, provider: str, accele
 
     kw = dict(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, multi_latent_attention=arch.is_mla,
               **(moe or {}))
+    if spec_name == "local":
+        grouped = kw.pop("moe_grouped_gemm", False)
+        spec = engine.layer_spec(spec_name, **kw)
+        if grouped and arch.num_experts:
+            from loongforge_megatron.spec.grouped_experts import with_grouped_experts
+
+            spec = with_grouped_experts(spec)
+        return spec
     if spec_name != "loongforge":
         return engine.layer_spec(spec_name, **kw)
     from megatron.core.transformer.spec_utils import ModuleSpec
