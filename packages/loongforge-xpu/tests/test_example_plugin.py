@@ -39,7 +39,7 @@ def test_example_plugin_installs_alone_and_trains(tmp_path):
 
     listing = run([cli, "plugins"]).stdout
     assert "mydevice     loongforge-mydevice" in listing and "[available]" in listing
-    assert "toy" in listing and "kunlun" not in listing and "megatron" not in listing
+    assert "toy" in listing and "kunlun" not in listing and "loongforge_megatron" not in listing
 
     # a core-only install pulls no backend dependency, and a recipe naming a missing backend says what to install
     installed = {ln.split("==")[0].lower() for ln in run([uv, "pip", "freeze", "--python", py]).stdout.splitlines()}

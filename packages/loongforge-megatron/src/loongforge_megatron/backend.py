@@ -52,7 +52,7 @@ class MegatronBackend(Backend):
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         plan = recipe.parallel.plan(world_size)
         try:
-            spec, arch = recipe.model.spec(), recipe.model.arch()
+            spec, arch = recipe.model.resolve()
         except (ValueError, TypeError) as exc:
             errors = exc.errors() if isinstance(exc, ValidationError) else None  # NOTE: its first line only counts
             detail = f"{errors[0]['msg'].removeprefix('Value error, ')}" if errors else str(exc)

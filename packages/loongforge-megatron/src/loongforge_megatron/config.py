@@ -89,7 +89,7 @@ class ModelConfig(Section):
                 raise ValueError(f"give a preset, an hf directory, or explicit sizes (missing: {', '.join(missing)})")
         return self
 
-    def _resolve(self):
+    def resolve(self) -> tuple[Any, Any]:
         """(spec, architecture) from the HF config / preset / family with the recipe's overrides."""
         if self.hf:
             found = registry.arch_from_hf(self.hf)
@@ -114,11 +114,11 @@ class ModelConfig(Section):
     def arch(self) -> Any:
         """Resolve preset / HF config / explicit sizes into the family's architecture (an ``Arch``, a DiT's
         ``DiTArch``, ...)."""
-        return self._resolve()[1]
+        return self.resolve()[1]
 
     def spec(self) -> Any:
         """The :class:`~loongforge_megatron.models.spec.ModelSpec` that trains this model."""
-        return self._resolve()[0]
+        return self.resolve()[0]
 
 
 class DataSource(Section):

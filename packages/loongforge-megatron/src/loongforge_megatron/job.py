@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
     from loongforge.runtime import Runtime
 
+
 class MegatronJob(Job):
     """One rank's job. Create inside a process group-capable runtime (``Runtime.create``).
 
@@ -33,7 +34,7 @@ class MegatronJob(Job):
 
         self.recipe, self.runtime = recipe, runtime
         self.acc, self.plan = runtime.accelerator, runtime.plan
-        self.spec, self.arch = recipe.model.spec(), recipe.model.arch()
+        self.spec, self.arch = recipe.model.resolve()
         self.log = runtime.logger
         self.step_index = 0  # optimizer steps done
         self._adaptations = adapted(self.acc, grad_accum_fusion=recipe.kernels.grad_accum_fusion,
