@@ -96,6 +96,21 @@ def _draw(init, full: torch.Tensor, seed: int) -> None:
             init(full)
 
 
+def _init_tensors(model: torch.nn.Module):
+    """(state-dict name, tensor) of every parameter, as each module's own ``_save_to_state_dict`` names it: a module
+    that stores its weights fused (grouped experts: one stacked tensor) hands out per-expert views under the
+    names of the unfused layout, so they draw what the unfused module would (buffers are left alone)."""
+    for mname, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        prefix = f"{mname}." if mname else ""
+        buffers = {prefix + n for n, _ in module.named_buffers(recurse=False)}
+        out: dict[str, torch.Tensor] = {}
+        module._save_to_state_dict(out, prefix, keep_vars=True)
+        yield from ((n, t) for n, t in out.items() if n not in buffers and t is not None
+                    and not n.endswith("_extra_state") and isinstance(t, torch.Tensor))
+
+
 @torch.no_grad()
 def seeded_init(model_chunks: list[torch.nn.Module], *, config: Any, seed: int) -> None:
     """Redraw every randomly initialised parameter of this rank's GPTModel chunks from a generator seeded by
@@ -117,7 +132,7 @@ def seeded_init(model_chunks: list[torch.nn.Module], *, config: Any, seed: int) 
         model = unwrap(chunk)
         layer_offset = get_transformer_layer_offset(config, vp_stage=getattr(model, "vp_stage", None))
         num_local_experts = (config.num_moe_experts or 0) // ep_size
-        for name, param in model.named_parameters():
+        for name, param in _init_tensors(model):
             flat = param.detach().reshape(-1)
             if flat.numel() and bool((flat == flat[0]).all()):
                 continue  # a constant init (zeros / ones)
