@@ -77,6 +77,8 @@ class MegatronJob(Job):
         from loongforge_megatron.models.translate import transformer_config
 
         recipe, plan, arch = self.recipe, self.plan, self.arch
+        if recipe.train.fp8 is not None:  # NOTE: before the data is prepared or the model built
+            self._check_fp8()
         self.tokenizer = None if arch.is_dit else self._tokenizer()
         if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
             raise RecipeError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}",
@@ -87,8 +89,6 @@ class MegatronJob(Job):
         # what one sample is made of, for the schedules and the throughput metrics: tokens, or a DiT's latent patches
         self.seq_length = arch.num_patches if arch.is_dit else recipe.data.seq_length
         self.loss_key = "lm loss"
-        if recipe.train.fp8 is not None:
-            self._check_fp8()
         if arch.is_dit:
             self._build_dit()
         else:
@@ -291,7 +291,7 @@ class MegatronJob(Job):
                               f"on {self.acc.device_type}", key="train.fp8")
         from loongforge_kernels.fp8_linear import fp8_unavailable_reason
 
-        reason = fp8_unavailable_reason(fp8.recipe, self.device)
+        reason = fp8_unavailable_reason(fp8.recipe, self.acc.device())
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
         if getattr(self, "spec_name", None) == "te" or self.recipe.kernels.spec == "te":
