@@ -2,8 +2,7 @@
 naming the file (and key), never a traceback, never ``internal error``, never a hang.
 
 Most cases call ``loongforge.cli.main`` or a reader in this process (validate, dataset checks, resume); a few run
-end to end in subprocesses (a SIGKILLed worker, a run that goes NaN). Cases that a reader does not meet yet are
-``xfail(strict=True)`` with the reader named: fixing the reader turns them into XPASS failures, to flip.
+end to end in subprocesses (a SIGKILLed worker, a run that goes NaN).
 """
 
 from __future__ import annotations
@@ -83,16 +82,15 @@ def test_bad_override_is_one_line_naming_recipe_and_key(capsys, backend, overrid
         assert BACKENDS[backend].name in lines[0] or "_tiny.yaml" in lines[0], lines[0]
 
 
-MEGATRON_VALIDATE = {
-    "data.split=0,0,0": "megatron recipe checks (data.split that leaves no training data)",
-    "model.vocab_size=1": "megatron recipe checks (a vocabulary of one token)",
+MEGATRON_VALIDATE = {  # override -> what it needs to apply (the tiny recipe trains on synthetic tokens)
+    "data.split=0,0,0": ["data.format=pretrain", "data.path=corpus"],  # a split that leaves no training data
+    "model.vocab_size=1": [],  # a vocabulary of one token
 }
 
 
-@pytest.mark.parametrize("override", [pytest.param(o, marks=pytest.mark.xfail(strict=True, reason=f"not refused yet: {why}"))
-                                      for o, why in sorted(MEGATRON_VALIDATE.items())])
+@pytest.mark.parametrize("override", sorted(MEGATRON_VALIDATE))
 def test_megatron_refuses_what_can_only_fail_later(capsys, override):
-    rc, lines = cli(capsys, "validate", str(MEG), override)
+    rc, lines = cli(capsys, "validate", str(MEG), override, *MEGATRON_VALIDATE[override])
     assert_contract(rc, lines, named=override.partition("=")[0])
 
 
@@ -278,13 +276,7 @@ MEGATRON_RAW = {
 }
 
 
-MEGATRON_RAW_UNFIXED = {"jsonl binary", "parquet garbage"}
-_RAW_XFAIL = pytest.mark.xfail(strict=True, reason="megatron data prepare reader (loongforge_megatron.data) does not "
-                               "name the corrupt input file in one line yet")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_RAW_XFAIL) if c in MEGATRON_RAW_UNFIXED else c
-                                  for c in sorted(MEGATRON_RAW)])
+@pytest.mark.parametrize("case", sorted(MEGATRON_RAW))
 def test_megatron_raw_input_is_one_line_naming_it(tmp_path, capsys, case):
     data, kind = MEGATRON_RAW[case]
     src = tmp_path / f"corpus.{kind}"
@@ -340,7 +332,6 @@ SAFETENSORS = {
     "offsets past end": lambda d: _set_header(d, lambda h: _first_tensor(h).update(data_offsets=[0, 2**40])),
     "bad dtype": lambda d: _set_header(d, lambda h: _first_tensor(h).update(dtype="F99")),
 }
-SAFETENSORS_UNFIXED = {"header garbled", "huge shape", "negative shape", "offsets past end"}
 
 
 @pytest.fixture(scope="module")
@@ -354,12 +345,7 @@ def hf_dir(tmp_path_factory) -> Path:
     return out
 
 
-_ST_XFAIL = pytest.mark.xfail(strict=True, reason="safetensors reader (loongforge.checkpoint.safetensors_io) does "
-                              "not refuse it in one line naming the file yet")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_ST_XFAIL) if c in SAFETENSORS_UNFIXED else c
-                                  for c in sorted(SAFETENSORS)])
+@pytest.mark.parametrize("case", sorted(SAFETENSORS))
 def test_damaged_safetensors_in_convert_is_one_line_naming_it(hf_dir, tmp_path, capsys, case):
     src = Path(shutil.copytree(hf_dir, tmp_path / "src"))
     st = src / "model.safetensors"
@@ -453,11 +439,7 @@ LATEST = {"garbage": "\x00\xffjunk", "escape": "../../other/checkpoints/step_000
           "empty": ""}
 
 
-_ESCAPE_XFAIL = pytest.mark.xfail(strict=True, reason="latest pointer reader (loongforge.checkpoint.atomic."
-                                  "latest_checkpoint) follows a pointer out of the run")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_ESCAPE_XFAIL) if c == "escape" else c for c in sorted(LATEST)])
+@pytest.mark.parametrize("case", sorted(LATEST))
 def test_bad_latest_pointer_is_one_line_or_falls_back(trained, tmp_path, case):
     from loongforge.errors import LoongForgeError
     from loongforge_embodied import checkpoint

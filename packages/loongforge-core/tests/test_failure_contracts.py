@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -165,37 +164,29 @@ def test_single_node_launch_uses_the_loopback_rendezvous(tmp_path):
     assert "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=head:29400" in multi
 
 
-def _agree_rank(rank: int, world: int, init: str, out: str) -> None:
+def _agree_rank(*, rank: int, world: int) -> str:
     import torch.distributed as dist
     from loongforge.distributed_health import PeerFailedError, agree
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
         agree(None, phase="build")  # NOTE: all fine: returns on every rank
         mine = ValueError("bad rank file") if rank == 1 else None
         try:
             agree(mine, phase="resume")
-            result = "returned"
+            return "returned"
         except PeerFailedError as exc:
-            result = f"peer {exc.rank}: {exc}"
+            return f"peer {exc.rank}: {exc}"
         except ValueError as exc:
-            result = f"own: {exc}"
-        Path(out, f"rank{rank}").write_text(result)
+            return f"own: {exc}"
     finally:
         dist.destroy_process_group()
 
 
-def test_agree_ends_the_phase_on_every_rank_with_the_failing_ranks_error(tmp_path):
-    import torch.multiprocessing as mp
-    from loongforge.runtime import free_port
-
-    ctx = mp.start_processes(_agree_rank, args=(2, f"tcp://127.0.0.1:{free_port()}", str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        assert time.monotonic() < deadline, "agree() hung"
-    assert (tmp_path / "rank1").read_text() == "own: bad rank file"
-    assert (tmp_path / "rank0").read_text().startswith("peer 1: rank 1 failed during resume (1 of 2 ranks)")
+def test_agree_ends_the_phase_on_every_rank_with_the_failing_ranks_error(ranks, tmp_path):
+    rank0, rank1 = ranks(_agree_rank, world=2, out=tmp_path, timeout_s=120)  # NOTE: the watchdog: agree() hung
+    assert rank1 == "own: bad rank file"
+    assert rank0.startswith("peer 1: rank 1 failed during resume (1 of 2 ranks)")
 
 
 def test_readme_says_a_recipe_is_trusted_code():

@@ -48,7 +48,18 @@ class EmbodiedJob(Job):
     def _apply_fp8(self, raw: torch.nn.Module) -> None:
         """``train.fp8``: the policy's ``nn.Linear`` layers run their GEMMs in FP8 (torchao-style module swap; the
         parameters and checkpoints are unchanged); output heads named ``lm_head`` stay bf16 unless asked."""
-        from loongforge_kernels.fp8_linear import Fp8Recipe, convert_to_fp8, fp8_unavailable_reason
+        from loongforge_kernels.fp8_linear import Fp8Recipe, convert_to_fp8
+
+        fp8 = self.recipe.train.fp8
+        skip = (lambda name, mod: False) if fp8.output_layer else (lambda name, mod: name.endswith("lm_head"))
+        swapped = convert_to_fp8(raw, Fp8Recipe(fp8.recipe, fp8.grad_dtype), skip=skip)
+        n = sum(1 for m in raw.modules() if isinstance(m, torch.nn.Linear))
+        self.log.info(f"[embodied] train.fp8 {fp8.recipe} (grads {fp8.grad_dtype}): {3 * len(swapped)} of {3 * n} "
+                      "GEMMs run in FP8")
+
+    def _check_fp8(self) -> None:
+        """``train.fp8`` needs FP8 tensor cores: refused before anything is built on a device without them."""
+        from loongforge_kernels.fp8_linear import fp8_unavailable_reason
 
         fp8 = self.recipe.train.fp8
         if self.device.type != "cuda":
@@ -57,11 +68,6 @@ class EmbodiedJob(Job):
         reason = fp8_unavailable_reason(fp8.recipe, self.device)
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
-        skip = (lambda name, mod: False) if fp8.output_layer else (lambda name, mod: name.endswith("lm_head"))
-        swapped = convert_to_fp8(raw, Fp8Recipe(fp8.recipe, fp8.grad_dtype), skip=skip)
-        n = sum(1 for m in raw.modules() if isinstance(m, torch.nn.Linear))
-        self.log.info(f"[embodied] train.fp8 {fp8.recipe} (grads {fp8.grad_dtype}): {3 * len(swapped)} of {3 * n} "
-                      "GEMMs run in FP8")
 
     def _build(self) -> None:
         from loongforge_embodied import checkpoint
@@ -77,6 +83,8 @@ class EmbodiedJob(Job):
         self._first_nonfinite = torch.zeros(3, device=self.device)
         self.precision = self.acc.resolve_precision(t.precision)
         self.log = rt.logger
+        if t.fp8 is not None:
+            self._check_fp8()
         source = self._source()
         self.arch = resolve_arch(r.model, r.data)
         cams = getattr(source, "cameras", None) or [f"observation.images.cam{i}" for i in range(self.arch.num_cameras)]

@@ -161,7 +161,7 @@ class MegatronJob(Job):
                               f"on {self.acc.device_type}", key="train.fp8")
         from loongforge_kernels.fp8_linear import fp8_unavailable_reason
 
-        reason = fp8_unavailable_reason(fp8.recipe, self.device)
+        reason = fp8_unavailable_reason(fp8.recipe, self.acc.device())
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
         if self.recipe.kernels.spec == "te":
