@@ -88,7 +88,7 @@ def test_every_leaf_mutation_is_a_clean_error(recipe, tmp_path, capsys):
 
 @pytest.mark.parametrize(("recipe", "override"), [
     ("embodied/tiny_vla_synthetic.yaml", "parallel.components={vision: {tp: 1}}"),
-    ("embodied/tiny_vla_synthetic.yaml", "train.eval_interval=2"),
+    ("embodied/tiny_vla_synthetic.yaml", "parallel.recompute_layers=2"),
 ])
 def test_keys_a_backend_does_not_use_are_refused(recipe, override, capsys):
     """A shared key the recipe's backend ignores (``Backend.unused_keys``) is an error naming it, not a silent no-op;

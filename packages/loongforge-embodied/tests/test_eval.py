@@ -95,8 +95,8 @@ def _tiny_vla_policy():
     import torch
     from loongforge_embodied.eval.envs.pusht import TASK
     from loongforge_embodied.eval.trained_policy import TrainedPolicy
-    from loongforge_embodied.policies.tiny_vla.config import PRESETS
-    from loongforge_embodied.policies.tiny_vla.model import TinyVLAModel
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import PRESETS
+    from loongforge_embodied.policies.tiny_vla.modeling_tiny_vla import TinyVLAModel
 
     torch.manual_seed(0)
     arch = PRESETS["tiny"].with_overrides(state_dim=2, action_dim=2, num_cameras=1)
