@@ -246,30 +246,10 @@ def validate_recipe(data: dict[str, Any], *, file: str | None = None, backend_sc
             raise RecipeError(str(missing), key="backend", file=file) from None
         return recipe
     for section in ("parallel", "kernels"):
-        schema = getattr(backend_cls, f"{section}_schema", None)
-        if schema is None:
-            continue
-        raw = own.get(section) or {}
-        if not isinstance(raw, dict):
-            raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
-        try:
-            setattr(recipe, section, schema.model_validate(raw))
-        except ValidationError as exc:
-            raise validation_error(exc, schema=schema, prefix=section, file=file) from None
+        _validate_backend_section(recipe, backend_cls, section, own.get(section), file=file)
     _check_plugin_names(recipe, file=file)
     for section in ("model", "data"):
-        schema = getattr(backend_cls, f"{section}_schema", None)
-        if schema is None:
-            continue
-        raw = data.get(section) or {}
-        if not isinstance(raw, dict):
-            raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
-        try:
-            setattr(recipe, section, schema.model_validate(raw))
-        except ValidationError as exc:
-            raise validation_error(exc, schema=schema, prefix=section, file=file) from None
-        except LoongForgeError as exc:
-            raise RecipeError(str(exc), key=section, file=file) from None
+        _validate_backend_section(recipe, backend_cls, section, data.get(section), file=file)
     try:
         _refuse_unused(recipe, backend_cls.unused_keys, backend=recipe.backend)
         backend_cls.check_recipe(recipe)
@@ -337,3 +317,19 @@ def dump_recipe(recipe: Recipe, *, data: dict[str, Any] | None = None) -> str:
     """YAML text of the fully resolved recipe (``data``: its plain data to write instead, e.g.
     :meth:`Backend.resolved`)."""
     return yaml.safe_dump(recipe.to_dict() if data is None else data, sort_keys=False, default_flow_style=False)
+
+
+def _validate_backend_section(recipe: Recipe, backend_cls: Any, section: str, raw: Any, *, file: Any) -> None:
+    """Replace ``recipe.<section>`` by the backend's own schema for it (``<section>_schema``), when it has one."""
+    schema = getattr(backend_cls, f"{section}_schema", None)
+    if schema is None:
+        return
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
+    try:
+        setattr(recipe, section, schema.model_validate(raw))
+    except ValidationError as exc:
+        raise validation_error(exc, schema=schema, prefix=section, file=file) from None
+    except LoongForgeError as exc:
+        raise RecipeError(str(exc), key=section, file=file) from None
