@@ -126,3 +126,57 @@ def test_apply_fp8_follows_the_policy(in_world, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(policy))
     r = in_world(_swap_body, out=tmp_path / "run", policy=str(tmp_path / "p.json"))
     assert r["fp8"] == ["fc1"] and r["gemms"]["fc1"] == (True, False, True) and r["counts"] == (2, 9)
+
+
+def _grouped_body(cases: list[tuple[str | None, str]]) -> list[dict]:
+    return [_grouped_case(policy, recipe) for policy, recipe in cases]
+
+
+def _grouped_case(policy: str | None, recipe: str) -> dict:
+    import torch
+    from loongforge.recipe.schema import Fp8Config
+    from loongforge_megatron.spec.fp8 import apply_fp8
+    from loongforge_megatron.spec.grouped_experts import GroupedMLP
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+                            moe_ffn_hidden_size=32, ffn_hidden_size=32, gated_linear_unit=True, add_bias_linear=False,
+                            use_cpu_initialization=True)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "expt_dp"])
+    model = torch.nn.Module()
+    model.experts = GroupedMLP(4, cfg, pg_collection=pgs)
+    x = torch.randn(10, 64)
+    tokens = torch.tensor([3, 0, 5, 2])
+    before = model.experts(x, tokens, None)[0]
+    notes: list[str] = []
+    counts = apply_fp8([model], Fp8Config(recipe=recipe, policy=policy), tokens=16, notes=notes)
+    after = model.experts(x, tokens, None)[0]  # CPU tensors: bf16 grouped_mm path
+    return {"counts": counts, "gemms": model.experts.fp8_gemms, "notes": notes, "equal": torch.equal(before, after)}
+
+
+def test_apply_fp8_picks_fp8_grouped_experts(in_world, tmp_path):
+    """train.fp8 switches grouped MoE experts to FP8 grouped GEMMs; the policy (keyed by experts, routed rows =
+    tokens x top-k, N, K) picks per GEMM; blockwise keeps them bf16 and says why."""
+    from loongforge_megatron.spec.fp8 import grouped_gemm_key
+
+    faster, slower = {"fp8_faster": True}, {"fp8_faster": False}
+    policy = {"gemms": {grouped_gemm_key(4, 32, 64, 64): {"fwd": faster, "dgrad": slower, "wgrad": faster}}}
+    (tmp_path / "p.json").write_text(json.dumps(policy))
+    every, pol, blk = in_world(_grouped_body, out=tmp_path / "run", cases=[
+        (None, "rowwise"), (str(tmp_path / "p.json"), "tensorwise"), (None, "blockwise")])
+    assert every["gemms"] == ((True, True, True), (True, True, True)) and every["counts"] == (6, 6) and every["equal"]
+    assert pol["gemms"] == ((True, False, True), (False, False, False)) and pol["counts"] == (2, 6)
+    assert blk["gemms"] is None and blk["counts"] == (0, 6)
+    assert blk["notes"] == ["MoE experts stay bf16 (blockwise: torch has no blockwise FP8 grouped GEMM on Hopper)"]
+
+
+def test_expert_gemm_shapes():
+    from loongforge_megatron.fp8_profile import expert_gemm_shapes
+    from loongforge_megatron.models.registry import presets
+
+    spec, fields = presets()["qwen3-30b-a3b"]
+    arch = spec.arch({**fields, "num_layers": 4})
+    assert expert_gemm_shapes(arch, ep=1, etp=1, tokens=8192) == {
+        "expert_fc1": (128, 65536, 1536, 2048), "expert_fc2": (128, 65536, 2048, 768)}
+    assert expert_gemm_shapes(arch, ep=2, etp=1, tokens=4096)["expert_fc1"] == (64, 32768, 1536, 2048)

@@ -83,10 +83,12 @@ class MegatronJob(Job):
             from loongforge_megatron.spec.fp8 import apply_fp8
 
             tokens = t.micro_batch_size * self.seq_length // plan.cp
-            n8, n = apply_fp8(self.chunks, t.fp8, tokens=tokens)
+            notes: list[str] = []
+            n8, n = apply_fp8(self.chunks, t.fp8, tokens=tokens, notes=notes)
             if self.runtime.is_main:
                 self.log.info(f"[megatron] train.fp8 {t.fp8.recipe} (grads {t.fp8.grad_dtype}): {n8} of {n} GEMMs run "
-                              "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else ""))
+                              "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else "")
+                              + "".join(f"; {note}" for note in notes))
         self.model = engine.wrap_ddp(self.chunks, self.config, use_distributed_optimizer=plan.distributed_optimizer)
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),

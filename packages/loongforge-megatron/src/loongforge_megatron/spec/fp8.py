@@ -8,6 +8,10 @@ it the input grad is all-reduced over TP (``allreduce_dgrad``); row-parallel out
 ``forward``. The weight gradient goes into ``main_grad`` under gradient-accumulation fusion, as megatron's.
 The output layer stays bf16 unless ``train.fp8.output_layer``; embeddings are lookups, not GEMMs.
 
+Grouped MoE experts (``GroupedMLP``, ``kernels.moe_grouped_gemm``) run their fc1 / fc2 as FP8 grouped GEMMs
+(``loongforge_kernels.fp8_grouped``: rowwise E4M3 whatever the recipe, torch's only FP8 grouped kernel on Hopper;
+blockwise recipes and GPUs other than Hopper keep the experts bf16).
+
 A policy file (``loongforge fp8 profile``) says per GEMM shape which of the three GEMMs are faster in FP8;
 layers it does not list, or lists as slower, stay bf16.
 """
@@ -107,6 +111,42 @@ def gemm_key(m: int, n: int, k: int) -> str:
     return f"{m}x{n}x{k}"
 
 
+def grouped_gemm_key(experts: int, m: int, n: int, k: int) -> str:
+    """A policy file's key for the grouped ``y [m, n] = x [m, k] @ W[e] [n, k].T`` over ``experts`` local experts
+    (``m`` the routed rows of a micro-batch: tokens x top-k)."""
+    return f"experts{experts}:{m}x{n}x{k}"
+
+
+def _policy_gemms(policy: dict[str, Any] | None, key: str) -> tuple[bool, bool, bool]:
+    if policy is None:
+        return (True, True, True)
+    entry = policy.get(key)
+    return tuple(bool(entry and entry.get(g, {}).get("fp8_faster")) for g in ("fwd", "dgrad", "wgrad"))
+
+
+def _grouped_expert_flags(mod: Any, recipe: Any, policy: dict[str, Any] | None, *, tokens: int, notes: list[str]):
+    """The (fwd, dgrad, wgrad) FP8 flags of a ``GroupedMLP``'s fc1 and fc2, or None when its experts stay bf16
+    (``notes`` gets the reason once)."""
+    from loongforge_kernels.fp8_grouped import grouped_fp8_unavailable_reason, grouped_shape_ok
+
+    why = None
+    if recipe.recipe == "blockwise":
+        why = "blockwise: torch has no blockwise FP8 grouped GEMM on Hopper"
+    elif torch.cuda.is_available():  # NOTE: on the CPU the module runs bf16 grouped_mm anyway
+        why = grouped_fp8_unavailable_reason()
+    if why:
+        if why not in notes:
+            notes.append(f"MoE experts stay bf16 ({why})")
+        return None
+    rows = tokens * getattr(mod.config, "moe_router_topk", 1)
+    flags = []
+    for w in (mod.weight1, mod.weight2):
+        e, n, k = w.shape
+        flags.append(_policy_gemms(policy, grouped_gemm_key(e, rows, n, k)) if grouped_shape_ok(n, k)
+                     else (False, False, False))
+    return tuple(flags) if any(any(f) for f in flags) else None
+
+
 def load_policy(path: str | Path) -> dict[str, Any]:
     from loongforge.errors import RecipeError
 
@@ -121,18 +161,29 @@ def load_policy(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_name: str | None = None) -> tuple[int, int]:
-    """Swap the decoder's TP linears of ``chunks`` to FP8 per ``fp8`` (a ``train.fp8`` section); ``tokens`` is
-    the GEMMs' M (micro-batch tokens of this rank, gathered under SP). Returns (FP8 GEMMs, all GEMMs), three
-    per linear."""
+def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_name: str | None = None,
+              notes: list[str] | None = None) -> tuple[int, int]:
+    """Swap the decoder's TP linears of ``chunks`` to FP8 per ``fp8`` (a ``train.fp8`` section) and switch grouped
+    MoE experts (``GroupedMLP``) to FP8 grouped GEMMs; ``tokens`` is the GEMMs' M (micro-batch tokens of this
+    rank, gathered under SP; the experts' is that times top-k). Returns (FP8 GEMMs, all GEMMs), three per linear
+    and per expert projection; ``notes`` collects why a kind of GEMM stays bf16."""
     from loongforge_kernels.fp8_linear import Fp8Recipe, shape_ok
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     recipe = Fp8Recipe(fp8.recipe, fp8.grad_dtype)
     policy = load_policy(fp8.policy)["gemms"] if fp8.policy else None
+    from loongforge_megatron.spec.grouped_experts import GroupedMLP
+
+    notes = notes if notes is not None else []
     n_fp8 = n_all = 0
     for chunk in chunks:
         for name, mod in chunk.named_modules():
+            if isinstance(mod, GroupedMLP):
+                n_all += 6
+                if mod.weight1.requires_grad:
+                    mod.fp8_gemms = _grouped_expert_flags(mod, recipe, policy, tokens=tokens, notes=notes)
+                    n_fp8 += sum(sum(f) for f in mod.fp8_gemms or ())
+                continue
             if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or isinstance(mod, Fp8ParallelLinear):
                 continue
             if name.rsplit(".", 1)[-1] == "output_layer" and not fp8.output_layer:
@@ -143,10 +194,7 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_na
             nw, kw = mod.weight.shape
             if not shape_ok(recipe, tokens, nw, kw):
                 continue
-            gemms = (True, True, True)
-            if policy is not None:
-                entry = policy.get(gemm_key(tokens, nw, kw))
-                gemms = tuple(bool(entry and entry.get(g, {}).get("fp8_faster")) for g in ("fwd", "dgrad", "wgrad"))
+            gemms = _policy_gemms(policy, gemm_key(tokens, nw, kw))
             if not any(gemms):
                 continue
             mod.__class__ = fp8_class(type(mod))

@@ -151,17 +151,28 @@ class GroupedMLP(_megatron_module()):
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 
+    # NOTE: set by ``train.fp8`` (spec/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2
+    fp8_gemms: tuple[tuple[bool, bool, bool], tuple[bool, bool, bool]] | None = None
+
+    def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: int) -> torch.Tensor:
+        """One grouped projection: FP8 (``loongforge_kernels.fp8_grouped``) where ``train.fp8`` chose it, on CUDA."""
+        if self.fp8_gemms is not None and x.is_cuda and any(self.fp8_gemms[which]):
+            from loongforge_kernels.fp8_grouped import fp8_grouped_linear
+
+            return fp8_grouped_linear(x, weight, offs, self.fp8_gemms[which])
+        return grouped_linear(x, weight, offs)
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor | None):
         """Experts' outputs for expert-sorted tokens (``tokens_per_expert`` rows per local expert, in order),
         each scaled by its routing probability after the activation (as megatron's expert MLP)."""
         x = permuted_local_hidden_states
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
-        h = grouped_linear(x, self.weight1, offs)
+        h = self._grouped(x, self.weight1, offs, 0)
         h = self._activation(h)
         if permuted_probs is not None:  # NOTE: None when the dispatcher folds the probabilities into its combine
             h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(h, self.weight2, offs), None
+        return self._grouped(h, self.weight2, offs, 1), None
 
     def backward_dw(self):
         """Nothing is deferred: weight gradients are computed in the backward pass."""
