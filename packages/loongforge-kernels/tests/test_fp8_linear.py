@@ -109,3 +109,27 @@ def test_recipe_and_availability_errors(monkeypatch):
     assert "Hopper" in fl.fp8_unavailable_reason("blockwise")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     assert fl.fp8_unavailable_reason("blockwise") is None or "CUDA 12.9" in fl.fp8_unavailable_reason("blockwise")
+
+
+def test_weight_cache_quantizes_each_weight_once_per_step(emulated, monkeypatch):
+    """With the cache on, micro-batches after the first reuse the weight's FP8 copies until invalidate()."""
+    calls = []
+    real = fl.fp8_quantize
+    monkeypatch.setattr(fl, "fp8_quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
+    w = (torch.randn(64, 32) / 8).to(torch.bfloat16).requires_grad_()
+    r = fl.Fp8Recipe("tensorwise")
+    cache = fl.WEIGHT_CACHE
+    monkeypatch.setattr(cache, "enabled", True)
+    try:
+        for _ in range(3):
+            fl.fp8_linear(torch.randn(16, 32).to(torch.bfloat16), w, recipe=r).sum().backward()
+        assert calls.count((64, 32)) == 1 and len(cache) == 1
+        ref = w.grad.clone()
+        cache.invalidate()
+        w.grad = None
+        with torch.no_grad():
+            w.mul_(2)
+        fl.fp8_linear(torch.ones(16, 32).to(torch.bfloat16), w, recipe=r).sum().backward()
+        assert calls.count((64, 32)) == 2 and not torch.equal(ref, w.grad)
+    finally:
+        cache.invalidate()

@@ -86,6 +86,44 @@ def _scaled_mm(a, sa, b, sb, out_dtype, fast_accum):
     return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+class Fp8WeightCache:
+    """The FP8 copies of weights, reused by every micro-batch (and recompute) of one optimizer step.
+
+    A weight changes only in the optimizer step, so under gradient accumulation each micro-batch would quantize
+    the same weights again. When :attr:`enabled`, the first forward of a step quantizes a weight (in the layouts
+    it needs) and later ones reuse that; whoever runs the optimizer calls :meth:`invalidate` after each step
+    (the megatron job does, when a step has more than one micro-batch). Costs one FP8 copy per layout of each
+    FP8 weight (1 byte a parameter per layout) between the first forward and the step's end.
+
+    NOTE: keyed by the weight tensor itself, not its version counter: optimizers write parameters through
+    ``.data``, which does not bump it."""
+
+    def __init__(self):
+        self.enabled = False
+        self._entries: dict[tuple[int, str, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def quantize(self, weight: torch.Tensor, granularity: str, layout: str) -> tuple[torch.Tensor, ...]:
+        if not self.enabled:
+            return fp8_quantize(weight, granularity, torch.float8_e4m3fn, layout=layout, check_finite=False)
+        key = (id(weight), granularity, layout)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is weight:
+            return hit[1]
+        out = fp8_quantize(weight.detach(), granularity, torch.float8_e4m3fn, layout=layout, check_finite=False)
+        self._entries[key] = (weight, out)
+        return out
+
+    def invalidate(self) -> None:
+        """The weights changed (an optimizer step): drop every cached copy."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+WEIGHT_CACHE = Fp8WeightCache()
+
+
 def shape_ok(recipe: Fp8Recipe, *dims: int) -> bool:
     return all(d > 0 and d % recipe.align == 0 for d in dims)
 
@@ -105,7 +143,7 @@ def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *,
             saved[0], saved[1] = xs[-2], xs[-1]
     lay = ("n" if fwd8 else "") + ("t" if need_dx and dgrad8 else "")
     if lay:
-        ws = fp8_quantize(weight, g_w, e4m3, layout=lay, check_finite=False)
+        ws = WEIGHT_CACHE.quantize(weight, g_w, lay)
         if "t" in lay:
             saved[2], saved[3] = ws[-2], ws[-1]
     if fwd8:

@@ -89,6 +89,7 @@ class MegatronJob(Job):
                 self.log.info(f"[megatron] train.fp8 {t.fp8.recipe} (grads {t.fp8.grad_dtype}): {n8} of {n} GEMMs run "
                               "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else "")
                               + "".join(f"; {note}" for note in notes))
+        self._fp8_cache = None
         self.model = engine.wrap_ddp(self.chunks, self.config, use_distributed_optimizer=plan.distributed_optimizer)
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
@@ -103,6 +104,11 @@ class MegatronJob(Job):
             weight_decay=t.weight_decay, wsd_decay_steps=t.wsd_decay_steps or max(1, decay_steps // 10),
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+        if t.fp8 is not None and self.num_microbatches > 1:
+            from loongforge_kernels.fp8_linear import WEIGHT_CACHE
+
+            # NOTE: every micro-batch of a step sees the same weights: quantize each once per step
+            WEIGHT_CACHE.enabled, self._fp8_cache = True, WEIGHT_CACHE
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
         self.schedule = BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
                                       micro_batch_size=t.micro_batch_size, **dp)
@@ -218,6 +224,8 @@ class MegatronJob(Job):
             micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=self.forward_step_fn,
             loss_key=self.loss_key,
         )
+        if self._fp8_cache is not None:
+            self._fp8_cache.invalidate()  # the optimizer changed the weights
         if self.ema is not None and not out.get("skipped"):
             self.ema.update()
         self.acc.synchronize()
@@ -306,6 +314,9 @@ class MegatronJob(Job):
                     dist.barrier()
                 engine.destroy(process_group=True)
         finally:
+            if getattr(self, "_fp8_cache", None) is not None:
+                self._fp8_cache.invalidate()
+                self._fp8_cache.enabled = False
             if self._adaptations is not None:
                 self._adaptations.__exit__(None, None, None)
                 self._adaptations = None
