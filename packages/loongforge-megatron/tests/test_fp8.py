@@ -128,11 +128,11 @@ def test_apply_fp8_follows_the_policy(in_world, tmp_path):
     assert r["fp8"] == ["fc1"] and r["gemms"]["fc1"] == (True, False, True) and r["counts"] == (2, 9)
 
 
-def _grouped_body(cases: list[tuple[str | None, str]]) -> list[dict]:
-    return [_grouped_case(policy, recipe) for policy, recipe in cases]
+def _grouped_body(cases: list[tuple[str | None, str, bool]]) -> list[dict]:
+    return [_grouped_case(*case) for case in cases]
 
 
-def _grouped_case(policy: str | None, recipe: str) -> dict:
+def _grouped_case(policy: str | None, recipe: str, experts: bool) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
     from loongforge_megatron.spec.fp8 import apply_fp8
@@ -150,21 +150,23 @@ def _grouped_case(policy: str | None, recipe: str) -> dict:
     tokens = torch.tensor([3, 0, 5, 2])
     before = model.experts(x, tokens, None)[0]
     notes: list[str] = []
-    counts = apply_fp8([model], Fp8Config(recipe=recipe, policy=policy), tokens=16, notes=notes)
+    counts = apply_fp8([model], Fp8Config(recipe=recipe, policy=policy, experts=experts), tokens=16, notes=notes)
     after = model.experts(x, tokens, None)[0]  # CPU tensors: bf16 grouped_mm path
     return {"counts": counts, "gemms": model.experts.fp8_gemms, "notes": notes, "equal": torch.equal(before, after)}
 
 
 def test_apply_fp8_picks_fp8_grouped_experts(in_world, tmp_path):
-    """train.fp8 switches grouped MoE experts to FP8 grouped GEMMs; the policy (keyed by experts, routed rows =
+    """train.fp8.experts switches grouped MoE experts to FP8 grouped GEMMs; the policy (keyed by experts, routed rows =
     tokens x top-k, N, K) picks per GEMM; blockwise keeps them bf16 and says why."""
     from loongforge_megatron.spec.fp8 import grouped_gemm_key
 
     faster, slower = {"fp8_faster": True}, {"fp8_faster": False}
     policy = {"gemms": {grouped_gemm_key(4, 32, 64, 64): {"fwd": faster, "dgrad": slower, "wgrad": faster}}}
     (tmp_path / "p.json").write_text(json.dumps(policy))
-    every, pol, blk = in_world(_grouped_body, out=tmp_path / "run", cases=[
-        (None, "rowwise"), (str(tmp_path / "p.json"), "tensorwise"), (None, "blockwise")])
+    every, pol, blk, off = in_world(_grouped_body, out=tmp_path / "run", cases=[
+        (None, "rowwise", True), (str(tmp_path / "p.json"), "tensorwise", True), (None, "blockwise", True),
+        (None, "rowwise", False)])
+    assert off["gemms"] is None and off["counts"] == (0, 6) and off["notes"] == []  # train.fp8.experts defaults off
     assert every["gemms"] == ((True, True, True), (True, True, True)) and every["counts"] == (6, 6) and every["equal"]
     assert pol["gemms"] == ((True, False, True), (False, False, False)) and pol["counts"] == (2, 6)
     assert blk["gemms"] is None and blk["counts"] == (0, 6)

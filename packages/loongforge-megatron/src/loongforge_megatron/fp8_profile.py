@@ -6,7 +6,7 @@ rank's weight shard) it times the forward, input-grad and weight-grad GEMMs: bf1
 (quantizing the GEMM's own operands in the layout it needs + ``torch._scaled_mm``; the training path fuses the
 forward's quantizations, so this is the pessimistic side). A GEMM is FP8 in training only where FP8 measured
 faster, so the policy never picks a slower GEMM than bf16 on this GPU at these shapes.
-Grouped MoE experts (fc1 / fc2 of ``GroupedMLP``) are timed the same way as grouped GEMMs: bf16 ``grouped_mm``
+With ``train.fp8.experts``, grouped MoE experts (fc1 / fc2 of ``GroupedMLP``) are timed the same way as grouped GEMMs: bf16 ``grouped_mm``
 against ``loongforge_kernels.fp8_grouped`` (rowwise; quantization and the weight grad's group padding included)
 at the local experts' shape and M = tokens x top-k routed rows, spread evenly over the experts.
 MLA's projections are not profiled: they stay bf16 under a policy.
@@ -55,7 +55,8 @@ def _cmd_fp8(args: argparse.Namespace) -> int:
     plan = recipe.parallel.plan(recipe.parallel.min_world_size())
     tokens = recipe.train.micro_batch_size * recipe.data.seq_length // plan.cp
     shapes = gemm_shapes(arch, tp=plan.tp, tokens=tokens, output_layer=fp8.output_layer)
-    experts = expert_gemm_shapes(arch, ep=plan.ep, etp=plan.etp, tokens=tokens) if fp8.recipe != "blockwise" else {}
+    experts = (expert_gemm_shapes(arch, ep=plan.ep, etp=plan.etp, tokens=tokens)
+               if fp8.experts and fp8.recipe != "blockwise" else {})
     policy = profile(shapes, recipe=fp8.recipe, grad_dtype=fp8.grad_dtype, reps=args.reps, expert_shapes=experts)
     policy["recipe_file"] = str(args.recipe)
     out = Path(args.output or f"fp8_policy_{Path(args.recipe).stem}.json")

@@ -8,9 +8,11 @@ it the input grad is all-reduced over TP (``allreduce_dgrad``); row-parallel out
 ``forward``. The weight gradient goes into ``main_grad`` under gradient-accumulation fusion, as megatron's.
 The output layer stays bf16 unless ``train.fp8.output_layer``; embeddings are lookups, not GEMMs.
 
-Grouped MoE experts (``GroupedMLP``, ``kernels.moe_grouped_gemm``) run their fc1 / fc2 as FP8 grouped GEMMs
-(``loongforge_kernels.fp8_grouped``: rowwise E4M3 whatever the recipe, torch's only FP8 grouped kernel on Hopper;
-blockwise recipes and GPUs other than Hopper keep the experts bf16).
+With ``train.fp8.experts``, grouped MoE experts (``GroupedMLP``, ``kernels.moe_grouped_gemm``) run their fc1 / fc2
+as FP8 grouped GEMMs (``loongforge_kernels.fp8_grouped``: rowwise E4M3 whatever the recipe, torch's only FP8
+grouped kernel on Hopper; blockwise recipes and GPUs other than Hopper keep the experts bf16). Off by default:
+at Qwen3-30B-A3B's shape on an H200 they measured slower than bf16 grouped_mm (the 128 experts' weights are
+quantized every step); a policy file then still decides per GEMM.
 
 A policy file (``loongforge fp8 profile``) says per GEMM shape which of the three GEMMs are faster in FP8;
 layers it does not list, or lists as slower, stay bf16.
@@ -180,7 +182,7 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_na
         for name, mod in chunk.named_modules():
             if isinstance(mod, GroupedMLP):
                 n_all += 6
-                if mod.weight1.requires_grad:
+                if fp8.experts and mod.weight1.requires_grad:
                     mod.fp8_gemms = _grouped_expert_flags(mod, recipe, policy, tokens=tokens, notes=notes)
                     n_fp8 += sum(sum(f) for f in mod.fp8_gemms or ())
                 continue
