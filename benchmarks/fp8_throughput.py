@@ -312,7 +312,10 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     if args.concurrent:
-        procs = [subprocess.Popen(cmd(name), env=env) for name in names]
+        procs = []
+        for name in names:  # NOTE: staggered, so two ranks' free-port picks cannot collide
+            procs.append(subprocess.Popen(cmd(name), env=env))
+            time.sleep(3)
         for proc in procs:
             try:
                 proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
