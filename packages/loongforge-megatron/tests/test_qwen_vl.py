@@ -62,3 +62,147 @@ def save_processor(out: Path, texts: list[str]) -> tuple[dict[str, int], int]:
     t = tok.convert_tokens_to_ids
     return {"image_token_id": t("<|image_pad|>"), "video_token_id": t("<|video_pad|>"),
             "vision_start_token_id": t("<|vision_start|>"), "vision_end_token_id": t("<|vision_end|>")}, len(tok)
+
+
+def make_records(root: Path) -> Path:
+    """Two records with images of different sizes: one ShareGPT-style, one OpenAI-style."""
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (24, 16), (200, 30, 30)).save(root / "red.png")
+    g = torch.Generator().manual_seed(0)
+    noise = (torch.rand(32, 16, 3, generator=g) * 255).to(torch.uint8).numpy()
+    Image.fromarray(noise).save(root / "noise.png")
+    records = [
+        {"conversations": [{"from": "human", "value": "<image>\nWhat colour is this?"},
+                           {"from": "gpt", "value": "It is red."}], "images": ["red.png"]},
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "image", "image": "noise.png"},
+                                                   {"type": "text", "text": "What is this?"}]},
+                      {"role": "assistant", "content": "It is noise."},
+                      {"role": "user", "content": "And the colour?"},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Green and blue."}]}]},
+    ]
+    (root / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "records.jsonl"
+
+
+TEXTS = ["What colour is this? It is red. It is noise. Be brief. And the colour? Green and blue."] * 4
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen_vl") / "hf"
+    ids, vocab = save_processor(out, TEXTS)
+    return save_qwen_vl(out, vocab=vocab, ids=ids)
+
+
+def hf_inputs(hf_dir: Path, records: Path) -> dict[str, torch.Tensor]:
+    """What transformers' AutoProcessor makes of the records (processor-style messages), padded on the right, with
+    labels on each assistant message's content and its <|im_end|>."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    tok = processor.tokenizer
+    texts, images, targets = [], [], []
+    for rec in map(json.loads, records.read_text().splitlines()):
+        if "messages" in rec:
+            msgs = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], list) else
+                     [{"type": "text", "text": m["content"]}]} for m in rec["messages"]]
+            refs = [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+        else:
+            role = {"human": "user", "gpt": "assistant"}
+            msgs = []
+            for t in rec["conversations"]:
+                head, _, tail = t["value"].partition("<image>")
+                parts = ([{"type": "text", "text": head}] if head else []) + (
+                    [{"type": "image"}] + ([{"type": "text", "text": tail}] if tail else []) if _ else [])
+                msgs.append({"role": role[t["from"]], "content": parts})
+            refs = rec["images"]
+        texts.append(processor.apply_chat_template(msgs, tokenize=False))
+        images += [Image.open(records.parent / r).convert("RGB") for r in refs]
+        targets.append([p["text"] for m in msgs if m["role"] == "assistant" for p in m["content"]])
+    batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="right")
+    labels = torch.full_like(batch["input_ids"], -100)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    for row, answers in enumerate(targets):
+        ids = batch["input_ids"][row].tolist()
+        # NOTE: an assistant turn is "<|im_start|>assistant\n{content}<|im_end|>": label content + <|im_end|>
+        head = tok("assistant\n", add_special_tokens=False)["input_ids"]
+        found = 0
+        for i in range(len(ids)):
+            if ids[i] == start and ids[i + 1: i + 1 + len(head)] == head:
+                j = i + 1 + len(head)
+                k = ids.index(end, j)
+                labels[row, j: k + 1] = batch["input_ids"][row, j: k + 1]
+                found += 1
+        assert found == len(answers)
+    return {**batch, "labels": labels}
+
+
+def hf_image_token(hf_dir: Path) -> int:
+    return json.loads((hf_dir / "config.json").read_text())["image_token_id"]
+
+
+def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**batch).loss.item()
+
+
+def overrides(hf_dir: Path, records: Path, *extra: str) -> list[str]:
+    """Continue training the HF checkpoint ``hf_dir`` on ``records`` on CPU: one global batch of both records."""
+    return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
+            f"data.path={records}", "data.seq_length=96", "train.global_batch_size=2", "train.steps=3",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
+
+
+def _first_step(*, rank, world, overrides, run_dir):
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        return batches, job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+@pytest.mark.parametrize("stage", ["cpt", "sft"])
+def test_first_step_loss_equals_transformers(tmp_path, hf_dir, stage, ranks):
+    """Both records in one micro-batch (rows padded): tokens, positions and pixels are the processor's, and the
+    loss is transformers' on the processor's batch."""
+    records = make_records(tmp_path / "data")
+    batches, ours = ranks(_first_step, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
+                          overrides=overrides(hf_dir, records, f"train.stage={stage}", "train.micro_batch_size=2"))[0]
+    ref_batch = hf_inputs(hf_dir, records)
+    (b,) = batches
+    image = hf_image_token(hf_dir)
+    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
+    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
+    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
+    for r, h in zip(mine, theirs, strict=True):
+        n = int(ref_batch["attention_mask"][h].sum())
+        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
+    assert torch.equal(torch.sort(b["pixel_values"], 0)[0], torch.sort(ref_batch["pixel_values"], 0)[0])
+    ref = hf_loss(hf_dir, ref_batch)
+    assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+
+def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
+    from loongforge.cli import main
+    from safetensors.torch import load_file
+
+    source = load_file(hf_dir / "model.safetensors")
+    for name, layout in (("tp1", []), ("tp2_pp2", ["--tp", "2", "--pp", "2"])):
+        assert main(["convert", str(hf_dir), str(tmp_path / name), "--to", "megatron", *layout]) == 0
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}_hf"), "--to", "hf"]) == 0
+        back = {}
+        for f in (tmp_path / f"{name}_hf").glob("*.safetensors"):
+            back.update(load_file(f))
+        assert back.keys() == source.keys(), name
+        for key, tensor in source.items():
+            assert torch.equal(back[key], tensor), (name, key)
