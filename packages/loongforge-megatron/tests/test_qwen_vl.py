@@ -161,23 +161,29 @@ def overrides(hf_dir: Path, records: Path, *extra: str) -> list[str]:
             "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
 
 
-def _first_step(*, rank, world, overrides, run_dir):
+def _steps(*, rank, world, overrides, run_dir, export_dir):
+    """(step 1's micro-batches, every step's loss) of a job in a rank, then the online HF export."""
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
     try:
         batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-        return batches, job.step()["loss"]
+        losses = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+        job.export("hf", export_dir)
+        return batches, losses
     finally:
         job.close()
         runtime.logger.close()
 
 
-@pytest.mark.parametrize("stage", ["cpt", "sft"])
-def test_first_step_loss_equals_transformers(tmp_path, hf_dir, stage, ranks):
-    """Both records in one micro-batch (rows padded): tokens, positions and pixels are the processor's, and the
-    loss is transformers' on the processor's batch."""
+def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_path, hf_dir, ranks):
+    """Both records in one micro-batch (rows padded): tokens and pixels are the processor's and the first SFT step's
+    loss is transformers' on the processor's batch; with model.freeze [vision] the exported tower after 3 steps is
+    the source's, bit for bit, while the language model moved."""
+    from safetensors.torch import load_file
+
     records = make_records(tmp_path / "data")
-    batches, ours = ranks(_first_step, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
-                          overrides=overrides(hf_dir, records, f"train.stage={stage}", "train.micro_batch_size=2"))[0]
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "model.freeze=[vision]")
+    batches, losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
+                            export_dir=tmp_path / "exported")[0]
     ref_batch = hf_inputs(hf_dir, records)
     (b,) = batches
     image = hf_image_token(hf_dir)
@@ -189,7 +195,12 @@ def test_first_step_loss_equals_transformers(tmp_path, hf_dir, stage, ranks):
         assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
     assert torch.equal(torch.sort(b["pixel_values"], 0)[0], torch.sort(ref_batch["pixel_values"], 0)[0])
     ref = hf_loss(hf_dir, ref_batch)
-    assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
+    assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
+    assert losses[-1] < losses[0]
+    source, trained = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
+    assert trained.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(trained[name], tensor) == name.startswith("visual."), name
 
 
 def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):

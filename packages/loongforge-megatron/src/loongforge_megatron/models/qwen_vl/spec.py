@@ -52,6 +52,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# model.freeze's module groups: the tower (its patch merger included), the merger alone, the language model
+GROUPS = {"vision": ("vision.",), "projector": ("vision.merger.",),
+          "language": ("embedding.", "decoder.", "output_layer.")}
+
+
 class QwenVLArch(Arch):
     """A Qwen2 language model plus ``vision``: ``vision_config`` (Qwen2_5_VLVisionConfig's fields), the special
     token ids and ``mrope_section``."""
@@ -189,7 +194,7 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        return Model(chunks=chunks, config=config, kernels="local", forward_step=forward_step)
+        return Model(chunks=chunks, config=config, kernels="local", forward_step=forward_step, groups=GROUPS)
 
 
 SPEC = QwenVL()
