@@ -217,3 +217,33 @@ def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
         assert back.keys() == source.keys(), name
         for key, tensor in source.items():
             assert torch.equal(back[key], tensor), (name, key)
+
+
+def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir):
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
+    from loongforge_megatron.models.registry import arch_from_hf
+
+    good = make_records(tmp_path)
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    turn = [{"from": "gpt", "value": "x"}]
+    bad = [({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["gone.png"]}, "not found"),
+           ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["broken.png"]}, "unreadable"),
+           ({"conversations": [{"from": "human", "value": "hi"}, *turn], "images": ["red.png"]},
+            "0 '<image>' placeholders but 1 images"),
+           ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["../red.png"]},
+            "not a path inside"),
+           ({"text": "no turns"}, "neither 'messages'"),
+           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text nor an image")]
+    lines = good.read_text().splitlines()
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines + [json.dumps(r) for r, _ in bad]) + "\n")
+    arch = arch_from_hf(hf_dir)
+    ds = Conversations(str(tmp_path / "bad.jsonl"), processor=load_processor(hf_dir), arch=arch, seq_length=96, seed=0)
+    assert ds.encode(0)["ids"].count(arch.vision["image_token_id"]) == 6  # a 24 x 16 image: 6 merged patches
+    for n, (_, what) in enumerate(bad, start=len(lines) + 1):
+        with pytest.raises(RecipeError) as err:
+            ds.encode(n - 1)
+        msg = str(err.value)
+        assert f"bad.jsonl: record {n}" in msg and what in msg and "\n" not in msg, msg
+    with pytest.raises(RecipeError, match="an image's tokens end after data.seq_length 8"):
+        Conversations(str(good), processor=load_processor(hf_dir), arch=arch, seq_length=8, seed=0)[0]
