@@ -29,9 +29,11 @@ def _gpt_model_class():
         """GPTModel + the vision tower (first stage) + multimodal RoPE."""
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
-                     mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, **gpt: Any):
+                     mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
+                     **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
+            from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
 
             super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base), **gpt)
             # NOTE: GPTModel's mrope branch calls rotary_pos_emb(position_ids, mrope_section); megatron's own
@@ -42,11 +44,31 @@ def _gpt_model_class():
             self.rotary_pos_emb = MRoPE(kv_channels=self.config.kv_channels, rotary_base=rotary_base,
                                         interleaved=mrope_interleaved)
             self.image_token, self.video_token = image_token, video_token
-            self.vision = VisionTower(vision_config) if self.pre_process else None
+            tower = VisionTower3 if deepstack else VisionTower
+            self.vision = tower(vision_config) if self.pre_process else None
+            self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+            if self.vision is not None and deepstack:
+                n = len(vision_config.get("deepstack_visual_indexes", []))
+                if n > len(self.decoder.layers):
+                    raise ValueError(f"the {n} deepstack layers must be on the first pipeline stage, which holds "
+                                     f"{len(self.decoder.layers)} layers")
+                for i in range(n):
+                    self.decoder.layers[i].register_forward_hook(functools.partial(self._add_deepstack, i))
+
+        def _add_deepstack(self, i, module, args, output):
+            """Deepstack: after language layer ``i``, the image tokens' hidden states get the tower's i-th
+            deepstack features (transformers' ``_deepstack_process``)."""
+            if self._deepstack is None:
+                return output
+            mask, order, feats = self._deepstack
+            hidden, *rest = output if isinstance(output, tuple) else (output,)
+            hidden = hidden.clone()
+            hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
+            return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
                     image_grid_thw=None, packed_seq_params=None, **kw):
-            decoder_input = None
+            decoder_input, self._deepstack = None, None
             if self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 if pixel_values is not None and pixel_values.numel():
@@ -59,6 +81,12 @@ def _gpt_model_class():
             images were collated in)."""
             feats = self.vision(pixel_values, grid_thw)
             mask = input_ids == self.image_token
+            if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
+                feats, deep = feats
+                # NOTE: hidden states are [s, b, h]: the features (row after row) in sequence-major order
+                rank = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+                rank[mask] = torch.arange(int(mask.sum()), device=mask.device)
+                self._deepstack = (mask.t(), rank.t()[mask.t()], deep)
             if int(mask.sum()) != feats.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image embeddings "
                                  f"(grids {grid_thw.tolist()})")
@@ -87,6 +115,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
         model = cls(
             vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
+            deepstack="deepstack_visual_indexes" in v["vision_config"],
             rotary_base=arch.rope_theta, config=config,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,

@@ -1,7 +1,9 @@
-"""Qwen2.5-VL's spec: presets, ``Qwen2_5_VLConfig`` both ways, name map, recipe checks, data and model.
+"""The Qwen-VL specs: presets, ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig`` both ways, name maps, recipe checks,
+data and model.
 
-The language model is a Qwen2 (``models/gpt/qwen2.py`` reads and writes its text config) with multimodal RoPE;
-the vision tower, the special token ids and the mrope sections are ``Arch.vision``.
+Qwen2.5-VL's language model is a Qwen2 (``models/gpt/qwen2.py`` reads and writes its text config), Qwen3-VL's a
+Qwen3 (q/k norms), both with multimodal RoPE (Qwen3-VL's interleaved); the vision tower, the special token ids
+and the mrope sections are ``Arch.vision``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 from loongforge.errors import RecipeError
 
 from loongforge_megatron.models.base import HFCheckpoint
-from loongforge_megatron.models.gpt import qwen2
+from loongforge_megatron.models.gpt import qwen2, qwen3
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.family import (
     check_lm,
@@ -30,7 +32,7 @@ _VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, pa
             in_channels=3)
 VISION_KEYS = ("depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
                "spatial_merge_size", "temporal_patch_size", "tokens_per_second", "window_size", "out_hidden_size",
-               "fullatt_block_indexes", "rope_parameters")
+               "fullatt_block_indexes", "rope_parameters", "num_position_embeddings", "deepstack_visual_indexes")
 _LM = dict(family="qwen2", vocab_size=152064, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True,
            max_position_embeddings=128000)
 
@@ -65,7 +67,7 @@ class QwenVLArch(Arch):
 
     @property
     def spec_name(self) -> str:
-        return "qwen2_5_vl"
+        return "qwen3_vl" if "deepstack_visual_indexes" in self.vision["vision_config"] else "qwen2_5_vl"
 
     def language(self) -> Arch:
         return Arch(**self.model_dump(exclude={"vision"}))
@@ -73,12 +75,15 @@ class QwenVLArch(Arch):
     def num_params(self) -> int:
         v = self.vision["vision_config"]
         d, f, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v.get("spatial_merge_size", 2) ** 2
-        block = 4 * d * d + 3 * d * f + 2 * d
+        block = 4 * d * d + (2 if "deepstack_visual_indexes" in v else 3) * d * f + 2 * d
         patch = d * v.get("in_channels", 3) * v.get("temporal_patch_size", 2) * v.get("patch_size", 14) ** 2
-        return super().num_params() + v["depth"] * block + patch + merged * merged + merged * v["out_hidden_size"]
+        mergers = 1 + len(v.get("deepstack_visual_indexes", []))
+        return (super().num_params() + v["depth"] * block + patch
+                + mergers * (merged * merged + merged * v["out_hidden_size"]))
 
 
 class QwenVL(HFCheckpoint):
+    groups = GROUPS
     """``Qwen2_5_VLForConditionalGeneration`` <-> :class:`~.model.QwenVLModel`."""
 
     name = "qwen2_5_vl"
@@ -87,31 +92,39 @@ class QwenVL(HFCheckpoint):
     kind = "a vision-language model"
     arch_type = QwenVLArch
     hf_architecture = "Qwen2_5_VLForConditionalGeneration"
+    lm = qwen2.SPEC
+    lm_family = "qwen2"
+    text_model_type, vision_model_type = "qwen2_5_vl_text", "qwen2_5_vl_vision"
+    vision_acts: tuple[str, ...] = ("silu",)
 
     # ---------------------------------------------------------------- architecture
     def arch(self, fields: Any) -> QwenVLArch:
-        return QwenVLArch(**{"family": "qwen2", **fields})
+        return QwenVLArch(**{"family": self.lm_family, **fields})
 
     def arch_from_hf(self, cfg: HFConfig, *, path: Path) -> QwenVLArch:
         text = names.text_config(cfg)
         vision = dict(cfg.get("vision_config") or {})
-        if vision.get("hidden_act", "silu") != "silu":
+        if vision.get("hidden_act", self.vision_acts[0]) not in self.vision_acts:
             raise RecipeError(f"{path}: a vision tower with hidden_act '{vision.get('hidden_act')}' is not supported "
-                              "(silu)", key="model.hf")
-        language = qwen2.SPEC.arch_from_hf(text, path=path)
+                              f"({', '.join(self.vision_acts)})", key="model.hf")
+        language = self.lm.arch_from_hf(text, path=path)
         tokens = {k: cfg[k] for k in _TOKENS if cfg.get(k) is not None}
         vision = {k: v for k, v in vision.items() if k in VISION_KEYS}
-        return self.arch({**language.model_dump(), "vision": {"vision_config": vision,
+        rope = text.get("rope_parameters") or {}
+        extra = {"mrope_interleaved": True} if rope.get("mrope_interleaved") else {}
+        return self.arch({**language.model_dump(), "vision": {"vision_config": vision, **extra,
                                                               "mrope_section": names.mrope_section(cfg), **tokens}})
 
     def hf_config(self, arch: QwenVLArch, *, torch_dtype: str = "float32") -> HFConfig:
         v = arch.vision
-        text = qwen2.SPEC.hf_config(arch.language(), torch_dtype=torch_dtype)
+        text = self.lm.hf_config(arch.language(), torch_dtype=torch_dtype)
         text.pop("architectures", None)
         theta = text.pop("rope_theta")
-        text.update(model_type="qwen2_5_vl_text", rope_parameters={"rope_type": "default", "rope_theta": theta,
-                                                                   "mrope_section": list(v["mrope_section"])})
-        vision = {"model_type": "qwen2_5_vl_vision", "hidden_act": "silu", **v["vision_config"]}
+        rope = {"rope_type": "default", "rope_theta": theta, "mrope_section": list(v["mrope_section"])}
+        if v.get("mrope_interleaved"):
+            rope["mrope_interleaved"] = True
+        text.update(model_type=self.text_model_type, rope_parameters=rope)
+        vision = {"model_type": self.vision_model_type, "hidden_act": "silu", **v["vision_config"]}
         return {"architectures": [self.hf_architecture], "model_type": self.model_types[0], "text_config": text,
                 "vision_config": vision, **{k: v[k] for k in _TOKENS if k in v},
                 "tie_word_embeddings": arch.tie_embeddings, "torch_dtype": torch_dtype}
@@ -161,7 +174,13 @@ class QwenVL(HFCheckpoint):
                               key="kernels.provider")
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("Qwen-VL with rope scaling is not supported", key="model")
-        qwen2.SPEC.check_family(recipe, plan, arch)
+        deep = len(arch.vision["vision_config"].get("deepstack_visual_indexes", []))
+        if plan.pp > 1 and deep:
+            first = plan.first_stage_layers or arch.num_layers // plan.pp
+            if first < deep:
+                raise RecipeError(f"the {deep} deepstack layers must be on the first pipeline stage (it holds "
+                                  f"{first}); set parallel.first_stage_layers >= {deep}", key="parallel.pp")
+        self.lm.check_family(recipe, plan, arch)
         check_lm(recipe, plan, arch)
 
     # ---------------------------------------------------------------- training
@@ -194,7 +213,58 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        return Model(chunks=chunks, config=config, kernels="local", forward_step=forward_step, groups=GROUPS)
+        return Model(chunks=chunks, config=config, kernels="local", forward_step=forward_step, groups=self.groups)
+
+
+_TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+_VIT3 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
+             temporal_patch_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+             hidden_act="gelu_pytorch_tanh", in_channels=3)
+_VIT3_SMALL = dict(_VIT3, depth=24, hidden_size=1024, intermediate_size=4096, deepstack_visual_indexes=[5, 11, 17])
+_LM3 = dict(family="qwen3", vocab_size=151936, rope_theta=5000000.0, norm_eps=1e-6, qk_norm=True, head_dim=128,
+            max_position_embeddings=262144)
+
+
+def _preset3(*, out: int, vit: dict = _VIT3, **lm: Any) -> dict[str, Any]:
+    return dict(_LM3, **lm, vision=dict(vision_config=dict(vit, out_hidden_size=out), mrope_section=[24, 20, 20],
+                                        mrope_interleaved=True, **_TOKENS3))
+
+
+PRESETS3: dict[str, dict[str, Any]] = {
+    "qwen3-vl-2b": _preset3(out=2048, vit=_VIT3_SMALL, num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=8, tie_embeddings=True),
+    "qwen3-vl-4b": _preset3(out=2560, vit=_VIT3_SMALL, num_layers=36, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32, num_query_groups=8, tie_embeddings=True),
+    "qwen3-vl-8b": _preset3(out=4096, num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8),
+    "qwen3-vl-32b": _preset3(out=5120, num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64, num_query_groups=8),
+    "qwen3-vl-tiny": dict(_LM3, vocab_size=320, num_layers=4, hidden_size=64, head_dim=16, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, max_position_embeddings=512,
+                          vision=dict(vision_config=dict(_VIT3, depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, num_position_embeddings=16, deepstack_visual_indexes=[0, 1], out_hidden_size=64),
+                                      mrope_section=[2, 3, 3], mrope_interleaved=True, image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)),
+}
+
+
+class Qwen3VL(QwenVL):
+    """``Qwen3VLForConditionalGeneration`` <-> :class:`~.model.QwenVLModel` (deepstack, interleaved MRoPE)."""
+
+    name = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    presets = PRESETS3
+    hf_architecture = "Qwen3VLForConditionalGeneration"
+    lm = qwen3.SPEC
+    lm_family = "qwen3"
+    text_model_type, vision_model_type = "qwen3_vl_text", "qwen3_vl_vision"
+    vision_acts = ("gelu_pytorch_tanh", "gelu", "silu")
+    groups = {**GROUPS, "projector": ("vision.merger.", "vision.deepstack_merger_list.")}
+
+    def name_map(self, cfg: HFConfig, *, divisible_by: int = 128):
+        return names.name_map_3(cfg, divisible_by=divisible_by)
+
+    def hf_alias(self, name: str) -> str:
+        return name
+
+    def hf_config(self, arch: QwenVLArch, *, torch_dtype: str = "float32") -> HFConfig:
+        cfg = super().hf_config(arch, torch_dtype=torch_dtype)
+        cfg["vision_config"]["hidden_act"] = arch.vision["vision_config"].get("hidden_act", "gelu_pytorch_tanh")
+        return cfg
 
 
 SPEC = QwenVL()
+SPEC3 = Qwen3VL()

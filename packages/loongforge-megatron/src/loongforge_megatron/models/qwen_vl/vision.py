@@ -90,11 +90,11 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, *, patch: int, temporal: int, channels: int, dim: int):
+    def __init__(self, *, patch: int, temporal: int, channels: int, dim: int, bias: bool = False):
         super().__init__()
         self.shape = (channels, temporal, patch, patch)
         self.dim = dim
-        self.proj = nn.Conv3d(channels, dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(channels, dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = pixels.reshape(-1, *self.shape).to(self.proj.weight.dtype)
@@ -144,6 +144,19 @@ def window_order(grid_thw: torch.Tensor, *, merge: int, window: int) -> tuple[to
     return torch.cat(order).to(grid_thw.device), torch.tensor(bounds, dtype=torch.int32, device=grid_thw.device)
 
 
+def rotary_2d(pos: torch.Tensor, *, theta: float, half: int, order: torch.Tensor | None = None,
+              unit: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin ``[patches, head_dim]`` of the 2-D rotary embedding: half the channels rotate with the row, half
+    with the column; ``order`` reorders merged patches (window attention)."""
+    # NOTE: computed in fp32 here, not a buffer: casting the module to bf16 would round the frequencies
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float, device=pos.device) / half)
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [patches, head_dim / 2]
+    if order is not None:
+        freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(freqs.shape)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def image_bounds(grid_thw: torch.Tensor) -> torch.Tensor:
     """Cumulative patch counts per temporal frame of every image (full attention within a frame)."""
     sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
@@ -174,12 +187,7 @@ class VisionTower(nn.Module):
         images = image_bounds(grid_thw)
         x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
         pos = patch_positions(grid_thw, self.merge)
-        # NOTE: computed in fp32 here, not a buffer: casting the module to bf16 would round the frequencies
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.half, 2, dtype=torch.float, device=pos.device) / self.half)
-        freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [patches, head_dim / 2]
-        freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(freqs.shape)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rotary_2d(pos, theta=self.theta, half=self.half, order=order, unit=unit)
         for i, block in enumerate(self.blocks):
             x = block(x, images if i in self.full else windows, cos, sin)
         return self.merger(x)[torch.argsort(order)]
