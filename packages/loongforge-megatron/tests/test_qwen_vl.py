@@ -1,6 +1,7 @@
-"""Qwen2.5-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first step of
+"""Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
+step of
 ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers computes on
-what its own ``AutoProcessor`` makes of the same records; ``train.freeze [vision]`` keeps the tower bit-identical.
+what its own ``AutoProcessor`` makes of the same records; ``model.freeze [vision]`` keeps the tower bit-identical.
 
 NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
@@ -248,9 +249,8 @@ def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
             assert torch.equal(back[key], tensor), (name, key)
 
 
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)  # NOTE: both families read records alike
 def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir):
-    if "qwen3_vl" in str(hf_dir):
-        pytest.skip("the records are read the same way for both families")
     from loongforge.errors import RecipeError
     from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
     from loongforge_megatron.models.registry import arch_from_hf
