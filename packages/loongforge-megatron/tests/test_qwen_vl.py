@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
-step of
-``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers computes on
-what its own ``AutoProcessor`` makes of the same records; ``model.freeze [vision]`` keeps the tower bit-identical.
+step of ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers
+computes on what its own ``AutoProcessor`` makes of the same records; ``model.freeze [vision]`` keeps the tower
+bit-identical.
 
 NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
