@@ -147,8 +147,9 @@ class BlendItem(Section):
 class DataConfig(Section):
     """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic, llava
     (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file), conversations (a Qwen-VL
-    model's image-text messages, ShareGPT or OpenAI style: ``path`` is their JSON / JSONL file), latents (a DiT's: synthetic
-    latents without ``path``; with it an image folder, one sub-folder per class, encoded by ``model.vae``)."""
+    model's image-text messages, ShareGPT or OpenAI style: ``path`` is their JSON / JSONL file), latents (a DiT's:
+    synthetic latents without ``path``; with it an image folder, one sub-folder per class, encoded by
+    ``model.vae``)."""
 
     format: Literal["pretrain", "sft", "synthetic", "llava", "conversations", "latents"] = "pretrain"
     path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
