@@ -14,14 +14,18 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.engine.model import unwrap
 
 
-def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
-    """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here. A name
-    that is neither a group nor a pattern (``*``, ``?``, ``[``) is refused, naming the groups."""
+def check_names(entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> None:
+    """Refuse a name that is neither a group nor a pattern (``*``, ``?``, ``[``), naming the groups."""
     for entry in entries:
         if entry not in groups and not any(c in entry for c in "*?["):
             known = ", ".join(groups) or "none"
             raise RecipeError(f"'{entry}' is not a module group of this model (groups: {known}) nor a parameter "
                               "name pattern such as 'decoder.layers.0.*'", key="model.freeze")
+
+
+def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
+    """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here."""
+    check_names(entries, groups=groups)
     frozen, total = 0, 0
     for chunk in chunks:
         for name, p in unwrap(chunk).named_parameters():

@@ -145,8 +145,11 @@ class QwenVL(HFCheckpoint):
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
         """Tensor / pipeline / data parallelism and the distributed optimizer; the tower whole on every rank."""
+        from loongforge_megatron.freeze import check_names
+
         no_compile(recipe)
         no_dit_keys(recipe)
+        check_names(recipe.model.freeze, groups=self.groups)
         for name, comp in (recipe.parallel.components or {}).items():
             if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}):
                 raise RecipeError("Qwen-VL's vision tower runs whole on every rank: parallel.components may only "
