@@ -34,8 +34,9 @@ class MegatronBackend(Backend):
     @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
         stage, data = recipe.train.stage, recipe.data
-        if stage == "sft" and data.format != "sft":
-            raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (got '{data.format}')", key="data.format")
+        if stage == "sft" and data.format not in ("sft", "conversations"):
+            raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (or a VLM's 'conversations'; got "
+                              f"'{data.format}')", key="data.format")
         if stage == "cpt" and not recipe.checkpoint.load:
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
         if "peft" in recipe.checkpoint.save_format and stage != "lora":

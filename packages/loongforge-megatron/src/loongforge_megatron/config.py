@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from loongforge_megatron.models import registry
 
-_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu", "freeze")
 
 
 def arch_keys() -> list[str]:
@@ -32,6 +32,9 @@ class ModelConfig(Section):
     init_on_cpu: bool = Field(False, description="megatron's use_cpu_initialization for a random init on a GPU: each "
                               "tensor-parallel weight is drawn whole on the CPU and split, so the init does not "
                               "depend on the TP size (slower start; always on with accelerator cpu and for DiT)")
+    freeze: list[str] = Field(default_factory=list, description="parameters kept frozen (no gradient, no optimizer "
+                              "state): module groups of the model (a VLM's vision, projector, language) or "
+                              "parameter-name globs such as 'decoder.layers.0.*'")
     # architecture overrides (all optional)
     num_layers: int | None = Field(None, ge=1)
     hidden_size: int | None = Field(None, ge=1)
@@ -143,10 +146,12 @@ class BlendItem(Section):
 
 class DataConfig(Section):
     """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic, llava
-    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file), latents (a DiT's: synthetic
-    latents without ``path``; with it an image folder, one sub-folder per class, encoded by ``model.vae``)."""
+    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file), conversations (a Qwen-VL
+    model's image-text messages, ShareGPT or OpenAI style: ``path`` is their JSON / JSONL file), latents (a DiT's:
+    synthetic latents without ``path``; with it an image folder, one sub-folder per class, encoded by
+    ``model.vae``)."""
 
-    format: Literal["pretrain", "sft", "synthetic", "llava", "latents"] = "pretrain"
+    format: Literal["pretrain", "sft", "synthetic", "llava", "conversations", "latents"] = "pretrain"
     path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
     blend: list[BlendItem] = Field(default_factory=list, description="weighted dataset prefixes (default: PATH/train)")
     seq_length: int = Field(1024, ge=8)

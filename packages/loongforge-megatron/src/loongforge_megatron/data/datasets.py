@@ -182,7 +182,11 @@ class BatchSchedule:
             first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
             samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
             batch = {}
+            concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
             for key in samples[0]:
+                if key in concat:
+                    batch[key] = torch.cat([s[key] for s in samples]).to(device, non_blocking=True)
+                    continue
                 t = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 batch[key] = t.to(device, non_blocking=True)
             for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),

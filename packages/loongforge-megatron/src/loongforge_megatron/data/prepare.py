@@ -67,8 +67,9 @@ def tokenizer_dir(recipe) -> Path | None:
 def prepare(recipe, *, force: bool = False) -> Path:
     """Build the prepared data directory of ``recipe`` (no-op when already complete, unless ``force``)."""
     data = recipe.data
-    if data.format in ("synthetic", "llava", "latents"):
+    if data.format in ("synthetic", "llava", "conversations", "latents"):
         what = {"synthetic": "synthetic data", "llava": "data.format llava (its records file is read as is)",
+                "conversations": "data.format conversations (its records file is read as is)",
                 "latents": "data.format latents (images are encoded while training)"}[data.format]
         raise RecipeError(f"{what} needs no preparation", key="data.format")
     if not data.path:

@@ -9,7 +9,7 @@ reads only the spec: recipe -> spec -> data + model -> HF weights -> LoRA -> DDP
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -48,6 +48,7 @@ class Model:
     forward_step: Callable | None = None  # megatron forward_step_func (None: the engine's GPT step)
     loss_key: str = "lm loss"
     whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # model.freeze's groups -> name prefixes
 
 
 @runtime_checkable

@@ -338,6 +338,9 @@ class GPTFamily(HFCheckpoint):
         no_compile(recipe)
         one_layout(recipe)
         no_dit_keys(recipe)
+        if recipe.data.format == "conversations":
+            raise RecipeError("data.format conversations (image-text messages) needs a Qwen-VL model (e.g. "
+                              "model.preset qwen2.5-vl-tiny or model.hf of a Qwen2.5-VL checkpoint)", key="data.format")
         if recipe.data.format == "llava":
             raise RecipeError("data.format llava (image-text conversations) needs a LLaVA model (e.g. model.preset "
                               "llava-tiny or model.hf of a LLaVA checkpoint)", key="data.format")

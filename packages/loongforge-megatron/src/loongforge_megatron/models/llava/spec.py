@@ -201,7 +201,9 @@ class Llava(HFCheckpoint):
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
             whole_vision=bool(whole))
-        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole)
+        groups = {"vision": ("vision_model.",), "projector": ("vision_projection.",), "language": ("language_model.",)}
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
+                     groups=groups)
 
 
 def _check_components(recipe: Any, plan: Any) -> None:

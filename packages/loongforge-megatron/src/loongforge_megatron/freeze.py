@@ -1,0 +1,40 @@
+"""``model.freeze``: parameters kept as they are. Each entry is a module group of the model (the spec's
+``Model.groups``, e.g. ``vision``, ``projector``, ``language``) or a glob over parameter names
+(``decoder.layers.0.*``). Frozen parameters stop requiring gradients before DDP and the optimizer are built, so
+they get no gradient buffer, no optimizer state and stay bit-identical (megatron skips them in both)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from loongforge.errors import RecipeError
+
+from loongforge_megatron.engine.model import unwrap
+
+
+def check_names(entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> None:
+    """Refuse a name that is neither a group nor a pattern (``*``, ``?``, ``[``), naming the groups."""
+    for entry in entries:
+        if entry not in groups and not any(c in entry for c in "*?["):
+            known = ", ".join(groups) or "none"
+            raise RecipeError(f"'{entry}' is not a module group of this model (groups: {known}) nor a parameter "
+                              "name pattern such as 'decoder.layers.0.*'", key="model.freeze")
+
+
+def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
+    """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here."""
+    check_names(entries, groups=groups)
+    frozen, total = 0, 0
+    for chunk in chunks:
+        for name, p in unwrap(chunk).named_parameters():
+            total += 1
+            hit = any(name.startswith(groups[e]) if e in groups else fnmatch.fnmatchcase(name, e) for e in entries)
+            if hit and p.requires_grad:
+                p.requires_grad_(False)
+                frozen += 1
+    if entries and not any(p.requires_grad for c in chunks for p in c.parameters()):
+        raise RecipeError(f"model.freeze {entries} leaves nothing to train on this rank's {total} parameters",
+                          key="model.freeze")
+    return frozen

@@ -1,0 +1,347 @@
+"""Qwen-VL training samples: ``data.format conversations`` (JSON / JSONL records of messages with image
+references) and synthetic image-text samples.
+
+Preprocessing is the checkpoint's own, as transformers' ``AutoProcessor`` does it: the image processor of its
+``preprocessor_config.json`` (smart resize between min / max pixels, normalisation, temporal patches), the chat
+template, and each image placeholder expanded to the image's merged-patch count. Labels are the tokens of each
+assistant message's content and its end-of-turn token, nothing else. A sample is a dict of ``tokens`` /
+``labels`` / ``loss_mask`` ``[s]``, ``position_ids`` ``[3, s]`` (multimodal RoPE) and the sample's
+``pixel_values`` / ``image_grid_thw``, which a micro-batch concatenates (:attr:`CONCAT_KEYS`).
+
+Records (image paths relative to the records file, inside its folder):
+
+- ShareGPT: ``{"conversations": [{"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value":
+  "..."}], "images": ["a.png"]}`` (or ``"image": "a.png"``); each ``<image>`` takes the next image.
+- OpenAI: ``{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text",
+  "text": "What is this?"}]}, {"role": "assistant", "content": "..."}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from loongforge.errors import RecipeError
+
+from loongforge_megatron.models.qwen_vl.rope import mrope_positions
+
+CONCAT_KEYS = ("pixel_values", "image_grid_thw")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+# Qwen2-VL's chat template (the hub's chat_template.json), for a checkpoint directory that has none.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bad(where: str, what: str) -> RecipeError:
+    return RecipeError(f"{where}: {what}", key="data.path")
+
+
+def read_records(path: str | Path) -> list[Any]:
+    """The records of a JSON list or JSONL file (RecipeError naming the file and line otherwise)."""
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"'{path}' is not a file of conversation records (JSON list or JSONL)", key="data.path")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not UTF-8 text; expected a JSON list or JSONL of records", key="data.path") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{path}: invalid JSON ({exc})", key="data.path") from None
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise RecipeError(f"{path}: line {n}: invalid JSON ({exc})", key="data.path") from None
+    if not isinstance(records, list) or not records:
+        raise RecipeError(f"{path}: no records (expected a JSON list or one JSON object per line)", key="data.path")
+    return records
+
+
+def to_messages(rec: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(processor-style messages: content lists of ``{"type": "image"}`` / ``{"type": "text", ...}``, the image
+    references in order) of a ShareGPT or OpenAI record."""
+    if not isinstance(rec, dict):
+        raise _bad(where, "is not a JSON object")
+    if "messages" in rec:
+        return _openai(rec["messages"], where)
+    if "conversations" in rec:
+        return _sharegpt(rec, where)
+    raise _bad(where, "has neither 'messages' (OpenAI style) nor 'conversations' (ShareGPT style)")
+
+
+def _sharegpt(rec: dict, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+    images = rec.get("images", [rec["image"]] if "image" in rec else [])
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise _bad(where, "'images' must be a list of image paths")
+    messages, used = [], 0
+    turns = rec["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise _bad(where, "'conversations' must be a non-empty list of {from, value} turns")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("from") not in _ROLES or not isinstance(turn.get("value"), str):
+            raise _bad(where, f"turn {i + 1} needs 'from' (one of {', '.join(_ROLES)}) and a string 'value'")
+        parts = turn["value"].split("<image>")
+        content: list[dict[str, Any]] = []
+        for k, text in enumerate(parts):
+            if k:
+                content.append({"type": "image"})
+                used += 1
+            if text:
+                content.append({"type": "text", "text": text})
+        messages.append({"role": _ROLES[turn["from"]], "content": content})
+    if used != len(images):
+        raise _bad(where, f"has {used} '<image>' placeholders but {len(images)} images")
+    return messages, images
+
+
+def _openai(turns: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+    if not isinstance(turns, list) or not turns:
+        raise _bad(where, "'messages' must be a non-empty list of {role, content} messages")
+    messages, images = [], []
+    for i, m in enumerate(turns):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
+            raise _bad(where, f"message {i + 1} needs 'role' (one of {', '.join(_ROLES)}) and 'content'")
+        content = m["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise _bad(where, f"message {i + 1}: 'content' must be a string or a list of parts")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image", "image_url"):
+                ref = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
+                ref = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(ref, str):
+                    raise _bad(where, f"message {i + 1}: an image part without a path ('image' or 'image_url')")
+                images.append(ref)
+                parts.append({"type": "image"})
+            else:
+                raise _bad(where, f"message {i + 1}: content part {str(part)[:80]} is neither text nor an image "
+                           "(videos are not supported yet)")
+        messages.append({"role": _ROLES[m["role"]], "content": parts})
+    return messages, images
+
+
+def load_processor(model_dir: str | Path | None):
+    """The checkpoint directory's ``AutoProcessor`` (its tokenizer, image processor and chat template)."""
+    from transformers import AutoProcessor
+
+    if not model_dir or not any((Path(model_dir) / f).is_file() for f in ("preprocessor_config.json",
+                                                                          "processor_config.json")):
+        raise RecipeError(f"data.format conversations preprocesses images as the checkpoint's "
+                          f"preprocessor_config.json says; '{model_dir}' has none (set model.hf or data.tokenizer "
+                          "to the model's directory)", key="data.tokenizer")
+    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    if not getattr(processor, "chat_template", None):
+        processor.chat_template = getattr(processor.tokenizer, "chat_template", None) or QWEN_VL_CHAT_TEMPLATE
+    return processor
+
+
+class Conversations:
+    """The records of ``path`` as Qwen-VL samples of ``seq_length`` tokens (rows padded; a longer record is cut
+    after its last image, or refused when an image does not fit). Records are visited in a seeded order, a new
+    one every epoch, a function of the sample index (resume is exact)."""
+
+    concat_keys = CONCAT_KEYS
+
+    def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int):
+        self.file = Path(path)
+        self.records = read_records(path)
+        self.processor, self.tok = processor, processor.tokenizer
+        v = arch.vision
+        self.image_token, self.merge = v["image_token_id"], v["vision_config"].get("spatial_merge_size", 2)
+        self.video_token = v.get("video_token_id")
+        self.pad_text = getattr(processor, "image_token", "<|image_pad|>")
+        if self.tok.convert_tokens_to_ids(self.pad_text) != self.image_token:
+            raise RecipeError(f"the tokenizer maps the image placeholder '{self.pad_text}' to id "
+                              f"{self.tok.convert_tokens_to_ids(self.pad_text)}, the model's image_token_id is "
+                              f"{self.image_token}", key="data.tokenizer")
+        eot = "<|im_end|>"
+        self.end_of_turn = eot if self.tok.convert_tokens_to_ids(eot) not in (None, self.tok.unk_token_id) else (
+            self.tok.eos_token)
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.seq_length, self.seed = seq_length, seed
+        self._epoch: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return 1 << 40  # NOTE: epochs follow one another; the record order is reshuffled in each
+
+    def _record(self, idx: int) -> int:
+        epoch, i = divmod(idx, len(self.records))
+        if self._epoch is None or self._epoch[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch = (epoch, torch.randperm(len(self.records), generator=g).tolist())
+        return self._epoch[1][i]
+
+    def _render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """(the chat-templated text, the character spans to train on: each assistant message's content and its
+        end-of-turn token)."""
+        def render(msgs, gen):
+            return self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+        try:
+            text = render(messages, False)
+            spans = []
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before, through = render(messages[:i], True), render(messages[: i + 1], False)
+                if not (text.startswith(through) and through.startswith(before)):
+                    raise ValueError("the chat template does not render a conversation turn by turn")
+                turn = through[len(before):]
+                cut = turn.rfind(self.end_of_turn) if self.end_of_turn else -1
+                end = len(before) + (cut + len(self.end_of_turn) if cut >= 0 else len(turn.rstrip()))
+                spans.append((len(before), end))
+        except Exception as exc:  # noqa: BLE001 - a template error (jinja raises its own types)
+            raise _bad(where, f"the chat template failed ({str(exc).splitlines()[0][:160]})") from None
+        return text, spans
+
+    def _images(self, refs: list[str], where: str) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        root = self.file.parent
+        pil = []
+        for ref in refs:
+            if not ref or Path(ref).is_absolute() or ".." in Path(ref).parts:
+                raise _bad(where, f"image '{ref[:200]}' is not a path inside the records' folder {root} (relative "
+                           "paths only, no '..')")
+            path = root / ref
+            if not path.is_file():
+                raise _bad(where, f"image '{path}' not found")
+            try:
+                with Image.open(path) as im:
+                    pil.append(im.convert("RGB"))
+            except (OSError, ValueError) as exc:  # NOTE: PIL's UnidentifiedImageError and truncated files
+                raise _bad(where, f"image '{path}' is unreadable ({str(exc).splitlines()[0][:120]})") from None
+        if not pil:
+            return {"pixel_values": torch.zeros(0, self._patch_width()), "image_grid_thw": torch.zeros(0, 3,
+                                                                                                   dtype=torch.long)}
+        out = self.processor.image_processor(images=pil, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
+
+    def _patch_width(self) -> int:
+        ip = self.processor.image_processor
+        return 3 * ip.temporal_patch_size * ip.patch_size ** 2
+
+    def encode(self, n: int) -> dict[str, Any]:
+        """Record ``n`` (0-based): token ids, 0/1 label mask, pixel values and grids (not cut or padded)."""
+        where = f"{self.file}: record {n + 1}"
+        messages, refs = to_messages(self.records[n], where)
+        text, spans = self._render(messages, where)
+        images = self._images(refs, where)
+        counts = (images["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+        pieces = text.split(self.pad_text)
+        if len(pieces) - 1 != len(counts):
+            raise _bad(where, f"the chat template wrote {len(pieces) - 1} image placeholders for {len(counts)} images")
+        # NOTE: expand each placeholder to its image's token count (the processor's rule), moving the spans along
+        expanded, shift, starts = [], 0, []
+        for k, piece in enumerate(pieces):
+            starts.append((shift, sum(len(p) for p in pieces[:k]) + k * len(self.pad_text)))
+            expanded.append(piece)
+            if k < len(counts):
+                expanded.append(self.pad_text * counts[k])
+                shift += len(self.pad_text) * (counts[k] - 1)
+        full = "".join(expanded)
+
+        def moved(c: int) -> int:
+            return c + max((s for s, at in starts if at <= c), default=0)
+
+        spans = [(moved(a), moved(b)) for a, b in spans]
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+        if ids.count(self.image_token) != sum(counts):
+            raise _bad(where, f"{ids.count(self.image_token)} image tokens after tokenization for {sum(counts)} "
+                       "image embeddings (the tokenizer splits the placeholder)")
+        return {"ids": ids, "mask": mask, **images}
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        n = self._record(idx)
+        rec = self.encode(n)
+        return sample(rec["ids"], rec["mask"], pixel_values=rec["pixel_values"], grid_thw=rec["image_grid_thw"],
+                      seq_length=self.seq_length, pad=self.pad, image_token=self.image_token,
+                      video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}")
+
+
+def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_thw: torch.Tensor, seq_length: int,
+           pad: int, image_token: int, video_token: int | None, merge: int, where: str) -> dict[str, torch.Tensor]:
+    """One row of ``seq_length`` tokens: GPT-shifted labels, the 0/1 loss mask, multimodal positions."""
+    positions = mrope_positions(ids, grids=grid_thw.tolist(), image_token=image_token, video_token=video_token,
+                                merge=merge)
+    n = seq_length
+    if len(ids) > n + 1:
+        if image_token in ids[n:]:
+            raise _bad(where, f"an image's tokens end after data.seq_length {n} (the record has {len(ids)} tokens "
+                       "with its images expanded); raise seq_length or use smaller images (max_pixels)")
+        ids, mask, positions = ids[: n + 1], mask[: n + 1], positions[:, : n + 1]
+    extra = n + 1 - len(ids)
+    last = int(positions.max()) + 1 if positions.numel() else 0
+    positions = torch.cat([positions, torch.arange(last, last + extra).expand(3, -1)], dim=1)
+    ids, mask = ids + [pad] * extra, mask + [0] * extra
+    return {"tokens": torch.tensor(ids[:n]), "labels": torch.tensor(ids[1:]),
+            "loss_mask": torch.tensor(mask[1:], dtype=torch.float), "position_ids": positions[:, :n].long(),
+            "pixel_values": pixel_values, "image_grid_thw": grid_thw}
+
+
+class SyntheticImageText:
+    """Deterministic samples: ``[<|vision_start|>, image tokens, <|vision_end|>, caption]`` where the caption is a
+    function of the image's colours (so the loss can fall); one ``side`` x ``side`` image per sample."""
+
+    concat_keys = CONCAT_KEYS
+
+    def __init__(self, *, arch: Any, seq_length: int, seed: int, side: int | None = None):
+        v = arch.vision
+        vc = v["vision_config"]
+        self.patch, self.temporal = vc.get("patch_size", 14), vc.get("temporal_patch_size", 2)
+        self.merge = vc.get("spatial_merge_size", 2)
+        self.side = side or self.patch * self.merge * 2
+        self.image_token, self.video_token = v["image_token_id"], v.get("video_token_id")
+        self.start, self.end = v.get("vision_start_token_id"), v.get("vision_end_token_id")
+        self.vocab = min(arch.vocab_size, min(t for t in (self.image_token, self.start, self.end) if t is not None))
+        self.seq_length, self.seed = seq_length, seed
+        g = self.side // self.patch
+        self.grid = torch.tensor([[1, g, g]])
+        if (g // self.merge) ** 2 + 3 >= seq_length:
+            raise ValueError(f"data.seq_length {seq_length} leaves no room for text after {(g // self.merge) ** 2} "
+                             "image tokens")
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
+        g = self.side // self.patch
+        levels = torch.randint(0, 4, (3,), generator=gen).float()
+        patches = levels.view(1, 3, 1, 1, 1).expand(g * g, 3, self.temporal, self.patch, self.patch) / 3.0
+        patches = patches + 0.05 * torch.randn(patches.shape, generator=gen)
+        n_img = (g // self.merge) ** 2
+        words = (levels.long() + 4 * torch.arange(3)) % max(self.vocab - 2, 1) + 1
+        text_len = self.seq_length + 1 - n_img - 2
+        caption = words.repeat(-(-text_len // 3))[:text_len].tolist()
+        ids = [self.start] + [self.image_token] * n_img + [self.end] + caption
+        mask = [0] * (n_img + 2) + [1] * len(caption)
+        return sample(ids, mask, pixel_values=patches.reshape(g * g, -1), grid_thw=self.grid,
+                      seq_length=self.seq_length, pad=0, image_token=self.image_token, video_token=self.video_token,
+                      merge=self.merge, where="synthetic")

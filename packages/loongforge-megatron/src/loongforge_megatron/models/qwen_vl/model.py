@@ -1,0 +1,140 @@
+"""Qwen-VL on megatron-core: :class:`QwenVLModel` is megatron's ``GPTModel`` (the Qwen2.5 language model, with
+multimodal RoPE) that also holds the vision tower on the first pipeline stage and writes its image embeddings over
+the image placeholder tokens' embeddings before the decoder runs; :func:`forward_step` is its megatron step.
+
+The language model keeps GPTModel's parameter names (``embedding.*``, ``decoder.layers.*``, ``output_layer.*``), so
+the GPT name maps, the seeded initialisation and the pipeline layout are the GPT ones; the tower is ``vision.*``.
+The tower is whole on every tensor-parallel rank (each runs it on the same images): its gradients agree across
+those ranks because the decoder's first column-parallel layers all-reduce the gradient of their input.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from loongforge_megatron.engine.step import _to_device, loss_func
+
+VISION_PREFIXES = ("vision.",)  # the "vision" component (tower + merger)
+
+
+def _gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class QwenVLModel(GPTModel):
+        """GPTModel + the vision tower (first stage) + multimodal RoPE."""
+
+        def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
+                     mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
+                     **gpt: Any):
+            from loongforge_megatron.models.qwen_vl.rope import MRoPE
+            from loongforge_megatron.models.qwen_vl.vision import VisionTower
+            from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
+
+            super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base), **gpt)
+            # NOTE: GPTModel's mrope branch calls rotary_pos_emb(position_ids, mrope_section); megatron's own
+            # MultimodalRotaryEmbedding allocates on torch.cuda at build and has no interleaved sections, so the
+            # model is built with plain rope and given ours
+            self.position_embedding_type = "mrope"
+            self.mrope_section = list(mrope_section)
+            self.rotary_pos_emb = MRoPE(kv_channels=self.config.kv_channels, rotary_base=rotary_base,
+                                        interleaved=mrope_interleaved)
+            self.image_token, self.video_token = image_token, video_token
+            tower = VisionTower3 if deepstack else VisionTower
+            self.vision = tower(vision_config) if self.pre_process else None
+            self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+            if self.vision is not None and deepstack:
+                n = len(vision_config.get("deepstack_visual_indexes", []))
+                if n > len(self.decoder.layers):
+                    raise ValueError(f"the {n} deepstack layers must be on the first pipeline stage, which holds "
+                                     f"{len(self.decoder.layers)} layers")
+                for i in range(n):
+                    self.decoder.layers[i].register_forward_hook(functools.partial(self._add_deepstack, i))
+
+        def _add_deepstack(self, i, module, args, output):
+            """Deepstack: after language layer ``i``, the image tokens' hidden states get the tower's i-th
+            deepstack features (transformers' ``_deepstack_process``)."""
+            if self._deepstack is None:
+                return output
+            mask, order, feats = self._deepstack
+            hidden, *rest = output if isinstance(output, tuple) else (output,)
+            hidden = hidden.clone()
+            hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
+            return (hidden, *rest) if isinstance(output, tuple) else hidden
+
+        def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
+                    image_grid_thw=None, packed_seq_params=None, **kw):
+            decoder_input, self._deepstack = None, None
+            if self.pre_process:
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+                if pixel_values is not None and pixel_values.numel():
+                    decoder_input = self._with_images(decoder_input, input_ids, pixel_values, image_grid_thw)
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                                   labels=labels, packed_seq_params=packed_seq_params, **kw)
+
+        def _with_images(self, emb, input_ids, pixel_values, grid_thw):
+            """The image embeddings in place of the placeholder tokens' embeddings, row after row (the order the
+            images were collated in)."""
+            feats = self.vision(pixel_values, grid_thw)
+            mask = input_ids == self.image_token
+            if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
+                feats, deep = feats
+                # NOTE: hidden states are [s, b, h]: the features (row after row) in sequence-major order
+                rank = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+                rank[mask] = torch.arange(int(mask.sum()), device=mask.device)
+                self._deepstack = (mask.t(), rank.t()[mask.t()], deep)
+            if int(mask.sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image embeddings "
+                                 f"(grids {grid_thw.tolist()})")
+            rows = emb.transpose(0, 1).clone()
+            rows[mask] = feats.to(rows.dtype)
+            return rows.transpose(0, 1).contiguous()
+
+    return QwenVLModel
+
+
+def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
+                  device: torch.device, vpp: int = 1) -> list[torch.nn.Module]:
+    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+
+    from loongforge_megatron.engine.model import _block_spec, _not_deprecation_notice
+
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_deprecation_notice)
+    cls = _gpt_model_class()
+    v = arch.vision
+    vp_size = vpp if vpp > 1 else None
+    chunks = []
+    for i in range(vpp):
+        vp_stage = i if vpp > 1 else None
+        model = cls(
+            vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
+            mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
+            deepstack="deepstack_visual_indexes" in v["vision_config"],
+            rotary_base=arch.rope_theta, config=config,
+            transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=True) and is_vp_last_stage(vp_stage, vp_size),
+            share_embeddings_and_output_weights=arch.tie_embeddings, vp_stage=vp_stage)
+        if model.vision is not None:
+            model.vision.to(dtype=config.params_dtype)
+        model.to(device)
+        chunks.append(model)
+    return chunks
+
+
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
+    """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
+    the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``)."""
+    device = next(model.parameters()).device
+    batch = _to_device(next(data_iterator), device)
+    output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), None,
+                   labels=batch["labels"], pixel_values=batch.get("pixel_values"),
+                   image_grid_thw=batch.get("image_grid_thw"))
+    return output, functools.partial(loss_func, batch["loss_mask"])

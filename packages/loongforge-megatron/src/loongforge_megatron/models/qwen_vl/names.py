@@ -1,0 +1,99 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) and Qwen3-VL (``Qwen3VLForConditionalGeneration``) <->
+:class:`~.model.QwenVLModel` names.
+
+HF names are the checkpoint files' (the hub's, and what transformers' ``save_pretrained`` writes): the language
+model is the GPT map of its family (Qwen2's: q/k/v biases: ``model.layers.*``, ``model.embed_tokens``,
+``lm_head``); the vision tower keeps transformers' names under ``vision.`` (megatron) / ``visual.`` (HF), whole on
+every rank (replicated) on the first pipeline stage. Files that spell the module paths of transformers 5's model
+(``model.language_model.*``, ``model.visual.*``) are read through :func:`hf_alias`. Qwen3-VL's files use those
+module paths themselves (:func:`name_map_3`: Qwen3's language model, with q/k norms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loongforge.checkpoint import Entry, NameMap, Replicated
+from loongforge.errors import CheckpointError
+
+from loongforge_megatron.models.gpt.names import HFConfig, decoder
+
+V = "visual."
+LM = "model.language_model."
+
+
+def complete_config(h: HFConfig) -> HFConfig:
+    """The config as transformers 5 reads it (a hub config of transformers 4 lists the text fields at the top
+    level and ``rope_scaling`` instead of ``rope_parameters``)."""
+    from transformers import AutoConfig
+
+    kind = h.get("model_type")
+    cls = type(AutoConfig.for_model(kind))
+    full = cls.from_dict(dict(h)).to_dict()
+    return {k: v for k, v in full.items() if v is not None}
+
+
+def text_config(h: HFConfig) -> HFConfig:
+    t = dict(h.get("text_config") or {})
+    t.setdefault("tie_word_embeddings", h.get("tie_word_embeddings", False))
+    return t
+
+
+def mrope_section(h: HFConfig) -> list[int]:
+    t = text_config(h)
+    params = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    if "mrope_section" not in params:
+        raise CheckpointError("qwen_vl: the text config has no rope_parameters.mrope_section")
+    return list(params["mrope_section"])
+
+
+def _vision(h: HFConfig) -> list[Entry]:
+    v = h["vision_config"]
+    names = ["patch_embed.proj.weight", "merger.ln_q.weight", "merger.mlp.0.weight", "merger.mlp.0.bias",
+             "merger.mlp.2.weight", "merger.mlp.2.bias"]
+    per_block = ["norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                 "attn.proj.bias"] + [f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias")]
+    names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
+    return [Entry("vision." + n, V + n, Replicated(), stage="first") for n in names]
+
+
+def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    t = text_config(h)
+    lm = decoder(t, divisible_by=divisible_by, qkv_bias=True)
+    return NameMap(_vision(h) + lm.entries)
+
+
+def _vision_3(h: HFConfig) -> list[Entry]:
+    v = h["vision_config"]
+    lin = [f"{n}.{w}" for n in ("linear_fc1", "linear_fc2", "norm") for w in ("weight", "bias")]
+    names = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight"] + [f"merger.{n}" for n in lin]
+    names += [f"deepstack_merger_list.{j}.{n}" for j in range(len(v.get("deepstack_visual_indexes", []))) for n in lin]
+    per_block = [f"{n}.{w}" for n in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+                 for w in ("weight", "bias")]
+    names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
+    return [Entry("vision." + n, "model.visual." + n, Replicated(), stage="first") for n in names]
+
+
+def _language(entry: Entry) -> Entry:
+    """A GPT entry under ``model.language_model.`` (the head stays ``lm_head``)."""
+    def move(name: str) -> str:
+        return LM + name[len("model."):] if name.startswith("model.") else name
+
+    pats = {r: move(n) for r, n in entry.hf_patterns().items()}
+    return replace(entry, hf=pats[next(iter(pats))] if isinstance(entry.hf, str) else pats)
+
+
+def name_map_3(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    """Qwen3-VL: Qwen3 layers (q/k norms, no biases) under ``model.language_model.``, the tower ``model.visual.``."""
+    t = text_config(h)
+    lm = decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias")))
+    return NameMap(_vision_3(h) + [_language(e) for e in lm.entries])
+
+
+def hf_alias(name: str) -> str:
+    """A tensor name as transformers 5's module paths spell it -> the checkpoint files' spelling."""
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    if name.startswith(LM):
+        return "model." + name[len(LM):]
+    return name

@@ -1,0 +1,280 @@
+"""Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
+step of ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers
+computes on what its own ``AutoProcessor`` makes of the same records; ``model.freeze [vision]`` keeps the tower
+bit-identical.
+
+NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import loongforge
+import pytest
+import torch
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "vlm" / "qwen2_5_vl_tiny.yaml"
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def save_qwen_vl(out: Path, *, vocab: int = 320, ids: dict[str, int] | None = None, tie: bool = False) -> Path:
+    """A tiny Qwen2_5_VLForConditionalGeneration with every weight perturbed (no norm at 1, no bias at 0)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = ids or {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[2]),
+        tie_word_embeddings=tie, **ids)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight"))
+            p.copy_((1.0 if norm else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+def save_qwen3_vl(out: Path, *, vocab: int, ids: dict[str, int]) -> Path:
+    """A tiny Qwen3VLForConditionalGeneration (deepstack after LM layers 0 and 1), every weight perturbed."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        tie_word_embeddings=False, **ids)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))
+            p.copy_((1.0 if norm else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+def save_processor(out: Path, texts: list[str], *, family: str = "qwen2_5_vl") -> tuple[dict[str, int], int]:
+    """A byte-level BPE tokenizer with Qwen-VL's special tokens, Qwen2-VL's image processor (4-pixel patches, a
+    small pixel budget) and chat template, saved as the model directory's processor; returns (the special token
+    ids, the vocabulary size)."""
+    from loongforge_megatron.data.tokenizer import train_bpe
+    from loongforge_megatron.models.qwen_vl.data import QWEN_VL_CHAT_TEMPLATE
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLProcessor
+
+    tok = train_bpe(texts, vocab_size=290, out_dir=out)
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|im_end|>"
+    images = Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+                                   max_pixels=32 * 32)
+    video = Qwen2VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLVideoProcessor
+
+        video = Qwen3VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
+    cls = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
+    processor = cls(image_processor=images, tokenizer=tok, video_processor=video, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    t = tok.convert_tokens_to_ids
+    return {"image_token_id": t("<|image_pad|>"), "video_token_id": t("<|video_pad|>"),
+            "vision_start_token_id": t("<|vision_start|>"), "vision_end_token_id": t("<|vision_end|>")}, len(tok)
+
+
+def make_records(root: Path) -> Path:
+    """Two records with images of different sizes: one ShareGPT-style, one OpenAI-style."""
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (24, 16), (200, 30, 30)).save(root / "red.png")
+    g = torch.Generator().manual_seed(0)
+    noise = (torch.rand(32, 16, 3, generator=g) * 255).to(torch.uint8).numpy()
+    Image.fromarray(noise).save(root / "noise.png")
+    records = [
+        {"conversations": [{"from": "human", "value": "<image>\nWhat colour is this?"},
+                           {"from": "gpt", "value": "It is red."}], "images": ["red.png"]},
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "image", "image": "noise.png"},
+                                                   {"type": "text", "text": "What is this?"}]},
+                      {"role": "assistant", "content": "It is noise."},
+                      {"role": "user", "content": "And the colour?"},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Green and blue."}]}]},
+    ]
+    (root / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "records.jsonl"
+
+
+TEXTS = ["What colour is this? It is red. It is noise. Be brief. And the colour? Green and blue."] * 4
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def hf_dir(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp(request.param) / "hf"
+    ids, vocab = save_processor(out, TEXTS, family=request.param)
+    return (save_qwen3_vl if request.param == "qwen3_vl" else save_qwen_vl)(out, vocab=vocab, ids=ids)
+
+
+def hf_inputs(hf_dir: Path, records: Path) -> dict[str, torch.Tensor]:
+    """What transformers' AutoProcessor makes of the records (processor-style messages), padded on the right, with
+    labels on each assistant message's content and its <|im_end|>."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    tok = processor.tokenizer
+    texts, images, targets = [], [], []
+    for rec in map(json.loads, records.read_text().splitlines()):
+        if "messages" in rec:
+            msgs = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], list) else
+                     [{"type": "text", "text": m["content"]}]} for m in rec["messages"]]
+            refs = [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+        else:
+            role = {"human": "user", "gpt": "assistant"}
+            msgs = []
+            for t in rec["conversations"]:
+                head, _, tail = t["value"].partition("<image>")
+                parts = ([{"type": "text", "text": head}] if head else []) + (
+                    [{"type": "image"}] + ([{"type": "text", "text": tail}] if tail else []) if _ else [])
+                msgs.append({"role": role[t["from"]], "content": parts})
+            refs = rec["images"]
+        texts.append(processor.apply_chat_template(msgs, tokenize=False))
+        images += [Image.open(records.parent / r).convert("RGB") for r in refs]
+        targets.append([p["text"] for m in msgs if m["role"] == "assistant" for p in m["content"]])
+    batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="right")
+    labels = torch.full_like(batch["input_ids"], -100)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    for row, answers in enumerate(targets):
+        ids = batch["input_ids"][row].tolist()
+        # NOTE: an assistant turn is "<|im_start|>assistant\n{content}<|im_end|>": label content + <|im_end|>
+        head = tok("assistant\n", add_special_tokens=False)["input_ids"]
+        found = 0
+        for i in range(len(ids)):
+            if ids[i] == start and ids[i + 1: i + 1 + len(head)] == head:
+                j = i + 1 + len(head)
+                k = ids.index(end, j)
+                labels[row, j: k + 1] = batch["input_ids"][row, j: k + 1]
+                found += 1
+        assert found == len(answers)
+    return {**batch, "labels": labels}
+
+
+def hf_image_token(hf_dir: Path) -> int:
+    return json.loads((hf_dir / "config.json").read_text())["image_token_id"]
+
+
+def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**batch).loss.item()
+
+
+def overrides(hf_dir: Path, records: Path, *extra: str) -> list[str]:
+    """Continue training the HF checkpoint ``hf_dir`` on ``records`` on CPU: one global batch of both records."""
+    return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
+            f"data.path={records}", "data.seq_length=96", "train.global_batch_size=2", "train.steps=3",
+            "train.warmup_steps=0", "accelerator=cpu", "logging.console=false", *extra]
+
+
+def _steps(*, rank, world, overrides, run_dir, export_dir):
+    """(step 1's micro-batches, every step's loss) of a job in a rank, then the online HF export."""
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        losses = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+        job.export("hf", export_dir)
+        return batches, losses
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_path, hf_dir, ranks):
+    """Both records in one micro-batch (rows padded): tokens and pixels are the processor's and the first SFT step's
+    loss is transformers' on the processor's batch; with model.freeze [vision] the exported tower after 3 steps is
+    the source's, bit for bit, while the language model moved."""
+    from safetensors.torch import load_file
+
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "model.freeze=[vision]")
+    batches, losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
+                            export_dir=tmp_path / "exported")[0]
+    ref_batch = hf_inputs(hf_dir, records)
+    (b,) = batches
+    image = hf_image_token(hf_dir)
+    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
+    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
+    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
+    for r, h in zip(mine, theirs, strict=True):
+        n = int(ref_batch["attention_mask"][h].sum())
+        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
+    assert torch.equal(torch.sort(b["pixel_values"], 0)[0], torch.sort(ref_batch["pixel_values"], 0)[0])
+    ref = hf_loss(hf_dir, ref_batch)
+    assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
+    assert losses[-1] < losses[0]
+    source, trained = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
+    assert trained.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(trained[name], tensor) == name.startswith(("visual.", "model.visual.")), name
+
+
+def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
+    from loongforge.cli import main
+    from safetensors.torch import load_file
+
+    source = load_file(hf_dir / "model.safetensors")
+    for name, layout in (("tp1", []), ("tp2_pp2", ["--tp", "2", "--pp", "2"])):
+        assert main(["convert", str(hf_dir), str(tmp_path / name), "--to", "megatron", *layout]) == 0
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}_hf"), "--to", "hf"]) == 0
+        back = {}
+        for f in (tmp_path / f"{name}_hf").glob("*.safetensors"):
+            back.update(load_file(f))
+        assert back.keys() == source.keys(), name
+        for key, tensor in source.items():
+            assert torch.equal(back[key], tensor), (name, key)
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)  # NOTE: both families read records alike
+def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir):
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
+    from loongforge_megatron.models.registry import arch_from_hf
+
+    good = make_records(tmp_path)
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    turn = [{"from": "gpt", "value": "x"}]
+    bad = [({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["gone.png"]}, "not found"),
+           ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["broken.png"]}, "unreadable"),
+           ({"conversations": [{"from": "human", "value": "hi"}, *turn], "images": ["red.png"]},
+            "0 '<image>' placeholders but 1 images"),
+           ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["../red.png"]},
+            "not a path inside"),
+           ({"text": "no turns"}, "neither 'messages'"),
+           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text nor an image")]
+    lines = good.read_text().splitlines()
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines + [json.dumps(r) for r, _ in bad]) + "\n")
+    arch = arch_from_hf(hf_dir)
+    ds = Conversations(str(tmp_path / "bad.jsonl"), processor=load_processor(hf_dir), arch=arch, seq_length=96, seed=0)
+    assert ds.encode(0)["ids"].count(arch.vision["image_token_id"]) == 6  # a 24 x 16 image: 6 merged patches
+    for n, (_, what) in enumerate(bad, start=len(lines) + 1):
+        with pytest.raises(RecipeError) as err:
+            ds.encode(n - 1)
+        msg = str(err.value)
+        assert f"bad.jsonl: record {n}" in msg and what in msg and "\n" not in msg, msg
+    with pytest.raises(RecipeError, match="an image's tokens end after data.seq_length 8"):
+        Conversations(str(good), processor=load_processor(hf_dir), arch=arch, seq_length=8, seed=0)[0]
