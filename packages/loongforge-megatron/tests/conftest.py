@@ -127,6 +127,83 @@ def hf_loss(hf_dir: Path, batches: list[dict]) -> float:
 
 
 
+def add_mtp_layers(hf_dir: Path, *, depths: int = 1, seed: int = 1) -> Path:
+    """Give a saved DeepSeek-V3-layout checkpoint ``depths`` multi-token-prediction layers the way DeepSeek's own
+    release lays them out: layer ``num_hidden_layers + k`` with ``enorm`` / ``hnorm`` / ``eh_proj``, a decoder
+    layer (drawn by transformers: a model of ``num_hidden_layers + depths`` layers saved with save_pretrained),
+    ``shared_head.norm`` and copies of the embedding and the head (``embed_tokens``, ``shared_head.head``)."""
+    import json
+    import tempfile
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = load_file(hf_dir / "model.safetensors")
+    config = tf.AutoConfig.from_pretrained(hf_dir)
+    config.num_hidden_layers = n + depths
+    torch.manual_seed(seed)
+    deeper = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in deeper.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for name, b in deeper.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.01 * torch.randn_like(b))
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)
+        extra = load_file(Path(tmp) / "model.safetensors")
+    for k in range(depths):
+        pre = f"model.layers.{n + k}."
+        tensors.update({name: t for name, t in extra.items() if name.startswith(pre)})
+        tensors[pre + "enorm.weight"] = 1.0 + 0.1 * torch.randn(h)
+        tensors[pre + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(h)
+        tensors[pre + "eh_proj.weight"] = 0.05 * torch.randn(h, 2 * h)
+        tensors[pre + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(h)
+        tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = depths
+    (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return hf_dir
+
+
+def mtp_reference_loss(hf_dir: Path, batches: list[dict]) -> float:
+    """Depth-1 MTP loss of transformers' own model + MTP layers (``MtpModel``, loaded from the checkpoint):
+    from the final hidden states and the embeddings of the next tokens, predict the token after the next; the
+    masked mean per micro-batch, averaged over micro-batches (as megatron reports it)."""
+    import transformers as tf
+    from transformers.modeling_layers import MtpModel
+
+    main = tf.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    mtp = MtpModel.from_pretrained(main).eval()
+    losses = []
+    with torch.no_grad():
+        for b in batches:
+            tokens, labels, mask = b["tokens"], b["labels"], b["loss_mask"].float()
+            hidden = main.model(input_ids=tokens).last_hidden_state
+            nxt = torch.roll(tokens, -1, dims=-1)
+            pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+            out = mtp.forward_layer(0, hidden, pos, None, input_ids=nxt)
+            logits = main.lm_head(out).float()
+            target = torch.roll(labels, -1, dims=-1)
+            m = torch.roll(mask, -1, dims=-1)
+            m[:, -1] = 0
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+            losses.append(float((ce * m.flatten()).sum() / m.sum()))
+    return sum(losses) / len(losses)
+
+
+@pytest.fixture
+def mtp_hf():
+    """``mtp_hf(hf_dir, depths=1) -> hf_dir`` with DeepSeek-V3's MTP layers added; ``mtp_hf.loss(hf_dir,
+    batches)``: transformers' depth-1 MTP loss on megatron batches."""
+    add_mtp_layers.loss = mtp_reference_loss
+    return add_mtp_layers
+
+
 @pytest.fixture
 def tiny_hf():
     """``tiny_hf(family, dir, **config_overrides) -> dir``: a random-init model saved with save_pretrained."""

@@ -73,6 +73,11 @@ class Arch(BaseModel):
         "auto", description="permute: our fused moe_permute / moe_unpermute kernels, sync-free (all experts on one "
         "rank: ep 1, etp 1; not padded to capacity; grouped experts); alltoall / allgather: megatron's "
         "dispatchers; auto: permute where it applies, else alltoall")
+    # multi-token prediction (DeepSeek-V3's MTP; megatron's mtp_num_layers)
+    mtp_num_layers: int = Field(0, ge=0, description="multi-token-prediction depths trained after the decoder "
+                                "(HF: the layers after num_hidden_layers); 0: none")
+    mtp_loss_weight: float = Field(0.1, gt=0, description="weight of the MTP loss (averaged over depths) in the "
+                                   "training loss: megatron's mtp_loss_scaling_factor")
     # MLA (DeepSeek)
     q_lora_rank: int | None = Field(None, ge=1)
     kv_lora_rank: int | None = Field(None, ge=1)

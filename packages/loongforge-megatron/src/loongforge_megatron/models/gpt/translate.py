@@ -183,6 +183,8 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
     )
+    if arch.mtp_num_layers:
+        kw.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=arch.mtp_loss_weight)
     if plan.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=plan.recompute_layers or 1)
     elif plan.recompute == "selective":
