@@ -177,7 +177,9 @@ def mtp_reference_loss(hf_dir: Path, batches: list[dict]) -> float:
     import transformers as tf
     from transformers.modeling_layers import MtpModel
 
-    main = tf.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    main = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    # NOTE: transformers finds the MTP tensors by the released model's layer index (61); this one has fewer layers
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{main.config.num_hidden_layers}\..*"]
     mtp = MtpModel.from_pretrained(main).eval()
     losses = []
     with torch.no_grad():

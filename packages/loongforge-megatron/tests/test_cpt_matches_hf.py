@@ -50,7 +50,8 @@ def test_first_step_loss_equals_transformers(tmp_path, family, tiny_hf, referenc
     assert ours == pytest.approx(ref, rel=1e-4), (ours, ref)
 
 
-@pytest.mark.parametrize("parallel", [{}, {"pp": 2}], ids=["one_rank", "pp2"])
+@pytest.mark.parametrize("parallel", [{}, pytest.param({"pp": 2, "first_stage_layers": 1}, marks=pytest.mark.slow)],
+                         ids=["one_rank", "pp2"])
 def test_mtp_loss_equals_transformers(tmp_path, tiny_hf, mtp_hf, reference_loss, ranks, parallel):
     """DeepSeek-V3 with its multi-token-prediction layer loaded from the HF checkpoint: the next-token loss is
     transformers' and the MTP loss is transformers' MtpModel's (the MTP layer on the last pipeline stage)."""
