@@ -75,11 +75,9 @@ class MegatronLayout:
         )
 
     def name_map(self) -> NameMap:
-        cfg = self.hf_config
-        if self.mtp_layers:
-            # NOTE: the map of the layers this checkpoint holds (transformers saves num_nextn_predict_layers 1
-            # whether or not a checkpoint carries the MTP weights)
-            cfg = {**cfg, "num_nextn_predict_layers": self.mtp_layers}
+        # NOTE: the map of the MTP layers this checkpoint holds (transformers saves num_nextn_predict_layers 1
+        # whether or not a checkpoint carries their weights)
+        cfg = {**self.hf_config, "num_nextn_predict_layers": self.mtp_layers}
         return get_family(self.family).name_map(cfg, divisible_by=self.make_vocab_size_divisible_by)
 
     def params(self) -> Iterator[Param]:
