@@ -95,6 +95,22 @@ def save_tiny(family: str, out: Path, *, seed: int = 0, **over) -> Path:
                                      "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
                                      "routed_scaling_factor": 2.5, **over})
         model = tf.DeepseekV3ForCausalLM(cfg)
+    elif family == "kimi_k2":
+        # NOTE: Kimi-K2's hub checkpoints are DeepseekV3ForCausalLM models with model_type kimi_k2
+        yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+        cfg = tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, "num_hidden_layers": 3, "n_routed_experts": 6,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32,
+                                     "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                     "routed_scaling_factor": 2.827, "rope_parameters": yarn, **over})
+        model = tf.DeepseekV3ForCausalLM(cfg)
+    elif family == "glm4_moe":
+        cfg = tf.Glm4MoeConfig(**{**COMMON, "head_dim": 16, "num_hidden_layers": 3, "n_routed_experts": 4,
+                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                  "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                                  "attention_bias": True, "use_qk_norm": True, **over})
+        model = tf.Glm4MoeForCausalLM(cfg)
     else:
         raise ValueError(family)
     with torch.no_grad():  # make every tensor non-trivial (HF inits some to ones/zeros)
@@ -105,14 +121,27 @@ def save_tiny(family: str, out: Path, *, seed: int = 0, **over) -> Path:
             if "e_score_correction_bias" in name:
                 b.copy_(0.01 * torch.randn_like(b))
     model.save_pretrained(out)
+    if family == "kimi_k2":
+        import json
+
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, "model_type": "kimi_k2"}, indent=2))
     return out
+
+
+def hf_model(hf_dir: Path) -> Any:
+    """transformers' model class the checkpoint's config.json names (``architectures``), loaded in fp32."""
+    import json
+
+    import transformers as tf
+
+    arch = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    return getattr(tf, arch).from_pretrained(hf_dir, dtype=torch.float32)
 
 
 def hf_loss(hf_dir: Path, batches: list[dict]) -> float:
     """Token-weighted mean next-token loss of the HF model over megatron-style batches (labels pre-shifted)."""
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model = hf_model(hf_dir)
     model.eval()
     total, count = 0.0, 0.0
     with torch.no_grad():
@@ -177,7 +206,7 @@ def mtp_reference_loss(hf_dir: Path, batches: list[dict]) -> float:
     import transformers as tf
     from transformers.modeling_layers import MtpModel
 
-    main = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    main = hf_model(hf_dir).eval()
     # NOTE: transformers finds the MTP tensors by the released model's layer index (61); this one has fewer layers
     main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{main.config.num_hidden_layers}\..*"]
     mtp = MtpModel.from_pretrained(main).eval()

@@ -6,7 +6,7 @@ import loongforge
 import pytest
 import yaml
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe"]
 
 
 def cpt_recipe(tmp_path, hf_dir, *, model=None, parallel=None, **train):

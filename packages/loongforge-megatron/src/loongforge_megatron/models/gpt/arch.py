@@ -28,6 +28,8 @@ class Arch(BaseModel):
     max_position_embeddings: int = Field(4096, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
+    rotary_percent: float = Field(1.0, gt=0, le=1, description="share of each head's dims RoPE rotates (the leading "
+                                  "ones; GLM-4.5: 0.5, the HF config's partial_rotary_factor)")
     rope_original_max_position: int | None = Field(None, ge=1)
     rope_yarn: dict[str, float] | None = Field(
         None, description="YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, "

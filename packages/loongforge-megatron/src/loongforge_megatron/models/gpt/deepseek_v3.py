@@ -99,8 +99,9 @@ def with_mtp(h: HFConfig, first: list[Entry], layer: list[Entry], last: list[Ent
     return out
 
 
-def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
-    first, last = ends(h, divisible_by=divisible_by)
+def mlp(h: HFConfig) -> list[Entry]:
+    """DeepSeek-style MLPs: dense in the first ``first_k_dense_replace`` layers, then a router with
+    ``e_score_correction_bias``, routed experts and shared experts (GLM-4.5 lays them out the same way)."""
 
     def moe(i: int) -> bool:
         return is_moe_layer(h, i)
@@ -117,7 +118,12 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
             Entry(L + s + "linear_fc2.weight", H + s + "down_proj.weight", RowParallel(), layers=moe),
         ]
     experts = routed_experts(h["n_routed_experts"], layers=moe, router_bias="e_score_correction_bias")
-    return NameMap(with_mtp(h, first, norms() + mla_attention(h) + dense_mlp(layers=dense) + experts + shared, last))
+    return dense_mlp(layers=dense) + experts + shared
+
+
+def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    first, last = ends(h, divisible_by=divisible_by)
+    return NameMap(with_mtp(h, first, norms() + mla_attention(h) + mlp(h), last))
 
 
 def mtp_layers_in(h: HFConfig, names: list[str]) -> int:
@@ -142,11 +148,12 @@ class DeepseekV3(GPTFamily):
     hf_architecture = "DeepseekV3ForCausalLM"
     mla_yarn = True
     mtp = True
+    trained_types = ("deepseek_v3",)  # DeepSeek-V2 checkpoints convert, but train with another router
 
     def read_hf(self, cfg: dict, fields: dict[str, Any], *, path: Path) -> dict[str, Any]:
-        if cfg.get("model_type") != "deepseek_v3":
+        if cfg.get("model_type") not in self.trained_types:
             raise RecipeError(f"model_type '{cfg.get('model_type')}' in {path} is not supported for training; "
-                              "supported: deepseek_v3", key="model.hf")
+                              f"supported: {', '.join(self.trained_types)}", key="model.hf")
         fields.pop("head_dim")
         fields.update(
             num_query_groups=cfg["num_attention_heads"],

@@ -418,6 +418,7 @@ class GPTFamily(HFCheckpoint):
             vpp=plan.vpp,
             device=device,
             rope_scaling_factor=arch.rope_scaling_factor,
+            rotary_percent=arch.rotary_percent,
             position_embedding_type="yarn" if arch.rope_yarn and not arch.is_mla else "rope",
         )
         seeded_init(chunks, config=config, seed=recipe.train.seed)
