@@ -135,8 +135,24 @@ def hf_model(hf_dir: Path) -> Any:
 
     import transformers as tf
 
-    arch = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
-    return getattr(tf, arch).from_pretrained(hf_dir, dtype=torch.float32)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cls = getattr(tf, cfg["architectures"][0])
+    own = cls.config_class.model_type
+    if cfg.get("model_type") == own:
+        return cls.from_pretrained(hf_dir, dtype=torch.float32)
+    # NOTE: transformers picks its weight conversions (per-expert tensors -> fused experts) by model_type; a
+    # checkpoint of another model_type on this class (Kimi-K2's kimi_k2) loads as the class's own type
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in hf_dir.iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp)
+        (Path(tmp) / "config.json").write_text(json.dumps({**cfg, "model_type": own}))
+        model = cls.from_pretrained(tmp, dtype=torch.float32)
+        model.config.name_or_path = str(hf_dir)
+    return model
 
 
 def hf_loss(hf_dir: Path, batches: list[dict]) -> float:
