@@ -219,7 +219,6 @@ def mtp_reference_loss(hf_dir: Path, batches: list[dict]) -> float:
     """Depth-1 MTP loss of transformers' own model + MTP layers (``MtpModel``, loaded from the checkpoint):
     from the final hidden states and the embeddings of the next tokens, predict the token after the next; the
     masked mean per micro-batch, averaged over micro-batches (as megatron reports it)."""
-    import transformers as tf
     from transformers.modeling_layers import MtpModel
 
     main = hf_model(hf_dir).eval()
