@@ -38,10 +38,10 @@ def test_grouped_linear_matches_per_expert_matmuls():
 
 
 def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict | None = None, load: bool = True,
-            dispatcher: str = "auto", router_fusion: bool = True):
+            dispatcher: str = "auto", router_fusion: bool = True, model: dict | None = None):
     r = {
         "backend": "megatron",
-        "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher},
+        "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher, **(model or {})},
         "data": {"format": "synthetic", "seq_length": 32},
         "train": {"stage": "cpt" if load else "pretrain", "steps": STEPS, "global_batch_size": 4,
                   "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3, "seed": 7},
@@ -118,6 +118,22 @@ def test_grouped_experts_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
     assert two[0]["kinds"] == ["FusedTopKRouter", "GroupedMLP", "MoEAlltoAllTokenDispatcher"]  # all-to-all under EP
     assert two[0]["losses"] == two[1]["losses"]
     assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
+
+
+@pytest.mark.slow
+def test_shared_expert_overlap_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
+    """DeepSeek-V3 under EP=2 with the shared experts computed while the all-to-all dispatches (megatron's
+    overlapped schedule of the MoE layer) trains like one process without overlap."""
+    hf = tiny_hf("deepseek_v3", tmp_path / "hf")
+    one = ranks(_train, world=1, out=tmp_path / "one", recipe_path=_recipe(tmp_path, hf, "one", grouped=True),
+                run_dir=tmp_path / "run_one")[0]
+    two = ranks(_train, world=2, out=tmp_path / "two", recipe_path=_recipe(
+        tmp_path, hf, "two", grouped=True, parallel={"ep": 2}, model={"moe_shared_expert_overlap": True}),
+        run_dir=tmp_path / "run_two")
+    assert "MoEAlltoAllTokenDispatcher" in two[0]["kinds"]
+    assert two[0]["losses"] == two[1]["losses"]
+    assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
+    assert _close(two[0]["grad_norms"], one["grad_norms"], 1e-4), (two[0]["grad_norms"], one["grad_norms"])
 
 
 @pytest.mark.slow

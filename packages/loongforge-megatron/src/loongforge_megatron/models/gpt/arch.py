@@ -80,6 +80,9 @@ class Arch(BaseModel):
                                 "(HF: the layers after num_hidden_layers); 0: none")
     mtp_loss_weight: float = Field(0.1, gt=0, description="weight of the MTP loss (averaged over depths) in the "
                                    "training loss: megatron's mtp_loss_scaling_factor")
+    moe_shared_expert_overlap: bool = Field(
+        False, description="run the shared experts on a side stream while the all-to-all dispatches the routed "
+        "tokens (megatron's moe_shared_expert_overlap; needs shared experts and the alltoall dispatcher)")
     # MLA (DeepSeek)
     q_lora_rank: int | None = Field(None, ge=1)
     kv_lora_rank: int | None = Field(None, ge=1)
@@ -127,6 +130,12 @@ class Arch(BaseModel):
         if self.moe_expert_bias and self.moe_score_function != "sigmoid":
             raise ValueError("moe_expert_bias (aux-loss-free balancing) needs sigmoid router scores (megatron's "
                              f"rule); this model routes with {self.moe_score_function}")
+        if self.moe_shared_expert_overlap and not (self.num_experts and self.moe_shared_expert_ffn):
+            raise ValueError("moe_shared_expert_overlap overlaps the shared experts with the token dispatch; this "
+                             "model has no shared experts (moe_shared_expert_ffn)")
+        if self.moe_shared_expert_overlap and self.moe_token_dispatcher in ("permute", "allgather"):
+            raise ValueError(f"moe_shared_expert_overlap needs the alltoall dispatcher (or auto), not "
+                             f"moe_token_dispatcher {self.moe_token_dispatcher}")
         if self.num_experts and self.moe_topk > self.num_experts:
             raise ValueError(f"moe_topk ({self.moe_topk}) exceeds num_experts ({self.num_experts})")
         if self.is_mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):

@@ -231,6 +231,8 @@ def permute_dispatch(arch: Arch, plan: Any, *, grouped: bool) -> bool:
         return False
     why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
            "experts padded to capacity (moe_pad_to_capacity)" if arch.moe_pad_to_capacity else
+           "moe_shared_expert_overlap (it overlaps the shared experts with megatron's all-to-all)"
+           if arch.moe_shared_expert_overlap else
            "SequentialMLP experts (it folds the probabilities into the combine; kernels.moe_grouped_gemm)"
            if not grouped else None)
     if want == "permute" and why:

@@ -214,6 +214,7 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
             moe_router_group_topk=arch.moe_group_topk,
             moe_router_pre_softmax=not arch.moe_norm_topk and arch.moe_score_function == "softmax",
             moe_router_dtype="fp32",
+            moe_shared_expert_overlap=arch.moe_shared_expert_overlap,
             moe_grouped_gemm=False,
         )
     if arch.is_mla:
