@@ -226,6 +226,8 @@ def test_permute_dispatch_with_token_dropping_equals_alltoall(tmp_path, tiny_hf,
     (["kernels.moe_grouped_gemm=true", "train.stage=lora"], "kernels.moe_grouped_gemm"),
     (["model.moe_expert_bias=true"], "model"),  # aux-loss-free balancing needs sigmoid scores
     (["model.moe_pad_to_capacity=true"], "model"),  # padding applies with a capacity factor
+    (["model.moe_shared_expert_overlap=true"], "model"),  # Qwen3-MoE has no shared experts to overlap
+    (["model.mtp_num_layers=1"], "model.mtp_num_layers"),  # Qwen3-MoE has no HF layout for MTP layers
 ])
 def test_recipe_checks_name_the_key(overrides, key, capsys):
     from pathlib import Path
@@ -247,7 +249,8 @@ def test_routing_options_reach_megatron_config():
     spec, fields = presets()["deepseek-v3-tiny"]
     arch = spec.arch({**fields, "moe_aux_loss_coeff": 1e-4, "moe_aux_loss_type": "seq_aux_loss",
                    "moe_z_loss_coeff": 1e-3, "moe_capacity_factor": 1.25, "moe_token_drop_policy": "position",
-                   "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather"})
+                   "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather", "mtp_num_layers": 1,
+                   "mtp_loss_weight": 0.3})
     plan = SimpleNamespace(tp=1, pp=1, vpp=1, first_stage_layers=None, last_stage_layers=None, cp=1, ep=1, etp=1,
                            sp=False, recompute=None)
     c = transformer_config(arch, plan=plan, precision="fp32", cpu_init=True)
@@ -255,6 +258,9 @@ def test_routing_options_reach_megatron_config():
     assert (c.moe_expert_capacity_factor, c.moe_token_drop_policy) == (1.25, "position")
     assert (c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate) == (True, 2e-3)
     assert c.moe_token_dispatcher_type == "allgather"
+    assert (c.mtp_num_layers, c.mtp_loss_scaling_factor) == (1, 0.3)
+    arch = spec.arch({**fields, "moe_shared_expert_overlap": True})
+    assert transformer_config(arch, plan=plan, precision="fp32", cpu_init=True).moe_shared_expert_overlap
 
 
 def _train_cli(recipe_path, out_dir) -> dict[int, float]:
