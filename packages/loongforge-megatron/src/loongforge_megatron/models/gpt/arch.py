@@ -142,19 +142,22 @@ class Arch(BaseModel):
             raise ValueError("MLA (kv_lora_rank set) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
         return self
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings included), for logs and MFU."""
-        h, layers = self.hidden_size, self.num_layers
+    def _attn_params(self) -> int:
+        h = self.hidden_size
         if self.is_mla:
             q_head = (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
             q = (h * self.q_lora_rank + self.q_lora_rank * self.num_attention_heads * q_head) if self.q_lora_rank else h * self.num_attention_heads * q_head
             kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_attention_heads * (
                 self.qk_nope_head_dim + self.v_head_dim
             )
-            attn = q + kv + self.num_attention_heads * self.v_head_dim * h
-        else:
-            d = self.kv_channels
-            attn = h * d * (self.num_attention_heads + 2 * self.kv_heads) + self.num_attention_heads * d * h
+            return q + kv + self.num_attention_heads * self.v_head_dim * h
+        d = self.kv_channels
+        return h * d * (self.num_attention_heads + 2 * self.kv_heads) + self.num_attention_heads * d * h
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included; multi-token-prediction layers not), for logs and MFU."""
+        h, layers = self.hidden_size, self.num_layers
+        attn = self._attn_params()
         dense_mlp = 3 * h * self.ffn_hidden_size
         if self.is_moe:
             moe_layers = layers - self.moe_first_dense_layers
@@ -176,4 +179,13 @@ class Arch(BaseModel):
             expert = 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
             active -= moe_layers * (self.num_experts - self.moe_topk) * expert
         attn_dim = self.num_attention_heads * (self.v_head_dim or self.kv_channels)
-        return 6.0 * (active + self.vocab_size * h) + 12.0 * self.num_layers * attn_dim * seq_length
+        flops = 6.0 * (active + self.vocab_size * h) + 12.0 * self.num_layers * attn_dim * seq_length
+        if self.mtp_num_layers:
+            # NOTE: each MTP depth: eh_proj + 3 norms, one decoder layer (MoE when the model has experts; its
+            # active experts only) and the shared output layer again
+            ffn = (self.moe_topk * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
+                   + 3 * h * (self.moe_shared_expert_ffn or 0) + h * (self.num_experts or 0)
+                   if self.is_moe else 3 * h * self.ffn_hidden_size)
+            depth = 2 * h * h + 5 * h + self._attn_params() + ffn + self.vocab_size * h
+            flops += self.mtp_num_layers * (6.0 * depth + 12.0 * attn_dim * seq_length)
+        return flops
