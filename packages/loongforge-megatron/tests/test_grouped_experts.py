@@ -38,10 +38,10 @@ def test_grouped_linear_matches_per_expert_matmuls():
 
 
 def _recipe(tmp_path, hf_dir, name: str, *, grouped: bool | None, parallel: dict | None = None, load: bool = True,
-            dispatcher: str = "auto", router_fusion: bool = True):
+            dispatcher: str = "auto", router_fusion: bool = True, model: dict | None = None):
     r = {
         "backend": "megatron",
-        "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher},
+        "model": {"hf": str(hf_dir), "moe_token_dispatcher": dispatcher, **(model or {})},
         "data": {"format": "synthetic", "seq_length": 32},
         "train": {"stage": "cpt" if load else "pretrain", "steps": STEPS, "global_batch_size": 4,
                   "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3, "seed": 7},
@@ -118,6 +118,22 @@ def test_grouped_experts_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
     assert two[0]["kinds"] == ["FusedTopKRouter", "GroupedMLP", "MoEAlltoAllTokenDispatcher"]  # all-to-all under EP
     assert two[0]["losses"] == two[1]["losses"]
     assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
+
+
+@pytest.mark.slow
+def test_shared_expert_overlap_ep2_equals_one_process(tmp_path, tiny_hf, ranks):
+    """DeepSeek-V3 under EP=2 with the shared experts computed while the all-to-all dispatches (megatron's
+    overlapped schedule of the MoE layer) trains like one process without overlap."""
+    hf = tiny_hf("deepseek_v3", tmp_path / "hf")
+    one = ranks(_train, world=1, out=tmp_path / "one", recipe_path=_recipe(tmp_path, hf, "one", grouped=True),
+                run_dir=tmp_path / "run_one")[0]
+    two = ranks(_train, world=2, out=tmp_path / "two", recipe_path=_recipe(
+        tmp_path, hf, "two", grouped=True, parallel={"ep": 2}, model={"moe_shared_expert_overlap": True}),
+        run_dir=tmp_path / "run_two")
+    assert "MoEAlltoAllTokenDispatcher" in two[0]["kinds"]
+    assert two[0]["losses"] == two[1]["losses"]
+    assert _close(two[0]["losses"], one["losses"], LOSS_RTOL), (two[0]["losses"], one["losses"])
+    assert _close(two[0]["grad_norms"], one["grad_norms"], 1e-4), (two[0]["grad_norms"], one["grad_norms"])
 
 
 @pytest.mark.slow
@@ -210,6 +226,8 @@ def test_permute_dispatch_with_token_dropping_equals_alltoall(tmp_path, tiny_hf,
     (["kernels.moe_grouped_gemm=true", "train.stage=lora"], "kernels.moe_grouped_gemm"),
     (["model.moe_expert_bias=true"], "model"),  # aux-loss-free balancing needs sigmoid scores
     (["model.moe_pad_to_capacity=true"], "model"),  # padding applies with a capacity factor
+    (["model.moe_shared_expert_overlap=true"], "model"),  # Qwen3-MoE has no shared experts to overlap
+    (["model.mtp_num_layers=1"], "model.mtp_num_layers"),  # Qwen3-MoE has no HF layout for MTP layers
 ])
 def test_recipe_checks_name_the_key(overrides, key, capsys):
     from pathlib import Path
@@ -231,7 +249,8 @@ def test_routing_options_reach_megatron_config():
     spec, fields = presets()["deepseek-v3-tiny"]
     arch = spec.arch({**fields, "moe_aux_loss_coeff": 1e-4, "moe_aux_loss_type": "seq_aux_loss",
                    "moe_z_loss_coeff": 1e-3, "moe_capacity_factor": 1.25, "moe_token_drop_policy": "position",
-                   "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather"})
+                   "moe_expert_bias_update_rate": 2e-3, "moe_token_dispatcher": "allgather", "mtp_num_layers": 1,
+                   "mtp_loss_weight": 0.3})
     plan = SimpleNamespace(tp=1, pp=1, vpp=1, first_stage_layers=None, last_stage_layers=None, cp=1, ep=1, etp=1,
                            sp=False, recompute=None)
     c = transformer_config(arch, plan=plan, precision="fp32", cpu_init=True)
@@ -239,6 +258,9 @@ def test_routing_options_reach_megatron_config():
     assert (c.moe_expert_capacity_factor, c.moe_token_drop_policy) == (1.25, "position")
     assert (c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate) == (True, 2e-3)
     assert c.moe_token_dispatcher_type == "allgather"
+    assert (c.mtp_num_layers, c.mtp_loss_scaling_factor) == (1, 0.3)
+    arch = spec.arch({**fields, "moe_shared_expert_overlap": True})
+    assert transformer_config(arch, plan=plan, precision="fp32", cpu_init=True).moe_shared_expert_overlap
 
 
 def _train_cli(recipe_path, out_dir) -> dict[int, float]:

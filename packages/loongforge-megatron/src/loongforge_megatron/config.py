@@ -63,6 +63,12 @@ class ModelConfig(Section):
     moe_token_drop_policy: Literal["probs", "position"] | None = None
     moe_pad_to_capacity: bool | None = None
     moe_token_dispatcher: Literal["auto", "permute", "alltoall", "allgather"] | None = None
+    moe_shared_expert_overlap: bool | None = Field(None, description="MoE with shared experts: compute them while "
+                                                   "the all-to-all dispatches the routed tokens")
+    mtp_num_layers: int | None = Field(None, ge=0, description="multi-token prediction (DeepSeek-V3's MTP): depths "
+                                       "trained after the decoder, loaded from / exported to the HF layers after "
+                                       "num_hidden_layers")
+    mtp_loss_weight: float | None = Field(None, gt=0, description="weight of the MTP loss (default 0.1)")
     # DiT architecture overrides (with num_layers, hidden_size, num_attention_heads, norm_eps)
     patch_size: int | None = Field(None, ge=1)
     sample_size: int | None = Field(None, ge=1, description="DiT: latent side (image side / 8)")

@@ -51,7 +51,7 @@ def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any
             hf_dir, tp_size=plan.tp, pp_size=plan.pp, ep_size=plan.ep, etp_size=plan.etp, vpp_rank=vpp_rank,
             vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY, expected_shapes=_module_shapes(module),
             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
-            dtype=dtype, whole=whole, **_ranks(),
+            dtype=dtype, whole=whole, mtp_layers=getattr(module.config, "mtp_num_layers", None) or 0, **_ranks(),
         )
         missing, unexpected = module.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -121,7 +121,7 @@ def _gather_plan(chunks: list[torch.nn.Module], state: Callable[[torch.nn.Module
     layout = MegatronLayout(spec.name, config, tp=plan.tp, pp=plan.pp,
                             vpp=plan.vpp, ep=plan.ep, etp=plan.etp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
                             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
-                            whole=whole)
+                            whole=whole, mtp_layers=getattr(modules[0].config, "mtp_num_layers", None) or 0)
     r = _ranks()
     mine = {}
     for vpp_rank, module in enumerate(modules):

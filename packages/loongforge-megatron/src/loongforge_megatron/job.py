@@ -246,6 +246,12 @@ class MegatronJob(Job):
             metrics["grad_norm"] = out["grad_norm"]
         if self.nonfinite.skipped:
             metrics["skipped_nonfinite"] = self.nonfinite.skipped
+        if getattr(self.config, "mtp_num_layers", None):
+            from loongforge_megatron.engine.mtp import collect_mtp_loss
+
+            depths = collect_mtp_loss(num_microbatches=self.num_microbatches)
+            if depths:
+                metrics["mtp_loss"] = sum(depths) / len(depths)
         if self.router_load is not None:
             load = self.router_load.collect()
             metrics["moe_expert_imbalance"] = load["max_expert"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -26,8 +27,12 @@ def read_all(root):
                     for k in SafetensorsReader(layout.rank_file(root, r)).keys()) for r in layout.ranks()}
 
 
-@pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+# NOTE: every family at every layout, and the DeepSeek-V3-architecture presets (Kimi-K2) and GLM-4.5 at one
+# tp / pp / ep layout
+CASES = [(f, *layout) for f in FAMILIES for layout in LAYOUTS] + [("kimi_k2", 2, 2, 2), ("glm4_moe", 2, 2, 2)]
+
+
+@pytest.mark.parametrize("family,tp,pp,ep", CASES)
 def test_roundtrip_bit_exact(tiny_hf, tmp_path, family, tp, pp, ep):
     src = tiny_hf(family)
     layout = hf_to_megatron(src, tmp_path / "mg", tp=tp, pp=pp, ep=ep)
@@ -39,6 +44,25 @@ def test_roundtrip_bit_exact(tiny_hf, tmp_path, family, tp, pp, ep):
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 1)])
+def test_roundtrip_mtp_bit_exact(tiny_hf, mtp_hf, tmp_path, tp, pp, ep):
+    """A DeepSeek-V3 checkpoint with its multi-token-prediction layer (and the embedding / head copies it
+    carries): on the last stage as megatron's mtp.layers.0, experts over EP, and back bit-exact."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf("deepseek_v3"), src)
+    mtp_hf(src)
+    layout = hf_to_megatron(src, tmp_path / "mg", tp=tp, pp=pp, ep=ep)
+    assert layout.mtp_layers == 1
+    shards = read_all(tmp_path / "mg")
+    last = shards[(0, pp - 1, ep - 1, 0)]
+    assert "mtp.layers.0.eh_proj.weight" in last
+    assert f"mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.{4 // ep - 1}.linear_fc1.weight" in last
+    # the last stage's own embedding copy for the shifted tokens
+    assert "embedding.word_embeddings.weight" in last
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    assert_same_hf(src, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("family,tp,pp,vpp", [("llama_tied", 2, 2, 1), ("llama_tied", 1, 1, 1),

@@ -13,6 +13,7 @@ from loongforge.checkpoint.atomic import (
 from loongforge.checkpoint.compare import check_shapes
 from loongforge.checkpoint.mapping import (
     ColumnParallel,
+    Copies,
     Expert,
     FusedQKV,
     GatedMLP,
@@ -32,7 +33,7 @@ from loongforge.checkpoint.safetensors_io import (
 )
 
 __all__ = [
-    "ColumnParallel", "Entry", "Expert", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
+    "ColumnParallel", "Copies", "Entry", "Expert", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
     "Placement", "Replicated", "Reshaped", "RowParallel", "Rule", "SafetensorsReader", "Shared", "ShardedSafetensorsWriter",
     "StreamingSafetensorsFile", "VocabParallel", "apply_retention", "atomic_checkpoint", "check_shapes",
     "complete_checkpoints", "latest_checkpoint", "padded_vocab_size", "require_complete",

@@ -116,6 +116,36 @@ class Shared(Rule):
 
 
 @dataclass(frozen=True)
+class Copies(Rule):
+    """One parameter sharded by ``inner`` that HF repeats under ``copies`` names (DeepSeek's multi-token
+    prediction layers repeat the embedding and the output head). Import refuses copies that differ; export
+    writes the merged tensor under every name.
+
+    HF  name_0 == name_1 == ...   --inner-->   rank shards of name_0
+    """
+
+    inner: Rule
+    copies: int
+
+    @property
+    def roles(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(str(i) for i in range(self.copies))
+
+    def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
+        first = hf_tensors["0"]
+        for role in self.roles[1:]:
+            t = hf_tensors[role]
+            if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
+                raise CheckpointError(f"Copies: copy {role} differs from copy 0 (the backend holds one tensor for "
+                                      f"all {self.copies} copies)")
+        return self.inner.to_megatron({SINGLE: first}, tp_rank=tp_rank, tp_size=tp_size)
+
+    def to_hf(self, shards):
+        t = self.inner.to_hf(shards)[SINGLE]
+        return {role: t for role in self.roles}
+
+
+@dataclass(frozen=True)
 class ColumnParallel(Rule):
     """Split the output dimension (dim 0) evenly; weights and biases of column-parallel linears.
 

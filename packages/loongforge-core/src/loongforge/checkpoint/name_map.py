@@ -3,7 +3,8 @@
 An entry reads ``decoder.layers.*.mlp.linear_fc2.weight <-> model.layers.*.mlp.down_proj.weight`` with a rule.
 The first ``*`` is a layer index (backend side: local to its pipeline chunk; HF side: global), the second an
 expert index (backend side: local to its EP rank; HF side: global). Entries without ``*`` live on the first
-(embedding) or last (head) pipeline stage.
+(embedding) or last (head) pipeline stage. Entries of stage ``mtp`` are multi-token-prediction layers: the
+``*`` is the depth (backend: ``mtp.layers.<depth>``; HF: layer ``num_layers + depth``), all on the last stage.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
 class Entry:
     """One mapping: backend pattern, HF pattern (or role -> pattern for multi-tensor rules), and its rule.
 
-    ``stage`` places wildcard-free entries ("first", "last", or "last_tied": only when pp > 1); ``layers`` restricts a layer entry to some
+    ``stage`` places wildcard-free entries ("first", "last", or "last_tied": only when pp > 1; "mtp_copy": on the
+    last stage when it is not the first and there are MTP layers); "mtp" entries are per MTP depth; ``layers`` restricts a layer entry to some
     global layer indices (e.g. DeepSeek's dense-then-MoE layers); ``export`` False skips the entry on HF export
     (tied output weights that duplicate the embedding).
     """
@@ -115,18 +117,20 @@ class NameMap:
 
     def expand(
         self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,
-        first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+        first_stage_layers: int | None = None, last_stage_layers: int | None = None, mtp_layers: int = 0,
     ) -> Iterator[Param]:
-        """Every concrete parameter in HF order (stage by stage), each with its placement."""
+        """Every concrete parameter in HF order (stage by stage), each with its placement; ``mtp_layers``:
+        multi-token-prediction depths (megatron keeps them after the decoder, on the last stage)."""
         layout = PipelineLayout(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
         first, last = Placement(0, 0, None), Placement(pp - 1, vpp - 1, None)
         for e in self.entries:
             if e.stage == "first":
                 yield Param(e.megatron, e.hf_patterns(), e.rule, first, e.export)
-        for layer in range(num_layers):
-            pp_rank, vpp_rank, local = layout.locate(layer)
+        slots = [("layer", layer, *layout.locate(layer)) for layer in range(num_layers)]
+        slots += [("mtp", num_layers + d, last.pp_rank, last.vpp_rank, d) for d in range(mtp_layers)]
+        for stage, layer, pp_rank, vpp_rank, local in slots:
             for e in self.entries:
-                if e.stage != "layer" or (e.layers is not None and not e.layers(layer)):
+                if e.stage != stage or (e.layers is not None and not e.layers(layer)):
                     continue
                 if not e.is_expert:
                     hf = {r: _fill(p, [layer]) for r, p in e.hf_patterns().items()}
@@ -140,6 +144,10 @@ class NameMap:
                     where = Placement(pp_rank, vpp_rank, ep_rank)
                     yield Param(_fill(e.megatron, [local, local_e]), hf, e.rule, where, e.export)
         for e in self.entries:
+            # NOTE: "mtp_copy": megatron's MTP block embeds the shifted tokens itself, with its own copy of the
+            # embedding when the decoder's first stage is elsewhere
+            if e.stage == "mtp_copy" and mtp_layers and last != first:
+                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export)
             # NOTE: "last_tied" is a tied output layer: megatron keeps a copy only when the head is on
             # another stage than the embedding.
             if e.stage == "last" or (e.stage == "last_tied" and last != first):
@@ -148,12 +156,13 @@ class NameMap:
     def for_rank(
         self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,
         pp_rank: int, vpp_rank: int = 0, ep_rank: int = 0,
-        first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+        first_stage_layers: int | None = None, last_stage_layers: int | None = None, mtp_layers: int = 0,
     ) -> list[Param]:
         """The parameters one (pp, vpp, ep) rank holds."""
         out = []
         for p in self.expand(num_layers=num_layers, num_experts=num_experts, pp=pp, vpp=vpp, ep=ep,
-                             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers):
+                             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                             mtp_layers=mtp_layers):
             w = p.where
             if (w.pp_rank, w.vpp_rank) == (pp_rank, vpp_rank) and w.ep_rank in (None, ep_rank):
                 out.append(p)

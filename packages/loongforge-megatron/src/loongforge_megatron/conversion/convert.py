@@ -45,17 +45,18 @@ def hf_to_megatron(
     """Shard an HF checkpoint into the offline megatron layout (one safetensors file per rank).
 
     ``family`` defaults to the one matching config.json's ``model_type``; ``etp`` defaults to ``tp`` (as in
-    megatron-core). Checks that the HF tensors are exactly the ones the family needs before writing.
+    megatron-core). Checks that the HF tensors are exactly the ones the family needs before writing; the
+    multi-token-prediction layers the checkpoint carries (DeepSeek-V3's) are converted too.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
+    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers,
+        last_stage_layers=last_stage_layers, mtp_layers=fam.mtp_layers_in(hf_config, source.reader.keys()),
     )
-    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
     source.check_names(key_of(p) for p in layout.params())
     check_config_matches_weights(hf_dir, hf_config, source.reader)
     staging = _staging(out_dir, force)
@@ -104,7 +105,7 @@ def reshard(
     new = MegatronLayout(
         old.family, old.hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
         make_vocab_size_divisible_by=old.make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers,
+        last_stage_layers=last_stage_layers, mtp_layers=old.mtp_layers,
     )
     staging = _staging(out_dir, force)
     try:

@@ -137,7 +137,8 @@ class HFSource:
     def check_names(self, needed: Iterable[Key]) -> None:
         """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""
         want = {n for k in needed for n in k}
-        have = {n for n in self.reader.keys() if not self.family.ignore_hf(self.hf_config, n)}
+        # NOTE: a tensor the map needs is never ignored (a family ignores MTP layers only when not training them)
+        have = {n for n in self.reader.keys() if n in want or not self.family.ignore_hf(self.hf_config, n)}
         if missing := sorted(want - have):
             raise CheckpointError(
                 f"{self.reader.path}: missing tensor '{missing[0]}' (+{len(missing) - 1} more) for family "

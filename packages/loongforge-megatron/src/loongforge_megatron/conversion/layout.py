@@ -41,6 +41,8 @@ class MegatronLayout:
     make_vocab_size_divisible_by: int = 128
     # megatron-name prefixes of components kept whole (TP 1) on every TP rank, e.g. a VLM's vision tower
     whole: tuple[str, ...] = ()
+    # multi-token-prediction layers the checkpoint holds (HF: the layers after num_hidden_layers)
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "vpp", "ep"):
@@ -73,13 +75,17 @@ class MegatronLayout:
         )
 
     def name_map(self) -> NameMap:
-        return get_family(self.family).name_map(self.hf_config, divisible_by=self.make_vocab_size_divisible_by)
+        # NOTE: the map of the MTP layers this checkpoint holds (transformers saves num_nextn_predict_layers 1
+        # whether or not a checkpoint carries their weights)
+        cfg = {**self.hf_config, "num_nextn_predict_layers": self.mtp_layers}
+        return get_family(self.family).name_map(cfg, divisible_by=self.make_vocab_size_divisible_by)
 
     def params(self) -> Iterator[Param]:
         """Every concrete parameter, placed on this layout's stages and EP ranks."""
         return self.name_map().expand(
             num_layers=self.num_layers, num_experts=self.num_experts, pp=self.pp, vpp=self.vpp, ep=self.ep,
             first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+            mtp_layers=self.mtp_layers,
         )
 
     def ranks(self) -> Iterator[Rank]:

@@ -30,19 +30,20 @@ def shard_state_dict_for_rank(
     family: str | None = None, make_vocab_size_divisible_by: int = 128,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None, dtype: torch.dtype | None = None,
-    whole: tuple[str, ...] = (),
+    whole: tuple[str, ...] = (), mtp_layers: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Exactly one rank's megatron state dict (one virtual chunk when vpp_size > 1), reading only the HF
     tensors that rank needs. Pass the model's ``{name: shape}`` as ``expected_shapes`` to fail with the
     first missing / unexpected / mis-shaped tensor named; ``dtype`` casts on the way (None keeps HF dtypes).
-    ``whole``: megatron-name prefixes of components every TP rank holds unsplit.
+    ``whole``: megatron-name prefixes of components every TP rank holds unsplit; ``mtp_layers``: the model's
+    multi-token-prediction layers, read from the HF layers after ``num_hidden_layers``.
     """
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp_size, pp=pp_size, vpp=vpp_size, ep=ep_size, etp=etp_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers, whole=whole,
+        last_stage_layers=last_stage_layers, whole=whole, mtp_layers=mtp_layers,
     )
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size and 0 <= ep_rank < ep_size and 0 <= vpp_rank < vpp_size):
         raise CheckpointError(f"rank (tp={tp_rank}, pp={pp_rank}, ep={ep_rank}, vpp={vpp_rank}) is outside the layout")

@@ -41,6 +41,11 @@ CUDA_LITERAL_MODULES: dict[str, tuple[str, ...]] = {
     "megatron.core.transformer.moe.token_dispatcher": ("torch.cuda.Stream()",),
     # MoE router: moves its weight to the "current" CUDA device on first use; aux-loss accumulators
     "megatron.core.transformer.moe.router": ("device=torch.cuda.current_device()",),
+    # shared experts overlapped with the dispatch: a side CUDA stream (the CPU runs them in order)
+    "megatron.core.transformer.moe.shared_experts": ("torch.cuda.Stream()",),
+    "megatron.core.transformer.moe.moe_layer": ("torch.cuda.current_stream().wait_stream(SharedExpertMLP.stream)",),
+    # multi-token prediction: its loss tracker is allocated on the "current" CUDA device
+    "megatron.core.transformer.multi_token_prediction": ("torch.cuda.current_device()",),
     # sequence-parallel all-gather / reduce-scatter output buffers
     "megatron.core.tensor_parallel.mappings": ("device=torch.cuda.current_device()",),
     # parallel linear layers: sequence-parallel backward buffers, weights when not use_cpu_initialization

@@ -51,6 +51,7 @@ def build_chunks(
     vpp: int = 1,
     device: torch.device | str | None = None,
     rope_scaling_factor: float | None = None,
+    mtp_block_spec: Any = None,
 ) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline chunk of this rank (a list of length ``vpp``), before DDP.
 
@@ -93,6 +94,7 @@ def build_chunks(
             rope_scaling=rope_scaling_factor is not None,
             rope_scaling_factor=rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
+            mtp_block_spec=mtp_block_spec,
         )
         if device is not None:
             model.to(device)

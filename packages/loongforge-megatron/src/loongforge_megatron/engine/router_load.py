@@ -36,8 +36,9 @@ class RouterLoad:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # whole run, on the host
         for module in modules:
-            for m in module.modules():
-                if isinstance(m, Router):
+            for name, m in module.named_modules():
+                # NOTE: multi-token prediction's routers number their layers from 1 again (not decoder layers)
+                if isinstance(m, Router) and not (name.startswith("mtp.") or ".mtp." in name):
                     m.register_forward_hook(self._count)
 
     def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -78,6 +78,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
         attention_mask,
         labels=batch["labels"],
         packed_seq_params=packed,
+        loss_mask=batch["loss_mask"],  # NOTE: read by multi-token prediction only (the shifted losses' mask)
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 

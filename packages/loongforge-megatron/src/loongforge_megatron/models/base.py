@@ -40,6 +40,10 @@ class HFCheckpoint:
     def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
         return "rotary_emb.inv_freq" in name
 
+    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
+        """How many multi-token-prediction layers a checkpoint with these tensor names carries."""
+        return 0
+
     def hf_alias(self, name: str) -> str:
         """A checkpoint's tensor name -> the name map's spelling."""
         return name

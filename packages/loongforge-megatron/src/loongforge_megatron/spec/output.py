@@ -77,7 +77,8 @@ def forward_step_with_fused_loss(*, provider: str = "auto", accelerator: Any = N
         if _cp_size() > 1:
             batch = cp_slice(batch)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                       output_processor=processor, output_processor_context=batch["loss_mask"])
+                       output_processor=processor, output_processor_context=batch["loss_mask"],
+                       loss_mask=batch["loss_mask"])  # NOTE: the loss_mask is read by multi-token prediction
         return output, functools.partial(loss_func, batch["loss_mask"])
 
     return forward_step

@@ -28,6 +28,8 @@ class Arch(BaseModel):
     max_position_embeddings: int = Field(4096, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling_factor: float | None = Field(None, gt=0, description="llama3-style rope scaling factor")
+    rotary_percent: float = Field(1.0, gt=0, le=1, description="share of each head's dims RoPE rotates (the leading "
+                                  "ones; GLM-4.5: 0.5, the HF config's partial_rotary_factor)")
     rope_original_max_position: int | None = Field(None, ge=1)
     rope_yarn: dict[str, float] | None = Field(
         None, description="YaRN scaling (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, "
@@ -73,6 +75,14 @@ class Arch(BaseModel):
         "auto", description="permute: our fused moe_permute / moe_unpermute kernels, sync-free (all experts on one "
         "rank: ep 1, etp 1; not padded to capacity; grouped experts); alltoall / allgather: megatron's "
         "dispatchers; auto: permute where it applies, else alltoall")
+    # multi-token prediction (DeepSeek-V3's MTP; megatron's mtp_num_layers)
+    mtp_num_layers: int = Field(0, ge=0, description="multi-token-prediction depths trained after the decoder "
+                                "(HF: the layers after num_hidden_layers); 0: none")
+    mtp_loss_weight: float = Field(0.1, gt=0, description="weight of the MTP loss (averaged over depths) in the "
+                                   "training loss: megatron's mtp_loss_scaling_factor")
+    moe_shared_expert_overlap: bool = Field(
+        False, description="run the shared experts on a side stream while the all-to-all dispatches the routed "
+        "tokens (megatron's moe_shared_expert_overlap; needs shared experts and the alltoall dispatcher)")
     # MLA (DeepSeek)
     q_lora_rank: int | None = Field(None, ge=1)
     kv_lora_rank: int | None = Field(None, ge=1)
@@ -120,25 +130,34 @@ class Arch(BaseModel):
         if self.moe_expert_bias and self.moe_score_function != "sigmoid":
             raise ValueError("moe_expert_bias (aux-loss-free balancing) needs sigmoid router scores (megatron's "
                              f"rule); this model routes with {self.moe_score_function}")
+        if self.moe_shared_expert_overlap and not (self.num_experts and self.moe_shared_expert_ffn):
+            raise ValueError("moe_shared_expert_overlap overlaps the shared experts with the token dispatch; this "
+                             "model has no shared experts (moe_shared_expert_ffn)")
+        if self.moe_shared_expert_overlap and self.moe_token_dispatcher in ("permute", "allgather"):
+            raise ValueError(f"moe_shared_expert_overlap needs the alltoall dispatcher (or auto), not "
+                             f"moe_token_dispatcher {self.moe_token_dispatcher}")
         if self.num_experts and self.moe_topk > self.num_experts:
             raise ValueError(f"moe_topk ({self.moe_topk}) exceeds num_experts ({self.num_experts})")
         if self.is_mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):
             raise ValueError("MLA (kv_lora_rank set) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
         return self
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings included), for logs and MFU."""
-        h, layers = self.hidden_size, self.num_layers
+    def _attn_params(self) -> int:
+        h = self.hidden_size
         if self.is_mla:
             q_head = (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
             q = (h * self.q_lora_rank + self.q_lora_rank * self.num_attention_heads * q_head) if self.q_lora_rank else h * self.num_attention_heads * q_head
             kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_attention_heads * (
                 self.qk_nope_head_dim + self.v_head_dim
             )
-            attn = q + kv + self.num_attention_heads * self.v_head_dim * h
-        else:
-            d = self.kv_channels
-            attn = h * d * (self.num_attention_heads + 2 * self.kv_heads) + self.num_attention_heads * d * h
+            return q + kv + self.num_attention_heads * self.v_head_dim * h
+        d = self.kv_channels
+        return h * d * (self.num_attention_heads + 2 * self.kv_heads) + self.num_attention_heads * d * h
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included; multi-token-prediction layers not), for logs and MFU."""
+        h, layers = self.hidden_size, self.num_layers
+        attn = self._attn_params()
         dense_mlp = 3 * h * self.ffn_hidden_size
         if self.is_moe:
             moe_layers = layers - self.moe_first_dense_layers
@@ -160,4 +179,13 @@ class Arch(BaseModel):
             expert = 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
             active -= moe_layers * (self.num_experts - self.moe_topk) * expert
         attn_dim = self.num_attention_heads * (self.v_head_dim or self.kv_channels)
-        return 6.0 * (active + self.vocab_size * h) + 12.0 * self.num_layers * attn_dim * seq_length
+        flops = 6.0 * (active + self.vocab_size * h) + 12.0 * self.num_layers * attn_dim * seq_length
+        if self.mtp_num_layers:
+            # NOTE: each MTP depth: eh_proj + 3 norms, one decoder layer (MoE when the model has experts; its
+            # active experts only) and the shared output layer again
+            ffn = (self.moe_topk * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
+                   + 3 * h * (self.moe_shared_expert_ffn or 0) + h * (self.num_experts or 0)
+                   if self.is_moe else 3 * h * self.ffn_hidden_size)
+            depth = 2 * h * h + 5 * h + self._attn_params() + ffn + self.vocab_size * h
+            flops += self.mtp_num_layers * (6.0 * depth + 12.0 * attn_dim * seq_length)
+        return flops

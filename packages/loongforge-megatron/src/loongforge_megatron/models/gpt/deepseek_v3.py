@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from loongforge.checkpoint import Entry, GatedMLP, NameMap, RowParallel
+from loongforge.checkpoint import ColumnParallel, Copies, Entry, GatedMLP, NameMap, Replicated, RowParallel
 from loongforge.errors import RecipeError
 
 from loongforge_megatron.models.gpt.arch import Arch
@@ -63,8 +63,45 @@ def mla_attention(h: HFConfig) -> list[Entry]:
     return out
 
 
-def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
-    first, last = ends(h, divisible_by=divisible_by)
+def mtp_depths(h: HFConfig) -> int:
+    """The multi-token-prediction layers a name map covers (the checkpoint's layout says how many it holds)."""
+    return h.get("num_nextn_predict_layers") or 0
+
+
+def with_mtp(h: HFConfig, first: list[Entry], layer: list[Entry], last: list[Entry]) -> list[Entry]:
+    """DeepSeek-V3's HF layout of multi-token prediction: layer ``num_hidden_layers + k`` holds depth k's
+    ``enorm`` / ``hnorm`` / ``eh_proj``, a decoder layer (``layer``'s entries) and ``shared_head.norm``, plus
+    copies of the embedding and the output head; megatron's ``mtp.layers.k`` shares the model's own."""
+    depths = mtp_depths(h)
+    if not depths:
+        return first + layer + last
+    n = h["num_hidden_layers"]
+
+    def copies(e: Entry, hf_in_mtp: str, **kw) -> Entry:
+        names = {"0": e.hf, **{str(1 + k): f"model.layers.{n + k}.{hf_in_mtp}" for k in range(depths)}}
+        return Entry(e.megatron, names, Copies(e.rule, 1 + depths), **{"stage": e.stage, "export": e.export, **kw})
+
+    emb = first[0]
+    out = [copies(emb, "embed_tokens.weight")]
+    # NOTE: the last stage's own embedding copy (megatron syncs it with the first stage's like a tied head)
+    out.append(copies(emb, "embed_tokens.weight", stage="mtp_copy", export=False))
+    m = "mtp.layers.*."
+    out += layer + [
+        Entry(m + "enorm.weight", H + "enorm.weight", Replicated(), stage="mtp"),
+        Entry(m + "hnorm.weight", H + "hnorm.weight", Replicated(), stage="mtp"),
+        Entry(m + "eh_proj.weight", H + "eh_proj.weight", ColumnParallel(), stage="mtp"),
+        Entry(m + "final_layernorm.weight", H + "shared_head.norm.weight", Replicated(), stage="mtp"),
+    ]
+    out += [Entry(e.megatron.replace(L, m + "mtp_model_layer.", 1), e.hf, e.rule, stage="mtp", layers=e.layers,
+                  export=e.export) for e in layer]
+    for e in last:
+        out.append(copies(e, "shared_head.head.weight") if e.megatron == "output_layer.weight" else e)
+    return out
+
+
+def mlp(h: HFConfig) -> list[Entry]:
+    """DeepSeek-style MLPs: dense in the first ``first_k_dense_replace`` layers, then a router with
+    ``e_score_correction_bias``, routed experts and shared experts (GLM-4.5 lays them out the same way)."""
 
     def moe(i: int) -> bool:
         return is_moe_layer(h, i)
@@ -81,7 +118,19 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
             Entry(L + s + "linear_fc2.weight", H + s + "down_proj.weight", RowParallel(), layers=moe),
         ]
     experts = routed_experts(h["n_routed_experts"], layers=moe, router_bias="e_score_correction_bias")
-    return NameMap(first + norms() + mla_attention(h) + dense_mlp(layers=dense) + experts + shared + last)
+    return dense_mlp(layers=dense) + experts + shared
+
+
+def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
+    first, last = ends(h, divisible_by=divisible_by)
+    return NameMap(with_mtp(h, first, norms() + mla_attention(h) + mlp(h), last))
+
+
+def mtp_layers_in(h: HFConfig, names: list[str]) -> int:
+    """MTP layers present in a checkpoint: the layers after num_hidden_layers that have an ``eh_proj``."""
+    n = h["num_hidden_layers"]
+    found = {int(m.group(1)) for name in names if (m := _LAYER.match(name)) and name.endswith(".eh_proj.weight")}
+    return len([i for i in found if i >= n])
 
 
 def _ignore(h: HFConfig, name: str) -> bool:
@@ -98,11 +147,13 @@ class DeepseekV3(GPTFamily):
     presets = PRESETS
     hf_architecture = "DeepseekV3ForCausalLM"
     mla_yarn = True
+    mtp = True
+    trained_types = ("deepseek_v3",)  # DeepSeek-V2 checkpoints convert, but train with another router
 
     def read_hf(self, cfg: dict, fields: dict[str, Any], *, path: Path) -> dict[str, Any]:
-        if cfg.get("model_type") != "deepseek_v3":
+        if cfg.get("model_type") not in self.trained_types:
             raise RecipeError(f"model_type '{cfg.get('model_type')}' in {path} is not supported for training; "
-                              "supported: deepseek_v3", key="model.hf")
+                              f"supported: {', '.join(self.trained_types)}", key="model.hf")
         fields.pop("head_dim")
         fields.update(
             num_query_groups=cfg["num_attention_heads"],
@@ -134,7 +185,8 @@ class DeepseekV3(GPTFamily):
                    routed_scaling_factor=arch.moe_routed_scaling or 1.0, n_group=arch.moe_num_groups or 1,
                    topk_group=arch.moe_group_topk or 1, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
                    qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
-                   rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc")
+                   rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                   num_nextn_predict_layers=arch.mtp_num_layers)
         return cfg
 
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
@@ -146,8 +198,15 @@ class DeepseekV3(GPTFamily):
     def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
         return _ignore(cfg, name)
 
+    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
+        return mtp_layers_in(cfg, names)
+
     def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
-        """MLA has no q/k/v projections to bias; nothing else to refuse here."""
+        """MLA has no q/k/v projections to bias; MTP's HF layout repeats an untied head."""
+        if arch.mtp_num_layers and arch.tie_embeddings:
+            raise RecipeError("model.mtp_num_layers with tied embeddings has no DeepSeek-V3 HF layout (its MTP layers "
+                              "carry a separate shared_head.head); untie them or leave MTP out",
+                              key="model.mtp_num_layers")
 
 
 SPEC = DeepseekV3()

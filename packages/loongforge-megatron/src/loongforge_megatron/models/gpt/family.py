@@ -128,6 +128,15 @@ def check_lm(recipe: Any, plan: Any, arch: Arch) -> None:
         raise RecipeError(f"kernels.spec te cannot be used with {te_needs}: TransformerEngine's layers fold the norms "
                           "into the linears (other parameter names than the HF mappings know) and its causal "
                           "attention ignores packed-sequence masks; use kernels.spec loongforge", key="kernels.spec")
+    if arch.mtp_num_layers and recipe.kernels.spec == "te":
+        raise RecipeError("model.mtp_num_layers (multi-token prediction) is built on the loongforge / local spec; "
+                          "kernels.spec te would need TransformerEngine's MTP modules", key="model.mtp_num_layers")
+    if arch.mtp_num_layers and recipe.data.format == "sft":
+        # NOTE: megatron's MTP shifts tokens within packed sequences only with packed_seq_params, which the
+        # local attention here replaces by a block mask
+        raise RecipeError("model.mtp_num_layers (multi-token prediction) with data.format sft (packed sequences) is "
+                          "not supported: the shifted tokens would cross document boundaries; use pretrain data",
+                          key="model.mtp_num_layers")
     if recipe.data.seq_length > arch.max_position_embeddings:
         raise RecipeError(f"seq_length {recipe.data.seq_length} exceeds the model's max_position_embeddings "
                           f"{arch.max_position_embeddings}", key="data.seq_length")
@@ -222,6 +231,8 @@ def permute_dispatch(arch: Arch, plan: Any, *, grouped: bool) -> bool:
         return False
     why = ("ep > 1" if plan.ep > 1 else f"expert tp {plan.etp}" if plan.etp > 1 else
            "experts padded to capacity (moe_pad_to_capacity)" if arch.moe_pad_to_capacity else
+           "moe_shared_expert_overlap (it overlaps the shared experts with megatron's all-to-all)"
+           if arch.moe_shared_expert_overlap else
            "SequentialMLP experts (it folds the probabilities into the combine; kernels.moe_grouped_gemm)"
            if not grouped else None)
     if want == "permute" and why:
@@ -292,7 +303,14 @@ def layer_spec(config: Any, arch: Arch, *, spec_name: str, provider: str, accele
         layers = [moe if not isinstance(freq, list) or freq[offset + i] else dense for i in range(n)]
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
+    block.mtp_layer = moe  # NOTE: the layer of multi-token prediction (engine/mtp.py): the decoder's MoE layer
     return block
+
+
+def _mtp_families() -> list[Any]:
+    from loongforge_megatron.models import registry
+
+    return [s for s in registry.all_specs().values() if getattr(s, "mtp", False)]
 
 
 class GPTFamily(HFCheckpoint):
@@ -306,6 +324,7 @@ class GPTFamily(HFCheckpoint):
     kind = "a language model"
     arch_type = Arch
     mla_yarn = False  # YaRN as megatron's MLA takes it (HF DeepSeek's), not as its GPT yarn embedding
+    mtp = False  # has an HF layout for multi-token-prediction layers (DeepSeek-V3's)
 
     # ---------------------------------------------------------------- architecture
     def arch(self, fields: Mapping[str, Any]) -> Arch:
@@ -344,6 +363,10 @@ class GPTFamily(HFCheckpoint):
         if recipe.data.format == "llava":
             raise RecipeError("data.format llava (image-text conversations) needs a LLaVA model (e.g. model.preset "
                               "llava-tiny or model.hf of a LLaVA checkpoint)", key="data.format")
+        if arch.mtp_num_layers and not self.mtp:
+            have = sorted(s.name for s in _mtp_families())
+            raise RecipeError(f"model.mtp_num_layers: the {self.name} family has no HF layout for multi-token "
+                              f"prediction layers (families with one: {', '.join(have)})", key="model.mtp_num_layers")
         self.check_family(recipe, plan, arch)
         check_lm(recipe, plan, arch)
 
@@ -382,10 +405,17 @@ class GPTFamily(HFCheckpoint):
         spec_name = kernel_spec(recipe)
         moe = moe_kernels(recipe, arch, plan, accelerator=accelerator, config=config, spec_name=spec_name,
                           precision=precision)
+        spec = layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
+                          moe=moe)
+        mtp = None
+        if arch.mtp_num_layers:
+            from loongforge_megatron.engine.mtp import mtp_block_spec
+
+            mtp = mtp_block_spec(getattr(spec, "mtp_layer", spec), depths=arch.mtp_num_layers)
         chunks = build_chunks(
             transformer_config=config,
-            layer_spec=layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
-                                  accelerator=accelerator, moe=moe),
+            layer_spec=spec,
+            mtp_block_spec=mtp,
             vocab_size=padded_vocab(arch.vocab_size, plan.tp),
             max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
             rotary_base=arch.rope_theta,
@@ -393,6 +423,7 @@ class GPTFamily(HFCheckpoint):
             vpp=plan.vpp,
             device=device,
             rope_scaling_factor=arch.rope_scaling_factor,
+            rotary_percent=arch.rotary_percent,
             position_embedding_type="yarn" if arch.rope_yarn and not arch.is_mla else "rope",
         )
         seeded_init(chunks, config=config, seed=recipe.train.seed)

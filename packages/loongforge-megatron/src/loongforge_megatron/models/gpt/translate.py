@@ -183,6 +183,8 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
     )
+    if arch.mtp_num_layers:
+        kw.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=arch.mtp_loss_weight)
     if plan.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=plan.recompute_layers or 1)
     elif plan.recompute == "selective":
@@ -212,6 +214,7 @@ def transformer_config(arch: Arch, *, plan: Any, precision: str, cpu_init: bool,
             moe_router_group_topk=arch.moe_group_topk,
             moe_router_pre_softmax=not arch.moe_norm_topk and arch.moe_score_function == "softmax",
             moe_router_dtype="fp32",
+            moe_shared_expert_overlap=arch.moe_shared_expert_overlap,
             moe_grouped_gemm=False,
         )
     if arch.is_mla:
