@@ -113,6 +113,61 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer, ranks):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
+def test_packed_rows_restart_positions_at_every_sample(tmp_path, sft_tokenizer):
+    """Packed rows carry their samples' boundaries (multiples of pad_to = 2 * cp) and positions restart at each."""
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+    from loongforge_megatron.data.prepare import prepare
+
+    data = sft_data(tmp_path, sft_tokenizer, pack=True)
+    prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
+    ds = PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=True, pad_to=4)
+    lengths = [len(ds.tokens[i]) for i in range(len(ds.tokens))]
+    assert len(ds) < len(lengths) and 0 < ds.efficiency < 1
+    real = 0
+    for i in range(len(ds)):
+        row = ds[i]
+        bounds = row["cu_seqlens"].tolist()
+        assert bounds[0] == 0 and bounds[-1] == 128 and all(b % 4 == 0 for b in bounds)
+        assert len(bounds) == len(ds.rows[i]) + 1
+        for a, b, sample in zip(bounds, bounds[1:-1] + [None], ds.rows[i]):
+            n = min(lengths[sample], 128 - a)
+            assert row["position_ids"][a : a + n].tolist() == list(range(n))  # restarts at every sample
+            if b is not None:  # its last label (padding or the next sample's first token) is never trained
+                assert row["loss_mask"][a + n - 1 : b].sum() == 0
+        real += int(row["num_tokens"])
+    assert real == sum(lengths)  # every sample fits a row of 128 here
+
+
+def _sft_cp_loss(*, rank, world, recipe_path, run_dir):
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        metrics = job.step()
+        return metrics["loss"], metrics.get("packing_efficiency")
+    finally:
+        job.close()
+
+
+def test_packed_sft_under_context_parallelism_equals_one_process(tmp_path, sft_tokenizer, ranks):
+    """cp 2 on two gloo ranks (every sample padded to a multiple of 4 and split in mirrored chunks) gives the loss
+    of one process on the unpacked rows; the step logs its packing efficiency."""
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+    from loongforge_megatron.data.prepare import prepare
+
+    losses = {}
+    for pack, cp in ((False, 1), (True, 2)):
+        data = sft_data(tmp_path, sft_tokenizer, pack=pack)
+        prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
+        rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack, pad_to=2 * cp if pack else 1))
+        recipe_path = write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": rows},
+                                              "parallel": {"cp": cp}})
+        losses[pack] = ranks(_sft_cp_loss, world=cp, out=tmp_path / f"cp-{cp}", recipe_path=recipe_path,
+                             run_dir=tmp_path / f"cp-run-{cp}")
+    (unpacked, eff_unpacked), = losses[False]
+    for loss, eff in losses[True]:
+        assert loss == pytest.approx(unpacked, rel=1e-5)
+        assert eff_unpacked < eff < 1  # packing filled the rows better than one sample per row
+
+
 def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_dir):
     """The LoRA job and its checks, in a rank (``ranks``): the megatron job never runs in pytest's process."""
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict
