@@ -147,23 +147,37 @@ def _sft_cp_loss(*, rank, world, recipe_path, run_dir):
         job.close()
 
 
-def test_packed_sft_under_context_parallelism_equals_one_process(tmp_path, sft_tokenizer, ranks):
-    """cp 2 on two gloo ranks (every sample padded to a multiple of 4 and split in mirrored chunks) gives the loss
-    of one process on the unpacked rows; the step logs its packing efficiency."""
+def _sft_recipe(tmp_path, tok, *, pack: bool, layout: str = "cp", world: int = 1) -> str:
+    """The recipe of one SFT step over every row once (pp: two rows per micro-batch, every row twice: the
+    token-weighted mean is the same)."""
     from loongforge_megatron.data.datasets import PackedSFTDataset
     from loongforge_megatron.data.prepare import prepare
 
-    losses = {}
-    for pack, cp in ((False, 1), (True, 2)):
-        data = sft_data(tmp_path, sft_tokenizer, pack=pack)
-        prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
-        rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack, pad_to=2 * cp if pack else 1))
-        recipe_path = write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": rows},
-                                              "parallel": {"cp": cp}})
-        losses[pack] = ranks(_sft_cp_loss, world=cp, out=tmp_path / f"cp-{cp}", recipe_path=recipe_path,
-                             run_dir=tmp_path / f"cp-run-{cp}")
-    (unpacked, eff_unpacked), = losses[False]
-    for loss, eff in losses[True]:
+    data = sft_data(tmp_path, tok, pack=pack)
+    prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
+    pad_to = 2 * world if pack and layout == "cp" else 1
+    rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack, pad_to=pad_to))
+    mbs = 2 if pack and layout == "pp" else 1
+    return write_recipe(tmp_path, {"data": data, "parallel": {layout: world},
+                                   "train": {"stage": "sft", "global_batch_size": rows * mbs, "micro_batch_size": mbs}})
+
+
+@pytest.fixture(scope="module")
+def unpacked_sft(tmp_path_factory, sft_tokenizer, ranks):
+    """(loss, packing efficiency) of one process on one sample per row."""
+    tmp = tmp_path_factory.mktemp("unpacked")
+    recipe = _sft_recipe(tmp, sft_tokenizer, pack=False)
+    return ranks(_sft_cp_loss, world=1, out=tmp / "ranks", recipe_path=recipe, run_dir=tmp / "run")[0]
+
+
+@pytest.mark.parametrize("layout", ["cp", "pp"])
+def test_packed_sft_on_two_ranks_equals_one_process(tmp_path, sft_tokenizer, ranks, unpacked_sft, layout):
+    """cp 2 (every sample padded to a multiple of 4 and split in mirrored chunks) or pp 2 (packed rows sent between
+    stages as one row of micro_batch_size * seq_length tokens) on two gloo ranks gives the loss of one process on
+    the unpacked rows; the step logs its packing efficiency."""
+    recipe = _sft_recipe(tmp_path, sft_tokenizer, pack=True, layout=layout, world=2)
+    unpacked, eff_unpacked = unpacked_sft
+    for loss, eff in ranks(_sft_cp_loss, world=2, out=tmp_path / "ranks", recipe_path=recipe, run_dir=tmp_path / "run"):
         assert loss == pytest.approx(unpacked, rel=1e-5)
         assert eff_unpacked < eff < 1  # packing filled the rows better than one sample per row
 
