@@ -51,6 +51,10 @@ def free_port() -> int:
 def _context():
     global _CTX
     if _CTX is None:
+        # NOTE: the forkserver preloads torch, megatron and transformers; a CUDA query during those imports
+        # (torch.cuda.is_available) would initialise CUDA in the process every rank forks from, and CUDA then
+        # fails in the ranks ("initialization error", seen on an H200). NVML answers it without initialising CUDA.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
     return _CTX

@@ -113,6 +113,75 @@ def test_packed_and_unpacked_losses_are_equal(tmp_path, sft_tokenizer, ranks):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
+def test_packed_rows_restart_positions_at_every_sample(tmp_path, sft_tokenizer):
+    """Packed rows carry their samples' boundaries (multiples of pad_to = 2 * cp) and positions restart at each."""
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+    from loongforge_megatron.data.prepare import prepare
+
+    data = sft_data(tmp_path, sft_tokenizer, pack=True)
+    prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
+    ds = PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=True, pad_to=4)
+    lengths = [len(ds.tokens[i]) for i in range(len(ds.tokens))]
+    assert len(ds) < len(lengths) and 0 < ds.efficiency < 1
+    real = 0
+    for i in range(len(ds)):
+        row = ds[i]
+        bounds = row["cu_seqlens"].tolist()
+        assert bounds[0] == 0 and bounds[-1] == 128 and all(b % 4 == 0 for b in bounds)
+        assert len(bounds) == len(ds.rows[i]) + 1
+        for a, b, sample in zip(bounds, bounds[1:-1] + [None], ds.rows[i]):
+            n = min(lengths[sample], 128 - a)
+            assert row["position_ids"][a : a + n].tolist() == list(range(n))  # restarts at every sample
+            if b is not None:  # its last label (padding or the next sample's first token) is never trained
+                assert row["loss_mask"][a + n - 1 : b].sum() == 0
+        real += int(row["num_tokens"])
+    assert real == sum(lengths)  # every sample fits a row of 128 here
+
+
+def _sft_cp_loss(*, rank, world, recipe_path, run_dir):
+    job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        metrics = job.step()
+        return metrics["loss"], metrics.get("packing_efficiency")
+    finally:
+        job.close()
+
+
+def _sft_recipe(tmp_path, tok, *, pack: bool, layout: str = "cp", world: int = 1) -> str:
+    """The recipe of one SFT step over every row once (pp: two rows per micro-batch, every row twice: the
+    token-weighted mean is the same)."""
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+    from loongforge_megatron.data.prepare import prepare
+
+    data = sft_data(tmp_path, tok, pack=pack)
+    prepare(loongforge.load_recipe(write_recipe(tmp_path, {"data": data, "train": {"stage": "sft", "global_batch_size": 1}})))
+    pad_to = 2 * world if pack and layout == "cp" else 1
+    rows = len(PackedSFTDataset(data["path"], seq_length=128, pad_id=0, pack=pack, pad_to=pad_to))
+    mbs = 2 if pack and layout == "pp" else 1
+    return write_recipe(tmp_path, {"data": data, "parallel": {layout: world},
+                                   "train": {"stage": "sft", "global_batch_size": rows * mbs, "micro_batch_size": mbs}})
+
+
+@pytest.fixture(scope="module")
+def unpacked_sft(tmp_path_factory, sft_tokenizer, ranks):
+    """(loss, packing efficiency) of one process on one sample per row."""
+    tmp = tmp_path_factory.mktemp("unpacked")
+    recipe = _sft_recipe(tmp, sft_tokenizer, pack=False)
+    return ranks(_sft_cp_loss, world=1, out=tmp / "ranks", recipe_path=recipe, run_dir=tmp / "run")[0]
+
+
+@pytest.mark.parametrize("layout", ["cp", "pp"])
+def test_packed_sft_on_two_ranks_equals_one_process(tmp_path, sft_tokenizer, ranks, unpacked_sft, layout):
+    """cp 2 (every sample padded to a multiple of 4 and split in mirrored chunks) or pp 2 (packed rows sent between
+    stages as one row of micro_batch_size * seq_length tokens) on two gloo ranks gives the loss of one process on
+    the unpacked rows; the step logs its packing efficiency."""
+    recipe = _sft_recipe(tmp_path, sft_tokenizer, pack=True, layout=layout, world=2)
+    unpacked, eff_unpacked = unpacked_sft
+    for loss, eff in ranks(_sft_cp_loss, world=2, out=tmp_path / "ranks", recipe_path=recipe, run_dir=tmp_path / "run"):
+        assert loss == pytest.approx(unpacked, rel=1e-5)
+        assert eff_unpacked < eff < 1  # packing filled the rows better than one sample per row
+
+
 def _lora_train_and_merge(*, rank, world, recipe_path, run_dir, export_dir, hf_dir):
     """The LoRA job and its checks, in a rank (``ranks``): the megatron job never runs in pytest's process."""
     from loongforge_megatron.lora import LoRAParallelLinear, merged_state_dict

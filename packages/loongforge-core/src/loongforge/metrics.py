@@ -131,6 +131,8 @@ class MetricsLogger:
             parts.append(f"{_fmt_rate(m['tokens_per_s'])} tok/s")
         if "samples_per_s" in m:
             parts.append(f"{_fmt_rate(m['samples_per_s'])} samples/s")
+        if "packing_efficiency" in m:
+            parts.append(f"packed {100 * m['packing_efficiency']:.0f}%")
         if m.get("mfu"):
             parts.append(f"MFU {100 * m['mfu']:.1f}%")
         done = step - self._start_step

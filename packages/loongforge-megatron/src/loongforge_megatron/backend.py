@@ -46,9 +46,6 @@ class MegatronBackend(Backend):
         if recipe.parallel.cp > 1 and recipe.kernels.spec == "local":
             raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
                               "refuses cp > 1)", key="kernels.spec")
-        if recipe.parallel.cp > 1 and recipe.data.format == "sft":
-            raise RecipeError("packed SFT uses block-diagonal attention masks, which context parallelism does not "
-                              "support yet; use cp: 1 for sft", key="parallel.cp")
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         plan = recipe.parallel.plan(world_size)

@@ -240,6 +240,10 @@ class MegatronJob(Job):
         self.nonfinite.check(self.step_index, out)
         tokens = self.recipe.train.global_batch_size * self.seq_length
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
+        real = [b["real_tokens"] for b in batches if isinstance(b, dict) and "real_tokens" in b]
+        if real:  # SFT: this rank's sample tokens / the capacity of its micro-batches (the rest is padding)
+            capacity = len(batches) * self.recipe.train.micro_batch_size * self.seq_length
+            metrics["packing_efficiency"] = sum(real) / capacity
         if self.data.samples_per_s:
             metrics["samples_per_s"] = self.recipe.train.global_batch_size / dt  # e.g. images (tokens: latent patches)
         if out.get("grad_norm") is not None:

@@ -1,7 +1,8 @@
 """Training datasets (pretrain via megatron-core's GPTDataset, packed SFT, synthetic) and the batch order.
 
 Every dataset maps a global sample index to a dict of tensors: ``tokens``, ``labels``, ``loss_mask``,
-``position_ids`` and, for packed SFT, a block-diagonal causal ``attention_mask``. :class:`BatchSchedule` fixes
+``position_ids`` and, for packed SFT, ``cu_seqlens`` (the row's sample boundaries; rows are collated into packed
+THD micro-batches, ``engine/packing.py``: no ``[s, s]`` mask). :class:`BatchSchedule` fixes
 which samples form global batch ``step`` — the same samples whatever the data-parallel size, so losses are
 comparable across layouts and resume is exact (the data position is the step).
 """
@@ -37,9 +38,16 @@ class SyntheticDataset:
 
 
 class PackedSFTDataset:
-    """SFT samples packed into rows of ``seq_length`` without cross-sample attention, or one per row."""
+    """SFT samples packed into rows of ``seq_length`` without cross-sample attention, or one per row.
 
-    def __init__(self, path: str | Path, *, seq_length: int, pad_id: int, pack: bool):
+    A packed row carries ``cu_seqlens`` (its samples' boundaries; position ids restart at each) and
+    ``num_tokens`` (its samples' tokens). ``pad_to``: every sample but a row's last starts at a multiple of it
+    (``2 * cp`` under context parallelism, which cuts every sample into ``2 * cp`` chunks); the padding after a
+    sample belongs to it and carries no loss. Rows of one sample each (``pack: false``) are plain causal: no
+    boundaries.
+    """
+
+    def __init__(self, path: str | Path, *, seq_length: int, pad_id: int, pack: bool, pad_to: int = 1):
         from loongforge_megatron.data.indexed_files import check_indexed
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -49,7 +57,9 @@ class PackedSFTDataset:
         if n["sft_tokens"] != n["sft_mask"] or not np.array_equal(self.tokens.sequence_lengths, self.mask.sequence_lengths):
             raise RecipeError(f"{path}: sft_tokens and sft_mask do not describe the same samples; run `loongforge "
                               "data prepare --force` to rebuild them", key="data.path")
-        self.seq_length, self.pad_id, self.pack = seq_length, pad_id, pack
+        if seq_length % pad_to:
+            raise RecipeError(f"seq_length {seq_length} is not a multiple of {pad_to} (2 * cp)", key="data.seq_length")
+        self.seq_length, self.pad_id, self.pack, self.pad_to = seq_length, pad_id, pack, pad_to
         self.rows = self._plan_rows()
         used = sum(len(self.tokens[i]) for i in range(len(self.tokens)))
         self.efficiency = used / max(1, len(self.rows) * (seq_length + 1))
@@ -65,7 +75,7 @@ class PackedSFTDataset:
                 rows.append(cur)
                 cur, fill = [], 0
             cur.append(i)
-            fill += n
+            fill += -(-n // self.pad_to) * self.pad_to  # the next sample starts at a multiple of pad_to
         if cur:
             rows.append(cur)
         return rows
@@ -79,28 +89,24 @@ class PackedSFTDataset:
         mask = torch.zeros(s + 1)
         segment = torch.full((s + 1,), -1, dtype=torch.long)
         position = torch.zeros(s + 1, dtype=torch.long)
-        at = 0
+        starts, at, used = [], 0, 0
         for seg, i in enumerate(self.rows[idx % len(self.rows)]):
             ids = torch.from_numpy(np.asarray(self.tokens[i], dtype=np.int64))
             m = torch.from_numpy(np.asarray(self.mask[i], dtype=np.float32))
-            n = len(ids)
-            tokens[at : at + n], mask[at : at + n], segment[at : at + n] = ids, m, seg
-            position[at : at + n] = torch.arange(n)
-            at += n
+            n = min(len(ids), s + 1 - at)
+            span = min(-(-n // self.pad_to) * self.pad_to, s + 1 - at)  # the sample and the padding that is its own
+            tokens[at : at + n], mask[at : at + n] = ids[:n], m[:n]
+            segment[at : at + span], position[at : at + span] = seg, torch.arange(span)
+            starts.append(at)
+            used, at = used + max(0, min(n, s - at)), at + span  # tokens in the row's s inputs
         labels = tokens[1:].clone()
         # a label is trained only when it is an assistant token of the *same* sample as its input token
         loss_mask = mask[1:] * (segment[1:] == segment[:-1]).float() * (segment[1:] >= 0).float()
-        seg = segment[:-1]
-        same = seg[:, None] == seg[None, :]
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        allowed = (same & causal) | torch.eye(s, dtype=torch.bool)
-        return {
-            "tokens": tokens[:-1],
-            "labels": labels,
-            "loss_mask": loss_mask,
-            "position_ids": position[:-1],
-            "attention_mask": (~allowed).unsqueeze(0),  # megatron convention: True = masked out
-        }
+        row = {"tokens": tokens[:-1], "labels": labels, "loss_mask": loss_mask, "position_ids": position[:-1]}
+        row["num_tokens"] = torch.tensor(used)
+        if self.pack:
+            row["cu_seqlens"] = torch.tensor([*starts, s], dtype=torch.int32)
+        return row
 
 
 def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: int | None = None):
@@ -156,7 +162,9 @@ def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int, num_v
         return train, (valid if num_valid else None)
     if data.format == "sft":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack)
+        cp = recipe.parallel.cp
+        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack,
+                              pad_to=2 * cp if cp > 1 and data.pack else 1)
         print(f"[data] SFT: {len(ds.tokens)} samples in {len(ds)} rows of {data.seq_length} tokens, "
               f"packing efficiency {100 * ds.efficiency:.1f}%", file=sys.stderr)
         return ds, None
@@ -181,14 +189,21 @@ class BatchSchedule:
         for m in range(self.num_microbatches):
             first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
             samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
-            batch = {}
-            concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
-            for key in samples[0]:
-                if key in concat:
-                    batch[key] = torch.cat([s[key] for s in samples]).to(device, non_blocking=True)
-                    continue
-                t = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
-                batch[key] = t.to(device, non_blocking=True)
+            if "cu_seqlens" in samples[0]:  # packed rows: one THD micro-batch (engine/packing.py)
+                from loongforge_megatron.engine.packing import collate
+
+                batch = collate(samples)
+            else:
+                batch = {}
+                concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
+                for key in samples[0]:
+                    if key in concat:
+                        batch[key] = torch.cat([s[key] for s in samples])
+                    elif key != "num_tokens":
+                        batch[key] = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
+                if "num_tokens" in samples[0]:
+                    batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
+            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
                                ("loss_mask", torch.float)):
                 if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens

@@ -1,4 +1,4 @@
-"""Batch helpers: context-parallel slicing of a micro-batch."""
+"""Batch helpers: context-parallel slicing of a micro-batch (dense ``[b, s]`` or packed THD)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def cp_slice(
         cp_rank = mpu.get_context_parallel_rank() if cp_rank is None else cp_rank
     if cp_size == 1:
         return dict(batch)
+    packed = batch.get("packed_seq_params")
+    if packed is not None:
+        return _cp_slice_packed(batch, packed, cp_size=cp_size, cp_rank=cp_rank)
     out = dict(batch)
     for key, dim in _SEQ_DIM.items():
         val = batch.get(key)
@@ -38,6 +41,28 @@ def cp_slice(
         index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=val.device)
         picked = chunks.index_select(dim, index)
         out[key] = picked.reshape(*val.shape[:dim], -1, *val.shape[dim + 1 :])
+    return out
+
+
+def _cp_slice_packed(batch: dict[str, Any], packed: Any, *, cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """A THD micro-batch's part on this CP rank: every sample's chunks ``r`` and ``2*cp-1-r`` (see
+    :func:`~loongforge_megatron.engine.packing.cp_indices`); ``packed_seq_params`` stays global, as megatron's
+    THD RoPE and our attention expect."""
+    from loongforge_megatron.engine.packing import check_cu_seqlens, cp_indices
+
+    tokens = batch["tokens"]
+    if tokens.shape[0] != 1:
+        raise ValueError(f"packed (THD) micro-batches hold one row of concatenated samples, got {tokens.shape[0]}")
+    cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+    bounds = check_cu_seqlens(cu, total=tokens.shape[1], multiple_of=2 * cp_size, what="packed_seq_params.cu_seqlens_q")
+    packed._loongforge_bounds = bounds
+    index = cp_indices(bounds, cp_size=cp_size, cp_rank=cp_rank, device=tokens.device)
+    out = dict(batch)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        if batch.get(key) is not None:
+            out[key] = batch[key].index_select(-1, index)  # NOTE: -1: 3-D (mrope) position ids too
+    if batch.get("attention_mask") is not None:
+        raise ValueError("a packed micro-batch carries packed_seq_params, not an attention_mask")
     return out
 
 

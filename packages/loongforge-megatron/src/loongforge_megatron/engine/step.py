@@ -1,8 +1,9 @@
 """One optimizer step with megatron-core's forward-backward schedules (no pipeline / 1F1B / interleaved).
 
 A batch is a dict of ``[b, s]`` tensors: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, optionally
-``attention_mask`` (None → causal) and ``packed_seq_params`` (megatron ``PackedSeqParams``). The data iterator
-yields *this data-parallel rank's* micro-batches; every pipeline stage may hold the same iterator.
+``attention_mask`` (None → causal); or a packed (THD) micro-batch of ``[1, t]`` tensors with ``packed_seq_params``
+(megatron ``PackedSeqParams``, see ``engine/packing.py``). The data iterator yields *this data-parallel rank's*
+micro-batches; every pipeline stage may hold the same iterator.
 
 Loss convention (megatron's, with ``calculate_per_token_loss=True``): the loss function returns
 ``(loss_sum, num_tokens, {"lm loss": [sum, count]})``; gradients are divided by the global token count, and the
@@ -24,9 +25,36 @@ LossReport = dict[str, torch.Tensor]
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-    }
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    packed = out.get("packed_seq_params")
+    if packed is not None and packed.cu_seqlens_q is not None and packed.cu_seqlens_q.device != device:
+        import dataclasses
+
+        moved = {f.name: getattr(packed, f.name).to(device) for f in dataclasses.fields(packed)
+                 if f.name.startswith("cu_seqlens") and getattr(packed, f.name) is not None}
+        bounds = getattr(packed, "_loongforge_bounds", None)
+        packed = dataclasses.replace(packed, **moved)
+        if bounds is not None:
+            packed._loongforge_bounds = bounds  # the host copy, read when the batch was made
+        out["packed_seq_params"] = packed
+    return out
+
+
+def model_inputs(batch: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A micro-batch as the model takes it: on the model's device, this context-parallel rank's part, and for
+    megatron's local attention (which refuses ``packed_seq_params``) packed samples as the equivalent
+    block-diagonal mask (:func:`packed_attention_mask`, ``[t, t]``: that reference path alone builds one)."""
+    batch = _to_device(batch, next(model.parameters()).device)
+    if _cp_size() > 1:
+        from loongforge_megatron.engine.batch import cp_slice
+
+        batch = cp_slice(batch)
+    packed = batch.get("packed_seq_params")
+    if packed is not None and _uses_local_attention(model):
+        b, s = batch["tokens"].shape
+        batch["attention_mask"] = packed_attention_mask(packed.cu_seqlens_q, batch_size=b, seq_length=s)
+        batch["packed_seq_params"] = None
+    return batch
 
 
 def loss_func(
@@ -58,26 +86,15 @@ def _uses_local_attention(model: torch.nn.Module) -> bool:
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
     """megatron's ``forward_step_func`` for GPTModel: run one micro-batch, return (output, loss_func).
 
-    Packed sequences (``packed_seq_params``) go to attention as is, except for megatron's local attention,
-    which gets the equivalent block-diagonal causal mask instead (see :func:`packed_attention_mask`).
+    Packed sequences (``packed_seq_params``) go to attention as is (see :func:`model_inputs`).
     """
-    device = next(model.parameters()).device
-    batch = _to_device(next(data_iterator), device)
-    if _cp_size() > 1:
-        from loongforge_megatron.engine.batch import cp_slice
-
-        batch = cp_slice(batch)
-    attention_mask, packed = batch.get("attention_mask"), batch.get("packed_seq_params")
-    if packed is not None and _uses_local_attention(model):
-        b, s = batch["tokens"].shape
-        attention_mask = packed_attention_mask(packed.cu_seqlens_q, batch_size=b, seq_length=s)
-        packed = None
+    batch = model_inputs(next(data_iterator), model)
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        attention_mask,
+        batch.get("attention_mask"),
         labels=batch["labels"],
-        packed_seq_params=packed,
+        packed_seq_params=batch.get("packed_seq_params"),
         loss_mask=batch["loss_mask"],  # NOTE: read by multi-token prediction only (the shifted losses' mask)
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
@@ -126,6 +143,7 @@ def _chunk_iterators(data_iterator: Iterator[Any], num_microbatches: int, num_ch
     return its if num_chunks > 1 else its[0]
 
 
+
 def reduce_loss(losses: list[LossReport], *, key: str = "lm loss") -> float:
     """Token-weighted mean over micro-batches and data-parallel (+context-parallel) ranks, on every rank.
 
@@ -172,9 +190,14 @@ def run_schedule(
 
     _configure_p2p(get_model_config(model_chunks[0]))
     forward_backward = get_forward_backward_func()
+    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    first = batches[0] if batches else {}
+    if isinstance(first, dict) and first.get("packed_seq_params") is not None:
+        # NOTE: a packed micro-batch is one row of b * s tokens; the pipeline sends activations of that shape
+        micro_batch_size, seq_length = first["tokens"].shape
     return forward_backward(
         forward_step_func=forward_step_fn or forward_step,
-        data_iterator=_chunk_iterators(data_iterator, num_microbatches, len(model_chunks)),
+        data_iterator=_chunk_iterators(iter(batches), num_microbatches, len(model_chunks)),
         model=model_chunks,
         num_microbatches=num_microbatches,
         seq_length=seq_length,

@@ -10,6 +10,10 @@ a causal mask built from the global positions::
 
     keys (all CP ranks, gathered, in sequence order)   q chunk r:          attends to chunks 0..r
     [ c0 | c1 | ... | c_{2cp-1} ]                       q chunk 2cp-1-r:    attends to chunks 0..2cp-1-r
+
+Packed sequences (``packed_seq_params``, THD; ``engine/packing.py``) go to :func:`spec.varlen.varlen_attention`
+(``varlen_attn`` on CUDA, per-sample SDPA elsewhere): no ``[s, s]`` mask. Under CP every sample is split the same
+way as the whole sequence above, and each local chunk attends the gathered keys of its own sample up to its end.
 """
 
 from __future__ import annotations
@@ -82,11 +86,15 @@ class SDPAttention(torch.nn.Module):
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None) -> Tensor:
         from megatron.core.transformer.enums import AttnMaskType
 
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention takes packed sequences as a block-diagonal attention_mask, not THD")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPAttention (use kernels.spec: local or te)")
         mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise ValueError("SDPAttention takes packed sequences as packed_seq_params (cu_seqlens) or as an "
+                                 "attention_mask, not both")
+            causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+            return self._packed(query, key, value, packed_seq_params, causal=causal)
         s_q = query.shape[0]
         if self.cp_size > 1:
             key = _all_gather_seq(key, self.cp_group)
@@ -118,3 +126,83 @@ class SDPAttention(torch.nn.Module):
         # [b, h, s, dv] -> [s, b, h*dv]
         b, h, s, dv = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, *, causal: bool) -> Tensor:
+        """THD attention (``[t, h, d]``, megatron squeezes the batch of 1) over ``params``' samples -> ``[t, h*dv]``."""
+        from loongforge_megatron.engine.packing import bounds_of
+        from loongforge_megatron.spec.varlen import varlen_attention
+
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention takes packed sequences in the thd format, got qkv_format "
+                             f"{params.qkv_format!r}")
+        q, k, v = (t.squeeze(1) if t.dim() == 4 else t for t in (query, key, value))
+        bounds = bounds_of(params)
+        dropout = self.dropout if self.training else 0.0
+        if self.cp_size == 1:
+            if bounds[-1] != q.shape[0]:
+                raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {bounds[-1]} but the packed sequence "
+                                 f"holds {q.shape[0]} tokens")
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+            out = varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                   max_seqlen_k=longest, causal=causal, scale=self.softmax_scale, dropout=dropout,
+                                   bounds_q=bounds, bounds_k=bounds)
+        else:
+            import torch.distributed.nn.functional as dist_nn
+            from torch.distributed import get_rank
+
+            plan = _cp_plan(params, bounds, cp_size=self.cp_size, cp_rank=get_rank(self.cp_group), causal=causal,
+                            local_tokens=q.shape[0], device=q.device)
+            # every rank's local keys, in rank order; plan.key_index picks each local chunk's keys from them
+            k_all = torch.cat(dist_nn.all_gather(k.contiguous(), group=self.cp_group))
+            v_all = torch.cat(dist_nn.all_gather(v.contiguous(), group=self.cp_group))
+            k_seg, v_seg = k_all.index_select(0, plan.key_index), v_all.index_select(0, plan.key_index)
+            out = varlen_attention(q, k_seg, v_seg, cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k,
+                                   max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, causal=causal,
+                                   scale=self.softmax_scale, dropout=dropout, bounds_q=plan.bounds_q,
+                                   bounds_k=plan.bounds_k)
+        return out.reshape(out.shape[0], -1)
+
+
+class _CPPlan:
+    """Which gathered keys each of this CP rank's local chunks attends (built once per micro-batch)."""
+
+    def __init__(self, bounds: list[int], *, cp_size: int, cp_rank: int, causal: bool, device) -> None:
+        from loongforge_megatron.engine.packing import cp_indices
+
+        # position in the rank-ordered gathered buffer of every global token
+        held = torch.cat([cp_indices(bounds, cp_size=cp_size, cp_rank=r) for r in range(cp_size)])
+        where = torch.empty_like(held)
+        where[held] = torch.arange(held.numel())
+        keys, bq, bk = [], [0], [0]
+        for a, b in zip(bounds, bounds[1:]):
+            chunk = (b - a) // (2 * cp_size)
+            if chunk == 0:
+                continue
+            for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+                end = a + (c + 1) * chunk if causal else b
+                keys.append(torch.arange(a, end))
+                bq.append(bq[-1] + chunk)
+                bk.append(bk[-1] + end - a)
+        self.key_index = where[torch.cat(keys)].to(device) if keys else torch.zeros(0, dtype=torch.long, device=device)
+        self.bounds_q, self.bounds_k = bq, bk
+        self.cu_q = torch.tensor(bq, dtype=torch.int32, device=device)
+        self.cu_k = torch.tensor(bk, dtype=torch.int32, device=device)
+        self.max_q = max((y - x for x, y in zip(bq, bq[1:])), default=0)
+        self.max_k = max((y - x for x, y in zip(bk, bk[1:])), default=0)
+
+
+def _cp_plan(params, bounds: list[int], *, cp_size: int, cp_rank: int, causal: bool, local_tokens: int,
+             device) -> _CPPlan:
+    """The :class:`_CPPlan` of ``params`` (cached on it: every layer of the forward uses the same one)."""
+    from loongforge_megatron.engine.packing import check_cu_seqlens
+
+    cache = getattr(params, "_loongforge_cp_plans", None)
+    if cache is None:
+        check_cu_seqlens(bounds, total=local_tokens * cp_size, multiple_of=2 * cp_size,
+                         what="packed_seq_params.cu_seqlens_q")
+        cache = params._loongforge_cp_plans = {}
+    plan = cache.get(causal)
+    if plan is None:
+        plan = cache[causal] = _CPPlan(bounds, cp_size=cp_size, cp_rank=cp_rank, causal=causal, device=device)
+    return plan

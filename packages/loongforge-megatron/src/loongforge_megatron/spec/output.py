@@ -66,18 +66,15 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
 
 def forward_step_with_fused_loss(*, provider: str = "auto", accelerator: Any = None):
     """A megatron ``forward_step_func`` that passes the fused output processor to GPTModel."""
-    from loongforge_megatron.engine.batch import cp_slice
-    from loongforge_megatron.engine.step import _cp_size, _to_device, loss_func
+    from loongforge_megatron.engine.step import loss_func, model_inputs
 
     processor = functools.partial(fused_output_processor, provider=provider, accelerator=accelerator)
 
     def forward_step(data_iterator, model):
-        device = next(model.parameters()).device
-        batch = _to_device(next(data_iterator), device)
-        if _cp_size() > 1:
-            batch = cp_slice(batch)
+        batch = model_inputs(next(data_iterator), model)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                       output_processor=processor, output_processor_context=batch["loss_mask"],
+                       packed_seq_params=batch.get("packed_seq_params"), output_processor=processor,
+                       output_processor_context=batch["loss_mask"],
                        loss_mask=batch["loss_mask"])  # NOTE: the loss_mask is read by multi-token prediction
         return output, functools.partial(loss_func, batch["loss_mask"])
 
