@@ -37,6 +37,16 @@ def test_wilson_interval():
     assert (lo, hi) == (pytest.approx(0.3968, abs=1e-4), pytest.approx(0.8922, abs=1e-4))
 
 
+def test_difference_interval():
+    from loongforge_embodied.eval.wilson import difference_interval
+
+    # Newcombe (1998), Statistics in Medicine 17:873, table II example (56/70 vs 48/80), method 10
+    d, lo, hi = difference_interval(56, 70, 48, 80)
+    assert (d, lo, hi) == (pytest.approx(0.2), pytest.approx(0.0524, abs=1e-4), pytest.approx(0.3339, abs=1e-4))
+    d, lo, hi = difference_interval(0, 50, 0, 50)
+    assert d == 0.0 and lo < 0.0 < hi and lo == pytest.approx(-hi)
+
+
 @pytest.mark.slow
 def test_reference_policies_through_server_and_openpi_client(tmp_path):
     """The scripted expert succeeds, random fails, and the same seeds give the same episodes again."""

@@ -70,7 +70,9 @@ def record_pusht(
             from loongforge.errors import LoongForgeError
 
             raise LoongForgeError(f"recording failed for {', '.join(failed)}; see the worker's traceback above")
-        aggregate_datasets([repo_id] * workers, repo_id, roots=shards, aggr_root=tmp)
+        # NOTE: one parquet file per shard: packing them into one file rewrites the growing file per shard (2.4 min
+        # for 16 shards of 8 PushT episodes on an H200 host, against ~50 s of recording)
+        aggregate_datasets([repo_id] * workers, repo_id, roots=shards, aggr_root=tmp, concatenate_data=False)
         for sh in shards:
             shutil.rmtree(sh)
     # NOTE: publish by rename so an interrupted recording never looks complete; what it replaces (an empty folder,
