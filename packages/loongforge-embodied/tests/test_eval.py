@@ -247,3 +247,73 @@ def test_eval_interval_logs_success_rate_during_training(recorded, tmp_path, env
     assert not (run / "eval" / "step_000004" / "policy").exists()
     events = b"".join(p.read_bytes() for p in (run / "tensorboard").iterdir())
     assert b"eval/success_rate" in events
+
+
+@pytest.mark.slow
+def test_in_memory_source_is_lerobots_items_and_state_key_reads_the_privileged_pose(recorded):
+    """data.in_memory gives LeRobot's items bit for bit (images, the padded action window, the task) for either
+    state key; observation.environment_state is the expert's pose with gym-pusht's wrapped angle."""
+    import torch
+    from loongforge_embodied.data.dataset import InMemorySource, LeRobotSource
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAArch
+
+    arch = TinyVLAArch(chunk_size=16)
+    for key, dim in (("observation.state", 2), ("observation.environment_state", 5)):
+        src = LeRobotSource(root=str(recorded), repo_id="local/pusht", arch=arch, cameras=None, state_key=key)
+        mem = InMemorySource(src)
+        assert len(mem) == len(src) and mem.stats()["state_mean"].shape == (dim,)
+        n = len(src)
+        for i in sorted({0, 1, n // 2, n - 16, n - 2, n - 1, *range(0, n, 53)}):
+            a, b = src[i], mem[i]
+            assert a.keys() == b.keys() and a["task"] == b["task"]
+            for k in ("images", "state", "actions", "action_pad"):
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (key, i, k)
+        assert mem[n - 1]["action_pad"][1:].all() and not mem[0]["action_pad"].any()
+    pose = mem.state
+    assert torch.equal(pose[:, :2], InMemorySource(LeRobotSource(root=str(recorded), repo_id="local/pusht", arch=arch,
+                                                                  cameras=None)).state)
+    assert ((pose[:, 4] >= 0) & (pose[:, 4] < 2 * np.pi)).all()
+
+
+def test_a_policy_trained_on_another_state_key_is_served_under_it(tmp_path):
+    """The export names the state feature the run read (data.state_key); the served policy asks for that key."""
+    import torch
+    from loongforge_embodied.eval.trained_policy import TrainedPolicy
+    from loongforge_embodied.policies.tiny_vla import export
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import PRESETS
+    from loongforge_embodied.policies.tiny_vla.modeling_tiny_vla import TinyVLAModel
+
+    torch.manual_seed(0)
+    arch = PRESETS["tiny"].with_overrides(state_dim=5, action_dim=2, num_cameras=1)
+    model = TinyVLAModel(arch)
+    export.write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(),
+                            features={"cameras": ["observation.image"], "state": "observation.environment_state"})
+    policy = TrainedPolicy.load(tmp_path / "hf")
+    assert policy.state_key == "observation.environment_state"
+    assert set(policy.spec) == {"observation.image", "observation.environment_state"}
+    req = {"observation.image": np.zeros((64, 64, 3), np.uint8),
+           "observation.environment_state": np.array([100, 200, 256, 256, 0.7], np.float32),
+           "prompt": "Push the T-shaped block onto the target."}
+    (out,) = policy.infer_batch([req])
+    assert out["actions"].shape == (arch.chunk_size, 2) and np.isfinite(out["actions"]).all()
+
+
+@pytest.mark.slow
+def test_parallel_recording_is_the_one_process_recording(recorded, tmp_path):
+    """data.record.workers: seed slices in spawned processes, merged: the frames one process records (here: the
+    first 12 of each episode of the one-process ``recorded``, same seeds; recording is deterministic per seed)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from loongforge_embodied.data.record import record_pusht
+
+    two = record_pusht(tmp_path / "w2", repo_id="local/pusht", episodes=2, max_steps=12, image_size=64, seed=0,
+                       workers=2)
+    cols = ["episode_index", "frame_index", "task_index", "action", "observation.state",
+            "observation.environment_state", "observation.image"]
+    read = lambda r: pq.read_table(sorted(r.glob("data/*/*.parquet")), columns=["index", *cols]).sort_by("index")  # noqa: E731
+    one, merged = read(recorded), read(two)
+    one = one.filter(pc.less(one.column("frame_index"), 12))
+    assert merged.num_rows == 24 and merged.select(cols).equals(one.select(cols))
+    assert merged.column("index").to_pylist() == list(range(24))
+    assert json.loads((two / "meta" / "info.json").read_text())["total_episodes"] == 2
+    assert not list(tmp_path.glob("*.tmp*"))
