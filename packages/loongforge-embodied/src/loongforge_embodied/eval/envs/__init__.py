@@ -19,6 +19,9 @@ GROUP = "loongforge.embodied.envs"
 
 ENVS: dict[str, str] = {
     "pusht": "loongforge_embodied.eval.envs.pusht:PushTAdapter",
+    # NOTE: the extra loongforge-embodied[aloha] (gym-aloha, MuJoCo)
+    "aloha": "loongforge_embodied.eval.envs.aloha:AlohaAdapter",
+    "aloha_insertion": "loongforge_embodied.eval.envs.aloha:AlohaInsertionAdapter",
 }
 
 
