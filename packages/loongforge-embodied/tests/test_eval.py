@@ -211,7 +211,7 @@ def test_cli_eval_serve_and_plugins(tmp_path, env):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
     bad = subprocess.run(_cli("eval", str(RECIPE), "--policy", "random", "--env", "nosuch"), env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown --env 'nosuch'; registered: aloha, aloha_insertion, pusht" in bad.stderr
+    assert bad.returncode == 2 and "unknown --env 'nosuch'; registered: aloha, aloha_insertion, metaworld, pusht" in bad.stderr
 
 
 def test_eval_interval_needs_a_simulator():
@@ -222,7 +222,7 @@ def test_eval_interval_needs_a_simulator():
     with pytest.raises(RecipeError, match="data.eval_env") as err:
         load_recipe(synthetic, ["train.eval_interval=2"])
     assert err.value.key == "train.eval_interval"
-    with pytest.raises(RecipeError, match="unknown environment 'nosuch'; registered: aloha, aloha_insertion, pusht"):
+    with pytest.raises(RecipeError, match="unknown environment 'nosuch'; registered: aloha, aloha_insertion, metaworld, pusht"):
         load_recipe(synthetic, ["train.eval_interval=2", "data.eval_env=nosuch"])
     assert load_recipe(synthetic, ["train.eval_interval=2", "data.eval_env=pusht"]).train.eval_interval == 2
 
@@ -353,3 +353,41 @@ def test_aloha_conventions_seeded_episodes_and_random_reference(tmp_path):
                 for _ in range(2)]
     assert runs[0]["errors"] == [] and runs[0]["success_rate"] == 0.0 and runs[0]["episode_lengths"] == [15, 15]
     assert _episodes(runs[0]) == _episodes(runs[1])
+
+
+@pytest.mark.slow
+def test_metaworld_conventions_seeded_episodes_and_reference_policies(tmp_path):
+    """MetaWorld reach-v3 through our adapter: LeRobot's keys, dtypes and shapes, seeded starts, and through the
+    server MetaWorld's scripted expert succeeds while the random policy fails, the same seeds giving the same
+    episodes."""
+    pytest.importorskip("metaworld", reason="needs the extra loongforge-embodied[metaworld] (MetaWorld + MuJoCo; not "
+                        "in the workspace's test environment)")
+    from loongforge_embodied.eval.envs import load_env
+    from loongforge_embodied.eval.evaluate import evaluate
+    from loongforge_embodied.eval.server import PolicyServer
+
+    cls = load_env("metaworld")
+    env = cls(image_size=32)
+    try:
+        first = env.reset(seed=3)
+        assert set(first) == {"observation.image", "observation.state", "observation.environment_state", "prompt"}
+        assert first["observation.image"].dtype == np.uint8 and first["observation.image"].shape == (32, 32, 3)
+        assert first["observation.image"].std() > 0
+        assert first["observation.state"].shape == (4,) and first["observation.environment_state"].shape == (39,)
+        np.testing.assert_array_equal(first["observation.state"], first["observation.environment_state"][:4])
+        step = env.step(np.zeros(4, np.float32))
+        assert step.observation["observation.environment_state"].dtype == np.float32 and not step.success
+        again = env.reset(seed=3)["observation.environment_state"]
+        np.testing.assert_array_equal(again, first["observation.environment_state"])
+        other = env.reset(seed=4)["observation.environment_state"]
+        assert not np.array_equal(other[-3:], again[-3:])  # the goal moves with the seed
+    finally:
+        env.close()
+    with PolicyServer(cls.reference_policy("expert"), port=0) as server:
+        expert = [evaluate(address=server.address, env="metaworld", episodes=3, workers=1, seed=0, max_steps=150)
+                  for _ in range(2)]
+    assert expert[0]["errors"] == [] and expert[0]["success_rate"] == 1.0, expert[0]["episode_lengths"]
+    assert _episodes(expert[0]) == _episodes(expert[1])
+    with PolicyServer(cls.reference_policy("random"), port=0) as server:
+        rnd = evaluate(address=server.address, env="metaworld", episodes=3, workers=1, seed=0, max_steps=40)
+    assert rnd["errors"] == [] and rnd["success_rate"] == 0.0 and rnd["episode_lengths"] == [40] * 3

@@ -22,6 +22,8 @@ ENVS: dict[str, str] = {
     # NOTE: the extra loongforge-embodied[aloha] (gym-aloha, MuJoCo)
     "aloha": "loongforge_embodied.eval.envs.aloha:AlohaAdapter",
     "aloha_insertion": "loongforge_embodied.eval.envs.aloha:AlohaInsertionAdapter",
+    # NOTE: the extra loongforge-embodied[metaworld] (MetaWorld, MuJoCo)
+    "metaworld": "loongforge_embodied.eval.envs.metaworld:MetaWorldAdapter",
 }
 
 
