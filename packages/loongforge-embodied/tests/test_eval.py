@@ -389,3 +389,16 @@ def test_metaworld_conventions_seeded_episodes_and_reference_policies(tmp_path):
     with PolicyServer(cls.reference_policy("random"), port=0) as server:
         rnd = evaluate(address=server.address, env="metaworld", episodes=3, workers=1, seed=0, max_steps=40)
     assert rnd["errors"] == [] and rnd["success_rate"] == 0.0 and rnd["episode_lengths"] == [40] * 3
+
+
+def test_an_evaluation_in_which_every_episode_errored_is_an_error_not_a_zero_score():
+    from loongforge.errors import LoongForgeError
+    from loongforge_embodied.eval.evaluate import refuse_unrun, summarize
+    from loongforge_embodied.eval.rollout import EpisodeResult
+
+    def summary(results):
+        return summarize(results, env="pusht", policy="p", seed=0, max_steps=10, workers=1, wall_s=0.0)
+
+    refuse_unrun(summary([EpisodeResult(0, 0, error="policy failed"), EpisodeResult(1, 1, success=True)]))
+    with pytest.raises(LoongForgeError, match=r"every one of the 2 episodes failed .*seed 0: policy failed"):
+        refuse_unrun(summary([EpisodeResult(0, 0, error="policy failed"), EpisodeResult(1, 1, error="x")]))

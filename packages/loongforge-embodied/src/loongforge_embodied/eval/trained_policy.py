@@ -111,7 +111,9 @@ class TrainedPolicy:
         a = self.model.arch
         images = torch.stack([torch.stack([torch.from_numpy(np.array(r[k])).permute(2, 0, 1)
                                            for k in self.cameras]) for r in requests]).float().div_(255.0)
-        raw = {"images": images, "state": torch.from_numpy(np.stack([r[self.state_key] for r in requests]).astype(np.float32)),
+        state = torch.from_numpy(np.stack([r[self.state_key] for r in requests]).astype(np.float32))
+        # NOTE: the normalisation statistics live on the policy's device: the raw inputs go there first
+        raw = {"images": images.to(self.device), "state": state.to(self.device),
                "task": [r.get("prompt") or self.task for r in requests]}
         batch = {k: v.to(self.device) for k, v in self._prepare(raw, arch=a, stats=self.stats).items()}
         # NOTE: each request's starting noise is seeded by its content, so a chunk does not depend on the
