@@ -68,14 +68,16 @@ class TrainedPolicy:
         self.prompt = "optional" if task else "required"
         self.n_action_steps = n_action_steps or a.chunk_size
         self._noise_dim = getattr(a, "max_action_dim", a.action_dim)
+        # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers
+        # do: the statistics stay there and only its batch goes to the policy's device
         if hasattr(model, "stats_dict"):
-            self.stats = {k: v.to(self.device) for k, v in model.stats_dict().items()}
+            self.stats = {k: v.cpu() for k, v in model.stats_dict().items()}
         else:
             keys = type(model).__module__
             import importlib
 
             names = importlib.import_module(keys).STAT_KEYS
-            self.stats = {k: getattr(model, k).to(self.device) for k in names}
+            self.stats = {k: getattr(model, k).cpu() for k in names}
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", n_action_steps: int | None = None) -> TrainedPolicy:
@@ -111,10 +113,10 @@ class TrainedPolicy:
         a = self.model.arch
         images = torch.stack([torch.stack([torch.from_numpy(np.array(r[k])).permute(2, 0, 1)
                                            for k in self.cameras]) for r in requests]).float().div_(255.0)
-        state = torch.from_numpy(np.stack([r[self.state_key] for r in requests]).astype(np.float32))
-        # NOTE: the normalisation statistics live on the policy's device: the raw inputs go there first
-        raw = {"images": images.to(self.device), "state": state.to(self.device),
+        raw = {"images": images, "state": torch.from_numpy(np.stack([r[self.state_key] for r in requests]).astype(np.float32)),
                "task": [r.get("prompt") or self.task for r in requests]}
+        # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers
+        # do: it gets the statistics there, and its batch goes to the policy's device
         batch = {k: v.to(self.device) for k, v in self._prepare(raw, arch=a, stats=self.stats).items()}
         # NOTE: each request's starting noise is seeded by its content, so a chunk does not depend on the
         # requests it was batched with.
