@@ -37,6 +37,16 @@ def test_wilson_interval():
     assert (lo, hi) == (pytest.approx(0.3968, abs=1e-4), pytest.approx(0.8922, abs=1e-4))
 
 
+def test_difference_interval():
+    from loongforge_embodied.eval.wilson import difference_interval
+
+    # Newcombe (1998), Statistics in Medicine 17:873, table II example (56/70 vs 48/80), method 10
+    d, lo, hi = difference_interval(56, 70, 48, 80)
+    assert (d, lo, hi) == (pytest.approx(0.2), pytest.approx(0.0524, abs=1e-4), pytest.approx(0.3339, abs=1e-4))
+    d, lo, hi = difference_interval(0, 50, 0, 50)
+    assert d == 0.0 and lo < 0.0 < hi and lo == pytest.approx(-hi)
+
+
 @pytest.mark.slow
 def test_reference_policies_through_server_and_openpi_client(tmp_path):
     """The scripted expert succeeds, random fails, and the same seeds give the same episodes again."""
@@ -69,11 +79,13 @@ def test_reference_policies_through_server_and_openpi_client(tmp_path):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
-    """Two expert episodes recorded by ``loongforge data prepare``'s recorder (64x64 images, as the recipe)."""
+    """Two expert episodes recorded by ``loongforge data prepare``'s recorder (64x64 images, as the recipe), one
+    per worker process (``data.record.workers``): the replay test then also checks that the merge keeps each seed's
+    frames and actions in order."""
     from loongforge_embodied.data.record import record_pusht
 
     root = tmp_path_factory.mktemp("pusht") / "data"
-    return record_pusht(root, repo_id="local/pusht", episodes=2, max_steps=300, image_size=64, seed=0)
+    return record_pusht(root, repo_id="local/pusht", episodes=2, max_steps=300, image_size=64, seed=0, workers=2)
 
 
 @pytest.mark.slow
@@ -201,7 +213,7 @@ def test_cli_eval_serve_and_plugins(tmp_path, env):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
     bad = subprocess.run(_cli("eval", str(RECIPE), "--policy", "random", "--env", "nosuch"), env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown --env 'nosuch'; registered: pusht" in bad.stderr
+    assert bad.returncode == 2 and "unknown --env 'nosuch'; registered: aloha, aloha_insertion, metaworld, pusht" in bad.stderr
 
 
 def test_eval_interval_needs_a_simulator():
@@ -212,7 +224,7 @@ def test_eval_interval_needs_a_simulator():
     with pytest.raises(RecipeError, match="data.eval_env") as err:
         load_recipe(synthetic, ["train.eval_interval=2"])
     assert err.value.key == "train.eval_interval"
-    with pytest.raises(RecipeError, match="unknown environment 'nosuch'; registered: pusht"):
+    with pytest.raises(RecipeError, match="unknown environment 'nosuch'; registered: aloha, aloha_insertion, metaworld, pusht"):
         load_recipe(synthetic, ["train.eval_interval=2", "data.eval_env=nosuch"])
     assert load_recipe(synthetic, ["train.eval_interval=2", "data.eval_env=pusht"]).train.eval_interval == 2
 
@@ -237,3 +249,156 @@ def test_eval_interval_logs_success_rate_during_training(recorded, tmp_path, env
     assert not (run / "eval" / "step_000004" / "policy").exists()
     events = b"".join(p.read_bytes() for p in (run / "tensorboard").iterdir())
     assert b"eval/success_rate" in events
+
+
+@pytest.mark.slow
+def test_in_memory_source_is_lerobots_items_and_state_key_reads_the_privileged_pose(recorded):
+    """data.in_memory gives LeRobot's items bit for bit (images, the padded action window, the task) for either
+    state key; observation.environment_state is the expert's pose with gym-pusht's wrapped angle."""
+    import torch
+    from loongforge_embodied.data.dataset import InMemorySource, LeRobotSource
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAArch
+
+    arch = TinyVLAArch(chunk_size=16)
+    for key, dim in (("observation.state", 2), ("observation.environment_state", 5)):
+        src = LeRobotSource(root=str(recorded), repo_id="local/pusht", arch=arch, cameras=None, state_key=key)
+        mem = InMemorySource(src)
+        assert len(mem) == len(src) and mem.stats()["state_mean"].shape == (dim,)
+        n = len(src)
+        for i in sorted({0, 1, n // 2, n - 16, n - 2, n - 1, *range(0, n, 53)}):
+            a, b = src[i], mem[i]
+            assert a.keys() == b.keys() and a["task"] == b["task"]
+            for k in ("images", "state", "actions", "action_pad"):
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (key, i, k)
+        assert mem[n - 1]["action_pad"][1:].all() and not mem[0]["action_pad"].any()
+    import pyarrow.parquet as pq
+
+    # the two workers' shards, merged: one index 0..n-1, episode 0 (seed 0) first, each episode's frames in order
+    table = pq.read_table(sorted(recorded.glob("data/*/*.parquet")), columns=["index", "episode_index", "frame_index"])
+    table = table.sort_by("index")
+    assert table.column("index").to_pylist() == list(range(n))
+    ep, fr = table.column("episode_index").to_pylist(), table.column("frame_index").to_pylist()
+    assert ep == sorted(ep) and set(ep) == {0, 1} and fr == [i - ep.index(e) for i, e in enumerate(ep)]
+    pose = mem.state
+    assert torch.equal(pose[:, :2], InMemorySource(LeRobotSource(root=str(recorded), repo_id="local/pusht", arch=arch,
+                                                                  cameras=None)).state)
+    assert ((pose[:, 4] >= 0) & (pose[:, 4] < 2 * np.pi)).all()
+    from loongforge.errors import RecipeError
+    from loongforge_embodied.config import DataConfig
+    from loongforge_embodied.policies import dataset_shapes
+
+    assert dataset_shapes(DataConfig(root=str(recorded), state_key="observation.environment_state"))["state_dim"] == 5
+    with pytest.raises(RecipeError, match="'observation.pose' is not a vector feature of .*; allowed: "
+                       "observation.state, observation.environment_state") as err:
+        dataset_shapes(DataConfig(root=str(recorded), state_key="observation.pose"))
+    assert err.value.key == "data.state_key"
+
+
+def test_a_policy_trained_on_another_state_key_is_served_under_it(tmp_path):
+    """The export names the state feature the run read (data.state_key); the served policy asks for that key."""
+    import torch
+    from loongforge_embodied.eval.trained_policy import TrainedPolicy
+    from loongforge_embodied.policies.tiny_vla import export
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import PRESETS
+    from loongforge_embodied.policies.tiny_vla.modeling_tiny_vla import TinyVLAModel
+
+    torch.manual_seed(0)
+    arch = PRESETS["tiny"].with_overrides(state_dim=5, action_dim=2, num_cameras=1)
+    model = TinyVLAModel(arch)
+    export.write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(),
+                            features={"cameras": ["observation.image"], "state": "observation.environment_state"})
+    policy = TrainedPolicy.load(tmp_path / "hf")
+    assert policy.state_key == "observation.environment_state"
+    assert set(policy.spec) == {"observation.image", "observation.environment_state"}
+    req = {"observation.image": np.zeros((64, 64, 3), np.uint8),
+           "observation.environment_state": np.array([100, 200, 256, 256, 0.7], np.float32),
+           "prompt": "Push the T-shaped block onto the target."}
+    (out,) = policy.infer_batch([req])
+    assert out["actions"].shape == (arch.chunk_size, 2) and np.isfinite(out["actions"]).all()
+
+
+@pytest.mark.slow
+def test_aloha_conventions_seeded_episodes_and_random_reference(tmp_path):
+    """gym-aloha through our adapter: LeRobot's aloha_sim keys, dtypes and shapes, the same seed gives the same
+    start (another seed moves the cube), and the random policy scores 0 reproducibly through the server."""
+    pytest.importorskip("gym_aloha", reason="needs the extra loongforge-embodied[aloha] (gym-aloha + MuJoCo; not in "
+                        "the workspace's test environment)")
+    from loongforge_embodied.eval.envs import load_env
+    from loongforge_embodied.eval.evaluate import evaluate
+    from loongforge_embodied.eval.server import PolicyServer
+
+    cls = load_env("aloha")
+    env = cls(image_size=48)
+    try:
+        first = env.reset(seed=3)
+        assert set(first) == {"observation.images.top", "observation.state", "prompt"}
+        img, state = first["observation.images.top"], first["observation.state"]
+        assert img.dtype == np.uint8 and img.shape == (48, 48, 3) and img.std() > 0
+        assert state.dtype == np.float32 and state.shape == (14,)
+        step = env.step(np.zeros(14, np.float32))
+        assert step.observation["observation.state"].shape == (14,) and not step.success and step.reward == 0.0
+        frame = env.render()
+        assert frame.dtype == np.uint8 and frame.shape == (192, 256, 3)
+        box = lambda: env.env.unwrapped._env.physics.data.qpos[16:19].copy()  # noqa: E731 - the cube's position
+        env.reset(seed=3)
+        a = box()
+        np.testing.assert_array_equal(env.reset(seed=3)["observation.state"], state)
+        assert np.array_equal(box(), a) and (env.reset(seed=4), not np.array_equal(box(), a))[1]
+    finally:
+        env.close()
+    with PolicyServer(cls.reference_policy("random"), port=0) as server:
+        runs = [evaluate(address=server.address, env="aloha", episodes=2, workers=1, seed=0, max_steps=15)
+                for _ in range(2)]
+    assert runs[0]["errors"] == [] and runs[0]["success_rate"] == 0.0 and runs[0]["episode_lengths"] == [15, 15]
+    assert _episodes(runs[0]) == _episodes(runs[1])
+
+
+@pytest.mark.slow
+def test_metaworld_conventions_seeded_episodes_and_reference_policies(tmp_path):
+    """MetaWorld reach-v3 through our adapter: LeRobot's keys, dtypes and shapes, seeded starts, and through the
+    server MetaWorld's scripted expert succeeds while the random policy fails, the same seeds giving the same
+    episodes."""
+    pytest.importorskip("metaworld", reason="needs the extra loongforge-embodied[metaworld] (MetaWorld + MuJoCo; not "
+                        "in the workspace's test environment)")
+    from loongforge_embodied.eval.envs import load_env
+    from loongforge_embodied.eval.evaluate import evaluate
+    from loongforge_embodied.eval.server import PolicyServer
+
+    cls = load_env("metaworld")
+    env = cls(image_size=32)
+    try:
+        first = env.reset(seed=3)
+        assert set(first) == {"observation.image", "observation.state", "observation.environment_state", "prompt"}
+        assert first["observation.image"].dtype == np.uint8 and first["observation.image"].shape == (32, 32, 3)
+        assert first["observation.image"].std() > 0
+        assert first["observation.state"].shape == (4,) and first["observation.environment_state"].shape == (39,)
+        np.testing.assert_array_equal(first["observation.state"], first["observation.environment_state"][:4])
+        step = env.step(np.zeros(4, np.float32))
+        assert step.observation["observation.environment_state"].dtype == np.float32 and not step.success
+        again = env.reset(seed=3)["observation.environment_state"]
+        np.testing.assert_array_equal(again, first["observation.environment_state"])
+        other = env.reset(seed=4)["observation.environment_state"]
+        assert not np.array_equal(other[-3:], again[-3:])  # the goal moves with the seed
+    finally:
+        env.close()
+    with PolicyServer(cls.reference_policy("expert"), port=0) as server:
+        expert = [evaluate(address=server.address, env="metaworld", episodes=3, workers=1, seed=0, max_steps=150)
+                  for _ in range(2)]
+    assert expert[0]["errors"] == [] and expert[0]["success_rate"] == 1.0, expert[0]["episode_lengths"]
+    assert _episodes(expert[0]) == _episodes(expert[1])
+    with PolicyServer(cls.reference_policy("random"), port=0) as server:
+        rnd = evaluate(address=server.address, env="metaworld", episodes=3, workers=1, seed=0, max_steps=40)
+    assert rnd["errors"] == [] and rnd["success_rate"] == 0.0 and rnd["episode_lengths"] == [40] * 3
+
+
+def test_an_evaluation_in_which_every_episode_errored_is_an_error_not_a_zero_score():
+    from loongforge.errors import LoongForgeError
+    from loongforge_embodied.eval.evaluate import refuse_unrun, summarize
+    from loongforge_embodied.eval.rollout import EpisodeResult
+
+    def summary(results):
+        return summarize(results, env="pusht", policy="p", seed=0, max_steps=10, workers=1, wall_s=0.0)
+
+    refuse_unrun(summary([EpisodeResult(0, 0, error="policy failed"), EpisodeResult(1, 1, success=True)]))
+    with pytest.raises(LoongForgeError, match=r"every one of the 2 episodes failed .*seed 0: policy failed"):
+        refuse_unrun(summary([EpisodeResult(0, 0, error="policy failed"), EpisodeResult(1, 1, error="x")]))

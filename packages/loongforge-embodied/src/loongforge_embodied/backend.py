@@ -64,6 +64,9 @@ class EmbodiedBackend(Backend):
         if recipe.model.load and not (Path(recipe.model.load) / "model.safetensors").is_file():
             raise RecipeError(f"'{recipe.model.load}' has no model.safetensors (an exported policy dir)", key="model.load")
         d = recipe.data
+        if d.state_key != "observation.state" and recipe.model.policy == "lerobot_pi05":
+            raise RecipeError("lerobot_pi05 reads LeRobot's observation.state; data.state_key is for tiny_vla and "
+                              "groot", key="data.state_key")
         if d.format == "lerobot" and d.record is None and not (Path(d.root or "") / "meta" / "info.json").is_file():
             what = "does not exist" if not Path(d.root or "").exists() else "is not a LeRobotDataset (no meta/info.json)"
             raise RecipeError(f"'{d.root}' {what}; record one with data.record (loongforge data prepare) or point "

@@ -67,6 +67,7 @@ class RecordConfig(Section):
     max_steps: int = Field(100, ge=2, description="frames per episode at most")
     image_size: int = Field(64, ge=16)
     seed: int = Field(0, ge=0)
+    workers: int = Field(1, ge=1, description="processes recording episodes in parallel (merged into one dataset)")
 
 
 class DataConfig(Section):
@@ -76,6 +77,11 @@ class DataConfig(Section):
     root: str | None = Field(None, description="local LeRobotDataset root (relative paths: to the working dir)")
     repo_id: str = "local/pusht_scripted"
     cameras: list[str] | None = Field(None, description="camera keys to use (default: all in the dataset)")
+    state_key: str = Field("observation.state", description="the dataset's feature the policy reads as its state "
+                           "(e.g. observation.environment_state: a simulator's privileged state); the served policy "
+                           "asks for the same key")
+    in_memory: bool = Field(False, description="decode every frame into memory once at start (small datasets: "
+                            "sampling then costs an index, not a parquet query and an image decode)")
     record: RecordConfig | None = None
     synthetic_samples: int = Field(1024, ge=1)
     task: str = "Push the T-shaped block onto the target."
@@ -92,6 +98,8 @@ class DataConfig(Section):
     def _check(self) -> DataConfig:
         if self.format == "lerobot" and not self.root:
             raise ValueError("data.format 'lerobot' needs data.root (a local LeRobotDataset directory)")
+        if not self.state_key.startswith("observation."):
+            raise ValueError(f"data.state_key '{self.state_key}' is not an observation feature (observation.*)")
         return self
 
 

@@ -88,7 +88,7 @@ class EmbodiedJob(Job):
         source = self._source()
         self.arch = resolve_arch(r.model, r.data)
         cams = getattr(source, "cameras", None) or [f"observation.images.cam{i}" for i in range(self.arch.num_cameras)]
-        self.features = {"cameras": cams}
+        self.features = {"cameras": cams, "state": r.data.state_key}
         # NOTE: the same seed on every rank gives identical initial weights (and the same as one process).
         rt.seed(t.seed)
         from loongforge_embodied import kernels
@@ -184,7 +184,7 @@ class EmbodiedJob(Job):
                               "the policy's sizes and the dataset's state / action dims", key="model.load") from None
 
     def _source(self):
-        from loongforge_embodied.data.dataset import LeRobotSource, SyntheticSource
+        from loongforge_embodied.data.dataset import InMemorySource, LeRobotSource, SyntheticSource
         from loongforge_embodied.policies import resolve_arch
 
         d = self.recipe.data
@@ -196,7 +196,9 @@ class EmbodiedJob(Job):
 
                 prepare(self.recipe)
             dist.barrier()
-        return LeRobotSource(root=d.root, repo_id=d.repo_id, arch=resolve_arch(self.recipe.model, d), cameras=d.cameras)
+        source = LeRobotSource(root=d.root, repo_id=d.repo_id, arch=resolve_arch(self.recipe.model, d),
+                               cameras=d.cameras, state_key=d.state_key)
+        return InMemorySource(source) if d.in_memory else source
 
     def _autocast(self):
         if self.precision == "bf16":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,8 @@ def video_backend() -> str:
 class LeRobotSource:
     """A local LeRobotDataset v3 read with delta-timestamp windows: the action chunk of each frame."""
 
-    def __init__(self, *, root: str, repo_id: str, arch: Arch, cameras: list[str] | None):
+    def __init__(self, *, root: str, repo_id: str, arch: Arch, cameras: list[str] | None,
+                 state_key: str = "observation.state"):
         from lerobot.datasets.dataset_metadata import LeRobotDatasetMetadata
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
@@ -70,7 +72,8 @@ class LeRobotSource:
         )
 
         # NOTE: first, so that LeRobot never meets a missing file (it would download data.repo_id from the Hub)
-        check_dataset(root)
+        check_dataset(root, state_key=state_key)
+        self.state_key, self.chunk_size = state_key, arch.chunk_size
         try:
             meta = LeRobotDatasetMetadata(repo_id, root=root)
             self.cameras = cameras or list(meta.camera_keys)
@@ -90,17 +93,82 @@ class LeRobotSource:
     def stats(self) -> dict[str, torch.Tensor]:
         s = self.meta.stats
         f = lambda k, m: torch.as_tensor(s[k][m], dtype=torch.float32).flatten()  # noqa: E731
-        out = {"state_mean": f("observation.state", "mean"), "state_std": f("observation.state", "std").clamp_min(1e-4),
+        sk = self.state_key
+        out = {"state_mean": f(sk, "mean"), "state_std": f(sk, "std").clamp_min(1e-4),
                "action_mean": f("action", "mean"), "action_std": f("action", "std").clamp_min(1e-4)}
         # NOTE: the 1st / 99th percentiles where recorded (pi05 normalises with them: LeRobot's QUANTILES mode).
-        for ours, key in (("state", "observation.state"), ("action", "action")):
+        for ours, key in (("state", sk), ("action", "action")):
             out.update({f"{ours}_{q}": f(key, q) for q in ("q01", "q99") if q in s[key]})
         return out
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         item = self.ds[idx]
-        return {"images": torch.stack([item[k] for k in self.cameras]), "state": item["observation.state"],
+        return {"images": torch.stack([item[k] for k in self.cameras]), "state": item[self.state_key],
                 "actions": item["action"], "action_pad": item["action_is_pad"], "task": item["task"]}
+
+
+class InMemorySource:
+    """A :class:`LeRobotSource` decoded into memory once: the same items (uint8 frames kept, scaled on access the
+    way LeRobot's ``ToTensor`` scales them; the action window clamped to the episode and padded as LeRobot pads).
+
+    Read straight from the parquet files with pyarrow: one PNG decode per frame at start, after which an item is
+    an index (a LeRobot item is a query over the episode's rows and an image decode, per sample and epoch)."""
+
+    def __init__(self, source: LeRobotSource):
+        import io
+
+        import numpy as np
+        import pyarrow.parquet as pq
+        from PIL import Image
+
+        from loongforge.errors import RecipeError
+
+        self.source, self.cameras, self.state_key = source, source.cameras, source.state_key
+        meta = source.meta
+        videos = [k for k in self.cameras if meta.features[k]["dtype"] == "video"]
+        if videos:
+            raise RecipeError(f"data.in_memory decodes images stored in the parquet files; {', '.join(videos)} "
+                              f"of '{meta.root}' are videos", key="data.in_memory")
+        cols = [*self.cameras, self.state_key, "action", "episode_index", "index", "task_index"]
+        table = pq.read_table(sorted(Path(meta.root).glob("data/*/*.parquet")), columns=cols)
+        order = np.argsort(np.asarray(table.column("index")), kind="stable")
+        table = table.take(order)
+        n = table.num_rows
+
+        def decode(cell: dict) -> np.ndarray:
+            return np.asarray(Image.open(io.BytesIO(cell["bytes"])).convert("RGB"))
+
+        self.images = torch.from_numpy(np.stack([np.stack([decode(c) for c in table.column(k).to_pylist()])
+                                                 for k in self.cameras], axis=1)).permute(0, 1, 4, 2, 3).contiguous()
+        self.state = torch.as_tensor(np.stack(table.column(self.state_key).to_numpy(zero_copy_only=False)),
+                                     dtype=torch.float32)
+        self.actions = torch.as_tensor(np.stack(table.column("action").to_numpy(zero_copy_only=False)),
+                                       dtype=torch.float32)
+        episode = torch.tensor(np.asarray(table.column("episode_index")))
+        # first / last row of each row's episode (rows are in index order, episodes contiguous)
+        starts = torch.ones(n, dtype=torch.bool)
+        starts[1:] = episode[1:] != episode[:-1]
+        first = torch.cummax(torch.where(starts, torch.arange(n), 0), 0).values
+        ends = torch.ones(n, dtype=torch.bool)
+        ends[:-1] = starts[1:]
+        last = torch.flip(torch.cummin(torch.flip(torch.where(ends, torch.arange(n), n), [0]), 0).values, [0])
+        self.first, self.last = first, last
+        tasks = meta.tasks  # NOTE: LeRobot v3: a frame indexed by the task string, column task_index
+        by_index = {int(i): str(t) for t, i in zip(tasks.index, tasks["task_index"], strict=True)}
+        self.tasks = [by_index[int(i)] for i in np.asarray(table.column("task_index"))]
+        self.chunk = source.chunk_size
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        return self.source.stats()
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        want = torch.arange(idx, idx + self.chunk)
+        rows = want.clamp(max=int(self.last[idx]))
+        return {"images": self.images[idx].float().div(255.0), "state": self.state[idx],
+                "actions": self.actions[rows], "action_pad": want > self.last[idx], "task": self.tasks[idx]}
 
 
 class FlowSamples(Dataset):

@@ -72,13 +72,14 @@ def _parquet_rows(path: Path, *, column: str | None = None) -> list[Any] | None:
         raise DatasetError(f"{path} is not a readable parquet file ({str(exc).splitlines()[0][:200]}); {HINT}") from None
 
 
-def check_dataset(root: str | Path) -> dict[str, Any]:
-    """Check the files LeRobot will open for the dataset at ``root``; returns ``meta/info.json``."""
+def check_dataset(root: str | Path, *, state_key: str = "observation.state") -> dict[str, Any]:
+    """Check the files LeRobot will open for the dataset at ``root`` (``state_key``: the state the policy reads);
+    returns ``meta/info.json``."""
     root = Path(root)
     info = load_info(root, full=True)
     stats_path = root / "meta" / "stats.json"
     stats = read_json(stats_path)
-    for key in ("observation.state", "action"):
+    for key in dict.fromkeys(("observation.state", state_key, "action")):
         entry = stats.get(key) if isinstance(stats, dict) else None
         if not (isinstance(entry, dict) and all(isinstance(entry.get(m), list) for m in ("mean", "std"))):
             raise DatasetError(f"{stats_path}: no mean / std for '{key}' (the trainer normalises with them); {HINT}")

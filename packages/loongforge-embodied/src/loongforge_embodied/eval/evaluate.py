@@ -133,6 +133,7 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
                         seed=seed, max_steps=max_steps, workers=workers, wall_s=time.perf_counter() - start)
     if out is not None:
         write_summary(summary, out)
+    refuse_unrun(summary, out)
     return summary
 
 
@@ -169,6 +170,18 @@ def summarize(results: list[EpisodeResult], *, env: str, policy: str | None, see
         "eval_s": wall_s,
         "per_episode": [r.to_dict() for r in results],
     }
+
+
+def refuse_unrun(summary: dict[str, Any], out: Path | None = None) -> None:
+    """A clear error when every episode failed with an error: an evaluation in which nothing ran is not a 0% score."""
+    n, errors = summary["episodes"], summary["errors"]
+    if n and len(errors) == n:
+        from loongforge.errors import LoongForgeError
+
+        first = errors[0]
+        where = f"; the summary is {out / 'summary.json'}" if out is not None else ""
+        raise LoongForgeError(f"every one of the {n} episodes failed with an error, so there is no success rate "
+                              f"(episode {first['episode']}, seed {first['seed']}: {first['error']}){where}")
 
 
 def write_summary(summary: dict[str, Any], out: Path) -> Path:

@@ -45,12 +45,13 @@ def run_task(path: str | Path) -> str | None:
 
 class TrainedPolicy:
     """``model`` (one of our policy modules, statistics in its buffers) behind the protocol: requests carry one
-    uint8 (H, W, 3) image per camera key and ``observation.state``; the reply is the un-normalised chunk."""
+    uint8 (H, W, 3) image per camera key and the state under ``state_key`` (``observation.state``, or the feature
+    the run was trained on: ``data.state_key``); the reply is the un-normalised chunk."""
 
     prompt = "optional"
 
     def __init__(self, model, *, policy: str, cameras: list[str], task: str | None, device: str = "cpu",
-                 n_action_steps: int | None = None, label: str | None = None):
+                 n_action_steps: int | None = None, label: str | None = None, state_key: str = "observation.state"):
         import torch
 
         from loongforge_embodied.policies import get_policy
@@ -62,18 +63,21 @@ class TrainedPolicy:
         self._prepare = get_policy(policy).prepare_batch
         a = model.arch
         self.spec: dict[str, Feature] = {k: image(a.image_size, a.image_size) for k in self.cameras}
-        self.spec["observation.state"] = vector(a.state_dim)
+        self.state_key = state_key
+        self.spec[state_key] = vector(a.state_dim)
         self.prompt = "optional" if task else "required"
         self.n_action_steps = n_action_steps or a.chunk_size
         self._noise_dim = getattr(a, "max_action_dim", a.action_dim)
+        # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers
+        # do: the statistics stay there and only its batch goes to the policy's device
         if hasattr(model, "stats_dict"):
-            self.stats = {k: v.to(self.device) for k, v in model.stats_dict().items()}
+            self.stats = {k: v.cpu() for k, v in model.stats_dict().items()}
         else:
             keys = type(model).__module__
             import importlib
 
             names = importlib.import_module(keys).STAT_KEYS
-            self.stats = {k: getattr(model, k).to(self.device) for k in names}
+            self.stats = {k: getattr(model, k).cpu() for k in names}
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", n_action_steps: int | None = None) -> TrainedPolicy:
@@ -92,8 +96,10 @@ class TrainedPolicy:
         cameras = cfg.get("camera_keys") or [k for k, f in cfg.get("input_features", {}).items()
                                              if f.get("type") == "VISUAL"]
         task = run_task(path) or run_task(export.parent)
+        state_key = next((k for k, f in cfg.get("input_features", {}).items() if f.get("type") == "STATE"),
+                         "observation.state")
         return cls(model, policy=policy, cameras=cameras, task=task, device=device, n_action_steps=n_action_steps,
-                   label=f"{policy}:{export}")
+                   label=f"{policy}:{export}", state_key=state_key)
 
     def metadata(self) -> dict[str, Any]:
         a = self.model.arch
@@ -107,8 +113,10 @@ class TrainedPolicy:
         a = self.model.arch
         images = torch.stack([torch.stack([torch.from_numpy(np.array(r[k])).permute(2, 0, 1)
                                            for k in self.cameras]) for r in requests]).float().div_(255.0)
-        raw = {"images": images, "state": torch.from_numpy(np.stack([r["observation.state"] for r in requests]).astype(np.float32)),
+        raw = {"images": images, "state": torch.from_numpy(np.stack([r[self.state_key] for r in requests]).astype(np.float32)),
                "task": [r.get("prompt") or self.task for r in requests]}
+        # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers
+        # do: it gets the statistics there, and its batch goes to the policy's device
         batch = {k: v.to(self.device) for k, v in self._prepare(raw, arch=a, stats=self.stats).items()}
         # NOTE: each request's starting noise is seeded by its content, so a chunk does not depend on the
         # requests it was batched with.

@@ -17,3 +17,14 @@ def wilson_interval(successes: int, n: int, *, z: float = 1.959964) -> tuple[flo
     lo = 0.0 if successes == 0 else max(0.0, centre - half)
     hi = 1.0 if successes == n else min(1.0, centre + half)
     return lo, hi
+
+
+def difference_interval(k1: int, n1: int, k2: int, n2: int, *, z: float = 1.959964) -> tuple[float, float, float]:
+    """``p1 - p2`` of two independent success rates with Newcombe's hybrid score interval (his method 10: the two
+    Wilson intervals combined; sound at 0 / n where the normal approximation's interval collapses to a point).
+    Returns (difference, low, high); a low above 0 says policy 1 beats policy 2 at that level."""
+    p1, p2 = k1 / n1, k2 / n2
+    l1, u1 = wilson_interval(k1, n1, z=z)
+    l2, u2 = wilson_interval(k2, n2, z=z)
+    d = p1 - p2
+    return d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)

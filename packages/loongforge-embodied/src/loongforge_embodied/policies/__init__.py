@@ -133,5 +133,12 @@ def dataset_shapes(data: DataConfig) -> dict[str, Any]:
         raise RecipeError(f"{', '.join(map(repr, unknown))} not among the cameras of '{data.root}'; allowed: "
                           f"{', '.join(found) or '(none)'}", key="data.cameras")
     cams = data.cameras or found
-    return {"state_dim": int(feats["observation.state"]["shape"][0]), "action_dim": int(feats["action"]["shape"][0]),
+    state = feats.get(data.state_key)
+    if not (isinstance(state, dict) and isinstance(state.get("shape"), list) and len(state["shape"]) == 1):
+        from loongforge.errors import RecipeError
+
+        vectors = [k for k, f in feats.items() if k.startswith("observation.") and len(f.get("shape") or []) == 1]
+        raise RecipeError(f"'{data.state_key}' is not a vector feature of '{data.root}'; allowed: "
+                          f"{', '.join(vectors) or '(none)'}", key="data.state_key")
+    return {"state_dim": int(state["shape"][0]), "action_dim": int(feats["action"]["shape"][0]),
             "num_cameras": len(cams)}

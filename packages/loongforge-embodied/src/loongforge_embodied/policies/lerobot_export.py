@@ -41,7 +41,8 @@ def staged_dir(out_dir: str | Path) -> Iterator[Path]:
 
 def write_pretrained(out_dir: str | Path, *, config_class: type, arch: ArchMixin, weights: dict[str, torch.Tensor],
                      features: dict[str, Any]) -> Path:
-    """``config_class`` (an ``ArchPolicyConfig``) filled from ``arch`` and ``features`` (the camera keys), plus
+    """``config_class`` (an ``ArchPolicyConfig``) filled from ``arch`` and ``features`` (the camera keys and, under
+    ``state``, the state's feature key: default ``observation.state``), plus
     ``weights`` under :data:`PREFIX`."""
     from lerobot.configs.types import FeatureType, PolicyFeature
     from safetensors.torch import save_file
@@ -50,7 +51,8 @@ def write_pretrained(out_dir: str | Path, *, config_class: type, arch: ArchMixin
     with staged_dir(out_dir) as staging:
         inputs = {k: PolicyFeature(type=FeatureType.VISUAL, shape=(3, arch.image_size, arch.image_size))
                   for k in features["cameras"]}
-        inputs["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,))
+        inputs[features.get("state", "observation.state")] = PolicyFeature(type=FeatureType.STATE,
+                                                                            shape=(arch.state_dim,))
         action = PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))
         config = config_class(**arch.to_dict(), camera_keys=list(features["cameras"]), device="cpu",
                               n_action_steps=arch.chunk_size, input_features=inputs, output_features={"action": action})

@@ -18,6 +18,14 @@ from lerobot.optim.optimizers import AdamWConfig
 from loongforge_embodied.policies.arch import ArchMixin
 
 
+def state_key(input_features: dict) -> str:
+    """The key of a config's STATE input feature (``observation.state`` unless the run read another:
+    ``data.state_key``)."""
+    from lerobot.configs.types import FeatureType
+
+    return next((k for k, f in input_features.items() if f.type is FeatureType.STATE), "observation.state")
+
+
 def mirror_arch(arch_class: type[ArchMixin]) -> Callable[[type], type]:
     """Class decorator, placed below ``@dataclass``: declare every size field of ``arch_class`` (name, type,
     default) ahead of the class's own LeRobot keys.
@@ -119,7 +127,7 @@ class ArchPolicyMixin:
 
     def _raw(self, batch: dict) -> dict:
         """LeRobot's batch keys → the processor's raw keys (``images`` stacked over ``camera_keys``)."""
-        state = batch["observation.state"]
+        state = batch[state_key(self.config.input_features)]
         raw = {"images": torch.stack([batch[k] for k in self.config.camera_keys], dim=1), "state": state,
                "task": batch.get("task") or [""] * len(state)}
         if "action" in batch:

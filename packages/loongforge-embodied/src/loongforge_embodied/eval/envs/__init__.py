@@ -19,6 +19,11 @@ GROUP = "loongforge.embodied.envs"
 
 ENVS: dict[str, str] = {
     "pusht": "loongforge_embodied.eval.envs.pusht:PushTAdapter",
+    # NOTE: the extra loongforge-embodied[aloha] (gym-aloha, MuJoCo)
+    "aloha": "loongforge_embodied.eval.envs.aloha:AlohaAdapter",
+    "aloha_insertion": "loongforge_embodied.eval.envs.aloha:AlohaInsertionAdapter",
+    # NOTE: the extra loongforge-embodied[metaworld] (MetaWorld, MuJoCo)
+    "metaworld": "loongforge_embodied.eval.envs.metaworld:MetaWorldAdapter",
 }
 
 

@@ -13,6 +13,13 @@ from loongforge_embodied.eval.envs.base import Step
 TASK = "Push the T-shaped block onto the target."
 
 
+def environment_state(unwrapped) -> np.ndarray:
+    """[agent_x, agent_y, block_x, block_y, block_angle] as gym-pusht's ``state`` observation has it: the angle
+    wrapped into [0, 2π) (pymunk's own accumulates whole turns)."""
+    u = unwrapped
+    return np.array([*u.agent.position, *u.block.position, u.block.angle % (2 * np.pi)], dtype=np.float32)
+
+
 class PushTAdapter:
     """``gym_pusht/PushT-v0`` with ``obs_type=pixels_agent_pos``; the block's pose is the privileged
     ``observation.environment_state`` = [agent_x, agent_y, block_x, block_y, block_angle] (gym-pusht's ``state``)."""
@@ -41,8 +48,7 @@ class PushTAdapter:
         self.unwrapped = self.env.unwrapped
 
     def _obs(self, raw) -> dict[str, Any]:
-        u = self.unwrapped
-        env_state = np.array([*u.agent.position, *u.block.position, u.block.angle], dtype=np.float32)
+        env_state = environment_state(self.unwrapped)
         obs = {"observation.state": env_state[:2].copy(), "observation.environment_state": env_state,
                "prompt": TASK}
         if self.image_size:
