@@ -49,8 +49,6 @@ class KernelRoPESelfAttention(SelfAttention):
         if getattr(self, "_yarn_concentration_factor", 1.0) != 1.0:
             return None
         q_freqs, k_freqs = emb if isinstance(emb, tuple) else (emb, emb)
-        if q_freqs.shape[-1] != self.hidden_size_per_attention_head:
-            return None  # partial rotary (GLM-4.5's rotary_percent): megatron rotates the leading dims itself
         cu_q = cu_kv = None
         packed = kwargs.get("packed_seq_params")
         if packed is not None and packed.qkv_format == "thd":
