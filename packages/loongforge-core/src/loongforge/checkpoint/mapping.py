@@ -103,16 +103,21 @@ class Shared(Rule):
         return tuple(str(i) for i in range(self.copies))
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
-        first = hf_tensors["0"]
-        for role in self.roles[1:]:
-            t = hf_tensors[role]
-            if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
-                raise CheckpointError(f"Shared: copy {role} differs from copy 0 (the backend holds one tensor for all "
-                                      f"{self.copies} copies)")
-        return first
+        return _one_of_copies(hf_tensors, self.roles, rule="Shared")
 
     def to_hf(self, shards):
         return {role: shards[0] for role in self.roles}
+
+
+def _one_of_copies(hf_tensors: dict[str, torch.Tensor], roles: tuple[str, ...], *, rule: str) -> torch.Tensor:
+    """Copy ``"0"`` of a tensor HF repeats under several names; a copy that differs is a clear error."""
+    first = hf_tensors["0"]
+    for role in roles[1:]:
+        t = hf_tensors[role]
+        if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
+            raise CheckpointError(f"{rule}: copy {role} differs from copy 0 (the backend holds one tensor for all "
+                                  f"{len(roles)} copies)")
+    return first
 
 
 @dataclass(frozen=True)
@@ -132,12 +137,7 @@ class Copies(Rule):
         return tuple(str(i) for i in range(self.copies))
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
-        first = hf_tensors["0"]
-        for role in self.roles[1:]:
-            t = hf_tensors[role]
-            if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
-                raise CheckpointError(f"Copies: copy {role} differs from copy 0 (the backend holds one tensor for "
-                                      f"all {self.copies} copies)")
+        first = _one_of_copies(hf_tensors, self.roles, rule="Copies")
         return self.inner.to_megatron({SINGLE: first}, tp_rank=tp_rank, tp_size=tp_size)
 
     def to_hf(self, shards):

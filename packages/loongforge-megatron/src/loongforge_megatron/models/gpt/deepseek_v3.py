@@ -139,7 +139,30 @@ def _ignore(h: HFConfig, name: str) -> bool:
     return "rotary_emb.inv_freq" in name or (m is not None and int(m.group(1)) >= h["num_hidden_layers"])
 
 
-class DeepseekV3(GPTFamily):
+class DeepSeekMoEFamily(GPTFamily):
+    """What DeepSeek-style MoE checkpoints share (DeepSeek-V3, Kimi-K2, GLM-4.5): ``n_routed_experts``, MTP layers
+    after the decoder's (``layers.{num_hidden_layers + k}``) and an untied head in each of them."""
+
+    layout_name = "DeepSeek-V3"  # for the errors
+
+    def num_experts(self, cfg: HFConfig) -> int:
+        return cfg["n_routed_experts"]
+
+    def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
+        return _ignore(cfg, name)
+
+    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
+        return mtp_layers_in(cfg, names)
+
+    def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
+        """MTP's HF layout repeats an untied head."""
+        if arch.mtp_num_layers and arch.tie_embeddings:
+            raise RecipeError(f"model.mtp_num_layers with tied embeddings has no {self.layout_name} HF layout (its MTP "
+                              "layers carry a separate shared_head.head); untie them or leave MTP out",
+                              key="model.mtp_num_layers")
+
+
+class DeepseekV3(DeepSeekMoEFamily):
     """``DeepseekV3ForCausalLM`` (a DeepSeek-V2 checkpoint converts with the same map)."""
 
     name = "deepseek_v3"
@@ -192,21 +215,6 @@ class DeepseekV3(GPTFamily):
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
         return name_map(cfg, divisible_by=divisible_by)
 
-    def num_experts(self, cfg: HFConfig) -> int:
-        return cfg["n_routed_experts"]
-
-    def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
-        return _ignore(cfg, name)
-
-    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
-        return mtp_layers_in(cfg, names)
-
-    def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
-        """MLA has no q/k/v projections to bias; MTP's HF layout repeats an untied head."""
-        if arch.mtp_num_layers and arch.tie_embeddings:
-            raise RecipeError("model.mtp_num_layers with tied embeddings has no DeepSeek-V3 HF layout (its MTP layers "
-                              "carry a separate shared_head.head); untie them or leave MTP out",
-                              key="model.mtp_num_layers")
 
 
 SPEC = DeepseekV3()

@@ -12,8 +12,7 @@ from loongforge.checkpoint import NameMap
 from loongforge.errors import RecipeError
 
 from loongforge_megatron.models.gpt.arch import Arch
-from loongforge_megatron.models.gpt.deepseek_v3 import _ignore, mlp, mtp_layers_in, with_mtp
-from loongforge_megatron.models.gpt.family import GPTFamily
+from loongforge_megatron.models.gpt.deepseek_v3 import DeepSeekMoEFamily, mlp, with_mtp
 from loongforge_megatron.models.gpt.names import HFConfig, ends, gqa_attention, norms
 
 _GLM = dict(family="glm4_moe", qkv_bias=True, rotary_percent=0.5, norm_eps=1e-5, moe_score_function="sigmoid",
@@ -36,8 +35,10 @@ def partial_rotary(cfg: dict) -> float:
     return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
 
 
-class Glm4Moe(GPTFamily):
-    """``Glm4MoeForCausalLM``."""
+class Glm4Moe(DeepSeekMoEFamily):
+    """``Glm4MoeForCausalLM`` (GLM's ``attention_bias`` biases q/k/v only: megatron's add_qkv_bias)."""
+
+    layout_name = "GLM-4.5"
 
     name = "glm4_moe"
     model_types = ("glm4_moe",)
@@ -81,22 +82,6 @@ class Glm4Moe(GPTFamily):
         first, last = ends(cfg, divisible_by=divisible_by)
         attention = gqa_attention(cfg, qkv_bias=bool(cfg.get("attention_bias")), qk_norm=bool(cfg.get("use_qk_norm")))
         return NameMap(with_mtp(cfg, first, norms() + attention + mlp(cfg), last))
-
-    def num_experts(self, cfg: HFConfig) -> int:
-        return cfg["n_routed_experts"]
-
-    def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
-        return _ignore(cfg, name)
-
-    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
-        return mtp_layers_in(cfg, names)
-
-    def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
-        """GLM's ``attention_bias`` biases q/k/v only (megatron's add_qkv_bias); MTP repeats an untied head."""
-        if arch.mtp_num_layers and arch.tie_embeddings:
-            raise RecipeError("model.mtp_num_layers with tied embeddings has no GLM-4.5 HF layout (its MTP layers "
-                              "carry a separate shared_head.head); untie them or leave MTP out",
-                              key="model.mtp_num_layers")
 
 
 SPEC = Glm4Moe()
