@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from loongforge_megatron.data.epochs import ShuffledEpochs
 from loongforge_megatron.engine.step import _to_device, loss_func
 
 
@@ -283,7 +284,7 @@ class ImageTextConversations:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.processor = _clip_processor(processor_dir, image_size(arch)[0])
         self.seed = seed
-        self._epoch: tuple[int, list[int]] | None = None
+        self._record = ShuffledEpochs(len(self.records), seed)
         self._tokenized(0)
 
     def _tokenized(self, n: int) -> tuple[Any, list[int], list[int]]:
@@ -313,13 +314,6 @@ class ImageTextConversations:
 
     def __len__(self) -> int:
         return 1 << 40  # NOTE: epochs follow one another; the record order is reshuffled in each
-
-    def _record(self, idx: int) -> int:
-        epoch, i = divmod(idx, len(self.records))
-        if self._epoch is None or self._epoch[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch = (epoch, torch.randperm(len(self.records), generator=g).tolist())
-        return self._epoch[1][i]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         from PIL import Image

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from loongforge.errors import RecipeError
 
+from loongforge_megatron.data.epochs import ShuffledEpochs
 from loongforge_megatron.models.qwen_vl.rope import mrope_positions
 
 CONCAT_KEYS = ("pixel_values", "image_grid_thw")
@@ -183,17 +184,10 @@ class Conversations:
             self.tok.eos_token)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_length, self.seed = seq_length, seed
-        self._epoch: tuple[int, list[int]] | None = None
+        self._record = ShuffledEpochs(len(self.records), seed)
 
     def __len__(self) -> int:
         return 1 << 40  # NOTE: epochs follow one another; the record order is reshuffled in each
-
-    def _record(self, idx: int) -> int:
-        epoch, i = divmod(idx, len(self.records))
-        if self._epoch is None or self._epoch[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch = (epoch, torch.randperm(len(self.records), generator=g).tolist())
-        return self._epoch[1][i]
 
     def _render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the chat-templated text, the character spans to train on: each assistant message's content and its
