@@ -38,14 +38,21 @@ def _isolated(monkeypatch):
 
 @pytest.fixture
 def simulated_runtime(monkeypatch):
-    """Make ``import torch_xmlir`` find the simulated runtime in this process."""
+    """Make ``import torch_xmlir`` find the simulated runtime in this process, placed on the CPU."""
+    import loongforge_xpu.accelerator as accelerator
+
     monkeypatch.syspath_prepend(str(SIM_DIR))
+    monkeypatch.setattr(accelerator, "load_runtime", accelerator.load_runtime)  # undone after the test
+    import cpu_placement
+
+    cpu_placement.place(accelerator)
     return SIM_DIR
 
 
 @pytest.fixture
 def sim_env():
-    """Environment for a subprocess (``loongforge train``) that sees the simulated runtime."""
+    """Environment for a subprocess (``loongforge train``) that sees the simulated runtime, placed on the CPU (the
+    folder's ``sitecustomize``)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SIM_DIR), *filter(None, [env.get("PYTHONPATH")])])
     return env

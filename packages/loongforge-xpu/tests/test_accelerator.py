@@ -103,7 +103,7 @@ def test_rng_seeds_and_restores_the_device_generator(simulated_runtime):
 
     acc = get_accelerator("kunlun")
     acc.manual_seed(11)
-    assert torch_xmlir.LOONGFORGE_DEVICE_MODULE.seeded[-1] == 11
+    assert torch_xmlir.DEVICE.seeded[-1] == 11
     state = acc.get_rng_state()
     assert set(state) == {"cpu", "kunlun"}
     a = torch.rand(4)
@@ -115,7 +115,7 @@ def test_capabilities_and_precision(simulated_runtime):
     acc = get_accelerator("kunlun", options={"peak_tflops": 100})
     caps = acc.capabilities()
     assert caps.triton is False and caps.fp8 is False and caps.bf16 is True
-    assert caps.extra["simulated"] is True and caps.extra["runtime"] == "torch_xmlir"
+    assert caps.extra["runtime"] == "torch_xmlir" and caps.extra["version"] == "0.0.0+simulated"
     assert acc.resolve_precision("auto") == "fp32"  # the simulation is a CPU device
     assert acc.peak_flops(torch.bfloat16) == 100e12
 

@@ -127,8 +127,7 @@ class KunlunAccelerator(Accelerator):
         # references (or to kernel_overrides); SDPA is served by torch_xmlir itself.
         rt = self.runtime
         return Capabilities(bf16=True, fp16=True, fp8=False, triton=False, flash_attention=False,
-                            extra={"runtime": "torch_xmlir", "version": rt.version, "simulated": rt.simulated,
-                                   "dist_backend": self.dist_backend})
+                            extra={"runtime": "torch_xmlir", "version": rt.version, "dist_backend": self.dist_backend})
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         if "peak_tflops" in self.options and dtype in (torch.bfloat16, torch.float16):
@@ -178,5 +177,4 @@ class KunlunAccelerator(Accelerator):
 
     def describe(self) -> str:
         rt = self.runtime
-        sim = ", simulated" if rt.simulated else ""
-        return f"kunlun ({self.device_type}, dist backend {self.dist_backend}, torch_xmlir {rt.version}{sim})"
+        return f"kunlun ({self.device_type}, dist backend {self.dist_backend}, torch_xmlir {rt.version})"

@@ -7,8 +7,6 @@ BKCL-backed process group is registered with ``torch.distributed`` (see README.m
 Detection never imports the runtime: ``torch_xmlir`` reads its ``XMLIR_*`` settings at import time, so it must be
 imported only *after* the recipe's ``accelerator.env`` is exported (:meth:`KunlunAccelerator.setup_environment`).
 
-A stand-in runtime (the test suite's CPU-backed simulation) declares ``LOONGFORGE_DEVICE_TYPE`` and
-``LOONGFORGE_DEVICE_MODULE``; the real ``torch_xmlir`` does not, and gets ``cuda`` / ``torch.cuda``.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ class KunlunRuntime:
     module: ModuleType
     device_type: str
     device_module: Any
-    simulated: bool
 
     @property
     def version(self) -> str:
@@ -97,9 +94,6 @@ def load_runtime() -> KunlunRuntime:
     except Exception as exc:
         first = f"{type(exc).__name__}: {exc}".splitlines()[0]
         raise PluginError(f"accelerator 'kunlun': importing {RUNTIME_MODULE} failed: {first}") from exc
-    device_type = getattr(module, "LOONGFORGE_DEVICE_TYPE", None)
-    if device_type is None:
-        import torch
+    import torch
 
-        return KunlunRuntime(module, "cuda", torch.cuda, simulated=False)
-    return KunlunRuntime(module, str(device_type), module.LOONGFORGE_DEVICE_MODULE, simulated=True)
+    return KunlunRuntime(module, "cuda", torch.cuda)

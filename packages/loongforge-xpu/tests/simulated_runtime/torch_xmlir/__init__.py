@@ -14,9 +14,6 @@ import torch.distributed as dist
 
 __version__ = "0.0.0+simulated"
 
-# The plugin's simulation hook (the real torch_xmlir has neither: it presents the XPU as ``cuda``).
-LOONGFORGE_DEVICE_TYPE = "cpu"
-
 # The XMLIR_* / BKCL_* variables as they were when the runtime was imported (torch_xmlir reads them then).
 IMPORT_ENV = {k: v for k, v in os.environ.items() if k.startswith(("XMLIR_", "BKCL_"))}
 
@@ -85,4 +82,5 @@ class _Device:
         torch.set_rng_state(state)
 
 
-LOONGFORGE_DEVICE_MODULE = _Device()
+# The device calls (the real runtime routes torch.cuda's to the XPU; see ../cpu_placement.py).
+DEVICE = _Device()
