@@ -157,10 +157,12 @@ def test_layout_matches_one_process_resumes_exactly_and_exports_the_same(tmp_pat
     assert one[-1]["loss"] < one[0]["loss"]
     exported = [load_file(next((d / "hf").glob("*.safetensors"))) for d in (one_dir, tmp_path / "straight")]
     assert exported[0].keys() == exported[1].keys()
-    # NOTE: atol 1e-4 of 4 steps x lr 3e-3: where a gradient is ~0 (CLIP's key biases, which softmax cancels, or
-    # single weights), Adam normalises rounding noise of the layout's reduction order into lr-sized steps
+    # NOTE: atol 1e-4 of 4 steps x lr 3e-3: where a gradient is ~0 (single weights), Adam normalises rounding noise
+    # of the layout's reduction order into lr-sized steps. CLIP's key biases have an exactly-zero gradient (softmax
+    # cancels a per-query constant), so their steps are that noise alone: bounded by lr per step, 4 x 3e-3.
     for name, tensor in exported[0].items():
-        torch.testing.assert_close(exported[1][name], tensor, rtol=0, atol=1e-4, msg=name)
+        atol = 4 * 3e-3 if name.endswith("self_attn.k_proj.bias") else 1e-4
+        torch.testing.assert_close(exported[1][name], tensor, rtol=0, atol=atol, msg=name)
 
     # NOTE: "stopped after step 2": a copy of the run directory without its step-4 checkpoint (and metrics), so
     # the resume reads the step-2 checkpoint the straight run wrote (one 2-process start instead of two).

@@ -32,11 +32,20 @@ def image_seq_length(arch: Any) -> int:
     return (side // patch) ** 2
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: megatron's ``quick_gelu`` (``torch.compile``'d: one fused kernel) on a GPU, its eager
+    function elsewhere (on the CPU, compiling it costs every process ~13 s for a one-line op)."""
+    from megatron.core.activations import quick_gelu as fused
+
+    if x.is_cuda:
+        return fused(x)
+    return getattr(fused, "_torchdynamo_orig_callable", fused)(x)
+
+
 def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
     """megatron TransformerConfigs of the CLIP tower and the projector, sharing the language config's precision,
     parallel sizes and fusion flags."""
     import torch.nn.functional as F
-    from megatron.core.activations import quick_gelu
 
     from loongforge_megatron.models.llava.names import vision_layers_used
 
