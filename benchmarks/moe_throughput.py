@@ -1,8 +1,17 @@
 """MoE training throughput on one GPU: LoongForge's megatron backend (loongforge spec: grouped_mm experts, SDPA
 flash attention, Triton kernels, no TransformerEngine) vs transformers' own MoE model with its ``grouped_mm``
-experts, eager and under torch.compile; same weights, data and optimizer.
+experts, eager and under torch.compile, and vs torchtitan's Qwen3 MoE model (its ``GroupedExperts``, eager and
+with its per-block compile); same weights, data and optimizer.
 
-    python benchmarks/moe_throughput.py --preset qwen3-30b-a3b --layers 4 --seq 4096 --mbs 2 --steps 20
+    python benchmarks/moe_throughput.py --preset qwen3-30b-a3b --layers 4 --seq 4096 --mbs 2 --steps 20 \
+        --variants loongforge,hf_grouped_mm,torchtitan
+    python benchmarks/moe_throughput.py --preset deepseek-v3 --layers 4 --set num_experts=16 \
+        --set moe_first_dense_layers=1 --seq 4096 --mbs 1 --variants loongforge
+
+``--set FIELD=VALUE`` (repeatable) overrides a preset's architecture field (a reduced shape of a large model);
+the HF checkpoint every variant loads is made from the overridden architecture. The ``torchtitan*`` variants need
+torchtitan 0.2.2 (0.3.0 needs a newer torch than 2.11) with tyro, torchdata and datasets importable; its router's
+``torch.histc`` over integer expert ids runs on CUDA only.
 
 Every variant runs in its own process from the same random-init HF checkpoint (bf16 compute, fp32 master weights,
 AdamW, grad clip 1.0) on the same synthetic tokens. Reported: median tokens/s after warm-up, active-parameter MFU,
@@ -27,11 +36,24 @@ from pathlib import Path
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 
 
+def overrides(pairs: list[str]) -> dict:
+    """``["num_experts=16", ...]`` -> ``{"num_experts": 16}`` (values parsed as YAML scalars)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def arch_of(args):
     from loongforge_megatron.models.registry import presets
 
     spec, fields = presets()[args.preset]
-    return spec.arch({**fields, "num_layers": args.layers})
+    return spec.arch({**fields, **overrides(args.set), "num_layers": args.layers})
 
 
 def make_hf(args, out: Path) -> None:
@@ -45,6 +67,9 @@ def make_hf(args, out: Path) -> None:
     with torch.device(args.device):
         model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
+    del model
+    if torch.cuda.is_available():  # NOTE: the parent holds no cached GPU memory while the variants run
+        torch.cuda.empty_cache()
 
 
 def _sync() -> None:
@@ -123,39 +148,35 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
     return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
 
 
-def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
-    """transformers' model; fp32 master weights under bf16 autocast (as ours), or all-bf16 weights and AdamW
-    (``bf16_weights``: not the same optimizer numerics, but grouped_mm then runs in bf16 — transformers casts the
-    experts' input to their weights' dtype, so under autocast its grouped_mm sees fp32)."""
+def _batches(args, vocab: int):
+    """The synthetic (tokens, labels) micro-batches every peer variant trains on (ours reads the same dataset)."""
     import torch
-    import transformers as tf
     from loongforge_megatron.data.datasets import SyntheticDataset
 
-    dtype = torch.bfloat16 if bf16_weights else torch.float32
-    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=dtype, attn_implementation="sdpa",
-                                                    experts_implementation="grouped_mm",
-                                                    device_map=args.device)
-    model.config.use_cache = False
-    vocab = model.config.vocab_size
-    fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                            fused=args.device == "cuda")
     data = SyntheticDataset(vocab_size=vocab, seq_length=args.seq, seed=1)
-    it = iter(range(10**6))
+    for i in range(10**6):
+        samples = [data[i * args.mbs + j] for j in range(args.mbs)]
+        yield (torch.stack([s["tokens"] for s in samples]).to(args.device),
+               torch.stack([s["labels"] for s in samples]).to(args.device))
+
+
+def _train(args, *, params: list, loss_of) -> dict:
+    """Time ``args.steps`` steps of ``loss_of(tokens, labels)`` + backward, clip 1.0 and fused AdamW (the optimizer
+    numerics ours has), then profile two more."""
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                            fused=args.device == "cuda")
+    batches = _batches(args, args.vocab)
 
     def step() -> float:
-        i = next(it)
-        samples = [data[i * args.mbs + j] for j in range(args.mbs)]
-        tokens = torch.stack([s["tokens"] for s in samples]).to(args.device)
-        labels = torch.stack([s["labels"] for s in samples]).to(args.device)
-        with torch.autocast(args.device, dtype=torch.bfloat16):
-            logits = fwd(input_ids=tokens).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), labels.view(-1))
+        tokens, labels = next(batches)
+        loss = loss_of(tokens, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     _reset_peak()
     losses, times = [], []
@@ -170,6 +191,98 @@ def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
     return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
 
 
+def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
+    """transformers' model; fp32 master weights under bf16 autocast (as ours), or all-bf16 weights and AdamW
+    (``bf16_weights``: not the same optimizer numerics, but grouped_mm then runs in bf16 — transformers casts the
+    experts' input to their weights' dtype, so under autocast its grouped_mm sees fp32)."""
+    import torch
+    import transformers as tf
+
+    dtype = torch.bfloat16 if bf16_weights else torch.float32
+    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=dtype, attn_implementation="sdpa",
+                                                    experts_implementation="grouped_mm",
+                                                    device_map=args.device)
+    model.config.use_cache = False
+    args.vocab = vocab = model.config.vocab_size
+    fwd = torch.compile(model) if compiled else model
+
+    def loss_of(tokens, labels):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            logits = fwd(input_ids=tokens).logits
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), labels.view(-1))
+
+    return _train(args, params=list(model.parameters()), loss_of=loss_of)
+
+
+def titan_args(hf: dict, *, seq: int, grouped_mm: bool = True):
+    """torchtitan's ``Qwen3ModelArgs`` for an HF Qwen3-MoE ``config.json``: its own MoE (``GroupedExperts`` over
+    ``torch._grouped_mm``, token-choice softmax top-k router with normalised weights, no shared expert, SDPA causal
+    attention). The aux-loss-free expert bias is off (``load_balance_coeff=None``): HF and ours route without one."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]  # transformers 5 nests it
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # renamed in transformers 5.2x
+    return Qwen3ModelArgs(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"], head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        hidden_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"], rope_theta=theta, qk_norm=True,
+        max_seq_len=seq, enable_weight_tying=bool(hf.get("tie_word_embeddings")), moe_enabled=True,
+        moe_inter_dim=hf["moe_intermediate_size"],
+        moe_args=MoEArgs(num_experts=experts, num_shared_experts=0, top_k=hf["num_experts_per_tok"],
+                         score_func="softmax", route_norm=bool(hf["norm_topk_prob"]), route_scale=1.0,
+                         score_before_experts=False, use_grouped_mm=grouped_mm, load_balance_coeff=None))
+
+
+def run_torchtitan(args, compiled: bool) -> dict:
+    """torchtitan's Qwen3 MoE (``Qwen3Model`` from its args class, HF weights through its ``Qwen3StateDictAdapter``),
+    trained as its single-device default does: fp32 parameters under bf16 autocast (``mixed_precision_param``),
+    its ``cross_entropy_loss``; ``compiled`` applies its per-TransformerBlock ``apply_compile``."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file
+    from torchtitan.models.qwen3 import qwen3_args
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    hf = json.loads((Path(args.hf_dir) / "config.json").read_text())
+    # NOTE: torchtitan's generate_permute_indices (grouped_mm padding) is a Triton kernel: the CPU smoke run
+    # takes its for-loop experts instead
+    margs = titan_args(hf, seq=args.seq, grouped_mm=args.device == "cuda")
+    if args.preset == "qwen3-30b-a3b" and not args.set:  # the model is torchtitan's own 30B-A3B flavour, cut short
+        ref = qwen3_args["30B-A3B"]
+        own = dataclasses.replace(ref, n_layers=args.layers, max_seq_len=args.seq,
+                                  moe_args=dataclasses.replace(ref.moe_args, load_balance_coeff=None))
+        assert margs == own, (margs, own)
+    with torch.device("meta"):
+        model = Qwen3Model(margs)
+    model.to_empty(device=args.device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(args.device))
+    hf_sd = {}
+    for f in sorted(Path(args.hf_dir).glob("*.safetensors")):
+        hf_sd.update(load_file(f))
+    model.load_state_dict(Qwen3StateDictAdapter(margs, None).from_hf(hf_sd), strict=True)
+    del hf_sd
+    model.train()
+    if compiled:
+        from torchtitan.config.job_config import Compile
+        from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+        apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
+    from torchtitan.components.loss import cross_entropy_loss
+
+    args.vocab = margs.vocab_size
+
+    def loss_of(tokens, labels):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            pred = model(tokens)
+        return cross_entropy_loss(pred, labels) / labels.numel()
+
+    return _train(args, params=list(model.parameters()), loss_of=loss_of)
+
+
 VARIANTS = {
     "loongforge": lambda a: run_ours(a),
     "loongforge_sequential": lambda a: run_ours(a, grouped=False),  # A/B: megatron's SequentialMLP experts
@@ -178,6 +291,8 @@ VARIANTS = {
     "hf_grouped_mm": lambda a: run_hf(a, False),
     "hf_grouped_mm_compile": lambda a: run_hf(a, True),
     "hf_grouped_mm_bf16": lambda a: run_hf(a, False, bf16_weights=True),
+    "torchtitan": lambda a: run_torchtitan(a, False),
+    "torchtitan_compile": lambda a: run_torchtitan(a, True),
 }
 
 
@@ -196,6 +311,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override an architecture field of the preset (repeatable)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -224,7 +341,7 @@ def main() -> None:
         js = work / f"{name}.json"
         cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
                "--seq", str(args.seq), "--steps", str(args.steps), "--mbs", str(args.mbs), "--preset", args.preset,
-               "--layers", str(args.layers), "--device", args.device]
+               "--layers", str(args.layers), "--device", args.device, *(f"--set={kv}" for kv in args.set)]
         t0 = time.time()
         try:
             subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.timeout)
@@ -254,8 +371,9 @@ def _write(path: str, text: str) -> None:
 
 
 def render(args, rows: dict, fpt: float, device: str, arch) -> str:
-    lines = [f"# MoE training throughput — {args.preset} shape, {args.layers} layers, seq {args.seq}, micro-batch "
-             f"{args.mbs}, bf16, one {device}, {time.strftime('%Y-%m-%d')}", "",
+    reduced = f" ({', '.join(args.set)})" if args.set else ""
+    lines = [f"# MoE training throughput — {args.preset} shape{reduced}, {args.layers} layers, seq {args.seq}, "
+             f"micro-batch {args.mbs}, bf16, one {device}, {time.strftime('%Y-%m-%d')}", "",
              f"{arch.num_experts} experts, top-{arch.moe_topk}, expert ffn {arch.moe_ffn_hidden_size}, hidden "
              f"{arch.hidden_size}; {arch.num_params() / 1e9:.2f}B parameters.",
              f"Active-parameter FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N_active + 12·L·heads·head_dim·s); MFU against "
@@ -269,8 +387,8 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% | "
                      f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     ours = rows.get("loongforge", {})
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "hf_grouped_mm_bf16", "loongforge_sequential",
-                 "loongforge_alltoall", "loongforge_torch_router"):
+    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "hf_grouped_mm_bf16", "torchtitan", "torchtitan_compile",
+                 "loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router"):
         r = rows.get(peer, {})
         if "losses" in ours and "losses" in r:
             n = min(len(r["losses"]), len(ours["losses"]))
@@ -279,7 +397,7 @@ def render(args, rows: dict, fpt: float, device: str, arch) -> str:
                           f"{max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
     lines.append("")
     for peer in ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router", "hf_grouped_mm_bf16",
-                 "hf_grouped_mm", "hf_grouped_mm_compile"):
+                 "hf_grouped_mm", "hf_grouped_mm_compile", "torchtitan", "torchtitan_compile"):
         if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
             lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
     return "\n".join(lines)
