@@ -357,7 +357,9 @@ def test_lora_on_the_language_model_merges_and_loads_in_peft(tmp_path, hf_dir, r
     base, merged = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert {m.split(".")[-1] for m in config["target_modules"]} == {"down_proj", "gate_proj", "k_proj", "o_proj",
+                                                                     "q_proj", "up_proj", "v_proj"}
+    assert all(".language_model." in m for m in config["target_modules"])
     assert merged.keys() == base.keys()
     from loongforge_megatron.models.qwen_vl.names import module_path
 
