@@ -8,6 +8,7 @@ NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -309,7 +310,7 @@ def test_packed_micro_batch_equals_padded_rows(tmp_path, hf_dir, ranks):
     lengths = [int(padded["loss_mask"][r].nonzero().max()) + 2 for r in range(2)]  # through each row's last label
     assert len(bounds) == 3 and packed["tokens"].shape == (1, bounds[-1]) and bounds[-1] < 2 * 96
     assert packed["position_ids"].shape == (1, 3, bounds[-1])
-    for (a, b) in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         assert packed["position_ids"][0, :, a].tolist() == [0, 0, 0]
         row = next(r for r in range(2) if padded["tokens"][r, : b - a].tolist() == packed["tokens"][0, a:b].tolist())
         assert torch.equal(packed["position_ids"][0, :, a:b], padded["position_ids"][row, :, : b - a])
@@ -384,3 +385,40 @@ def test_lora_on_the_language_model_merges_and_loads_in_peft(tmp_path, hf_dir, r
     with torch.no_grad():
         want, got = ours(**batch).logits, peft_model.merge_and_unload().eval()(**batch).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _packed_and_padded_on_gpu(*, rank, world, overrides, run_dir):
+    """:func:`_packed_and_padded` counting the language model's causal varlen_attn calls; building a ``[t, t]``
+    packed mask fails the run."""
+    import torch.nn.attention.varlen as varlen
+    from loongforge_megatron.engine import step
+
+    calls, real = [], varlen.varlen_attn
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("window_size"))
+        return real(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a [t, t] packed-sequence mask was built")
+
+    varlen.varlen_attn, step.packed_attention_mask = counted, refused
+    packed = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=true"], run_dir=run_dir / "p")
+    causal = sum(1 for w in calls if w == (-1, 0))
+    padded = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=false"], run_dir=run_dir / "u")
+    return packed[1], padded[1], causal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_packed_rows_run_varlen_attention_and_equal_padded_rows(tmp_path, hf_dir, ranks):
+    """CUDA bf16: a packed micro-batch runs the language model's attention as varlen_attn (flash, no mask) and gives
+    the padded rows' loss within bf16 tolerance (1e-2 relative)."""
+    records = make_records(tmp_path / "data")
+    over = [o for o in overrides(hf_dir, records) if o != "accelerator=cpu"]
+    over += ["accelerator=cuda", "train.precision=bf16", "train.stage=sft", "train.micro_batch_size=2", "train.steps=2"]
+    packed, padded, causal = ranks(_packed_and_padded_on_gpu, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
+                                   overrides=over)[0]
+    print(f"packed {packed} padded {padded} causal varlen_attn calls {causal}")
+    assert causal >= 2 * 2  # every layer of the forward, both steps (recompute would add more)
+    assert packed == pytest.approx(padded, rel=1e-2), (packed, padded)

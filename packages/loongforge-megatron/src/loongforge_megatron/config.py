@@ -173,7 +173,8 @@ class DataConfig(Section):
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
                        "conversations: a micro-batch's records back to back in one row (no padding, no attention "
                        "across records)")
-    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size)")
+    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
+                                   "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
                                         "by the null class, for classifier-free guidance (default 0.1)")
 
@@ -181,7 +182,7 @@ class DataConfig(Section):
     def _check(self) -> DataConfig:
         if self.format != "latents":
             for key in ("image_size", "class_dropout"):
-                if getattr(self, key) is not None:
+                if getattr(self, key) is not None and not (key == "image_size" and self.format == "synthetic"):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")

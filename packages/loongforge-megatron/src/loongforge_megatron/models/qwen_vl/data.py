@@ -333,6 +333,9 @@ class SyntheticImageText:
         self.vocab = min(arch.vocab_size, min(t for t in (self.image_token, self.start, self.end) if t is not None))
         self.seq_length, self.seed = seq_length, seed
         g = self.side // self.patch
+        if self.side % (self.patch * self.merge):
+            raise RecipeError(f"data.image_size {self.side} must be a multiple of patch_size x spatial_merge_size = "
+                              f"{self.patch * self.merge}", key="data.image_size")
         self.grid = torch.tensor([[1, g, g]])
         if (g // self.merge) ** 2 + 3 >= seq_length:
             raise ValueError(f"data.seq_length {seq_length} leaves no room for text after {(g // self.merge) ** 2} "

@@ -204,7 +204,8 @@ class QwenVL(HFCheckpoint):
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
                                   pack=recipe.data.pack, fill=runtime.plan.pp > 1)
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
-        return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed), seq_length=seq)
+        return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
+                    seq_length=seq)
 
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
