@@ -42,6 +42,26 @@ def reduced_config(model: str, *, layers: int, vision_depth: int) -> dict:
     return spec.hf_config(spec.arch(fields), torch_dtype="bfloat16")
 
 
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def max_memory() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
 def ours(args, hf_dir: Path) -> dict:
     import loongforge
     import torch
@@ -53,24 +73,24 @@ def ours(args, hf_dir: Path) -> dict:
         "data": {"format": "synthetic", "seq_length": args.seq, "image_size": args.image},
         "train": {"stage": "pretrain", "steps": args.steps, "global_batch_size": args.batch,
                   "micro_batch_size": args.batch, "lr": 1e-5, "lr_schedule": "constant", "weight_decay": 0.0,
-                  "precision": "bf16", "seed": 1},
+                  "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1},
         "checkpoint": {"save_at_end": False},
-        "accelerator": "cuda",
+        "accelerator": args.device,
         "logging": {"tensorboard": False, "console": False},
     }
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, runtime = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
     batch = job.schedule.microbatches(0, device=torch.device("cpu"))[0]
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     times, losses = [], []
     for _ in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         losses.append(job.step()["loss"])
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+    peak = max_memory()
     job.close()
     runtime.logger.close()
     return {"batch": batch, "step_s": statistics.median(times[args.warmup:]), "peak_gib": peak / 2**30,
@@ -82,29 +102,39 @@ def transformers_eager(args, hf_dir: Path, batch: dict) -> dict:
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(hf_dir)
-    with torch.device("cuda"):
-        model = tf.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16,
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with dev:
+        model = tf.AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                            attn_implementation="eager")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=True)
-    inputs = {"input_ids": batch["tokens"].cuda(), "pixel_values": batch["pixel_values"].cuda().to(torch.bfloat16),
-              "image_grid_thw": batch["image_grid_thw"].cuda(), "labels": batch["tokens"].cuda()}
-    torch.cuda.reset_peak_memory_stats()
+    inputs = {"input_ids": batch["tokens"].to(dev), "pixel_values": batch["pixel_values"].to(dev, dtype),
+              "image_grid_thw": batch["image_grid_thw"].to(dev), "labels": batch["tokens"].to(dev)}
+    # NOTE: transformers >= 5.2x computes M-RoPE from the processor's mm_token_type_ids (1: image token); older ones
+    # find the image tokens themselves and may not take the key
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == config.image_token_id).long()
+    try:
+        model(**inputs)
+    except (TypeError, ValueError):
+        inputs.pop("mm_token_type_ids")
+    reset_peak()
     times, losses = [], []
     for _ in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         loss = model(**inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    peak = torch.cuda.max_memory_allocated()
+        losses.append(float(loss.detach()))
+    peak = max_memory()
     del model, opt
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"step_s": statistics.median(times[args.warmup:]), "peak_gib": peak / 2**30, "loss": losses[0]}
 
 
@@ -118,6 +148,7 @@ def main() -> None:
     ap.add_argument("--image", type=int, default=448, help="image side in pixels (a multiple of patch x merge)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on a small preset")
     args = ap.parse_args()
 
     import torch
@@ -127,7 +158,8 @@ def main() -> None:
     (hf_dir / "config.json").write_text(json.dumps(reduced_config(args.model, layers=args.layers,
                                                                   vision_depth=args.vision_depth)))
     print(f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, batch {args.batch} x "
-          f"{args.seq} tokens, one {args.image} px image per sample, bf16, {torch.cuda.get_device_name()}", flush=True)
+          f"{args.seq} tokens, one {args.image} px image per sample, "
+          f"{torch.cuda.get_device_name() + ', bf16' if args.device == 'cuda' else 'cpu, fp32'}", flush=True)
     mine = ours(args, hf_dir)
     batch = mine.pop("batch")
     images = int(batch["image_grid_thw"].shape[0])
