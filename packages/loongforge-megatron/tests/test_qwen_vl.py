@@ -422,3 +422,19 @@ def test_gpu_packed_rows_run_varlen_attention_and_equal_padded_rows(tmp_path, hf
     print(f"packed {packed} padded {padded} causal varlen_attn calls {causal}")
     assert causal >= 2 * 2  # every layer of the forward, both steps (recompute would add more)
     assert packed == pytest.approx(padded, rel=1e-2), (packed, padded)
+
+
+@pytest.mark.parametrize(("args", "key", "message"), [
+    (["train.freeze=[visoin]"], "train.freeze", "'visoin' is not a module group of this model (groups: vision, "
+                                                 "projector, language)"),
+    (["model.freeze=[vision]"], "model", "freeze is a train key: set train.freeze"),
+])
+def test_freeze_names_are_checked_at_validate(capsys, args, key, message):
+    """``train.freeze`` takes the spec's groups or name globs; a name that is neither is one line naming the groups,
+    and the old ``model.freeze`` says where the key lives now."""
+    from loongforge.cli import main
+
+    assert main(["validate", str(RECIPE), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
+    assert main(["validate", str(RECIPE), "train.freeze=[vision, 'decoder.layers.0.*']"]) == 0
