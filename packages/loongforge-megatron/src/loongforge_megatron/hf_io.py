@@ -283,9 +283,8 @@ def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any
         tensors = _peft_tensors(source, read, layout, lora_names,
                                 peft_name=getattr(spec, "peft_name", lambda n: n))
         modules = sorted({k.split(".")[-3] for k in tensors})
-        if hasattr(spec, "peft_name"):
-            # NOTE: a VLM's tower has linears of the same names (Qwen2.5-VL's gate / up / down_proj): PEFT would
-            # put adapters there too, so the config names every adapted module by its path
+        if getattr(spec, "peft_module_paths", False):
+            # NOTE: PEFT would adapt the model's other linears of the same names too
             modules = sorted({k[len("base_model.model."): k.rindex(".lora_")] for k in tensors})
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,

@@ -142,8 +142,10 @@ class QwenVL(HFCheckpoint):
     def hf_alias(self, name: str) -> str:
         return names.hf_alias(name)
 
+    # NOTE: the tower has linears of the language model's names (Qwen2.5-VL's gate / up / down_proj)
+    peft_module_paths = True
+
     def peft_name(self, name: str) -> str:
-        """A file's tensor name -> transformers' module path, which PEFT adapters name."""
         return names.module_path(name)
 
     # ---------------------------------------------------------------- recipe checks
