@@ -1,12 +1,14 @@
 """Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
 step of ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers
-computes on what its own ``AutoProcessor`` makes of the same records; ``model.freeze [vision]`` keeps the tower
-bit-identical.
+computes on what its own ``AutoProcessor`` makes of the same records; ``train.freeze [vision]`` keeps the tower
+bit-identical; packed micro-batches (the records back to back, MRoPE positions per record) give the padded rows'
+loss, at tp 2 and pp 2 too; LoRA on the language model merges to W + (alpha/r)·B A and loads in PEFT.
 
 NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -206,12 +208,13 @@ def _steps(*, rank, world, overrides, run_dir, export_dir):
 
 def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_path, hf_dir, ranks):
     """Both records in one micro-batch (rows padded): tokens and pixels are the processor's and the first SFT step's
-    loss is transformers' on the processor's batch; with model.freeze [vision] the exported tower after 3 steps is
+    loss is transformers' on the processor's batch; with train.freeze [vision] the exported tower after 3 steps is
     the source's, bit for bit, while the language model moved."""
     from safetensors.torch import load_file
 
     records = make_records(tmp_path / "data")
-    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "model.freeze=[vision]")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.freeze=[vision]",
+                     "data.pack=false")
     batches, losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
                             export_dir=tmp_path / "exported")[0]
     ref_batch = hf_inputs(hf_dir, records)
@@ -278,3 +281,160 @@ def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir
         assert f"bad.jsonl: record {n}" in msg and what in msg and "\n" not in msg, msg
     with pytest.raises(RecipeError, match="an image's tokens end after data.seq_length 8"):
         Conversations(str(good), processor=load_processor(hf_dir), arch=arch, seq_length=8, seed=0)[0]
+
+
+def _losses(*, rank, world, overrides, run_dir):
+    """Every step's loss of a job in a rank (and its first micro-batch)."""
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        batch = job.schedule.microbatches(0, device=torch.device("cpu"))[0]
+        return batch, [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def _packed_and_padded(*, rank, world, overrides, run_dir):
+    return [_losses(rank=rank, world=world, overrides=[*overrides, f"data.pack={p}"], run_dir=run_dir / str(p))
+            for p in ("true", "false")]
+
+
+def test_packed_micro_batch_equals_padded_rows(tmp_path, hf_dir, ranks):
+    """Both records in one micro-batch: packed (one row, no padding, positions restarting at each record) and
+    padded rows give the same loss over 2 steps."""
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=2")
+    (packed, p_losses), (padded, u_losses) = ranks(_packed_and_padded, world=1, out=tmp_path / "ranks",
+                                                   run_dir=tmp_path / "run", overrides=over)[0]
+    bounds = packed["packed_seq_params"].cu_seqlens_q.tolist()
+    lengths = [int(padded["loss_mask"][r].nonzero().max()) + 2 for r in range(2)]  # through each row's last label
+    assert len(bounds) == 3 and packed["tokens"].shape == (1, bounds[-1]) and bounds[-1] < 2 * 96
+    assert packed["position_ids"].shape == (1, 3, bounds[-1])
+    for a, b in itertools.pairwise(bounds):
+        assert packed["position_ids"][0, :, a].tolist() == [0, 0, 0]
+        row = next(r for r in range(2) if padded["tokens"][r, : b - a].tolist() == packed["tokens"][0, a:b].tolist())
+        assert torch.equal(packed["position_ids"][0, :, a:b], padded["position_ids"][row, :, : b - a])
+        assert b - a >= lengths[row] - 1
+    assert p_losses == pytest.approx(u_losses, rel=1e-5, abs=1e-6), (p_losses, u_losses)
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen3_vl"], indirect=True)  # NOTE: deepstack layers on the first stage
+def test_tp2_and_pp2_equal_one_process(tmp_path, hf_dir, ranks):
+    """Packed SFT steps at tp 2 and at pp 2 (two gloo ranks each) give one process's losses."""
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=2")
+    one = ranks(_losses, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", overrides=over)[0][1]
+    for name, layout in (("tp2", "parallel.tp=2"), ("pp2", "parallel.pp=2")):
+        two = ranks(_losses, world=2, out=tmp_path / name, run_dir=tmp_path / f"run_{name}",
+                    overrides=[*over, layout])
+        for _, losses in two:
+            assert losses == pytest.approx(one, rel=1e-5), (name, losses, one)
+
+
+def _lora_exports(*, rank, world, overrides, run_dir, export_root):
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        losses = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+        job.export("hf", export_root / "hf")
+        job.export("peft", export_root / "peft")
+        return losses
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_lora_on_the_language_model_merges_and_loads_in_peft(tmp_path, hf_dir, ranks):
+    """train.stage lora: adapters on the language model's linears only; the HF export is W + (alpha/r)·B A of the
+    PEFT export's factors (the tower and norms unchanged), and PEFT loads the adapters into transformers' model:
+    its merged model gives our merged export's logits."""
+    import transformers as tf
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=lora", "train.micro_batch_size=2", "train.steps=2", "train.lr=0.05",
+                     "train.lora={rank: 4, alpha: 8}")
+    ranks(_lora_exports, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over, export_root=tmp_path)
+    base, merged = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {m.split(".")[-1] for m in config["target_modules"]} == {"down_proj", "gate_proj", "k_proj", "o_proj",
+                                                                     "q_proj", "up_proj", "v_proj"}
+    assert all(".language_model." in m for m in config["target_modules"])
+    assert merged.keys() == base.keys()
+    from loongforge_megatron.models.qwen_vl.names import module_path
+
+    adapted = 0
+    for name in sorted(base):
+        prefix = "base_model.model." + module_path(name)[: -len("weight")]
+        if prefix + "lora_A.weight" not in adapters:
+            assert torch.equal(merged[name], base[name]), name
+            continue
+        a, b = adapters[prefix + "lora_A.weight"], adapters[prefix + "lora_B.weight"]
+        assert torch.allclose(merged[name], base[name] + (8 / 4) * b @ a, rtol=0, atol=1e-6), name
+        assert not torch.equal(merged[name], base[name]), name
+        adapted += 1
+    assert adapted == len(adapters) // 2 and adapted > 0
+    model = tf.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, tmp_path / "peft")
+    loaded = {k.replace(".default.weight", ".weight"): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    assert sorted(loaded) == sorted(adapters)
+    batch = hf_inputs(hf_dir, records)
+    batch.pop("labels")
+    ours = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = ours(**batch).logits, peft_model.merge_and_unload().eval()(**batch).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _packed_and_padded_on_gpu(*, rank, world, overrides, run_dir):
+    """:func:`_packed_and_padded` counting the language model's causal varlen_attn calls; building a ``[t, t]``
+    packed mask fails the run."""
+    import torch.nn.attention.varlen as varlen
+    from loongforge_megatron.engine import step
+
+    calls, real = [], varlen.varlen_attn
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("window_size"))
+        return real(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a [t, t] packed-sequence mask was built")
+
+    varlen.varlen_attn, step.packed_attention_mask = counted, refused
+    packed = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=true"], run_dir=run_dir / "p")
+    causal = sum(1 for w in calls if w == (-1, 0))
+    padded = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=false"], run_dir=run_dir / "u")
+    return packed[1], padded[1], causal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_packed_rows_run_varlen_attention_and_equal_padded_rows(tmp_path, hf_dir, ranks):
+    """CUDA bf16: a packed micro-batch runs the language model's attention as varlen_attn (flash, no mask) and gives
+    the padded rows' loss within bf16 tolerance (1e-2 relative)."""
+    records = make_records(tmp_path / "data")
+    over = [o for o in overrides(hf_dir, records) if o != "accelerator=cpu"]
+    over += ["accelerator=cuda", "train.precision=bf16", "train.stage=sft", "train.micro_batch_size=2", "train.steps=2"]
+    packed, padded, causal = ranks(_packed_and_padded_on_gpu, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
+                                   overrides=over)[0]
+    print(f"packed {packed} padded {padded} causal varlen_attn calls {causal}")
+    assert causal >= 2 * 2  # every layer of the forward, both steps (recompute would add more)
+    assert packed == pytest.approx(padded, rel=1e-2), (packed, padded)
+
+
+@pytest.mark.parametrize(("args", "key", "message"), [
+    (["train.freeze=[visoin]"], "train.freeze", "'visoin' is not a module group of this model (groups: vision, "
+                                                 "projector, language)"),
+    (["model.freeze=[vision]"], "model", "freeze is a train key: set train.freeze"),
+])
+def test_freeze_names_are_checked_at_validate(capsys, args, key, message):
+    """``train.freeze`` takes the spec's groups or name globs; a name that is neither is one line naming the groups,
+    and the old ``model.freeze`` says where the key lives now."""
+    from loongforge.cli import main
+
+    assert main(["validate", str(RECIPE), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
+    assert main(["validate", str(RECIPE), "train.freeze=[vision, 'decoder.layers.0.*']"]) == 0

@@ -30,6 +30,7 @@ class EmbodiedBackend(Backend):
         "parallel.components": "it uses one data-parallel strategy for the whole policy",
         "parallel.etp": "it is data-parallel only (shard with parallel.strategy fsdp2 / hsdp)",
         "parallel.recompute_layers": "parallel.recompute full checkpoints each block the policy declares",
+        "train.freeze": "a policy's components are frozen with model.freeze",
     }
 
     @classmethod

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from loongforge_megatron.models import registry
 
-_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu", "freeze")
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
 
 
 def arch_keys() -> list[str]:
@@ -32,9 +32,6 @@ class ModelConfig(Section):
     init_on_cpu: bool = Field(False, description="megatron's use_cpu_initialization for a random init on a GPU: each "
                               "tensor-parallel weight is drawn whole on the CPU and split, so the init does not "
                               "depend on the TP size (slower start; always on with accelerator cpu and for DiT)")
-    freeze: list[str] = Field(default_factory=list, description="parameters kept frozen (no gradient, no optimizer "
-                              "state): module groups of the model (a VLM's vision, projector, language) or "
-                              "parameter-name globs such as 'decoder.layers.0.*'")
     # architecture overrides (all optional)
     num_layers: int | None = Field(None, ge=1)
     hidden_size: int | None = Field(None, ge=1)
@@ -75,6 +72,13 @@ class ModelConfig(Section):
     in_channels: int | None = Field(None, ge=1, description="DiT: latent channels")
     learn_sigma: bool | None = Field(None, description="DiT: also predict the variance (out_channels = 2 x in)")
     num_classes: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _freeze_is_a_train_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "freeze" in data:
+            raise ValueError("freeze is a train key: set train.freeze (module groups or parameter-name globs)")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -166,8 +170,11 @@ class DataConfig(Section):
     train_tokenizer: TokenizerTraining | None = None
     split: str = Field("98,2,0", pattern=r"^\d+(\.\d+)?,\d+(\.\d+)?,\d+(\.\d+)?$", description="train,valid,test weights")
     sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
-    pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention")
-    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size)")
+    pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
+                       "conversations: a micro-batch's records back to back in one row (no padding, no attention "
+                       "across records)")
+    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
+                                   "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
                                         "by the null class, for classifier-free guidance (default 0.1)")
 
@@ -175,7 +182,7 @@ class DataConfig(Section):
     def _check(self) -> DataConfig:
         if self.format != "latents":
             for key in ("image_size", "class_dropout"):
-                if getattr(self, key) is not None:
+                if getattr(self, key) is not None and not (key == "image_size" and self.format == "synthetic"):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")

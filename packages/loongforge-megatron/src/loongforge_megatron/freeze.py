@@ -1,4 +1,4 @@
-"""``model.freeze``: parameters kept as they are. Each entry is a module group of the model (the spec's
+"""``train.freeze``: parameters kept as they are. Each entry is a module group of the model (the spec's
 ``Model.groups``, e.g. ``vision``, ``projector``, ``language``) or a glob over parameter names
 (``decoder.layers.0.*``). Frozen parameters stop requiring gradients before DDP and the optimizer are built, so
 they get no gradient buffer, no optimizer state and stay bit-identical (megatron skips them in both)."""
@@ -20,7 +20,7 @@ def check_names(entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) ->
         if entry not in groups and not any(c in entry for c in "*?["):
             known = ", ".join(groups) or "none"
             raise RecipeError(f"'{entry}' is not a module group of this model (groups: {known}) nor a parameter "
-                              "name pattern such as 'decoder.layers.0.*'", key="model.freeze")
+                              "name pattern such as 'decoder.layers.0.*'", key="train.freeze")
 
 
 def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
@@ -35,6 +35,6 @@ def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping
                 p.requires_grad_(False)
                 frozen += 1
     if entries and not any(p.requires_grad for c in chunks for p in c.parameters()):
-        raise RecipeError(f"model.freeze {entries} leaves nothing to train on this rank's {total} parameters",
-                          key="model.freeze")
+        raise RecipeError(f"train.freeze {entries} leaves nothing to train on this rank's {total} parameters",
+                          key="train.freeze")
     return frozen

@@ -79,12 +79,12 @@ class MegatronJob(Job):
             from loongforge_megatron.lora import apply_lora
 
             self.lora = apply_lora(self.chunks, t.lora, seed=t.seed)
-        if recipe.model.freeze:
+        if t.freeze:
             from loongforge_megatron.freeze import freeze
 
-            n = freeze(self.chunks, recipe.model.freeze, groups=built.groups)
+            n = freeze(self.chunks, t.freeze, groups=built.groups)
             if self.runtime.is_main:
-                self.log.info(f"[megatron] model.freeze {recipe.model.freeze}: {n} parameters frozen")
+                self.log.info(f"[megatron] train.freeze {t.freeze}: {n} parameters frozen")
         if t.fp8 is not None:
             from loongforge_megatron.spec.fp8 import apply_fp8
 

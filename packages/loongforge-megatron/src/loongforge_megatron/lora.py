@@ -85,7 +85,10 @@ def apply_lora(modules: list[nn.Module], config, *, seed: int) -> list[str]:
     Call on the unwrapped GPTModel chunks *before* megatron DDP wraps them (DDP sizes its grad buffers for
     trainable parameters at construction). Returns the names of the wrapped layers.
     """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     wanted = {TARGETS[t] for t in config.targets}
+    parallel = (ColumnParallelLinear, RowParallelLinear)
     g = torch.Generator().manual_seed(seed + 7919)
     wrapped: list[str] = []
     for chunk_idx, model in enumerate(modules):
@@ -93,7 +96,9 @@ def apply_lora(modules: list[nn.Module], config, *, seed: int) -> list[str]:
             p.requires_grad_(False)
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
-                if child_name in wanted and not isinstance(child, LoRAParallelLinear):
+                # NOTE: megatron's parallel linears only: a VLM's vision tower (plain torch linears, some named
+                # linear_fc1 too) stays frozen as it is; the adapters go on the language model
+                if child_name in wanted and isinstance(child, parallel) and not isinstance(child, LoRAParallelLinear):
                     setattr(module, child_name, LoRAParallelLinear(child, rank=config.rank, alpha=config.alpha,
                                                                    dropout=config.dropout, generator=g))
                     wrapped.append(f"{chunk_idx}:{name}.{child_name}")

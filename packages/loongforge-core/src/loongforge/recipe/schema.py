@@ -147,6 +147,9 @@ class TrainConfig(Section):
     eval_interval: int | None = Field(None, ge=1)
     eval_steps: int = Field(1, ge=1)
     lora: LoraConfig | None = None
+    freeze: list[str] = Field(default_factory=list, description="parameters kept as they are (no gradient, no "
+                              "optimizer state): module groups of the model (a VLM's vision, projector, language) or "
+                              "parameter-name globs such as 'decoder.layers.0.*'")
     fp8: Fp8Config | None = None
     compile: bool = Field(False, description="torch.compile the model: per wrap unit (embodied), per transformer layer (megatron DiT)")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(

@@ -189,13 +189,13 @@ class BatchSchedule:
         for m in range(self.num_microbatches):
             first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
             samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
+            concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
             if "cu_seqlens" in samples[0]:  # packed rows: one THD micro-batch (engine/packing.py)
                 from loongforge_megatron.engine.packing import collate
 
-                batch = collate(samples)
+                batch = collate(samples, concat_keys=concat)
             else:
                 batch = {}
-                concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
                 for key in samples[0]:
                     if key in concat:
                         batch[key] = torch.cat([s[key] for s in samples])

@@ -111,10 +111,12 @@ def cp_indices(bounds: Sequence[int], *, cp_size: int, cp_rank: int, device: Any
     return out.to(device) if device is not None else out
 
 
-def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """``b`` packed rows (each ``[s]`` tensors + its ``cu_seqlens``) → one THD micro-batch: ``[1, b*s]`` tensors,
-    ``packed_seq_params`` over the concatenation, and ``real_tokens`` (the samples' tokens, for the packing
-    efficiency in the log) when the rows carry ``num_tokens``."""
+def collate(samples: list[dict[str, Any]], *, concat_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """``b`` packed rows (each ``[..., s]`` tensors + its ``cu_seqlens``; rows may differ in length) → one THD
+    micro-batch: ``[1, ..., b*s]`` tensors joined on their last (token) dimension (a VLM's ``[3, s]`` multimodal
+    positions become ``[1, 3, t]``), ``packed_seq_params`` over the concatenation, the ``concat_keys`` (per-sample
+    sizes: a VLM's image patches) joined on their first dimension, and ``real_tokens`` (the samples' tokens, for the
+    packing efficiency in the log) when the rows carry ``num_tokens``."""
     out: dict[str, Any] = {}
     bounds = [0]
     for s in samples:
@@ -123,7 +125,10 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     for key in samples[0]:
         if key in ("cu_seqlens", "num_tokens"):
             continue
-        out[key] = torch.cat([torch.as_tensor(s[key]).reshape(-1) for s in samples])[None]
+        if key in concat_keys:
+            out[key] = torch.cat([torch.as_tensor(s[key]) for s in samples])
+            continue
+        out[key] = torch.cat([torch.as_tensor(s[key]) for s in samples], dim=-1)[None]
     out["packed_seq_params"] = packed_seq_params(bounds, total=bounds[-1])
     if "num_tokens" in samples[0]:
         out["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))

@@ -48,6 +48,14 @@ class HFCheckpoint:
         """A checkpoint's tensor name -> the name map's spelling."""
         return name
 
+    #: the PEFT export's target_modules are the adapted modules' paths, not their last names (a model with other
+    #: linears of the same names that must not get adapters: a VLM's vision tower)
+    peft_module_paths: bool = False
+
+    def peft_name(self, name: str) -> str:
+        """A checkpoint's tensor name -> the module path of transformers' model, which PEFT adapters name."""
+        return name
+
     def hf_extra(self, cfg: HFConfig) -> dict[str, Any]:
         """HF tensors an export adds that the megatron model has no parameter for."""
         return {}

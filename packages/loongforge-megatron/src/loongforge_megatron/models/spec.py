@@ -48,7 +48,7 @@ class Model:
     forward_step: Callable | None = None  # megatron forward_step_func (None: the engine's GPT step)
     loss_key: str = "lm loss"
     whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
-    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # model.freeze's groups -> name prefixes
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
 
 
 @runtime_checkable

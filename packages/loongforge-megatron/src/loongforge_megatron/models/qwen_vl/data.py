@@ -8,6 +8,12 @@ assistant message's content and its end-of-turn token, nothing else. A sample is
 ``labels`` / ``loss_mask`` ``[s]``, ``position_ids`` ``[3, s]`` (multimodal RoPE) and the sample's
 ``pixel_values`` / ``image_grid_thw``, which a micro-batch concatenates (:attr:`CONCAT_KEYS`).
 
+Packed (``data.pack``, the default): a sample is its record's own tokens (no padding) with ``cu_seqlens`` and its
+multimodal positions starting at 0, and a micro-batch is its records back to back in one THD row
+(``engine/packing.py``): no pad tokens, no attention across records, the same loss as padded rows. Under pipeline
+parallelism every stage sends activations of one shape, so each record is padded to ``seq_length`` there (the
+padding is the record's own, after it, and carries no loss).
+
 Records (image paths relative to the records file, inside its folder):
 
 - ShareGPT: ``{"conversations": [{"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value":
@@ -167,7 +173,8 @@ class Conversations:
 
     concat_keys = CONCAT_KEYS
 
-    def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int):
+    def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
+                 fill: bool = False):
         self.file = Path(path)
         self.records = read_records(path)
         self.processor, self.tok = processor, processor.tokenizer
@@ -183,7 +190,7 @@ class Conversations:
         self.end_of_turn = eot if self.tok.convert_tokens_to_ids(eot) not in (None, self.tok.unk_token_id) else (
             self.tok.eos_token)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.seq_length, self.seed = seq_length, seed
+        self.seq_length, self.seed, self.pack, self.fill = seq_length, seed, pack, fill
         self._record = ShuffledEpochs(len(self.records), seed)
 
     def __len__(self) -> int:
@@ -276,12 +283,15 @@ class Conversations:
         rec = self.encode(n)
         return sample(rec["ids"], rec["mask"], pixel_values=rec["pixel_values"], grid_thw=rec["image_grid_thw"],
                       seq_length=self.seq_length, pad=self.pad, image_token=self.image_token,
-                      video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}")
+                      video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}",
+                      pack=self.pack, fill=self.fill)
 
 
 def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_thw: torch.Tensor, seq_length: int,
-           pad: int, image_token: int, video_token: int | None, merge: int, where: str) -> dict[str, torch.Tensor]:
-    """One row of ``seq_length`` tokens: GPT-shifted labels, the 0/1 loss mask, multimodal positions."""
+           pad: int, image_token: int, video_token: int | None, merge: int, where: str, pack: bool = False,
+           fill: bool = True) -> dict[str, torch.Tensor]:
+    """One row of ``seq_length`` tokens: GPT-shifted labels, the 0/1 loss mask, multimodal positions. ``pack``: the
+    row also carries ``cu_seqlens`` / ``num_tokens`` and, unless ``fill``, is only as long as the record."""
     positions = mrope_positions(ids, grids=grid_thw.tolist(), image_token=image_token, video_token=video_token,
                                 merge=merge)
     n = seq_length
@@ -290,13 +300,20 @@ def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_
             raise _bad(where, f"an image's tokens end after data.seq_length {n} (the record has {len(ids)} tokens "
                        "with its images expanded); raise seq_length or use smaller images (max_pixels)")
         ids, mask, positions = ids[: n + 1], mask[: n + 1], positions[:, : n + 1]
+    real = len(ids) - 1
+    if pack and not fill:
+        n = real
     extra = n + 1 - len(ids)
     last = int(positions.max()) + 1 if positions.numel() else 0
     positions = torch.cat([positions, torch.arange(last, last + extra).expand(3, -1)], dim=1)
     ids, mask = ids + [pad] * extra, mask + [0] * extra
-    return {"tokens": torch.tensor(ids[:n]), "labels": torch.tensor(ids[1:]),
-            "loss_mask": torch.tensor(mask[1:], dtype=torch.float), "position_ids": positions[:, :n].long(),
-            "pixel_values": pixel_values, "image_grid_thw": grid_thw}
+    row = {"tokens": torch.tensor(ids[:n]), "labels": torch.tensor(ids[1:]),
+           "loss_mask": torch.tensor(mask[1:], dtype=torch.float), "position_ids": positions[:, :n].long(),
+           "pixel_values": pixel_values, "image_grid_thw": grid_thw}
+    if pack:
+        row["cu_seqlens"] = torch.tensor([0, n], dtype=torch.int32)
+        row["num_tokens"] = torch.tensor(real)
+    return row
 
 
 class SyntheticImageText:
@@ -316,6 +333,9 @@ class SyntheticImageText:
         self.vocab = min(arch.vocab_size, min(t for t in (self.image_token, self.start, self.end) if t is not None))
         self.seq_length, self.seed = seq_length, seed
         g = self.side // self.patch
+        if self.side % (self.patch * self.merge):
+            raise RecipeError(f"data.image_size {self.side} must be a multiple of patch_size x spatial_merge_size = "
+                              f"{self.patch * self.merge}", key="data.image_size")
         self.grid = torch.tensor([[1, g, g]])
         if (g // self.merge) ** 2 + 3 >= seq_length:
             raise ValueError(f"data.seq_length {seq_length} leaves no room for text after {(g // self.merge) ** 2} "

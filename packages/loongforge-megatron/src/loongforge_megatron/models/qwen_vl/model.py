@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from loongforge_megatron.engine.step import _to_device, loss_func
+from loongforge_megatron.engine.step import loss_func, model_inputs
 
 VISION_PREFIXES = ("vision.",)  # the "vision" component (tower + merger)
 
@@ -131,10 +131,10 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
 
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
     """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
-    the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``)."""
-    device = next(model.parameters()).device
-    batch = _to_device(next(data_iterator), device)
-    output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), None,
+    the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``); a packed
+    micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it."""
+    batch = model_inputs(next(data_iterator), model)
+    output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),
                    labels=batch["labels"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"))
+                   image_grid_thw=batch.get("image_grid_thw"), packed_seq_params=batch.get("packed_seq_params"))
     return output, functools.partial(loss_func, batch["loss_mask"])

@@ -97,3 +97,12 @@ def hf_alias(name: str) -> str:
     if name.startswith(LM):
         return "model." + name[len(LM):]
     return name
+
+
+def module_path(name: str) -> str:
+    """A checkpoint file's tensor name -> the module path of transformers' model (the inverse of :func:`hf_alias`)."""
+    if name.startswith(V):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.visual.", LM)):
+        return LM + name[len("model."):]
+    return name

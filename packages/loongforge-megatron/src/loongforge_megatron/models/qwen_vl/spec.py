@@ -54,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# model.freeze's module groups: the tower (its patch merger included), the merger alone, the language model
+# train.freeze's module groups: the tower (its patch merger included), the merger alone, the language model
 GROUPS = {"vision": ("vision.",), "projector": ("vision.merger.",),
           "language": ("embedding.", "decoder.", "output_layer.")}
 
@@ -142,6 +142,12 @@ class QwenVL(HFCheckpoint):
     def hf_alias(self, name: str) -> str:
         return names.hf_alias(name)
 
+    # NOTE: the tower has linears of the language model's names (Qwen2.5-VL's gate / up / down_proj)
+    peft_module_paths = True
+
+    def peft_name(self, name: str) -> str:
+        return names.module_path(name)
+
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
         """Tensor / pipeline / data parallelism and the distributed optimizer; the tower whole on every rank."""
@@ -149,7 +155,7 @@ class QwenVL(HFCheckpoint):
 
         no_compile(recipe)
         no_dit_keys(recipe)
-        check_names(recipe.model.freeze, groups=self.groups)
+        check_names(recipe.train.freeze, groups=self.groups)
         for name, comp in (recipe.parallel.components or {}).items():
             if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}):
                 raise RecipeError("Qwen-VL's vision tower runs whole on every rank: parallel.components may only "
@@ -160,20 +166,20 @@ class QwenVL(HFCheckpoint):
                                   key=key)
         if plan.sp:
             raise RecipeError("Qwen-VL models do not support sequence parallelism yet", key="parallel.sp")
-        if recipe.train.stage not in ("pretrain", "cpt", "sft"):
-            raise RecipeError(f"Qwen-VL models support train.stage pretrain / cpt / sft (got '{recipe.train.stage}')",
-                              key="train.stage")
+        if recipe.train.stage not in ("pretrain", "cpt", "sft", "lora"):
+            raise RecipeError(f"Qwen-VL models support train.stage pretrain / cpt / sft / lora (adapters on the "
+                              f"language model; got '{recipe.train.stage}')", key="train.stage")
         if recipe.train.eval_interval:
             raise RecipeError("Qwen-VL models have no validation pass yet; remove train.eval_interval",
                               key="train.eval_interval")
         if recipe.data.format not in ("synthetic", "conversations"):
             raise RecipeError(f"Qwen-VL models train on data.format conversations (image-text messages) or "
                               f"synthetic (got '{recipe.data.format}')", key="data.format")
-        if recipe.kernels.spec not in ("auto", "local"):
-            raise RecipeError(f"Qwen-VL models use megatron's local layer spec (kernels.spec auto or local; got "
-                              f"'{recipe.kernels.spec}')", key="kernels.spec")
-        if recipe.kernels.provider != "auto":
-            raise RecipeError("kernels.provider is used by the loongforge spec; Qwen-VL models use the local spec",
+        if recipe.kernels.spec not in ("auto", "loongforge", "local"):
+            raise RecipeError(f"Qwen-VL models run on the loongforge layer spec or megatron's local one (kernels.spec "
+                              f"auto, loongforge or local; got '{recipe.kernels.spec}')", key="kernels.spec")
+        if recipe.kernels.provider != "auto" and recipe.kernels.spec == "local":
+            raise RecipeError("kernels.provider is used by the loongforge spec, not megatron's local one",
                               key="kernels.provider")
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("Qwen-VL with rope scaling is not supported", key="model")
@@ -197,9 +203,11 @@ class QwenVL(HFCheckpoint):
             if len(processor.tokenizer) > arch.vocab_size:
                 raise RecipeError(f"tokenizer has {len(processor.tokenizer)} tokens but the model's vocab_size is "
                                   f"{arch.vocab_size}", key="model.vocab_size")
-            train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed)
+            train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
+                                  pack=recipe.data.pack, fill=runtime.plan.pp > 1)
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
-        return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed), seq_length=seq)
+        return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
+                    seq_length=seq)
 
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
@@ -211,12 +219,16 @@ class QwenVL(HFCheckpoint):
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
-        spec = layer_spec(config, arch, spec_name="local", provider="auto", accelerator=accelerator)
+        # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
+        # megatron's local one needs a [t, t] mask for them
+        spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        spec = layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
+                          accelerator=accelerator)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        return Model(chunks=chunks, config=config, kernels="local", forward_step=forward_step, groups=self.groups)
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, groups=self.groups)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
@@ -261,6 +273,9 @@ class Qwen3VL(QwenVL):
         return names.name_map_3(cfg, divisible_by=divisible_by)
 
     def hf_alias(self, name: str) -> str:
+        return name
+
+    def peft_name(self, name: str) -> str:
         return name
 
     def hf_config(self, arch: QwenVLArch, *, torch_dtype: str = "float32") -> HFConfig:

@@ -5,7 +5,8 @@ within windows of merged patches and a few (``fullatt_block_indexes``) over the 
 
 Parameter names are transformers' (``Qwen2_5_VisionTransformerPretrainedModel``), so the HF name map is a prefix.
 Every image is attended on its own: the blocks see all images of a micro-batch back to back with their boundaries
-(``cu_seqlens``), and :func:`block_attention` is the one place attention runs.
+(``cu_seqlens``), and :func:`block_attention` is the one place attention runs: ``varlen_attn`` (flash, no mask) on
+CUDA in bf16, one SDPA per block elsewhere (``spec/varlen.py``).
 """
 
 from __future__ import annotations
@@ -31,16 +32,24 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention within each block ``[cu_seqlens[i], cu_seqlens[i+1])`` of ``q, k, v`` ``[t, heads,
-    dim]`` -> ``[t, heads, dim]``; no attention across blocks (images, or windows of one image)."""
-    bounds = cu_seqlens.tolist()
-    out = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
-    return torch.cat(out, dim=0)
+def blocks(cu_seqlens: torch.Tensor, device: torch.device):
+    """The blocks ``[cu_seqlens[i], cu_seqlens[i+1])`` as packed-sequence params (boundaries read to the host once
+    per tower forward, not once per layer)."""
+    from loongforge_megatron.engine.packing import packed_seq_params
+
+    return packed_seq_params(cu_seqlens.tolist(), device=device)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params) -> torch.Tensor:
+    """Bidirectional attention within each block of ``params`` (:func:`blocks`) of ``q, k, v`` ``[t, heads, dim]``
+    -> ``[t, heads, dim]``; no attention across blocks (images, or windows of one image)."""
+    from loongforge_megatron.engine.packing import bounds_of
+    from loongforge_megatron.spec.varlen import varlen_attention
+
+    bounds = bounds_of(params)
+    return varlen_attention(q, k, v, cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_k=params.cu_seqlens_kv,
+                            max_seqlen_q=params.max_seqlen_q, max_seqlen_k=params.max_seqlen_kv, causal=False,
+                            bounds_q=bounds, bounds_k=bounds)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +64,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x).reshape(t, 3, self.heads, -1).unbind(1)
         dtype = q.dtype
@@ -184,7 +193,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixels)
         unit = self.merge * self.merge
         order, windows = window_order(grid_thw, merge=self.merge, window=self.window)
-        images = image_bounds(grid_thw)
+        images, windows = blocks(image_bounds(grid_thw), x.device), blocks(windows, x.device)
         x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
         pos = patch_positions(grid_thw, self.merge)
         cos, sin = rotary_2d(pos, theta=self.theta, half=self.half, order=order, unit=unit)

@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge_megatron.models.qwen_vl.vision import Attention, PatchEmbed, image_bounds, patch_positions, rotary_2d
+from loongforge_megatron.models.qwen_vl.vision import (
+    Attention,
+    PatchEmbed,
+    blocks,
+    image_bounds,
+    patch_positions,
+    rotary_2d,
+)
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
@@ -101,7 +108,7 @@ class VisionTower3(nn.Module):
         index, weight = interpolated_positions(grid_thw, side=self.side, merge=self.merge)
         x = x + (self.pos_embed(index) * weight[..., None].to(x.dtype)).sum(1)
         cos, sin = rotary_2d(patch_positions(grid_thw, self.merge), theta=self.theta, half=self.half)
-        bounds = image_bounds(grid_thw)
+        bounds = blocks(image_bounds(grid_thw), x.device)
         features = []
         for i, block in enumerate(self.blocks):
             x = block(x, bounds, cos, sin)
