@@ -8,7 +8,7 @@
 # packages importable with the embodied backend's [eval] extra (`uv sync`; on a machine without network, their
 # files on PYTHONPATH). Environment: STEPS=data,train,eval (any subset), TRAIN_TIMEOUT (s, default 300),
 # EPISODES (default 50), WORKERS (eval worker processes, default: cores - 2), REPLAN (actions executed per chunk,
-# default 8), RANDOM_BASELINE (0: skip the random policy's rollouts), LOONGFORGE (the CLI, default `loongforge`, else `python3 -m loongforge`).
+# default 8), VIDEOS (mp4s of the trained policy, default 2), RANDOM_BASELINE (0: skip the random policy's rollouts), LOONGFORGE (the CLI, default `loongforge`, else `python3 -m loongforge`).
 # Writes OUT/data.log, OUT/train.log, OUT/run/ (the run, hf/ its exported policy), OUT/eval_trained/ and
 # OUT/eval_random/ (summary.json, plot.png, videos), OUT/eval_*.log. Copy the numbers you keep into
 # benchmarks/results/eval_pusht_<policy>_<hardware>_<date>.md (a new row).
@@ -51,7 +51,7 @@ fi
 
 if [[ $steps == *eval* ]]; then
   stamp "evaluating the trained policy and the random policy: $episodes episodes, $workers workers"
-  "${lf[@]}" eval "$out/run" --episodes "$episodes" --workers "$workers" --replan "$replan" --videos 2 \
+  "${lf[@]}" eval "$out/run" --episodes "$episodes" --workers "$workers" --replan "$replan" --videos "${VIDEOS:-2}" \
     --output "$out/eval_trained" > "$out/eval_trained.log" 2>&1 || { tail -20 "$out/eval_trained.log"; exit 1; }
   [[ ${RANDOM_BASELINE:-1} == 0 ]] || "${lf[@]}" eval "$recipe" "${overrides[@]}" --policy random --episodes "$episodes" --workers "$workers" \
     --videos 0 --output "$out/eval_random" > "$out/eval_random.log" 2>&1 || { tail -20 "$out/eval_random.log"; exit 1; }

@@ -317,6 +317,42 @@ def test_a_policy_trained_on_another_state_key_is_served_under_it(tmp_path):
     assert out["actions"].shape == (arch.chunk_size, 2) and np.isfinite(out["actions"]).all()
 
 
+def test_a_linear_state_input_resolves_what_state_bins_cannot_and_is_served(tmp_path):
+    """model.arch.state_input "linear" (pi0's continuous state token): two poses in one state bin give one prefix
+    with bins and two with the projection; its export is served like the binned one (same mask length)."""
+    import torch
+    from loongforge_embodied.eval.trained_policy import TrainedPolicy
+    from loongforge_embodied.policies.tiny_vla import export
+    from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import PRESETS
+    from loongforge_embodied.policies.tiny_vla.modeling_tiny_vla import TinyVLAModel
+    from loongforge_embodied.policies.tiny_vla.processor_tiny_vla import prepare_batch
+
+    stats = {"state_mean": torch.zeros(5), "state_std": torch.full((5,), 100.0)}
+    raw = {"state": torch.tensor([[250.0, 250, 256, 256, 0.7], [250.1, 250, 256, 256, 0.7]]),
+           "images": torch.zeros(2, 1, 3, 64, 64), "task": ["push"] * 2}
+    prefixes = {}
+    for mode in ("tokens", "linear"):
+        torch.manual_seed(0)
+        arch = PRESETS["tiny"].with_overrides(state_dim=5, state_input=mode)
+        model = TinyVLAModel(arch).eval()
+        batch = prepare_batch(raw, arch=arch, stats=stats)
+        assert batch["lang_mask"].shape[1] == arch.max_text_tokens + (1 if mode == "linear" else 5)
+        with torch.no_grad():
+            prefixes[mode] = model.embed_prefix(batch)
+        assert prefixes[mode].shape[1] == arch.image_tokens + batch["lang_mask"].shape[1]
+    assert torch.equal(prefixes["tokens"][0], prefixes["tokens"][1])
+    assert not torch.allclose(prefixes["linear"][0], prefixes["linear"][1])
+    export.write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(),
+                            features={"cameras": ["observation.image"], "state": "observation.environment_state"})
+    policy = TrainedPolicy.load(tmp_path / "hf")
+    req = {"observation.image": np.zeros((64, 64, 3), np.uint8),
+           "observation.environment_state": np.array([100, 200, 256, 256, 0.7], np.float32), "prompt": "push"}
+    (out,) = policy.infer_batch([req])
+    assert out["actions"].shape == (arch.chunk_size, 2) and np.isfinite(out["actions"]).all()
+    with pytest.raises(ValueError, match="'state_input' must be one of"):
+        TinyVLAModel(PRESETS["tiny"].with_overrides(state_input="fourier"))
+
+
 @pytest.mark.slow
 def test_aloha_conventions_seeded_episodes_and_random_reference(tmp_path):
     """gym-aloha through our adapter: LeRobot's aloha_sim keys, dtypes and shapes, the same seed gives the same

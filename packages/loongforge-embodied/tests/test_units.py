@@ -313,6 +313,25 @@ def test_ema_of_bf16_weights_is_kept_in_fp32(monkeypatch):
         assert torch.equal(e, c)
 
 
+def test_noise_injected_recording_labels_the_clean_expert_action(tmp_path):
+    """data.record.noise (DART): the executed actions are perturbed, so the states leave the clean recording's,
+    while the labels of the first plan (made from the same reset state) stay the expert's clean actions."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from loongforge_embodied.data.record import record_pusht
+
+    got = {}
+    for noise in (0.0, 20.0):
+        root = record_pusht(tmp_path / f"n{noise:g}", repo_id="local/x", episodes=1, max_steps=6, image_size=16,
+                            seed=0, noise=noise)
+        t = pq.read_table(sorted(root.glob("data/*/*.parquet")), columns=["action", "observation.state"])
+        got[noise] = (np.array(t.column("action").to_pylist()), np.array(t.column("observation.state").to_pylist()))
+    (a0, s0), (a1, s1) = got[0.0], got[20.0]
+    assert a0.shape == a1.shape == (6, 2) and np.array_equal(s0[0], s1[0])
+    assert np.array_equal(a0[:3], a1[:3])  # the approach's first waypoints: one plan from the reset state
+    assert not np.allclose(s0[2:], s1[2:])  # the noisy execution moved the pusher elsewhere
+
+
 def test_recording_refuses_to_replace_a_folder_that_is_not_a_dataset(tmp_path):
     """``data.record`` replaces ``data.root``: a non-empty folder without ``meta/info.json`` (a parent folder, a
     typo) or a file is refused, naming the key, and nothing is deleted (it used to be ``rmtree``'d up front)."""

@@ -68,6 +68,8 @@ class RecordConfig(Section):
     image_size: int = Field(64, ge=16)
     seed: int = Field(0, ge=0)
     workers: int = Field(1, ge=1, description="processes recording episodes in parallel (merged into one dataset)")
+    noise: float = Field(0.0, ge=0.0, description="std (px) of Gaussian noise added to each action the expert "
+                         "executes; the clean action is recorded as the label (DART: the data then shows recoveries)")
 
 
 class DataConfig(Section):

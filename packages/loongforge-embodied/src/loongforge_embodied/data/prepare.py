@@ -23,4 +23,4 @@ def prepare(recipe: Recipe, *, force: bool = False) -> Path:
     rc = d.record
     return record_pusht(d.root, repo_id=d.repo_id, episodes=rc.episodes, max_steps=rc.max_steps,
                         image_size=rc.image_size, seed=rc.seed, force=force,
-                        workers=rc.workers)
+                        workers=rc.workers, noise=rc.noise)

@@ -30,11 +30,14 @@ def check_root(root: str | Path) -> None:
 
 def record_pusht(
     root: str | Path, *, repo_id: str, episodes: int, max_steps: int, image_size: int, seed: int, force: bool = False,
-    workers: int = 1,
+    workers: int = 1, noise: float = 0.0,
 ) -> Path:
     """Record ``episodes`` expert episodes (≤ ``max_steps`` frames each; episode ``i`` from seed ``seed + i``) into
     ``root``; returns ``root``. ``workers`` > 1: contiguous slices of the seeds in parallel spawned processes, merged
-    in seed order (the same dataset as one process records, whatever the worker count)."""
+    in seed order (the same dataset as one process records, whatever the worker count). ``noise`` > 0: the expert
+    executes each action plus Gaussian noise of that std (px, seeded by the episode's seed) while the clean action
+    is recorded (DART, Laskey et al. 2017): states off the expert's path, labelled with its correction. Such data
+    no longer replays (``--policy replay``) to the recorded states."""
     root = Path(root)
     if (root / "meta" / "info.json").is_file() and not force:
         return root
@@ -44,7 +47,7 @@ def record_pusht(
     workers = max(1, min(workers, episodes))
     if workers == 1:
         _record_seeds(tmp, repo_id=repo_id, seeds=range(seed, seed + episodes), max_steps=max_steps,
-                      image_size=image_size)
+                      image_size=image_size, noise=noise)
     else:
         import multiprocessing as mp
 
@@ -58,7 +61,7 @@ def record_pusht(
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_record_seeds, args=(sh,), name="loongforge-record",
                              kwargs={"repo_id": repo_id, "seeds": range(lo, hi), "max_steps": max_steps,
-                                     "image_size": image_size})
+                                     "image_size": image_size, "noise": noise})
                  for sh, lo, hi in zip(shards, bounds, bounds[1:], strict=False)]
         for proc in procs:
             proc.start()
@@ -83,7 +86,8 @@ def record_pusht(
     return root
 
 
-def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, image_size: int) -> None:
+def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, image_size: int,
+                  noise: float = 0.0) -> None:
     """One episode per seed into a new LeRobotDataset at ``out``."""
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     # NOTE: pygame (which gym-pusht imports when it first renders) imports the deprecated pkg_resources.
@@ -117,6 +121,7 @@ def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, imag
     u = env.unwrapped
     for ep_seed in seeds:
         obs, _ = env.reset(seed=ep_seed)
+        rng = np.random.default_rng([ep_seed, 1])  # NOTE: per episode: the same noise whatever the worker split
         steps, done = 0, False
         while not done:
             # NOTE: the pose as float32, as the served expert reads it (observation.environment_state)
@@ -126,7 +131,8 @@ def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, imag
                               "observation.state": obs["agent_pos"].astype(np.float32),
                               "observation.environment_state": environment_state(u), "action": action,
                               "task": TASK})
-                obs, _, terminated, truncated, _ = env.step(action)
+                executed = action if not noise else np.clip(action + rng.normal(0.0, noise, 2), 0.0, 512.0)
+                obs, _, terminated, truncated, _ = env.step(executed.astype(np.float32))
                 steps += 1
                 if terminated or truncated or steps >= max_steps:
                     done = True

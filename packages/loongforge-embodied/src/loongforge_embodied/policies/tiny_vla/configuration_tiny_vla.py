@@ -50,6 +50,10 @@ class TinyVLAArch(ArchMixin):
     expert_intermediate: int = 128
     max_text_tokens: int = 16
     state_bins: int = 64
+    # NOTE: "tokens": pi05's discretised state in the language prefix (``state_bins`` ids, one per dimension);
+    # "linear": pi0's continuous projection, one prefix token (exact to the float: precise tasks such as PushT's
+    # last few pixels, which learned bin embeddings without order resolve poorly from a few hundred episodes).
+    state_input: str = "tokens"
     state_dim: int = 2
     action_dim: int = 2
     chunk_size: int = 8

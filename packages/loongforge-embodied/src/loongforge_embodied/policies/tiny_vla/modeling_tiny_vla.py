@@ -27,6 +27,7 @@ from loongforge_embodied.policies import siglip_names
 from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAArch
 
 STAT_KEYS = ("state_mean", "state_std", "action_mean", "action_std")
+STATE_INPUTS = ("tokens", "linear")
 
 
 def _gemma(*, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int):
@@ -63,6 +64,8 @@ class TinyVLAModel(nn.Module):
             num_attention_heads=a.vision_heads, image_size=a.image_size, patch_size=a.patch_size, vision_use_head=False,
         )
         vcfg._attn_implementation = "sdpa"
+        if a.state_input not in STATE_INPUTS:
+            raise ValueError(f"architecture field 'state_input' must be one of {STATE_INPUTS}, got {a.state_input!r}")
         self.vision = SiglipVisionModel(vcfg)
         self.img_proj = nn.Linear(a.vision_hidden, a.lm_hidden)
         self.language = _gemma(hidden=a.lm_hidden, layers=a.lm_layers, heads=a.lm_heads, kv_heads=a.lm_kv_heads,
@@ -72,6 +75,8 @@ class TinyVLAModel(nn.Module):
                              intermediate=a.expert_intermediate, vocab=1)
         # NOTE: the expert reads embeddings only; drop its token table so no parameter goes unused (DDP).
         self.expert.embed_tokens = None
+        # NOTE: state_input "linear": the normalised state as one continuous prefix token (pi0) instead of bins
+        self.state_proj = nn.Linear(a.state_dim, a.lm_hidden) if a.state_input == "linear" else None
         self.context_proj = nn.Linear(a.lm_hidden, a.expert_hidden)
         self.action_in = nn.Linear(a.action_dim, a.expert_hidden)
         self.time_mlp_in = nn.Linear(2 * a.expert_hidden, a.expert_hidden)
@@ -84,7 +89,8 @@ class TinyVLAModel(nn.Module):
     # ----------------------------------------------------------------- structure
     def components(self) -> dict[str, list[nn.Module]]:
         """Named parameter groups (``model.freeze`` takes these names)."""
-        return {"vision": [self.vision, self.img_proj], "language": [self.language],
+        language = [self.language] + ([self.state_proj] if self.state_proj is not None else [])
+        return {"vision": [self.vision, self.img_proj], "language": language,
                 "expert": [self.expert, self.context_proj, self.action_in, self.time_mlp_in, self.time_mlp_out,
                            self.action_out]}
 
@@ -111,6 +117,9 @@ class TinyVLAModel(nn.Module):
         patches = self.vision(pixel_values=pix.to(self.img_proj.weight.dtype)).last_hidden_state
         img = self.img_proj(patches).reshape(b, -1, self.arch.lm_hidden)
         tokens = self.language.embed_tokens(batch["lang_tokens"])
+        if self.state_proj is not None:  # NOTE: the processor counted this token in lang_mask
+            tokens = torch.cat([tokens, self.state_proj(batch["state"].to(self.state_proj.weight.dtype))[:, None]
+                                .to(tokens.dtype)], dim=1)
         x = torch.cat([img, tokens.to(img.dtype)], dim=1)
         mask = torch.cat([torch.ones(img.shape[:2], dtype=torch.long, device=x.device),
                           batch["lang_mask"].long()], dim=1)
