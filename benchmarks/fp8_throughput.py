@@ -17,7 +17,8 @@ Shapes of the benchmark (one command each; see benchmarks/results/fp8_throughput
 each token follows its predecessor through a fixed random permutation of 4,096 tokens with probability 0.9, else
 is uniform over them, so the loss falls far below ln(vocab) in a few hundred steps and FP8 errors show in the
 curve. ``--concurrent`` runs the variants side by side on the GPU (for loss curves only: their tokens/s are not
-comparable then). ``--profile`` adds a kernel-time breakdown of two steps of each of ours (torch.profiler).
+comparable then; at the 8B shape with 2 layers each process takes ~36 GiB, so at most three fit on one
+141 GB GPU). ``--profile`` adds a kernel-time breakdown of two steps of each of ours (torch.profiler).
 
 Every variant runs in its own process. Ours start from the same random init (same seed) and train on the same
 synthetic tokens, so their losses compare directly (FP8 vs bf16 after N steps); the torchao rows are an HF model of
