@@ -10,14 +10,15 @@ Shapes of the benchmark (one command each; see benchmarks/results/fp8_throughput
     --preset llama3.2-1b --layers 16 --seq 8192           the 1B shape (+ hf_compile_bf16: torchao's own baseline)
     --preset qwen3-30b-a3b --layers 4 --seq 4096 --mbs 2 --experts
                                                           MoE: FP8 grouped experts (ours_bf16 vs ours_fp8_rowwise)
-    --layers 2 --seq 1024 --mbs 4 --steps 200 --data bigram --concurrent --variants ours_bf16,ours_fp8_...
+    --layers 2 --seq 1024 --mbs 2 --steps 200 --data bigram --concurrent --variants ours_bf16,ours_fp8_...
                                                           the loss of each FP8 recipe vs bf16 after 200 steps
 
 ``--data bigram`` replaces the synthetic uniform tokens (nothing to learn past the unigram) by a learnable stream:
 each token follows its predecessor through a fixed random permutation of 4,096 tokens with probability 0.9, else
 is uniform over them, so the loss falls far below ln(vocab) in a few hundred steps and FP8 errors show in the
 curve. ``--concurrent`` runs the variants side by side on the GPU (for loss curves only: their tokens/s are not
-comparable then). ``--profile`` adds a kernel-time breakdown of two steps of each of ours (torch.profiler).
+comparable then; at the 8B shape with 2 layers each process takes ~36 GiB, so at most three fit on one
+141 GB GPU). ``--profile`` adds a kernel-time breakdown of two steps of each of ours (torch.profiler).
 
 Every variant runs in its own process. Ours start from the same random init (same seed) and train on the same
 synthetic tokens, so their losses compare directly (FP8 vs bf16 after N steps); the torchao rows are an HF model of
@@ -220,7 +221,7 @@ def render(args, rows: dict, device: str) -> str:
              "last step (same init and tokens); torchao rows: their own model init.", "",
              "| variant | tokens/s | peak GiB | loss step 1 → last | last loss vs ours_bf16 |", "|---|---|---|---|---|"]
     base = rows.get("ours_bf16", {})
-    tail = min(20, max(1, args.steps // 10))
+    tail = min(50, max(1, args.steps // 4))  # NOTE: 200 steps -> the last 50, where the curves have flattened
     if args.concurrent:
         lines[2] = (f"{args.steps} steps, variants run side by side (tokens/s not comparable). Loss: mean of the last "
                     f"{tail} steps vs ours_bf16's (same init and tokens); max |relative difference| per step over "
@@ -280,7 +281,7 @@ def main() -> None:
     p.add_argument("--adaptive-recipe", default="tensorwise")
     p.add_argument("--variants", default=",".join([*OURS, "torchao_tensorwise", "torchao_rowwise"]))
     p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
-    p.add_argument("--out", default=None, help="append the table (markdown) to this file")
+    p.add_argument("--out", default=None, help="append the table (markdown) to this file; losses to FILE.losses.json")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--policy", default=None)
@@ -341,6 +342,8 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
             f.write(text + "\n\n")
+        curves = {k: v["losses"] for k, v in rows.items() if "losses" in v}
+        Path(args.out).with_suffix(".losses.json").write_text(json.dumps(curves))  # every step's loss, per variant
 
 
 if __name__ == "__main__":
