@@ -1,26 +1,42 @@
 """Vision-language training throughput on one GPU: LoongForge's megatron backend (Qwen-VL on the loongforge spec:
-flash attention for the language model, varlen flash attention for the vision tower's windows / images) vs
-transformers eager (``attn_implementation="eager"``), same architecture, same batch, bf16.
+flash attention for the language model, varlen flash attention for the vision tower's windows / images, the fused
+linear cross-entropy for the output layer) vs transformers eager (``attn_implementation="eager"``) and transformers
+with its repeated blocks compiled, same architecture, same weights, same batches, bf16.
 
-    python benchmarks/vlm_throughput.py --model qwen2.5-vl-7b --layers 4 --vision-depth 8 --batch 4 --seq 2048
+    python benchmarks/vlm_throughput.py --model qwen3-vl-8b --layers 4 --vision-depth 8 --batch 4 --seq 2048
+    python benchmarks/vlm_throughput.py --model qwen3-vl-8b --sft 64 --variants loongforge_packed,loongforge_padded,hf_eager
 
 The model is the preset's shape at reduced depth (``--layers`` language layers, ``--vision-depth`` tower blocks;
 widths, heads, vocabulary and the tower's full-attention / deepstack layout kept in proportion), randomly
-initialised on both sides (throughput does not depend on the values). The batch is ours: ``data.format synthetic``
-with one ``--image`` x ``--image`` image per sample (``--seq`` tokens per row), handed to transformers as it is
-(input ids, pixel patches, grids, labels). Both train with AdamW; ours keeps fp32 master weights (megatron's mixed
-precision), transformers' bf16 weights only. Reports the median step time after warm-up, tokens/s and peak memory;
-the ratio prints last.
+initialised once by transformers and saved; every variant starts from that checkpoint (ours loads it with
+``checkpoint.load``), so the losses can be compared. Batches are ours: ``data.format synthetic`` (one ``--image`` x
+``--image`` image per sample, ``--seq`` tokens per row), or with ``--sft N`` ``data.format conversations`` over N
+generated records (one image each, of a random size up to ``--image``, and a random number of words), packed into
+one row per micro-batch (``loongforge_packed``) or padded to ``--seq`` (``loongforge_padded``, and transformers on
+those rows). transformers gets each step's micro-batch as it is (input ids, pixel patches, grids; labels where our
+loss mask is, so both average the same tokens but our row's last one, whose label lies past the row).
+
+Every variant runs in its own process (clean memory, its own ``--timeouts`` entry). Both train with AdamW and clip
+the gradient norm at 1; ours keeps fp32 master weights (megatron's mixed precision), transformers bf16 weights only.
+``hf_compile`` compiles each decoder layer and vision block (``Module.compile``, torch's regional compilation) and
+the loss over the logits. Reports the median step time after warm-up, tokens/s (real tokens: padding not counted),
+peak memory and the losses; the ratios print last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def reduced_config(model: str, *, layers: int, vision_depth: int) -> dict:
@@ -40,6 +56,70 @@ def reduced_config(model: str, *, layers: int, vision_depth: int) -> dict:
         v["deepstack_visual_indexes"] = sorted({i * vision_depth // full_depth for i in v["deepstack_visual_indexes"]})
     fields["num_layers"] = layers
     return spec.hf_config(spec.arch(fields), torch_dtype="bfloat16")
+
+
+def save_checkpoint(config: dict, out: Path, *, device: str) -> None:
+    """transformers' random initialisation of ``config``, saved (bf16 on CUDA) for every variant to load."""
+    import torch
+    import transformers as tf
+
+    (out / "config.json").write_text(json.dumps(config))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.AutoModelForImageTextToText.from_config(tf.AutoConfig.from_pretrained(out), dtype=dtype)
+    model.save_pretrained(out)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def save_sft_data(out: Path, config: dict, *, records: int, side: int, seq: int, seed: int = 0) -> Path:
+    """``records`` image-text conversations (one image of a random size up to ``side`` px, a question and an answer
+    of random lengths) under ``out / "data"``, and a processor for them in ``out`` (a byte-level BPE tokenizer with
+    Qwen-VL's special tokens, Qwen2-VL's image processor at the model's patch size, the chat template); ``config``'s
+    special token ids become the tokenizer's. Returns the records file."""
+    from loongforge_megatron.data.tokenizer import train_bpe
+    from loongforge_megatron.models.qwen_vl.data import QWEN_VL_CHAT_TEMPLATE
+    from PIL import Image
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen3VLProcessor
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    v = config["vision_config"]
+    unit = v["patch_size"] * v["spatial_merge_size"]
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    lines, texts = [], []
+    for n in range(records):
+        w, h = (rng.randint(4, side // unit) * unit for _ in range(2))
+        Image.effect_noise((w, h), 64).convert("RGB").save(data / f"{n}.png")
+        question = " ".join(rng.choices(words, k=rng.randint(2, max(2, seq // 50))))
+        answer = " ".join(rng.choices(words, k=rng.randint(4, max(4, seq // 4))))
+        texts += [question, answer]
+        lines.append(json.dumps({"conversations": [{"from": "human", "value": f"<image>\n{question}"},
+                                                   {"from": "gpt", "value": answer}], "images": [f"{n}.png"]}))
+    (data / "records.jsonl").write_text("\n".join(lines) + "\n")
+    tok = train_bpe(texts, vocab_size=min(1024, config["text_config"]["vocab_size"] - 2 * len(SPECIAL)), out_dir=out)
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|im_end|>"
+    images = Qwen2VLImageProcessor(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"],
+                                   temporal_patch_size=v["temporal_patch_size"], min_pixels=unit * unit * 16,
+                                   max_pixels=side * side)
+    qwen3 = config["model_type"] == "qwen3_vl"
+    if qwen3:
+        from transformers import Qwen3VLVideoProcessor as Video
+    else:
+        from transformers import Qwen2VLVideoProcessor as Video
+    video = Video(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"],
+                  temporal_patch_size=v["temporal_patch_size"])
+    processor = (Qwen3VLProcessor if qwen3 else Qwen2_5_VLProcessor)(
+        image_processor=images, tokenizer=tok, video_processor=video, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    t = tok.convert_tokens_to_ids
+    config.update(image_token_id=t("<|image_pad|>"), video_token_id=t("<|video_pad|>"),
+                  vision_start_token_id=t("<|vision_start|>"), vision_end_token_id=t("<|vision_end|>"))
+    return data / "records.jsonl"
 
 
 def sync() -> None:
@@ -62,80 +142,155 @@ def max_memory() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def ours(args, hf_dir: Path) -> dict:
+def run_ours(args, *, pack: bool | None) -> dict:
+    """Our job on the checkpoint; ``pack`` None: synthetic rows, else the SFT records packed or padded. Writes the
+    steps' micro-batches to ``--batches`` for the transformers variants."""
     import loongforge
     import torch
     import yaml
 
+    data = {"format": "synthetic", "seq_length": args.seq, "image_size": args.image}
+    if pack is not None:
+        data = {"format": "conversations", "path": str(Path(args.hf_dir) / "data" / "records.jsonl"),
+                "seq_length": args.seq, "pack": pack}
     recipe = {
         "backend": "megatron",
-        "model": {"hf": str(hf_dir)},
-        "data": {"format": "synthetic", "seq_length": args.seq, "image_size": args.image},
-        "train": {"stage": "pretrain", "steps": args.steps, "global_batch_size": args.batch,
-                  "micro_batch_size": args.batch, "lr": 1e-5, "lr_schedule": "constant", "weight_decay": 0.0,
+        "model": {"hf": args.hf_dir},
+        "data": data,
+        "train": {"stage": "cpt" if pack is None else "sft", "steps": args.warmup + args.steps,
+                  "global_batch_size": args.batch, "micro_batch_size": args.batch, "lr": 1e-5,
+                  "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0,
                   "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1},
-        "checkpoint": {"save_at_end": False},
+        "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
         "logging": {"tensorboard": False, "console": False},
     }
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, runtime = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    batch = job.schedule.microbatches(0, device=torch.device("cpu"))[0]
+    n = args.warmup + args.steps
+    t0 = time.perf_counter()
+    batches = [job.schedule.microbatches(i, device=torch.device("cpu")) for i in range(n + 2 * args.profile)]
+    data_s = (time.perf_counter() - t0) / len(batches)
+    if args.batches:
+        torch.save(batches[:n], args.batches)
+    # NOTE: the steps take these batches (host to device copy timed, data preparation not: as transformers' steps)
+    job.schedule.microbatches = lambda step, *, device: batches[step]
     reset_peak()
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    for _ in range(n):
         sync()
         t0 = time.perf_counter()
         losses.append(job.step()["loss"])
         sync()
         times.append(time.perf_counter() - t0)
     peak = max_memory()
+    if args.profile and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                job.step()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
     job.close()
     runtime.logger.close()
-    return {"batch": batch, "step_s": statistics.median(times[args.warmup:]), "peak_gib": peak / 2**30,
-            "loss": losses[0]}
+    slots = [sum(int(m["tokens"].numel()) for m in step) for step in batches[:n]]
+    labels = [sum(int(m["loss_mask"].sum()) for m in step) for step in batches[:n]]
+    return {"times": times, "losses": losses, "peak_gib": peak / 2**30, "slots": slots, "labels": labels,
+            "data_s": data_s}
 
 
-def transformers_eager(args, hf_dir: Path, batch: dict) -> dict:
+def hf_inputs(micro: dict, *, image_token: int, device, dtype) -> dict:
+    """A micro-batch of ours as transformers' model takes it; labels: the tokens our loss mask trains on."""
     import torch
+
+    tokens = micro["tokens"].to(device)
+    mask = micro["loss_mask"].to(device) > 0
+    labels = torch.full_like(tokens, -100)
+    # NOTE: our labels are shifted (position i predicts token i + 1 where loss_mask[i]); transformers shifts itself
+    labels[:, 1:] = torch.where(mask[:, :-1], tokens[:, 1:], -100)
+    return {"input_ids": tokens, "pixel_values": micro["pixel_values"].to(device, dtype),
+            "image_grid_thw": micro["image_grid_thw"].to(device), "labels": labels,
+            "mm_token_type_ids": (tokens == image_token).long()}
+
+
+def run_hf(args, *, compiled: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
     import transformers as tf
 
-    config = tf.AutoConfig.from_pretrained(hf_dir)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    with dev:
-        model = tf.AutoModelForImageTextToText.from_config(config, dtype=dtype,
-                                                           attn_implementation="eager")
+    # NOTE: eager: transformers' eager attention; compiled: its default (sdpa), the repeated blocks compiled
+    model = tf.AutoModelForImageTextToText.from_pretrained(args.hf_dir, dtype=dtype,
+                                                           attn_implementation="sdpa" if compiled else "eager").to(dev)
     model.train()
+    image_token = model.config.image_token_id
+    steps = torch.load(args.batches)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=True)
-    inputs = {"input_ids": batch["tokens"].to(dev), "pixel_values": batch["pixel_values"].to(dev, dtype),
-              "image_grid_thw": batch["image_grid_thw"].to(dev), "labels": batch["tokens"].to(dev)}
     # NOTE: transformers >= 5.2x computes M-RoPE from the processor's mm_token_type_ids (1: image token); older ones
     # find the image tokens themselves and may not take the key
-    inputs["mm_token_type_ids"] = (inputs["input_ids"] == config.image_token_id).long()
-    try:
-        model(**inputs)
-    except (TypeError, ValueError):
-        inputs.pop("mm_token_type_ids")
+    probe = hf_inputs(steps[0][0], image_token=image_token, device=dev, dtype=dtype)
+    with torch.no_grad():
+        try:
+            model(**probe)
+            drop = ()
+        except (TypeError, ValueError):
+            drop = ("mm_token_type_ids",)
+    loss_fn = None
+    if compiled:  # NOTE: regional compilation: each repeated block once, then reused (torch's recommended form)
+        for m in model.modules():
+            if type(m).__name__.endswith(("DecoderLayer", "VisionBlock")):
+                m.compile()
+
+        @torch.compile
+        def loss_fn(logits, labels):
+            return F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
     reset_peak()
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    for step in steps:
         sync()
         t0 = time.perf_counter()
-        loss = model(**inputs).loss
-        loss.backward()
+        micro = [hf_inputs(m, image_token=image_token, device=dev, dtype=dtype) for m in step]
+        total = 0.0
+        count = max(1, sum(int((m["labels"] != -100).sum()) for m in micro))
+        for inputs in micro:
+            inputs = {k: v for k, v in inputs.items() if k not in drop}
+            n = int((inputs["labels"] != -100).sum())
+            if loss_fn is None:
+                loss = model(**inputs).loss
+            else:
+                labels = inputs.pop("labels")
+                loss = loss_fn(model(**inputs).logits, labels)
+            (loss * n / count).backward()
+            total += float(loss.detach()) * n / count
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    peak = max_memory()
-    del model, opt
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times[args.warmup:]), "peak_gib": peak / 2**30, "loss": losses[0]}
+        losses.append(total)
+    return {"times": times, "losses": losses, "peak_gib": max_memory() / 2**30}
+
+
+VARIANTS = {
+    "loongforge": lambda a: run_ours(a, pack=None),
+    "loongforge_packed": lambda a: run_ours(a, pack=True),
+    "loongforge_padded": lambda a: run_ours(a, pack=False),
+    "hf_eager": lambda a: run_hf(a, compiled=False),
+    "hf_compile": lambda a: run_hf(a, compiled=True),
+}
+PEERS = ("hf_eager", "hf_compile", "loongforge_padded")
+
+
+def child(args) -> None:
+    try:
+        out = VARIANTS[args.variant](args)
+    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
+        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+    Path(args.json).write_text(json.dumps(out))
 
 
 def main() -> None:
@@ -145,34 +300,124 @@ def main() -> None:
     ap.add_argument("--vision-depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--image", type=int, default=448, help="image side in pixels (a multiple of patch x merge)")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--image", type=int, default=448, help="image side in pixels (a multiple of patch x merge); "
+                    "with --sft the largest side")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--sft", type=int, default=0, help="SFT on this many generated image-text records (0: synthetic)")
+    ap.add_argument("--variants", default=None, help="comma-separated, of " + ", ".join(VARIANTS) + " (default: "
+                    "loongforge,hf_eager,hf_compile; with --sft loongforge_packed,loongforge_padded,hf_eager)")
+    ap.add_argument("--timeouts", default="", help="per-variant seconds, e.g. hf_compile=150 (default 300)")
+    ap.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of two of our steps")
+    ap.add_argument("--out", default=None, help="write the table (markdown) here too")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on a small preset")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--batches", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.variant:
+        return child(args)
+    variants = (args.variants or ("loongforge_packed,loongforge_padded,hf_eager" if args.sft else
+                                  "loongforge,hf_eager,hf_compile")).split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    timeouts = {k: float(v) for k, v in (kv.split("=") for kv in args.timeouts.split(",") if kv)}
 
+    work = Path(tempfile.mkdtemp())
+    hf_dir = work / "hf"
+    hf_dir.mkdir()
+    config = reduced_config(args.model, layers=args.layers, vision_depth=args.vision_depth)
+    if args.sft:
+        save_sft_data(hf_dir, config, records=args.sft, side=args.image, seq=args.seq)
+    save_checkpoint(config, hf_dir, device=args.device)
     import torch
 
-    hf_dir = Path(tempfile.mkdtemp()) / "hf"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(reduced_config(args.model, layers=args.layers,
-                                                                  vision_depth=args.vision_depth)))
-    print(f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, batch {args.batch} x "
-          f"{args.seq} tokens, one {args.image} px image per sample, "
-          f"{torch.cuda.get_device_name() + ', bf16' if args.device == 'cuda' else 'cpu, fp32'}", flush=True)
-    mine = ours(args, hf_dir)
-    batch = mine.pop("batch")
-    images = int(batch["image_grid_thw"].shape[0])
-    patches = int(batch["pixel_values"].shape[0])
-    print(f"batch: tokens {tuple(batch['tokens'].shape)}, {images} images, {patches} patches", flush=True)
-    theirs = transformers_eager(args, hf_dir, batch)
-    tokens = args.batch * args.seq
-    rows = [("loongforge (megatron, loongforge spec)", mine), ("transformers eager", theirs)]
-    print("| variant | step (s) | tokens/s | peak GiB | first loss |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, r in rows:
-        print(f"| {name} | {r['step_s']:.3f} | {tokens / r['step_s']:,.0f} | {r['peak_gib']:.1f} | {r['loss']:.3f} |")
-    print(f"ratio (ours / transformers eager, tokens/s): {theirs['step_s'] / mine['step_s']:.2f}x", flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    what = f"{args.sft} SFT records (one image of at most {args.image} px each)" if args.sft else \
+        f"synthetic rows (one {args.image} px image each)"
+    print(f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
+          f"{args.batch} x {args.seq} tokens, {what}, {device}, {'bf16' if args.device == 'cuda' else 'fp32'}",
+          flush=True)
+    batches = work / "batches.pt"
+    rows: dict[str, dict] = {}
+    for name in variants:
+        js = work / f"{name}.json"
+        cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
+               "--batches", str(batches) if name in ("loongforge", "loongforge_padded") or name.startswith("hf_")
+               else "", "--seq", str(args.seq), "--image", str(args.image), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+        cmd += ["--profile"] if args.profile and name.startswith("loongforge") else []
+        t0 = time.time()
+        try:
+            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeouts.get(name, 300))
+        except subprocess.TimeoutExpired:
+            pass
+        res = json.loads(js.read_text()) if js.is_file() else {"error": f"no result (timed out after "
+                                                                       f"{timeouts.get(name, 300):.0f} s or crashed)"}
+        res["wall_s"] = time.time() - t0
+        rows[name] = res
+        print(name, {k: v for k, v in res.items() if k not in ("times", "losses", "slots", "labels")}, flush=True)
+        if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
+            write(args.out, render(args, rows, device))
+    text = render(args, rows, device)
+    print(text, flush=True)
+    if args.out:
+        write(args.out, text)
+
+
+def write(path: str, text: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text + "\n")
+
+
+def render(args, rows: dict, device: str) -> str:
+    """The table (real tokens/s: padding not counted), the padding packing saved, loss agreement, then ratios."""
+    ours = rows.get("loongforge_packed") or rows.get("loongforge") or {}
+    measured = slice(args.warmup, None)
+    real = None
+    if "slots" in ours:  # packed rows and synthetic rows hold no padding: their slots are the real tokens
+        real = statistics.mean(ours["slots"][measured])
+    lines = [f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
+             f"{args.batch} x {args.seq}, {device}; median of {args.steps} steps after {args.warmup} warm-up steps",
+             "", "| variant | step (s) | real tokens/s | token slots / step | peak GiB | loss step 1 -> last |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | | |")
+            continue
+        r["step_s"] = statistics.median(r["times"][measured])
+        slots = statistics.mean(r["slots"][measured]) if "slots" in r else \
+            statistics.mean(rows["loongforge_padded"]["slots"][measured]) if "slots" in rows.get(
+                "loongforge_padded", {}) else real
+        r["tokens_s"] = real / r["step_s"] if real else None
+        lines.append(f"| {name} | {r['step_s']:.3f} | {r['tokens_s'] or 0:,.0f} | {slots or 0:,.0f} | "
+                     f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+    for name, r in rows.items():
+        if "data_s" in r:
+            lines.append(f"{name}: making a step's micro-batches took {r['data_s']:.3f} s (not in the step time).")
+    padded = rows.get("loongforge_padded", {})
+    if "slots" in padded and "slots" in ours and ours is not padded:
+        same = padded["labels"] == ours["labels"]
+        packed_slots, padded_slots = sum(ours["slots"][measured]), sum(padded["slots"][measured])
+        lines += ["", f"Packing: {packed_slots / args.steps:,.0f} token slots a step instead of "
+                      f"{padded_slots / args.steps:,.0f} ({1 - packed_slots / padded_slots:.1%} padding saved); the "
+                      f"same records every step: {'yes' if same else 'NO'} (labelled tokens {ours['labels'][0]} vs "
+                      f"{padded['labels'][0]} at step 1)."]
+    base = ours if "losses" in ours else {}
+    for name in PEERS:
+        r = rows.get(name, {})
+        ref = padded if name.startswith("hf_") and "losses" in padded else base
+        if "losses" in r and "losses" in ref and r is not ref:
+            diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ref["losses"], r["losses"], strict=False)]
+            lines.append(f"Loss, {name} vs {'loongforge_padded' if ref is padded else 'ours'}: step 1 relative "
+                         f"difference {diffs[0]:.2e}, max over {len(diffs)} steps {max(diffs):.2e}.")
+    lines.append("")
+    for name in PEERS:
+        if base.get("tokens_s") and rows.get(name, {}).get("tokens_s"):
+            lines.append(f"ratio (ours / {name}, real tokens/s): {base['tokens_s'] / rows[name]['tokens_s']:.2f}x")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

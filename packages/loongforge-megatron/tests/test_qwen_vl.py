@@ -387,40 +387,97 @@ def test_lora_on_the_language_model_merges_and_loads_in_peft(tmp_path, hf_dir, r
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _packed_and_padded_on_gpu(*, rank, world, overrides, run_dir):
-    """:func:`_packed_and_padded` counting the language model's causal varlen_attn calls; building a ``[t, t]``
-    packed mask fails the run."""
-    import torch.nn.attention.varlen as varlen
-    from loongforge_megatron.engine import step
+def _fused_and_plain_output_layer(*, rank, world, run_dir):
+    """Per tiny preset: (output dims, loss sums, token counts, grads) of one micro-batch through the job's forward step
+    (the loongforge spec's fused linear cross-entropy) and through the plain one (logits + megatron's CE)."""
+    from loongforge_megatron.models.qwen_vl.model import forward_step
 
-    calls, real = [], varlen.varlen_attn
+    out = {}
+    for name in ("qwen2_5_vl_tiny", "qwen3_vl_tiny"):
+        recipe = RECIPE.with_name(f"{name}.yaml")
+        job, runtime = loongforge.build_job(loongforge.load_recipe(recipe, ["accelerator=cpu", "logging.console=false"]),
+                                            output_dir=run_dir / name)
+        try:
+            model, batch = job.model[0], job.schedule.microbatches(0, device=torch.device("cpu"))[0]
+            params = [p for p in model.parameters() if p.requires_grad]
+            rows = []
+            for step in (job.forward_step_fn, forward_step):
+                output, loss = step(iter([batch]), model)
+                loss_sum, tokens, _ = loss(output)
+                rows.append((output.dim(), loss_sum.item(), int(tokens), torch.autograd.grad(loss_sum, params)))
+            out[name] = rows
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+def test_fused_output_layer_gives_the_plain_loss_and_grads(tmp_path, ranks):
+    """The loongforge spec's VL step runs the output layer as the fused linear cross-entropy, given the loss mask (a
+    masked token-sum, no [tokens, vocab] logits): in fp32 on the CPU its loss and every gradient equal the plain
+    output layer + cross-entropy's, for Qwen2.5-VL and Qwen3-VL (deepstack)."""
+    got = ranks(_fused_and_plain_output_layer, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run")[0]
+    for name, (fused, plain) in got.items():
+        assert (fused[0], plain[0]) == (0, 2), name  # a scalar sum vs per-token losses [b, s]
+        assert fused[2] == plain[2] > 0, name
+        assert fused[1] == pytest.approx(plain[1], rel=1e-5), (name, fused[1], plain[1])
+        for g, want in zip(fused[3], plain[3], strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _packed_and_padded_on_gpu(*, rank, world, overrides, run_dir):
+    """:func:`_packed_and_padded` watching the packed run's attention: the language model's attention calls (with
+    their cu_seqlens and mask), its causal varlen_attn calls and any SDPA call; building a ``[t, t]`` packed mask
+    fails the run."""
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+    from loongforge_megatron.engine import step
+    from loongforge_megatron.spec.attention import SDPAttention
+
+    calls, lm, sdpa = [], [], []
+    real_varlen, real_sdpa, real_forward = varlen.varlen_attn, F.scaled_dot_product_attention, SDPAttention.forward
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("window_size"))
-        return real(*args, **kwargs)
+        return real_varlen(*args, **kwargs)
+
+    def watched(self, query, key, value, attention_mask, *args, packed_seq_params=None, **kwargs):
+        cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+        lm.append((None if cu is None else cu.tolist(), None if attention_mask is None else attention_mask.numel(),
+                   query.shape[0]))
+        return real_forward(self, query, key, value, attention_mask, *args, packed_seq_params=packed_seq_params,
+                            **kwargs)
 
     def refused(*args, **kwargs):
         raise AssertionError("a [t, t] packed-sequence mask was built")
 
-    varlen.varlen_attn, step.packed_attention_mask = counted, refused
+    varlen.varlen_attn, step.packed_attention_mask, SDPAttention.forward = counted, refused, watched
+    F.scaled_dot_product_attention = lambda *a, **k: sdpa.append(k.get("attn_mask") is not None) or real_sdpa(*a, **k)
     packed = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=true"], run_dir=run_dir / "p")
-    causal = sum(1 for w in calls if w == (-1, 0))
+    causal, attention, dense = sum(1 for w in calls if w == (-1, 0)), list(lm), list(sdpa)
     padded = _losses(rank=rank, world=world, overrides=[*overrides, "data.pack=false"], run_dir=run_dir / "u")
-    return packed[1], padded[1], causal
+    return packed[1], padded[1], causal, attention, dense
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_packed_rows_run_varlen_attention_and_equal_padded_rows(tmp_path, hf_dir, ranks):
-    """CUDA bf16: a packed micro-batch runs the language model's attention as varlen_attn (flash, no mask) and gives
-    the padded rows' loss within bf16 tolerance (1e-2 relative)."""
+    """CUDA bf16: a packed micro-batch (the records back to back in one row) runs every attention of the language
+    model as varlen_attn over the records' cu_seqlens with no mask (no SDPA call at all, so no [t, t] mask
+    anywhere; the tower runs varlen_attn per image) and gives the padded rows' loss within bf16 tolerance (1e-2
+    relative) over 2 SFT steps."""
     records = make_records(tmp_path / "data")
     over = [o for o in overrides(hf_dir, records) if o != "accelerator=cpu"]
     over += ["accelerator=cuda", "train.precision=bf16", "train.stage=sft", "train.micro_batch_size=2", "train.steps=2"]
-    packed, padded, causal = ranks(_packed_and_padded_on_gpu, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
-                                   overrides=over)[0]
-    print(f"packed {packed} padded {padded} causal varlen_attn calls {causal}")
-    assert causal >= 2 * 2  # every layer of the forward, both steps (recompute would add more)
+    packed, padded, causal, attention, dense = ranks(_packed_and_padded_on_gpu, world=1, out=tmp_path / "ranks",
+                                                     run_dir=tmp_path / "run", overrides=over)[0]
+    layers = json.loads((hf_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    print(f"packed {packed} padded {padded} causal varlen_attn calls {causal} language-model attention calls "
+          f"{len(attention)} (cu_seqlens {attention[0][0]}) SDPA calls {len(dense)}")
+    assert len(attention) == layers * 2  # every layer, both steps (recompute would add more)
+    for cu, mask, tokens in attention:
+        assert mask is None and cu is not None and len(cu) == 3 and cu[-1] == tokens, (cu, mask, tokens)
+    assert causal == len(attention) and dense == []
     assert packed == pytest.approx(padded, rel=1e-2), (packed, padded)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -129,12 +129,19 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
     return chunks
 
 
-def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module, *,
+                 output_processor: Callable[..., torch.Tensor] | None = None):
     """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
     the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``); a packed
-    micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it."""
+    micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it.
+    ``output_processor``: GPTModel's output hook, given the loss mask (the loongforge spec's fused linear
+    cross-entropy, :func:`~loongforge_megatron.spec.output.fused_output_processor`); None: the output layer's
+    logits and megatron's cross-entropy."""
     batch = model_inputs(next(data_iterator), model)
+    fused = {} if output_processor is None else {"output_processor": output_processor,
+                                                 "output_processor_context": batch["loss_mask"]}
     output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),
                    labels=batch["labels"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"), packed_seq_params=batch.get("packed_seq_params"))
+                   image_grid_thw=batch.get("image_grid_thw"), packed_seq_params=batch.get("packed_seq_params"),
+                   **fused)
     return output, functools.partial(loss_func, batch["loss_mask"])

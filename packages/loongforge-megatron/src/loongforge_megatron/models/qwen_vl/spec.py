@@ -8,6 +8,7 @@ and the mrope sections are ``Arch.vision``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from loongforge_megatron.models.gpt import qwen2, qwen3
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.family import (
     check_lm,
+    check_provider,
     no_compile,
     no_dit_keys,
     padded_vocab,
@@ -178,9 +180,7 @@ class QwenVL(HFCheckpoint):
         if recipe.kernels.spec not in ("auto", "loongforge", "local"):
             raise RecipeError(f"Qwen-VL models run on the loongforge layer spec or megatron's local one (kernels.spec "
                               f"auto, loongforge or local; got '{recipe.kernels.spec}')", key="kernels.spec")
-        if recipe.kernels.provider != "auto" and recipe.kernels.spec == "local":
-            raise RecipeError("kernels.provider is used by the loongforge spec, not megatron's local one",
-                              key="kernels.provider")
+        check_provider(recipe)  # NOTE: an explicit provider serves every op of the loongforge spec, fused CE too
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("Qwen-VL with rope scaling is not supported", key="model")
         deep = len(arch.vision["vision_config"].get("deepstack_visual_indexes", []))
@@ -228,7 +228,13 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, groups=self.groups)
+        step = forward_step
+        if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
+            from loongforge_megatron.spec.output import fused_output_processor
+
+            step = functools.partial(forward_step, output_processor=functools.partial(
+                fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
