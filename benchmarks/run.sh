@@ -190,11 +190,11 @@ from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/ll
          --warmup 2)
     step gpu_test_qwen3_vl 75 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
       packages/loongforge-megatron/tests/test_qwen_vl.py -k "gpu_packed and qwen3_vl"
-    step vlm_qwen3_vl_8b 165 "${vlm[@]}" --model qwen3-vl-8b --profile \
-      --timeouts loongforge=55,hf_eager=30,hf_compile=65
+    step vlm_qwen3_vl_8b 180 "${vlm[@]}" --model qwen3-vl-8b --profile \
+      --timeouts loongforge=55,hf_eager=30,hf_compile=80
     step vlm_qwen2_5_vl_3b 70 "${vlm[@]}" --model qwen2.5-vl-3b --variants loongforge,hf_eager \
       --timeouts loongforge=35,hf_eager=25
-    step vlm_sft_qwen2_5_vl_3b 70 "${vlm[@]}" --model qwen2.5-vl-3b --sft 64 \
+    step vlm_sft_qwen2_5_vl_3b 75 "${vlm[@]}" --model qwen2.5-vl-3b --sft 64 \
       --variants loongforge_packed,loongforge_padded --timeouts loongforge_packed=35,loongforge_padded=30
     ;;
   accum)
