@@ -42,17 +42,19 @@
 #   x2     (2 GPUs, ~8 min) CUDA graphs under ddp / zero1 (test_gpu_compile.py); tiny LLaVA on 1 GPU, pp 2, and
 #                           tp 2 with the vision tower whole (parallel.components.vision.tp 1), nccl
 #   flce   (1 GPU, ~5 min)  fused CE GPU tests, then its fwd+bwd rows (--rep 400) vs eager / compile / Liger
-#   vlm    (1 GPU, ~5 min)  the Qwen3-VL packed-vs-padded GPU test; Qwen3-VL-8B shape ours vs transformers eager and
-#                           compiled (with a profile of our step); Qwen2.5-VL-3B shape ours vs transformers eager;
-#                           packed vs padded SFT on variable-size image-text records at the Qwen2.5-VL-3B shape
+#   vlm    (1 GPU, ~7 min)  the Qwen3-VL packed-vs-padded GPU test; Qwen3-VL-8B shape ours (and ours with the plain
+#                           output layer + CE, A/B) vs transformers eager and compiled, with a profile of our step;
+#                           Qwen2.5-VL-3B shape ours vs transformers eager
+#   vlm_sft (1 GPU, ~3 min) packed vs padded SFT on variable-size image-text records at the Qwen2.5-VL-3B shape, and
+#                           transformers eager on the padded rows
 #   accum  (1 GPU, ~9 min)  fused CE GPU tests + its chunk-schedule variants (two-stream overlap), then the CUDA-graph
 #                           training tests (one micro-batch and gradient accumulation)
 # Every step has its own timeout and its own log under OUT, so a slow step costs only itself; the step timeouts of
 # one benchmark add up to <= 520 s.
 set -uo pipefail
 shopt -s nullglob
-phase=${1:?benchmark: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce | vlm}
-[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_gaf|dit_profile|llm|kernels|x2|flce|vlm)$ ]] || { echo "unknown benchmark '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce | vlm)" >&2; exit 2; }
+phase=${1:?benchmark: check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce | vlm | vlm_sft}
+[[ $phase =~ ^(check|e2e|fp8|compile|step|graphs|tilelang|e2e_compile|accum|e2e_graphs|e2e_pair|e2e_profile|b32|dit|dit_gaf|dit_profile|llm|kernels|x2|flce|vlm|vlm_sft)$ ]] || { echo "unknown benchmark '$phase' (check | e2e | fp8 | compile | step | graphs | tilelang | e2e_compile | accum | e2e_graphs | e2e_pair | e2e_profile | b32 | dit | dit_gaf | dit_profile | llm | kernels | x2 | flce | vlm | vlm_sft)" >&2; exit 2; }
 out=${2:?usage: bash benchmarks/run.sh BENCHMARK OUT}
 mkdir -p "$out"
 site=/tmp/site
@@ -188,14 +190,19 @@ from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/ll
   vlm)
     vlm=(python3 benchmarks/vlm_throughput.py --layers 4 --vision-depth 8 --batch 4 --seq 2048 --image 448 --steps 4
          --warmup 2)
-    step gpu_test_qwen3_vl 75 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+    step gpu_test_qwen3_vl 90 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
       packages/loongforge-megatron/tests/test_qwen_vl.py -k "gpu_packed and qwen3_vl"
-    step vlm_qwen3_vl_8b 180 "${vlm[@]}" --model qwen3-vl-8b --profile \
-      --timeouts loongforge=55,hf_eager=30,hf_compile=80
-    step vlm_qwen2_5_vl_3b 70 "${vlm[@]}" --model qwen2.5-vl-3b --variants loongforge,hf_eager \
-      --timeouts loongforge=35,hf_eager=25
-    step vlm_sft_qwen2_5_vl_3b 75 "${vlm[@]}" --model qwen2.5-vl-3b --sft 64 \
-      --variants loongforge_packed,loongforge_padded --timeouts loongforge_packed=35,loongforge_padded=30
+    step vlm_qwen3_vl_8b 220 "${vlm[@]}" --model qwen3-vl-8b --profile \
+      --variants loongforge,loongforge_plain_ce,hf_eager,hf_compile \
+      --timeouts loongforge=60,loongforge_plain_ce=45,hf_eager=30,hf_compile=70
+    step vlm_qwen2_5_vl_3b 105 "${vlm[@]}" --model qwen2.5-vl-3b --variants loongforge,hf_eager \
+      --timeouts loongforge=60,hf_eager=30
+    ;;
+  vlm_sft)
+    step vlm_sft_qwen2_5_vl_3b 140 python3 benchmarks/vlm_throughput.py --layers 4 --vision-depth 8 --batch 4 \
+      --seq 2048 --image 448 --steps 4 --warmup 2 --model qwen2.5-vl-3b --sft 64 \
+      --variants loongforge_packed,loongforge_padded,hf_eager \
+      --timeouts loongforge_packed=60,loongforge_padded=55,hf_eager=30
     ;;
   accum)
     step flce_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -144,12 +144,21 @@ def max_memory() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def run_ours(args, *, pack: bool | None) -> dict:
+def run_ours(args, *, pack: bool | None, plain_ce: bool = False) -> dict:
     """Our job on the checkpoint; ``pack`` None: synthetic rows, else the SFT records packed or padded. Writes the
     steps' micro-batches to ``--batches`` for the transformers variants."""
     import loongforge
     import torch
     import yaml
+
+    if plain_ce:  # A/B row: the output layer's logits + megatron's cross-entropy instead of the fused linear CE
+        from loongforge_megatron.spec import output
+
+        def plain(*, hidden_states, output_layer, output_weight, labels, compute_language_model_loss, **_):
+            logits, _ = output_layer(hidden_states, weight=output_weight)
+            return compute_language_model_loss(labels, logits)
+
+        output.fused_output_processor = plain
 
     data = {"format": "synthetic", "seq_length": args.seq, "image_size": args.image}
     if pack is not None:
@@ -281,12 +290,13 @@ def run_hf(args, *, compiled: bool) -> dict:
 
 VARIANTS = {
     "loongforge": lambda a: run_ours(a, pack=None),
+    "loongforge_plain_ce": lambda a: run_ours(a, pack=None, plain_ce=True),
     "loongforge_packed": lambda a: run_ours(a, pack=True),
     "loongforge_padded": lambda a: run_ours(a, pack=False),
     "hf_eager": lambda a: run_hf(a, compiled=False),
     "hf_compile": lambda a: run_hf(a, compiled=True),
 }
-PEERS = ("hf_eager", "hf_compile", "loongforge_padded")
+PEERS = ("hf_eager", "hf_compile", "loongforge_padded", "loongforge_plain_ce")
 
 
 def child(args) -> None:
@@ -380,9 +390,9 @@ def render(args, rows: dict, device: str) -> str:
     """The table (real tokens/s: padding not counted), the padding packing saved, loss agreement, then ratios."""
     ours = rows.get("loongforge_packed") or rows.get("loongforge") or {}
     measured = slice(args.warmup, None)
-    real = None
-    if "slots" in ours:  # packed rows and synthetic rows hold no padding: their slots are the real tokens
-        real = statistics.mean(ours["slots"][measured])
+    # NOTE: packed and synthetic rows hold no padding: their slots are the real tokens (padded SFT rows: unknown
+    # without the packed run)
+    real = statistics.mean(ours["slots"][measured]) if "slots" in ours else None if args.sft else args.batch * args.seq
     lines = [f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
              f"{args.batch} x {args.seq}, {device}; median of {args.steps} steps after {args.warmup} warm-up steps",
              "", "| variant | step (s) | real tokens/s | token slots / step | peak GiB | loss step 1 -> last |",
