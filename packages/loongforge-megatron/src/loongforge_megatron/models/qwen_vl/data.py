@@ -174,7 +174,7 @@ class Conversations:
     concat_keys = CONCAT_KEYS
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
-                 fill: bool = False):
+                 fill: bool = False, multiple_of: int = 1):
         self.file = Path(path)
         self.records = read_records(path)
         self.processor, self.tok = processor, processor.tokenizer
@@ -191,6 +191,10 @@ class Conversations:
             self.tok.eos_token)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_length, self.seed, self.pack, self.fill = seq_length, seed, pack, fill
+        if seq_length % multiple_of:
+            raise RecipeError(f"data.seq_length {seq_length} must be a multiple of parallel.tp {multiple_of} under "
+                              "sequence parallelism", key="data.seq_length")
+        self.multiple_of = multiple_of
         self._record = ShuffledEpochs(len(self.records), seed)
 
     def __len__(self) -> int:
@@ -284,14 +288,15 @@ class Conversations:
         return sample(rec["ids"], rec["mask"], pixel_values=rec["pixel_values"], grid_thw=rec["image_grid_thw"],
                       seq_length=self.seq_length, pad=self.pad, image_token=self.image_token,
                       video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}",
-                      pack=self.pack, fill=self.fill)
+                      pack=self.pack, fill=self.fill, multiple_of=self.multiple_of)
 
 
 def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_thw: torch.Tensor, seq_length: int,
            pad: int, image_token: int, video_token: int | None, merge: int, where: str, pack: bool = False,
-           fill: bool = True) -> dict[str, torch.Tensor]:
+           fill: bool = True, multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """One row of ``seq_length`` tokens: GPT-shifted labels, the 0/1 loss mask, multimodal positions. ``pack``: the
-    row also carries ``cu_seqlens`` / ``num_tokens`` and, unless ``fill``, is only as long as the record."""
+    row also carries ``cu_seqlens`` / ``num_tokens`` and, unless ``fill``, is only as long as the record, padded to
+    a multiple of ``multiple_of``."""
     positions = mrope_positions(ids, grids=grid_thw.tolist(), image_token=image_token, video_token=video_token,
                                 merge=merge)
     n = seq_length
@@ -302,7 +307,7 @@ def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_
         ids, mask, positions = ids[: n + 1], mask[: n + 1], positions[:, : n + 1]
     real = len(ids) - 1
     if pack and not fill:
-        n = real
+        n = -(-real // multiple_of) * multiple_of
     extra = n + 1 - len(ids)
     last = int(positions.max()) + 1 if positions.numel() else 0
     positions = torch.cat([positions, torch.arange(last, last + extra).expand(3, -1)], dim=1)

@@ -35,7 +35,10 @@ def _gpt_model_class():
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
 
-            super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base), **gpt)
+            # NOTE: the image embeddings go over the placeholders' embeddings of the whole sequence; under
+            # sequence parallelism :meth:`forward` scatters the merged sequence (megatron's LLaVAModel does the same)
+            super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base),
+                             scatter_embedding_sequence_parallel=False, **gpt)
             # NOTE: GPTModel's mrope branch calls rotary_pos_emb(position_ids, mrope_section); megatron's own
             # MultimodalRotaryEmbedding allocates on torch.cuda at build and has no interleaved sections, so the
             # model is built with plain rope and given ours
@@ -57,13 +60,22 @@ def _gpt_model_class():
 
         def _add_deepstack(self, i, module, args, output):
             """Deepstack: after language layer ``i``, the image tokens' hidden states get the tower's i-th
-            deepstack features (transformers' ``_deepstack_process``)."""
+            deepstack features (transformers' ``_deepstack_process``). Under sequence parallelism the features are
+            laid over the whole sequence and scattered like the embeddings, so that every tensor-parallel rank's
+            tower gets the gradient of all of them (the scatter's backward gathers it)."""
             if self._deepstack is None:
                 return output
             mask, order, feats = self._deepstack
             hidden, *rest = output if isinstance(output, tuple) else (output,)
-            hidden = hidden.clone()
-            hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
+            if self.config.sequence_parallel:
+                from megatron.core import tensor_parallel
+
+                add = hidden.new_zeros(mask.shape[0], *hidden.shape[1:])
+                add[mask] = feats[i][order].to(hidden.dtype)
+                hidden = hidden + tensor_parallel.scatter_to_sequence_parallel_region(add)
+            else:
+                hidden = hidden.clone()
+                hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
@@ -73,6 +85,12 @@ def _gpt_model_class():
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 if pixel_values is not None and pixel_values.numel():
                     decoder_input = self._with_images(decoder_input, input_ids, pixel_values, image_grid_thw)
+                if self.config.sequence_parallel:
+                    from megatron.core import tensor_parallel
+
+                    decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
+                    if self.config.clone_scatter_output_in_embedding:
+                        decoder_input = decoder_input.clone()  # NOTE: the scatter returns a view (megatron's rule)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    labels=labels, packed_seq_params=packed_seq_params, **kw)
 

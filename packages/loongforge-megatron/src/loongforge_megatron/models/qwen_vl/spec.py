@@ -150,7 +150,8 @@ class QwenVL(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
-        """Tensor / pipeline / data parallelism and the distributed optimizer; the tower whole on every rank."""
+        """Tensor (and sequence) / pipeline / data parallelism and the distributed optimizer; the tower whole on
+        every rank."""
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
@@ -164,8 +165,6 @@ class QwenVL(HFCheckpoint):
             if value != 1:
                 raise RecipeError(f"Qwen-VL models train with tensor, pipeline and data parallelism (got {value})",
                                   key=key)
-        if plan.sp:
-            raise RecipeError("Qwen-VL models do not support sequence parallelism yet", key="parallel.sp")
         if recipe.train.stage not in ("pretrain", "cpt", "sft", "lora"):
             raise RecipeError(f"Qwen-VL models support train.stage pretrain / cpt / sft / lora (adapters on the "
                               f"language model; got '{recipe.train.stage}')", key="train.stage")
@@ -203,8 +202,10 @@ class QwenVL(HFCheckpoint):
             if len(processor.tokenizer) > arch.vocab_size:
                 raise RecipeError(f"tokenizer has {len(processor.tokenizer)} tokens but the model's vocab_size is "
                                   f"{arch.vocab_size}", key="model.vocab_size")
+            # NOTE: sequence parallelism splits a packed row's tokens over the tensor-parallel ranks
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
-                                  pack=recipe.data.pack, fill=runtime.plan.pp > 1)
+                                  pack=recipe.data.pack, fill=runtime.plan.pp > 1,
+                                  multiple_of=runtime.plan.tp if runtime.plan.sp else 1)
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
