@@ -192,8 +192,9 @@ class Conversations:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_length, self.seed, self.pack, self.fill = seq_length, seed, pack, fill
         if seq_length % multiple_of:
-            raise RecipeError(f"data.seq_length {seq_length} must be a multiple of parallel.tp {multiple_of} under "
-                              "sequence parallelism", key="data.seq_length")
+            raise RecipeError(f"data.seq_length {seq_length} must be a multiple of {multiple_of} (2 x parallel.cp "
+                              "under context parallelism, times parallel.tp under sequence parallelism)",
+                              key="data.seq_length")
         self.multiple_of = multiple_of
         self._record = ShuffledEpochs(len(self.records), seed)
 

@@ -47,6 +47,7 @@ def _gpt_model_class():
             self.rotary_pos_emb = MRoPE(kv_channels=self.config.kv_channels, rotary_base=rotary_base,
                                         interleaved=mrope_interleaved)
             self.image_token, self.video_token = image_token, video_token
+            self.merge = vision_config.get("spatial_merge_size", 2)  # merged patches: merge x merge a token
             tower = VisionTower3 if deepstack else VisionTower
             self.vision = tower(vision_config) if self.pre_process else None
             self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
@@ -79,12 +80,16 @@ def _gpt_model_class():
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
-                    image_grid_thw=None, packed_seq_params=None, **kw):
+                    image_grid_thw=None, image_index=None, packed_seq_params=None, **kw):
+            """``image_index`` ``[b, s]``: each token's row of the micro-batch's image embeddings (-1: not an
+            image token); given under context parallelism, where this rank holds only some of the tokens."""
             decoder_input, self._deepstack = None, None
             if self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 if pixel_values is not None and pixel_values.numel():
-                    decoder_input = self._with_images(decoder_input, input_ids, pixel_values, image_grid_thw)
+                    if image_index is None:
+                        image_index = image_rows(input_ids, self.image_token)
+                    decoder_input = self._with_images(decoder_input, image_index, pixel_values, image_grid_thw)
                 if self.config.sequence_parallel:
                     from megatron.core import tensor_parallel
 
@@ -94,25 +99,38 @@ def _gpt_model_class():
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    labels=labels, packed_seq_params=packed_seq_params, **kw)
 
-        def _with_images(self, emb, input_ids, pixel_values, grid_thw):
-            """The image embeddings in place of the placeholder tokens' embeddings, row after row (the order the
-            images were collated in)."""
+        def _with_images(self, emb, image_index, pixel_values, grid_thw):
+            """The image embeddings in place of the placeholder tokens' embeddings (``image_index`` says which
+            embedding each token takes)."""
             feats = self.vision(pixel_values, grid_thw)
-            mask = input_ids == self.image_token
+            mask = image_index >= 0
             if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
                 feats, deep = feats
-                # NOTE: hidden states are [s, b, h]: the features (row after row) in sequence-major order
-                rank = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
-                rank[mask] = torch.arange(int(mask.sum()), device=mask.device)
-                self._deepstack = (mask.t(), rank.t()[mask.t()], deep)
-            if int(mask.sum()) != feats.shape[0]:
-                raise ValueError(f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image embeddings "
+                # NOTE: hidden states are [s, b, h]: the features of the tokens in sequence-major order
+                self._deepstack = (mask.t(), image_index.t()[mask.t()], deep)
+            n = int(mask.sum())
+            # NOTE: a context-parallel rank holds some of the placeholders, every other rank all of them
+            if (int(image_index.max()) + 1 if n else 0) > feats.shape[0] or (
+                    self.config.context_parallel_size == 1 and n != feats.shape[0]):
+                raise ValueError(f"{n} image placeholder tokens but {feats.shape[0]} image embeddings "
                                  f"(grids {grid_thw.tolist()})")
             rows = emb.transpose(0, 1).clone()
-            rows[mask] = feats.to(rows.dtype)
+            rows[mask] = feats[image_index[mask]].to(rows.dtype)
             return rows.transpose(0, 1).contiguous()
 
     return QwenVLModel
+
+
+def image_rows(input_ids: torch.Tensor, image_token: int, *, images: int | None = None) -> torch.Tensor:
+    """``[b, s]``: each image placeholder token's row of the image embeddings (they follow the placeholders row
+    after row, the order the images were collated in), -1 for other tokens; ``images``: how many embeddings
+    the tower makes (checked against the placeholders)."""
+    mask = input_ids == image_token
+    if images is not None and int(mask.sum()) != images:
+        raise ValueError(f"{int(mask.sum())} image placeholder tokens but {images} image embeddings")
+    index = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+    index[mask] = torch.arange(int(mask.sum()), device=mask.device)
+    return index
 
 
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
@@ -151,8 +169,17 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
     the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``); a packed
     micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it."""
-    batch = model_inputs(next(data_iterator), model)
+    from loongforge_megatron.engine.model import unwrap
+
+    batch, inner = next(data_iterator), unwrap(model)
+    grids = batch.get("image_grid_thw")
+    if inner.pre_process and grids is not None and grids.numel():
+        # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
+        batch["image_index"] = image_rows(batch["tokens"], inner.image_token,
+                                          images=int(grids.prod(-1).sum()) // inner.merge ** 2)
+    batch = model_inputs(batch, model, seq_keys=("image_index",))
     output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),
                    labels=batch["labels"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"), packed_seq_params=batch.get("packed_seq_params"))
+                   image_grid_thw=grids, image_index=batch.get("image_index"),
+                   packed_seq_params=batch.get("packed_seq_params"))
     return output, functools.partial(loss_func, batch["loss_mask"])

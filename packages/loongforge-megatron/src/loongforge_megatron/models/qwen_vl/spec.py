@@ -150,8 +150,8 @@ class QwenVL(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
-        """Tensor (and sequence) / pipeline / data parallelism and the distributed optimizer; the tower whole on
-        every rank."""
+        """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the tower
+        whole on every rank."""
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
@@ -161,7 +161,7 @@ class QwenVL(HFCheckpoint):
             if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}):
                 raise RecipeError("Qwen-VL's vision tower runs whole on every rank: parallel.components may only "
                                   "say vision: {tp: 1}", key=f"parallel.components.{name}")
-        for key, value in (("parallel.vpp", plan.vpp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
+        for key, value in (("parallel.vpp", plan.vpp), ("parallel.ep", plan.ep)):
             if value != 1:
                 raise RecipeError(f"Qwen-VL models train with tensor, pipeline and data parallelism (got {value})",
                                   key=key)
@@ -202,10 +202,12 @@ class QwenVL(HFCheckpoint):
             if len(processor.tokenizer) > arch.vocab_size:
                 raise RecipeError(f"tokenizer has {len(processor.tokenizer)} tokens but the model's vocab_size is "
                                   f"{arch.vocab_size}", key="model.vocab_size")
-            # NOTE: sequence parallelism splits a packed row's tokens over the tensor-parallel ranks
+            # NOTE: context parallelism cuts every packed record into 2 * cp chunks, sequence parallelism a row's
+            # tokens into tp slices
+            plan = runtime.plan
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
-                                  pack=recipe.data.pack, fill=runtime.plan.pp > 1,
-                                  multiple_of=runtime.plan.tp if runtime.plan.sp else 1)
+                                  pack=recipe.data.pack, fill=plan.pp > 1,
+                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1))
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
@@ -220,6 +222,8 @@ class QwenVL(HFCheckpoint):
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
+        # NOTE: tells the attention that the rotary frequencies are per token (multimodal RoPE)
+        config.mrope_section = list(arch.vision["mrope_section"])
         # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
         # megatron's local one needs a [t, t] mask for them
         spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
