@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import loongforge
@@ -83,11 +84,13 @@ def save_processor(out: Path, texts: list[str], *, family: str = "qwen2_5_vl") -
     tok.eos_token, tok.pad_token = "<|im_end|>", "<|im_end|>"
     images = Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
                                    max_pixels=32 * 32)
-    video = Qwen2VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
+    frames = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8,
+                                                                          "longest_edge": 32 * 32})
+    video = Qwen2VLVideoProcessor(**frames)
     if family == "qwen3_vl":
         from transformers import Qwen3VLVideoProcessor
 
-        video = Qwen3VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
+        video = Qwen3VLVideoProcessor(**frames)
     cls = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
     processor = cls(image_processor=images, tokenizer=tok, video_processor=video, chat_template=QWEN_VL_CHAT_TEMPLATE)
     processor.save_pretrained(out)
@@ -131,31 +134,48 @@ def hf_dir(tmp_path_factory, request):
 
 def hf_inputs(hf_dir: Path, records: Path) -> dict[str, torch.Tensor]:
     """What transformers' AutoProcessor makes of the records (processor-style messages), padded on the right, with
-    labels on each assistant message's content and its <|im_end|>."""
+    labels on each assistant message's content and its <|im_end|>. A video is its frames at the record's fps
+    (default 2), passed as frames already sampled."""
     from PIL import Image
     from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(hf_dir)
     tok = processor.tokenizer
-    texts, images, targets = [], [], []
+    texts, images, videos, metadata, targets = [], [], [], [], []
+
+    def add_video(ref):
+        frames, fps = (ref["frames"], ref.get("fps", 2.0)) if isinstance(ref, dict) else (ref, 2.0)
+        videos.append([Image.open(records.parent / f).convert("RGB") for f in frames])
+        metadata.append(VideoMetadata(total_num_frames=len(frames), fps=float(fps),
+                                      frames_indices=list(range(len(frames)))))
+
     for rec in map(json.loads, records.read_text().splitlines()):
         if "messages" in rec:
             msgs = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], list) else
                      [{"type": "text", "text": m["content"]}]} for m in rec["messages"]]
-            refs = [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+            for p in (p for m in msgs for p in m["content"]):
+                if p["type"] == "image":
+                    images.append(Image.open(records.parent / p["image"]).convert("RGB"))
+                elif p["type"] == "video":
+                    add_video(p["video"])
         else:
             role = {"human": "user", "gpt": "assistant"}
             msgs = []
             for t in rec["conversations"]:
-                head, _, tail = t["value"].partition("<image>")
-                parts = ([{"type": "text", "text": head}] if head else []) + (
-                    [{"type": "image"}] + ([{"type": "text", "text": tail}] if tail else []) if _ else [])
+                parts = [{"type": piece[1:-1]} if piece in ("<image>", "<video>") else {"type": "text", "text": piece}
+                         for piece in re.split(r"(<image>|<video>)", t["value"]) if piece]
                 msgs.append({"role": role[t["from"]], "content": parts})
-            refs = rec["images"]
+            images += [Image.open(records.parent / r).convert("RGB") for r in rec.get("images", [])]
+            for v in rec.get("videos", []):
+                add_video(v)
         texts.append(processor.apply_chat_template(msgs, tokenize=False))
-        images += [Image.open(records.parent / r).convert("RGB") for r in refs]
         targets.append([p["text"] for m in msgs if m["role"] == "assistant" for p in m["content"]])
-    batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="right")
+    media = {"images": images or None}
+    if videos:
+        media.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
+    batch = processor(text=texts, **media, return_tensors="pt", padding=True, padding_side="right")
+    batch = {k: v for k, v in batch.items() if k != "video_metadata"}
     labels = torch.full_like(batch["input_ids"], -100)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     start = tok.convert_tokens_to_ids("<|im_start|>")
@@ -236,6 +256,54 @@ def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_pat
         assert torch.equal(trained[name], tensor) == name.startswith(("visual.", "model.visual.")), name
 
 
+def make_video_records(root: Path) -> Path:
+    """A ShareGPT record with a 4-frame video (fps 2) and an OpenAI one with an image and a 3-frame video (fps 1, an
+    odd frame count: the processor pads it to its temporal patches), frames of other sizes than the image."""
+    from PIL import Image
+
+    make_records(root)
+    g = torch.Generator().manual_seed(1)
+    for name, (w, h), n in (("a", (24, 16), 4), ("b", (16, 24), 3)):
+        for k in range(n):
+            noise = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(noise).save(root / f"{name}{k}.png")
+    records = [
+        {"conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                           {"from": "gpt", "value": "It is noise."}], "videos": [[f"a{k}.png" for k in range(4)]]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
+                                                   {"type": "text", "text": "What colour is this? And this?"},
+                                                   {"type": "video", "video": {"frames": ["b0.png", "b1.png", "b2.png"],
+                                                                               "fps": 1}}]},
+                      {"role": "assistant", "content": "Red. Green and blue."}]},
+    ]
+    (root / "videos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "videos.jsonl"
+
+
+def test_video_records_first_step_loss_equals_transformers(tmp_path, hf_dir, ranks):
+    """Records with videos (frame files; one next to an image): tokens, video patches and multimodal positions are
+    what transformers' processor and get_rope_index make of them (Qwen3-VL: timestamped frame groups), and the first
+    step's loss is transformers' on the processor's batch."""
+    records = make_video_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=1",
+                     "data.pack=false", "data.seq_length=160")
+    (b,), losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
+                         export_dir=tmp_path / "exported")[0]
+    ref_batch = hf_inputs(hf_dir, records)
+    video = json.loads((hf_dir / "config.json").read_text())["video_token_id"]
+    assert int((b["tokens"] == video).sum()) == int((ref_batch["input_ids"] == video).sum()) > 0
+    image = hf_image_token(hf_dir)
+    # NOTE: the epoch order is seeded: rows are matched by their image tokens (one record has an image)
+    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
+    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
+    for r, h in zip(mine, theirs, strict=True):
+        n = int(ref_batch["attention_mask"][h].sum())
+        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
+    assert torch.equal(torch.sort(b["pixel_values_videos"], 0)[0], torch.sort(ref_batch["pixel_values_videos"], 0)[0])
+    ref = hf_loss(hf_dir, ref_batch)
+    assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
+
+
 def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
     from loongforge.cli import main
     from safetensors.torch import load_file
@@ -268,7 +336,16 @@ def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir
            ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["../red.png"]},
             "not a path inside"),
            ({"text": "no turns"}, "neither 'messages'"),
-           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text nor an image")]
+           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text, an image nor a video"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn], "videos": [["red.png", "noise.png"]]},
+            "video 1: frames of different sizes"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn], "videos": [["red.png", "gone.png"]]},
+            "video 1 frame"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn]}, "1 '<video>' placeholders but 0"),
+           ({"messages": [{"role": "user", "content": [{"type": "video", "video": {"frames": ["red.png"], "fps": 0}}]}]},
+            "'fps' must be a positive number"),
+           ({"messages": [{"role": "user", "content": [{"type": "video", "video": "red.png"}]}]},
+            "a video is a non-empty list of frame files")]
     lines = good.read_text().splitlines()
     (tmp_path / "bad.jsonl").write_text("\n".join(lines + [json.dumps(r) for r, _ in bad]) + "\n")
     arch = arch_from_hf(hf_dir)

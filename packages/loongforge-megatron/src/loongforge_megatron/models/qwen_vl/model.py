@@ -80,16 +80,21 @@ def _gpt_model_class():
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
-                    image_grid_thw=None, image_index=None, packed_seq_params=None, **kw):
-            """``image_index`` ``[b, s]``: each token's row of the micro-batch's image embeddings (-1: not an
-            image token); given under context parallelism, where this rank holds only some of the tokens."""
+                    image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, vision_index=None,
+                    packed_seq_params=None, **kw):
+            """Images (``pixel_values`` / ``image_grid_thw``) and videos (``pixel_values_videos`` /
+            ``video_grid_thw``) as the processor makes them; ``vision_index`` ``[b, s]`` (:func:`vision_rows`,
+            computed here when not given): each token's row of the tower's output, given under context parallelism,
+            where this rank holds only some of the tokens."""
             decoder_input, self._deepstack = None, None
             if self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-                if pixel_values is not None and pixel_values.numel():
-                    if image_index is None:
-                        image_index = image_rows(input_ids, self.image_token)
-                    decoder_input = self._with_images(decoder_input, image_index, pixel_values, image_grid_thw)
+                pixels, grids, image_rows = vision_batch(pixel_values, image_grid_thw, pixel_values_videos,
+                                                         video_grid_thw, merge=self.merge)
+                if pixels is not None:
+                    if vision_index is None:
+                        vision_index = vision_rows(input_ids, self.image_token, self.video_token, images=image_rows)
+                    decoder_input = self._with_images(decoder_input, vision_index, pixels, grids)
                 if self.config.sequence_parallel:
                     from megatron.core import tensor_parallel
 
@@ -100,8 +105,8 @@ def _gpt_model_class():
                                    labels=labels, packed_seq_params=packed_seq_params, **kw)
 
         def _with_images(self, emb, image_index, pixel_values, grid_thw):
-            """The image embeddings in place of the placeholder tokens' embeddings (``image_index`` says which
-            embedding each token takes)."""
+            """The tower's embeddings (images', then videos') in place of the placeholder tokens' embeddings
+            (``image_index`` says which embedding each token takes)."""
             feats = self.vision(pixel_values, grid_thw)
             mask = image_index >= 0
             if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
@@ -121,15 +126,32 @@ def _gpt_model_class():
     return QwenVLModel
 
 
-def image_rows(input_ids: torch.Tensor, image_token: int, *, images: int | None = None) -> torch.Tensor:
-    """``[b, s]``: each image placeholder token's row of the image embeddings (they follow the placeholders row
-    after row, the order the images were collated in), -1 for other tokens; ``images``: how many embeddings
-    the tower makes (checked against the placeholders)."""
+def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, *, merge: int):
+    """(the tower's input: the images' patches then the videos', their grids, how many embeddings the images
+    make) — (None, None, 0) without either. The tower treats every grid on its own, so one call serves both."""
+    parts = [(p, g) for p, g in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+             if p is not None and p.numel()]
+    if not parts:
+        return None, None, 0
+    images = int(image_grid_thw.prod(-1).sum()) // merge ** 2 if pixel_values is not None and pixel_values.numel() else 0
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1], images
+    return (torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
+            torch.cat([image_grid_thw, video_grid_thw]), images)
+
+
+def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | None, *, images: int) -> torch.Tensor:
+    """``[b, s]``: each image placeholder token's row of the tower's output (the images' embeddings follow the
+    placeholders row after row, the order the images were collated in), each video placeholder token's row after
+    the ``images`` image embeddings, -1 for other tokens."""
+    index = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
     mask = input_ids == image_token
-    if images is not None and int(mask.sum()) != images:
+    if int(mask.sum()) != images:
         raise ValueError(f"{int(mask.sum())} image placeholder tokens but {images} image embeddings")
-    index = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
-    index[mask] = torch.arange(int(mask.sum()), device=mask.device)
+    index[mask] = torch.arange(images, device=input_ids.device)
+    if video_token is not None:
+        video = input_ids == video_token
+        index[video] = images + torch.arange(int(video.sum()), device=input_ids.device)
     return index
 
 
@@ -167,19 +189,20 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
 
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
     """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
-    the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``); a packed
+    the micro-batch's images and videos as the processor's patches (``pixel_values``, ``image_grid_thw``,
+    ``pixel_values_videos``, ``video_grid_thw``); a packed
     micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it."""
     from loongforge_megatron.engine.model import unwrap
 
     batch, inner = next(data_iterator), unwrap(model)
-    grids = batch.get("image_grid_thw")
-    if inner.pre_process and grids is not None and grids.numel():
-        # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
-        batch["image_index"] = image_rows(batch["tokens"], inner.image_token,
-                                          images=int(grids.prod(-1).sum()) // inner.merge ** 2)
-    batch = model_inputs(batch, model, seq_keys=("image_index",))
+    vision = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    if inner.pre_process:
+        _, _, images = vision_batch(*vision.values(), merge=inner.merge)
+        if any(v is not None and v.numel() for v in vision.values()):
+            # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
+            batch["vision_index"] = vision_rows(batch["tokens"], inner.image_token, inner.video_token, images=images)
+    batch = model_inputs(batch, model, seq_keys=("vision_index",))
     output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),
-                   labels=batch["labels"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=grids, image_index=batch.get("image_index"),
+                   labels=batch["labels"], **{k: batch.get(k) for k in vision}, vision_index=batch.get("vision_index"),
                    packed_seq_params=batch.get("packed_seq_params"))
     return output, functools.partial(loss_func, batch["loss_mask"])
