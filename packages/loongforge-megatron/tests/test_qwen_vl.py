@@ -397,14 +397,16 @@ def test_packed_micro_batch_equals_padded_rows(tmp_path, hf_dir, ranks):
 
 @pytest.mark.parametrize("hf_dir", ["qwen3_vl"], indirect=True)  # NOTE: deepstack layers on the first stage
 def test_tp2_and_pp2_equal_one_process(tmp_path, hf_dir, ranks):
-    """Packed SFT steps at tp 2, at tp 2 with sequence parallelism (each packed row padded to an even length, its
-    tokens and deepstack features split over the two ranks), at pp 2 and at cp 2 (each record padded to a multiple
+    """Packed SFT steps at tp 2 (the tower whole on both ranks, and split over them: heads, MLPs and mergers), at tp
+    2 with sequence parallelism (each packed row padded to an even length, its tokens and deepstack features split
+    over the two ranks), at pp 2 and at cp 2 (each record padded to a multiple
     of 4 and cut into megatron's load-balanced chunks; the images' embeddings and MRoPE positions follow their
     tokens) on two gloo ranks each give one process's losses."""
     records = make_records(tmp_path / "data")
     over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=2")
     one = ranks(_losses, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", overrides=over)[0][1]
     for name, layout in (("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sp=true"]),
+                         ("tp2_split_tower", ["parallel.tp=2", "parallel.components.vision.tp=2"]),
                          ("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"])):
         two = ranks(_losses, world=2, out=tmp_path / name, run_dir=tmp_path / f"run_{name}",
                     overrides=[*over, *layout])

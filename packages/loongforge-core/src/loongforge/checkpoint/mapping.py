@@ -151,15 +151,23 @@ class ColumnParallel(Rule):
 
     HF [out, in]  ->  rank0 [out/tp, in]  (rows 0..out/tp)
                       rank1 [out/tp, in]  (next rows) ...
+
+    ``stride`` s > 1: the rows are s stacked blocks (a fused q / k / v projection, s = 3), each split evenly; a rank
+    holds its slice of every block, in block order (megatron's ``partition_stride``).
     """
 
+    stride: int = 1
     row_wise = True
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
-        return _split(hf_tensors[SINGLE], dim=0, parts=tp_size, what="ColumnParallel")[tp_rank]
+        pieces = _split(hf_tensors[SINGLE], dim=0, parts=tp_size * self.stride, what="ColumnParallel")
+        return torch.cat(pieces[tp_rank::tp_size], dim=0) if self.stride > 1 else pieces[tp_rank]
 
     def to_hf(self, shards):
-        return {SINGLE: torch.cat(shards, dim=0)}
+        if self.stride == 1:
+            return {SINGLE: torch.cat(shards, dim=0)}
+        blocks = [s.chunk(self.stride, dim=0) for s in shards]
+        return {SINGLE: torch.cat([b[j] for j in range(self.stride) for b in blocks], dim=0)}
 
 
 @dataclass(frozen=True)

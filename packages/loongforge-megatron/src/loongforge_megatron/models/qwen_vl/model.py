@@ -4,8 +4,9 @@ the image placeholder tokens' embeddings before the decoder runs; :func:`forward
 
 The language model keeps GPTModel's parameter names (``embedding.*``, ``decoder.layers.*``, ``output_layer.*``), so
 the GPT name maps, the seeded initialisation and the pipeline layout are the GPT ones; the tower is ``vision.*``.
-The tower is whole on every tensor-parallel rank (each runs it on the same images): its gradients agree across
-those ranks because the decoder's first column-parallel layers all-reduce the gradient of their input.
+The tower is whole on every tensor-parallel rank (each runs it on the same images; its gradients agree across those
+ranks because the decoder's first column-parallel layers all-reduce the gradient of their input), or split over them
+(``parallel.components.vision.tp`` = tp: ``tower_parallel.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _gpt_model_class():
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
                      mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
-                     **gpt: Any):
+                     vision_tp: int = 1, **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
@@ -49,7 +50,7 @@ def _gpt_model_class():
             self.image_token, self.video_token = image_token, video_token
             self.merge = vision_config.get("spatial_merge_size", 2)  # merged patches: merge x merge a token
             tower = VisionTower3 if deepstack else VisionTower
-            self.vision = tower(vision_config) if self.pre_process else None
+            self.vision = tower(vision_config, tp=vision_tp) if self.pre_process else None
             self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
             if self.vision is not None and deepstack:
                 n = len(vision_config.get("deepstack_visual_indexes", []))
@@ -156,8 +157,9 @@ def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | No
 
 
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
-                  device: torch.device, vpp: int = 1) -> list[torch.nn.Module]:
-    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage."""
+                  device: torch.device, vpp: int = 1, vision_tp: int = 1) -> list[torch.nn.Module]:
+    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage, whole
+    (``vision_tp`` 1) or split over the tensor-parallel ranks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
@@ -174,7 +176,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
             vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
             deepstack="deepstack_visual_indexes" in v["vision_config"],
-            rotary_base=arch.rope_theta, config=config,
+            rotary_base=arch.rope_theta, config=config, vision_tp=vision_tp,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),

@@ -158,9 +158,16 @@ class QwenVL(HFCheckpoint):
         no_dit_keys(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
         for name, comp in (recipe.parallel.components or {}).items():
-            if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}):
-                raise RecipeError("Qwen-VL's vision tower runs whole on every rank: parallel.components may only "
-                                  "say vision: {tp: 1}", key=f"parallel.components.{name}")
+            if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}, {"tp": plan.tp}):
+                raise RecipeError(f"Qwen-VL's vision tower runs whole on every rank (the default, vision: {{tp: 1}}) "
+                                  f"or split like the language model (vision: {{tp: {plan.tp}}}): parallel.components "
+                                  "may only say one of those", key=f"parallel.components.{name}")
+        if vision_tp(recipe, plan) > 1:
+            v = arch.vision["vision_config"]
+            for key, n in (("num_heads", v["num_heads"]), ("intermediate_size", v["intermediate_size"])):
+                if n % plan.tp:
+                    raise RecipeError(f"the vision tower's {key} {n} does not split over tp {plan.tp}; keep it whole "
+                                      "(parallel.components.vision.tp 1)", key="parallel.components.vision.tp")
         for key, value in (("parallel.vpp", plan.vpp), ("parallel.ep", plan.ep)):
             if value != 1:
                 raise RecipeError(f"Qwen-VL models train with tensor, pipeline and data parallelism (got {value})",
@@ -217,7 +224,7 @@ class QwenVL(HFCheckpoint):
         from loongforge_megatron.engine.weights import seeded_init
         from loongforge_megatron.models.gpt.family import layer_spec
         from loongforge_megatron.models.gpt.translate import transformer_config
-        from loongforge_megatron.models.qwen_vl.model import build_qwen_vl, forward_step
+        from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
 
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
@@ -229,11 +236,21 @@ class QwenVL(HFCheckpoint):
         spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
         spec = layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
                           accelerator=accelerator)
+        tower_tp = vision_tp(recipe, plan)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
-                               device=device, vpp=plan.vpp)
+                               device=device, vpp=plan.vpp, vision_tp=tower_tp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, groups=self.groups)
+        whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, groups=self.groups,
+                     whole=whole)
+
+
+def vision_tp(recipe: Any, plan: Any) -> int:
+    """The tower's tensor parallelism: 1 (whole on every rank) unless ``parallel.components.vision.tp`` says the
+    language model's."""
+    comp = (recipe.parallel.components or {}).get("vision")
+    return plan.tp if comp is not None and comp.tp == plan.tp else 1
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
