@@ -192,6 +192,7 @@ def run_hf(args, fp8: str | None) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        print(f"{fp8 or 'bf16'} step {len(times)}: {times[-1]:.3f} s", flush=True)  # NOTE: the first one compiles
     return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
