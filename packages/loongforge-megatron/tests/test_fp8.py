@@ -50,6 +50,19 @@ def test_fp8_section_is_validated():
         TrainConfig(fp8={"recipe": "delayed"})
 
 
+def test_fp8_output_layer_under_the_fused_loss_is_refused(tmp_path, capsys):
+    """The loongforge spec computes the output layer inside its fused linear cross-entropy: an FP8 output layer
+    would never run, so the recipe is refused at validate (megatron's local spec runs it)."""
+    from loongforge.cli import main
+
+    recipe = {**TINY, "train": {**TINY["train"], "fp8": {"recipe": "rowwise", "output_layer": True}}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["validate", str(tmp_path / "r.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "key 'train.fp8.output_layer'" in err and "fused linear cross-entropy" in err and err.count("\n") == 1
+    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.spec=local"]) == 0
+
+
 def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
     assert "fp8" in _cli("--help", cwd=tmp_path).stdout

@@ -375,6 +375,13 @@ class GPTFamily(HFCheckpoint):
             have = sorted(s.name for s in _mtp_families())
             raise RecipeError(f"model.mtp_num_layers: the {self.name} family has no HF layout for multi-token "
                               f"prediction layers (families with one: {', '.join(have)})", key="model.mtp_num_layers")
+        fp8 = recipe.train.fp8
+        if fp8 is not None and fp8.output_layer and kernel_spec(recipe) == "loongforge":
+            # NOTE: the loongforge spec computes the output layer inside its fused linear cross-entropy (bf16
+            # GEMMs of its own): an FP8 output layer module would never run
+            raise RecipeError("train.fp8.output_layer: the loongforge spec runs the output layer inside its fused "
+                              "linear cross-entropy, in bf16; leave it false (or use kernels.spec local / te)",
+                              key="train.fp8.output_layer")
         self.check_family(recipe, plan, arch)
         check_lm(recipe, plan, arch)
 
