@@ -1,8 +1,10 @@
-"""Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
-step of ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers
-computes on what its own ``AutoProcessor`` makes of the same records; ``train.freeze [vision]`` keeps the tower
-bit-identical; packed micro-batches (the records back to back, MRoPE positions per record) give the padded rows'
-loss, at tp 2 and pp 2 too; LoRA on the language model merges to W + (alpha/r)·B A and loads in PEFT.
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2
+(MoE: / ep 2, the fused 3-D experts in either orientation); the first step of ``loongforge train`` on two image-text
+records (images of different sizes) gives the loss transformers computes on what its own ``AutoProcessor`` makes of
+the same records (MoE: the LM cross-entropy, with the router's aux loss on); ``train.freeze [vision]`` keeps the
+tower bit-identical; packed micro-batches (the records back to back, MRoPE positions per record) give the padded
+rows' loss, at tp 2 (MoE: ep 2) and pp 2 too; LoRA on the language model merges to W + (alpha/r)·B A and loads in
+PEFT.
 
 NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
@@ -497,3 +499,22 @@ def test_freeze_names_are_checked_at_validate(capsys, args, key, message):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
     assert main(["validate", str(RECIPE), "train.freeze=[vision, 'decoder.layers.0.*']"]) == 0
+
+
+MOE_RECIPE = RECIPE.parent / "qwen3_vl_moe_tiny.yaml"
+
+
+@pytest.mark.parametrize(("args", "key", "message"), [
+    (["parallel.tp=2"], "parallel.sp", "MoE layers under tensor parallelism (tp 2) need sequence parallelism"),
+    (["train.stage=lora", "checkpoint.save_format=[peft]"], "train.lora.targets", "no adapter names for "
+                                                                                  "Qwen3-VL-MoE's fused experts"),
+])
+def test_moe_recipe_checks(capsys, args, key, message):
+    """Qwen3-VL-MoE validates with expert parallelism; what it cannot train is one line naming the key."""
+    from loongforge.cli import main
+
+    assert main(["validate", str(MOE_RECIPE), "parallel.ep=2", "--world-size", "2"]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(MOE_RECIPE), *args, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err

@@ -63,8 +63,9 @@ def shard_state_dict_for_rank(
         group = source.get(held[0][0])
         for p, index in held:
             t = shard(layout, p, group, index)
-            # NOTE: clone so the result does not keep the whole HF tensor alive through a view.
-            out[p.megatron] = t.to(dtype) if dtype is not None else t.clone()
+            # NOTE: a copy so the result does not keep the whole HF tensor alive through a view (a fused experts
+            # tensor holds every expert of the layer)
+            out[p.megatron] = t.to(dtype=dtype if dtype is not None else t.dtype, copy=True)
         del group
     if expected_shapes is not None:
         actual = {k: tuple(v.shape) for k, v in out.items()}

@@ -335,9 +335,6 @@ class Qwen3VLMoe(Qwen3VL):
 
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
         super().check(recipe, plan, arch)
-        if not arch.moe_norm_topk:
-            raise RecipeError("Qwen3-VL-MoE's router renormalises the top-k probabilities; its HF layout has no "
-                              "moe_norm_topk false", key="model.moe_norm_topk")
         lora = recipe.train.lora if recipe.train.stage == "lora" else None
         if lora is not None and "peft" in recipe.checkpoint.save_format and {"fc1", "fc2"} & set(lora.targets):
             raise RecipeError("a PEFT export has no adapter names for Qwen3-VL-MoE's fused experts: "
