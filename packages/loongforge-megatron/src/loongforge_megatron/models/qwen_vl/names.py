@@ -6,7 +6,8 @@ model is the GPT map of its family (Qwen2's: q/k/v biases: ``model.layers.*``, `
 ``lm_head``); the vision tower keeps transformers' names under ``vision.`` (megatron) / ``visual.`` (HF), on the
 first pipeline stage, split like megatron's layers (:func:`_rule`) or whole on every rank. Files that spell the module paths of transformers 5's model
 (``model.language_model.*``, ``model.visual.*``) are read through :func:`hf_alias`. Qwen3-VL's files use those
-module paths themselves (:func:`name_map_3`: Qwen3's language model, with q/k norms).
+module paths themselves (:func:`name_map_3`: Qwen3's language model, with q/k norms; Qwen3-VL-MoE's a Qwen3-MoE
+whose experts are fused 3-D tensors).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def complete_config(h: HFConfig) -> HFConfig:
 
 def text_config(h: HFConfig) -> HFConfig:
     t = dict(h.get("text_config") or {})
-    t.setdefault("tie_word_embeddings", h.get("tie_word_embeddings", False))
+    # NOTE: transformers ties the head by the top-level config's flag; a text config's own may differ (Qwen3-VL-MoE's
+    # defaults to true while the model's defaults to false)
+    t["tie_word_embeddings"] = h.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
     return t
 
 
@@ -102,10 +105,14 @@ def _language(entry: Entry) -> Entry:
     return replace(entry, hf=pats[next(iter(pats))] if isinstance(entry.hf, str) else pats)
 
 
-def name_map_3(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
-    """Qwen3-VL: Qwen3 layers (q/k norms, no biases) under ``model.language_model.``, the tower ``model.visual.``."""
+def name_map_3(h: HFConfig, *, divisible_by: int = 128, moe: bool = False) -> NameMap:
+    """Qwen3-VL: Qwen3 layers (q/k norms, no biases) under ``model.language_model.``, the tower ``model.visual.``;
+    ``moe``: Qwen3-VL-MoE's Qwen3-MoE layers, whose experts the files fuse into 3-D tensors."""
+    from loongforge_megatron.models.gpt import qwen3_moe
+
     t = text_config(h)
-    lm = decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias")))
+    lm = (qwen3_moe.name_map(t, divisible_by=divisible_by, fused=True) if moe else
+          decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias"))))
     return NameMap(_vision_3(h) + [_language(e) for e in lm.entries])
 
 
