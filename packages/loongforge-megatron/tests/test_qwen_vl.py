@@ -82,7 +82,12 @@ def save_processor(out: Path, texts: list[str], *, family: str = "qwen2_5_vl") -
     ids, the vocabulary size)."""
     from loongforge_megatron.data.tokenizer import train_bpe
     from loongforge_megatron.models.qwen_vl.data import QWEN_VL_CHAT_TEMPLATE
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLProcessor
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+    )
 
     tok = train_bpe(texts, vocab_size=290, out_dir=out)
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
@@ -218,6 +223,21 @@ def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
         return model(**batch).loss.item()
 
 
+def processor_loss(hf_dir: Path, records: Path, b: dict[str, torch.Tensor], *, pixels: str) -> float:
+    """Transformers' loss on what its processor makes of ``records``, after checking that our micro-batch ``b`` (its
+    rows padded) holds the processor's tokens and ``pixels`` patches."""
+    ref_batch = hf_inputs(hf_dir, records)
+    image = hf_image_token(hf_dir)
+    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
+    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
+    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
+    for r, h in zip(mine, theirs, strict=True):
+        n = int(ref_batch["attention_mask"][h].sum())
+        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
+    assert torch.equal(torch.sort(b[pixels], 0)[0], torch.sort(ref_batch[pixels], 0)[0])
+    return hf_loss(hf_dir, ref_batch)
+
+
 def overrides(hf_dir: Path, records: Path, *extra: str) -> list[str]:
     """Continue training the HF checkpoint ``hf_dir`` on ``records`` on CPU: one global batch of both records."""
     return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
@@ -252,17 +272,8 @@ def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_pat
                      "data.pack=false", *aux)
     batches, losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
                             export_dir=tmp_path / "exported")[0]
-    ref_batch = hf_inputs(hf_dir, records)
     (b,) = batches
-    image = hf_image_token(hf_dir)
-    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
-    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
-    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
-    for r, h in zip(mine, theirs, strict=True):
-        n = int(ref_batch["attention_mask"][h].sum())
-        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
-    assert torch.equal(torch.sort(b["pixel_values"], 0)[0], torch.sort(ref_batch["pixel_values"], 0)[0])
-    ref = hf_loss(hf_dir, ref_batch)
+    ref = processor_loss(hf_dir, records, b, pixels="pixel_values")
     assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
     assert losses[-1] < losses[0]
     source, trained = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
@@ -305,18 +316,9 @@ def test_video_records_first_step_loss_equals_transformers(tmp_path, hf_dir, ran
                      "data.pack=false", "data.seq_length=160")
     (b,), losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
                          export_dir=tmp_path / "exported")[0]
-    ref_batch = hf_inputs(hf_dir, records)
     video = json.loads((hf_dir / "config.json").read_text())["video_token_id"]
-    assert int((b["tokens"] == video).sum()) == int((ref_batch["input_ids"] == video).sum()) > 0
-    image = hf_image_token(hf_dir)
-    # NOTE: the epoch order is seeded: rows are matched by their image tokens (one record has an image)
-    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
-    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
-    for r, h in zip(mine, theirs, strict=True):
-        n = int(ref_batch["attention_mask"][h].sum())
-        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
-    assert torch.equal(torch.sort(b["pixel_values_videos"], 0)[0], torch.sort(ref_batch["pixel_values_videos"], 0)[0])
-    ref = hf_loss(hf_dir, ref_batch)
+    assert int((b["tokens"] == video).sum()) > 0
+    ref = processor_loss(hf_dir, records, b, pixels="pixel_values_videos")
     assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
 
 
