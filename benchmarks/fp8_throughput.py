@@ -19,6 +19,8 @@ is uniform over them, so the loss falls far below ln(vocab) in a few hundred ste
 curve. ``--concurrent`` runs the variants side by side on the GPU (for loss curves only: their tokens/s are not
 comparable then; at the 8B shape with 2 layers each process takes ~36 GiB, so at most three fit on one
 141 GB GPU). ``--profile`` adds a kernel-time breakdown of two steps of each of ours (torch.profiler).
+``--grad-accum-fusion`` sets ``kernels.grad_accum_fusion`` for every one of ours (bf16 and FP8 alike): weight grads
+go into the fp32 ``main_grad`` inside the GEMM (bf16: cuBLAS accumulating; FP8: the first micro-batch writes fp32).
 
 Every variant runs in its own process. Ours start from the same random init (same seed) and train on the same
 synthetic tokens, so their losses compare directly (FP8 vs bf16 after N steps); the torchao rows are an HF model of
@@ -50,7 +52,8 @@ def _recipe(args, fp8: dict | None) -> dict:
         train["fp8"] = fp8
     return {"backend": "megatron", "model": {"preset": args.preset, "num_layers": args.layers},
             "data": {"format": "synthetic", "seq_length": args.seq}, "train": train,
-            "checkpoint": {"save_at_end": False}, "accelerator": "cuda", "kernels": {"spec": "loongforge"},
+            "checkpoint": {"save_at_end": False}, "accelerator": "cuda",
+            "kernels": {"spec": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
             "logging": {"tensorboard": False, "interval": 5}}
 
 
@@ -189,6 +192,7 @@ def run_hf(args, fp8: str | None) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        print(f"{fp8 or 'bf16'} step {len(times)}: {times[-1]:.3f} s", flush=True)  # NOTE: the first one compiles
     return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
@@ -216,7 +220,8 @@ def child(args) -> None:
 
 def render(args, rows: dict, device: str) -> str:
     lines = [f"## {args.preset}, {args.layers} layers, seq {args.seq}, micro-batch {args.mbs}, one {device}, "
-             f"{time.strftime('%Y-%m-%d')}", "",
+             f"{time.strftime('%Y-%m-%d')}" + (", ours with kernels.grad_accum_fusion" if args.grad_accum_fusion
+                                                else ""), "",
              f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Loss: ours vs ours_bf16 at the "
              "last step (same init and tokens); torchao rows: their own model init.", "",
              "| variant | tokens/s | peak GiB | loss step 1 → last | last loss vs ours_bf16 |", "|---|---|---|---|---|"]
@@ -289,6 +294,8 @@ def main() -> None:
     p.add_argument("--concurrent", action="store_true", help="run the variants side by side (loss curves)")
     p.add_argument("--profile", action="store_true", help="ours: kernel-time breakdown of two more steps")
     p.add_argument("--experts", action="store_true", help="ours FP8: MoE experts in FP8 too (train.fp8.experts)")
+    p.add_argument("--grad-accum-fusion", action="store_true",
+                   help="ours, bf16 and FP8 alike: kernels.grad_accum_fusion (weight grads into the fp32 main_grad)")
     args = p.parse_args()
     if args.variant:
         return child(args)
@@ -308,7 +315,7 @@ def main() -> None:
                 args.preset, "--layers", str(args.layers), "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps",
                 str(args.steps), "--grad-dtype", args.grad_dtype, "--adaptive-recipe", args.adaptive_recipe,
                 "--policy", args.policy, "--data", args.data] + (["--profile"] if args.profile else []) + (
-                    ["--experts"] if args.experts else [])
+                    ["--experts"] if args.experts else []) + (["--grad-accum-fusion"] if args.grad_accum_fusion else [])
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()

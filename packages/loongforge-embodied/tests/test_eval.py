@@ -289,7 +289,8 @@ def test_in_memory_source_is_lerobots_items_and_state_key_reads_the_privileged_p
 
     assert dataset_shapes(DataConfig(root=str(recorded), state_key="observation.environment_state"))["state_dim"] == 5
     with pytest.raises(RecipeError, match="'observation.pose' is not a vector feature of .*; allowed: "
-                       "observation.state, observation.environment_state") as err:
+                       "observation.state, observation.environment_state, "
+                       "observation.environment_state_with_velocity") as err:
         dataset_shapes(DataConfig(root=str(recorded), state_key="observation.pose"))
     assert err.value.key == "data.state_key"
 

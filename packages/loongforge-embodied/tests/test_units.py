@@ -332,6 +332,28 @@ def test_noise_injected_recording_labels_the_clean_expert_action(tmp_path):
     assert not np.allclose(s0[2:], s1[2:])  # the noisy execution moved the pusher elsewhere
 
 
+def test_recorded_and_served_state_with_velocity_is_the_pose_then_the_pushers_velocity(tmp_path):
+    """observation.environment_state_with_velocity = the pose (observation.environment_state) + the pusher's
+    velocity at that frame, recorded and served alike: at rest at reset, moving once the expert walks, and the
+    same numbers the eval adapter gives when the recorded actions are replayed from the recorded seed."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from loongforge_embodied.data.record import record_pusht
+    from loongforge_embodied.eval.envs.pusht import PushTAdapter
+
+    root = record_pusht(tmp_path / "d", repo_id="local/x", episodes=1, max_steps=5, image_size=16, seed=3)
+    keys = ["action", "observation.environment_state", "observation.environment_state_with_velocity"]
+    t = pq.read_table(sorted(root.glob("data/*/*.parquet")), columns=keys)
+    action, pose, with_v = (np.array(t.column(k).to_pylist(), np.float32) for k in keys)
+    assert with_v.shape == (5, 7) and np.array_equal(with_v[:, :5], pose)
+    assert np.array_equal(with_v[0, 5:], [0.0, 0.0]) and (np.linalg.norm(with_v[1:, 5:], axis=1) > 1.0).all()
+    env = PushTAdapter(image_size=None)
+    served = [env.reset(seed=3)["observation.environment_state_with_velocity"]]
+    served += [env.step(a).observation["observation.environment_state_with_velocity"] for a in action[:-1]]
+    env.close()
+    np.testing.assert_allclose(np.stack(served), with_v, rtol=0, atol=1e-3)
+
+
 def test_recording_refuses_to_replace_a_folder_that_is_not_a_dataset(tmp_path):
     """``data.record`` replaces ``data.root``: a non-empty folder without ``meta/info.json`` (a parent folder, a
     typo) or a file is refused, naming the key, and nothing is deleted (it used to be ``rmtree``'d up front)."""

@@ -19,10 +19,11 @@ def _expand(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return s.repeat_interleave(br, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
 
 
-def _emulated(a, sa, b, sb, out_dtype, fast_accum):
+def _emulated(a, sa, b, sb, out_dtype, fast_accum, out=None):
     deq_a = a.float() * _expand(sa, *a.shape)
     deq_b = b.float() * _expand(sb, *b.shape)
-    return (deq_a @ deq_b.t()).to(out_dtype)
+    y = (deq_a @ deq_b.t()).to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 @pytest.fixture
@@ -133,3 +134,48 @@ def test_weight_cache_quantizes_each_weight_once_per_step(emulated, monkeypatch)
         assert calls.count((64, 32)) == 2 and not torch.equal(ref, w.grad)
     finally:
         cache.invalidate()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("wgrad8", [True, False])
+def test_weight_grad_into_main_grad(emulated, recipe, wgrad8):
+    """With ``main_grad`` the weight grad lands there: written over a buffer that holds nothing yet (accumulate
+    False; the stale values must not survive), added otherwise; both equal the plain ``dw``."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(128, 256, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(128, 256, generator=gen) / 16).to(torch.bfloat16)
+    dy = torch.randn(128, 128, generator=gen).to(torch.bfloat16)
+    r, gemms = fl.Fp8Recipe(recipe), (True, True, wgrad8)
+    _, saved = fl.fp8_forward(x, w, r, gemms, need_dx=False, need_dw=True)
+    _, dw = fl.fp8_backward(dy, saved, r, gemms, need_dx=False, need_dw=True, w_dtype=torch.bfloat16)
+    main_grad = torch.full(w.shape, 7.0)
+    out = fl.fp8_backward(dy, saved, r, gemms, need_dx=False, need_dw=True, w_dtype=torch.bfloat16,
+                          main_grad=main_grad, accumulate=not wgrad8)  # NOTE: bf16 wgrad always accumulates
+    assert out == (None, None)
+    first = main_grad - (7.0 if not wgrad8 else 0.0)
+    torch.testing.assert_close(first, dw.float(), atol=2e-2, rtol=2e-2)
+    fl.fp8_backward(dy, saved, r, gemms, need_dx=False, need_dw=True, w_dtype=torch.bfloat16, main_grad=main_grad,
+                    accumulate=True)
+    torch.testing.assert_close(main_grad - (7.0 if not wgrad8 else 0.0), 2 * dw.float(), atol=4e-2, rtol=2e-2)
+
+
+def test_weight_grad_without_fp32_output_adds(emulated, monkeypatch):
+    """A scaled-mm that refuses fp32 output (some torch builds, for some scale modes): the grad is added in bf16
+    instead, and the refusal is remembered for the recipe."""
+    def no_fp32(a, sa, b, sb, out_dtype, fast_accum, out=None):
+        if out_dtype == torch.float32:
+            raise RuntimeError("fp32 output not supported")
+        return _emulated(a, sa, b, sb, out_dtype, fast_accum)
+
+    monkeypatch.setattr(fl, "_scaled_mm", no_fp32)
+    monkeypatch.setattr(fl, "_FP32_OUT", {})
+    x, w = torch.randn(64, 32).to(torch.bfloat16), (torch.randn(48, 32) / 8).to(torch.bfloat16)
+    dy = torch.randn(64, 48).to(torch.bfloat16)
+    r = fl.Fp8Recipe("rowwise")
+    _, saved = fl.fp8_forward(x, w, r, fl.ALL_FP8, need_dx=False, need_dw=True)
+    _, dw = fl.fp8_backward(dy, saved, r, fl.ALL_FP8, need_dx=False, need_dw=True, w_dtype=torch.bfloat16)
+    main_grad = torch.zeros(48, 32)
+    fl.fp8_backward(dy, saved, r, fl.ALL_FP8, need_dx=False, need_dw=True, w_dtype=torch.bfloat16,
+                    main_grad=main_grad, accumulate=False)
+    assert torch.equal(main_grad, dw.float())
+    assert fl._FP32_OUT == {"rowwise": False}

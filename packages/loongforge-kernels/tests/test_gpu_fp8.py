@@ -82,3 +82,28 @@ def test_fp8_grouped_linear_cuda(gemms):
         print(f"grouped {gemms} {name} relative error fp8 {err:.4f} bf16 {err16:.4f}")
         assert err < (0.08 if fp8 else 0.01), (name, err)
     assert torch.count_nonzero(got[2][3]) == 0
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_weight_grad_into_main_grad_cuda(recipe):
+    """The weight grad written into / added to an fp32 ``main_grad`` (gradient-accumulation fusion) equals the
+    plain bf16 ``dw`` up to its bf16 rounding; prints whether the scaled-mm wrote fp32 directly for the recipe."""
+    reason = fl.fp8_unavailable_reason(recipe)
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2048, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(1536, 1024, device="cuda", generator=gen) / 32).to(torch.bfloat16)
+    dy = torch.randn(2048, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    r = fl.Fp8Recipe(recipe)
+    _, saved = fl.fp8_forward(x, w, r, fl.ALL_FP8, need_dx=False, need_dw=True)
+    _, dw = fl.fp8_backward(dy, saved, r, fl.ALL_FP8, need_dx=False, need_dw=True, w_dtype=torch.bfloat16)
+    main_grad = torch.full(w.shape, 3.0, device="cuda")
+    fl.fp8_backward(dy, saved, r, fl.ALL_FP8, need_dx=False, need_dw=True, w_dtype=torch.bfloat16,
+                    main_grad=main_grad, accumulate=False)
+    first = ((main_grad - dw.float()).norm() / dw.float().norm()).item()
+    fl.fp8_backward(dy, saved, r, fl.ALL_FP8, need_dx=False, need_dw=True, w_dtype=torch.bfloat16,
+                    main_grad=main_grad, accumulate=True)
+    second = ((main_grad - 2 * dw.float()).norm() / (2 * dw.float()).norm()).item()
+    print(f"{recipe}: fp32 output {fl._FP32_OUT.get(recipe)}, main_grad vs bf16 dw {first:.2e} / {second:.2e}")
+    assert first < 1e-2 and second < 1e-2

@@ -50,6 +50,19 @@ def test_fp8_section_is_validated():
         TrainConfig(fp8={"recipe": "delayed"})
 
 
+def test_fp8_output_layer_under_the_fused_loss_is_refused(tmp_path, capsys):
+    """The loongforge spec computes the output layer inside its fused linear cross-entropy: an FP8 output layer
+    would never run, so the recipe is refused at validate (megatron's local spec runs it)."""
+    from loongforge.cli import main
+
+    recipe = {**TINY, "train": {**TINY["train"], "fp8": {"recipe": "rowwise", "output_layer": True}}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["validate", str(tmp_path / "r.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "key 'train.fp8.output_layer'" in err and "fused linear cross-entropy" in err and err.count("\n") == 1
+    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.spec=local"]) == 0
+
+
 def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
     assert "fp8" in _cli("--help", cwd=tmp_path).stdout
@@ -182,3 +195,34 @@ def test_expert_gemm_shapes():
     assert expert_gemm_shapes(arch, ep=1, etp=1, tokens=8192) == {
         "expert_fc1": (128, 65536, 1536, 2048), "expert_fc2": (128, 65536, 2048, 768)}
     assert expert_gemm_shapes(arch, ep=2, etp=1, tokens=4096)["expert_fc1"] == (64, 32768, 1536, 2048)
+
+
+def test_fp8_weight_grad_goes_into_main_grad(monkeypatch):
+    """Under gradient-accumulation fusion the FP8 linear's weight grad lands in ``main_grad`` as megatron's DDP
+    expects: written over the buffer while ``grad_added_to_main_grad`` is False (DDP just zeroed it; stale values
+    must not survive), added on the next micro-batch; the flag is set and DDP gets a dummy grad. On CPU through an
+    emulated scaled-mm (dequantize, then matmul)."""
+    import torch
+    from loongforge_kernels import fp8_linear as fl
+    from loongforge_megatron.spec.fp8 import _Fp8TPLinear
+
+    def emulated(a, sa, b, sb, out_dtype, fast_accum, out=None):
+        y = ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)
+        return y if out is None else out.copy_(y)
+
+    monkeypatch.setattr(fl, "_scaled_mm", emulated)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+    w = torch.nn.Parameter((torch.randn(48, 32, generator=gen) / 8).to(torch.bfloat16))
+    g = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    recipe = fl.Fp8Recipe("tensorwise")
+    y = _Fp8TPLinear.apply(x, w, None, False, False, False, None, recipe, fl.ALL_FP8)
+    y.backward(g)
+    plain = w.grad.float()
+    w.grad = None
+    w.main_grad, w.grad_added_to_main_grad = torch.full((48, 32), 5.0), False
+    for micro_batch in (1, 2):
+        _Fp8TPLinear.apply(x, w, None, True, False, False, None, recipe, fl.ALL_FP8).backward(g)
+        assert w.grad_added_to_main_grad and w.grad is not None and w.grad.shape == w.shape
+        torch.testing.assert_close(w.main_grad, micro_batch * plain, atol=1e-2, rtol=1e-2)
+        w.grad = None

@@ -1,8 +1,10 @@
-"""Qwen2.5-VL and Qwen3-VL on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2; the first
-step of ``loongforge train`` on two image-text records (images of different sizes) gives the loss transformers
-computes on what its own ``AutoProcessor`` makes of the same records; ``train.freeze [vision]`` keeps the tower
-bit-identical; packed micro-batches (the records back to back, MRoPE positions per record) give the padded rows'
-loss, at tp 2 and pp 2 too; LoRA on the language model merges to W + (alpha/r)·B A and loads in PEFT.
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE on megatron-core: HF -> megatron -> HF is bit-exact at tp 1 and tp 2 / pp 2
+(MoE: / ep 2, the fused 3-D experts in either orientation); the first step of ``loongforge train`` on two image-text
+records (images of different sizes) gives the loss transformers computes on what its own ``AutoProcessor`` makes of
+the same records (MoE: the LM cross-entropy, with the router's aux loss on); ``train.freeze [vision]`` keeps the
+tower bit-identical; packed micro-batches (the records back to back, MRoPE positions per record) give the padded
+rows' loss, at tp 2 (MoE: ep 2) and pp 2 too; LoRA on the language model merges to W + (alpha/r)·B A and loads in
+PEFT.
 
 NOTE: every megatron job here runs in a rank (``ranks``) or a subprocess, never in pytest's own process."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import loongforge
@@ -45,22 +48,25 @@ def save_qwen_vl(out: Path, *, vocab: int = 320, ids: dict[str, int] | None = No
     return out
 
 
-def save_qwen3_vl(out: Path, *, vocab: int, ids: dict[str, int]) -> Path:
-    """A tiny Qwen3VLForConditionalGeneration (deepstack after LM layers 0 and 1), every weight perturbed."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def save_qwen3_vl(out: Path, *, vocab: int, ids: dict[str, int], moe: bool = False) -> Path:
+    """A tiny Qwen3VLForConditionalGeneration (deepstack after LM layers 0 and 1), every weight perturbed; ``moe``:
+    a Qwen3VLMoeForConditionalGeneration (4 experts, top 2, each [24, 64]: transformers saves them fused, 3-D)."""
+    import transformers as tf
 
-    cfg = Qwen3VLConfig(
+    prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
+    experts = dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2) if moe else {}
+    cfg = getattr(tf, prefix + "Config")(
         text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
+                                          "mrope_interleaved": True}, **experts),
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         tie_word_embeddings=False, **ids)
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(cfg)
+    model = getattr(tf, prefix + "ForConditionalGeneration")(cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -76,19 +82,27 @@ def save_processor(out: Path, texts: list[str], *, family: str = "qwen2_5_vl") -
     ids, the vocabulary size)."""
     from loongforge_megatron.data.tokenizer import train_bpe
     from loongforge_megatron.models.qwen_vl.data import QWEN_VL_CHAT_TEMPLATE
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLProcessor
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+    )
 
     tok = train_bpe(texts, vocab_size=290, out_dir=out)
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     tok.eos_token, tok.pad_token = "<|im_end|>", "<|im_end|>"
     images = Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
                                    max_pixels=32 * 32)
-    video = Qwen2VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
-    if family == "qwen3_vl":
+    frames = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 8 * 8,
+                                                                          "longest_edge": 32 * 32})
+    video = Qwen2VLVideoProcessor(**frames)
+    qwen3 = family.startswith("qwen3_vl")  # NOTE: Qwen3-VL-MoE's checkpoints ship Qwen3-VL's processor
+    if qwen3:
         from transformers import Qwen3VLVideoProcessor
 
-        video = Qwen3VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
-    cls = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
+        video = Qwen3VLVideoProcessor(**frames)
+    cls = Qwen3VLProcessor if qwen3 else Qwen2_5_VLProcessor
     processor = cls(image_processor=images, tokenizer=tok, video_processor=video, chat_template=QWEN_VL_CHAT_TEMPLATE)
     processor.save_pretrained(out)
     t = tok.convert_tokens_to_ids
@@ -122,40 +136,63 @@ def make_records(root: Path) -> Path:
 TEXTS = ["What colour is this? It is red. It is noise. Be brief. And the colour? Green and blue."] * 4
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def hf_dir(tmp_path_factory, request):
     out = tmp_path_factory.mktemp(request.param) / "hf"
     ids, vocab = save_processor(out, TEXTS, family=request.param)
-    return (save_qwen3_vl if request.param == "qwen3_vl" else save_qwen_vl)(out, vocab=vocab, ids=ids)
+    if request.param == "qwen2_5_vl":
+        return save_qwen_vl(out, vocab=vocab, ids=ids)
+    return save_qwen3_vl(out, vocab=vocab, ids=ids, moe=request.param == "qwen3_vl_moe")
+
+
+def is_moe(hf_dir: Path) -> bool:
+    return json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
 
 
 def hf_inputs(hf_dir: Path, records: Path) -> dict[str, torch.Tensor]:
     """What transformers' AutoProcessor makes of the records (processor-style messages), padded on the right, with
-    labels on each assistant message's content and its <|im_end|>."""
+    labels on each assistant message's content and its <|im_end|>. A video is its frames at the record's fps
+    (default 2), passed as frames already sampled."""
     from PIL import Image
     from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(hf_dir)
     tok = processor.tokenizer
-    texts, images, targets = [], [], []
+    texts, images, videos, metadata, targets = [], [], [], [], []
+
+    def add_video(ref):
+        frames, fps = (ref["frames"], ref.get("fps", 2.0)) if isinstance(ref, dict) else (ref, 2.0)
+        videos.append([Image.open(records.parent / f).convert("RGB") for f in frames])
+        metadata.append(VideoMetadata(total_num_frames=len(frames), fps=float(fps),
+                                      frames_indices=list(range(len(frames)))))
+
     for rec in map(json.loads, records.read_text().splitlines()):
         if "messages" in rec:
             msgs = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], list) else
                      [{"type": "text", "text": m["content"]}]} for m in rec["messages"]]
-            refs = [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+            for p in (p for m in msgs for p in m["content"]):
+                if p["type"] == "image":
+                    images.append(Image.open(records.parent / p["image"]).convert("RGB"))
+                elif p["type"] == "video":
+                    add_video(p["video"])
         else:
             role = {"human": "user", "gpt": "assistant"}
             msgs = []
             for t in rec["conversations"]:
-                head, _, tail = t["value"].partition("<image>")
-                parts = ([{"type": "text", "text": head}] if head else []) + (
-                    [{"type": "image"}] + ([{"type": "text", "text": tail}] if tail else []) if _ else [])
+                parts = [{"type": piece[1:-1]} if piece in ("<image>", "<video>") else {"type": "text", "text": piece}
+                         for piece in re.split(r"(<image>|<video>)", t["value"]) if piece]
                 msgs.append({"role": role[t["from"]], "content": parts})
-            refs = rec["images"]
+            images += [Image.open(records.parent / r).convert("RGB") for r in rec.get("images", [])]
+            for v in rec.get("videos", []):
+                add_video(v)
         texts.append(processor.apply_chat_template(msgs, tokenize=False))
-        images += [Image.open(records.parent / r).convert("RGB") for r in refs]
         targets.append([p["text"] for m in msgs if m["role"] == "assistant" for p in m["content"]])
-    batch = processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="right")
+    media = {"images": images or None}
+    if videos:
+        media.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
+    batch = processor(text=texts, **media, return_tensors="pt", padding=True, padding_side="right")
+    batch = {k: v for k, v in batch.items() if k != "video_metadata"}
     labels = torch.full_like(batch["input_ids"], -100)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     start = tok.convert_tokens_to_ids("<|im_start|>")
@@ -186,6 +223,21 @@ def hf_loss(hf_dir: Path, batch: dict[str, torch.Tensor]) -> float:
         return model(**batch).loss.item()
 
 
+def processor_loss(hf_dir: Path, records: Path, b: dict[str, torch.Tensor], *, pixels: str) -> float:
+    """Transformers' loss on what its processor makes of ``records``, after checking that our micro-batch ``b`` (its
+    rows padded) holds the processor's tokens and ``pixels`` patches."""
+    ref_batch = hf_inputs(hf_dir, records)
+    image = hf_image_token(hf_dir)
+    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
+    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
+    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
+    for r, h in zip(mine, theirs, strict=True):
+        n = int(ref_batch["attention_mask"][h].sum())
+        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
+    assert torch.equal(torch.sort(b[pixels], 0)[0], torch.sort(ref_batch[pixels], 0)[0])
+    return hf_loss(hf_dir, ref_batch)
+
+
 def overrides(hf_dir: Path, records: Path, *extra: str) -> list[str]:
     """Continue training the HF checkpoint ``hf_dir`` on ``records`` on CPU: one global batch of both records."""
     return [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
@@ -213,21 +265,15 @@ def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_pat
     from safetensors.torch import load_file
 
     records = make_records(tmp_path / "data")
+    # NOTE: MoE: with the router's load-balancing loss on, the logged loss is still the LM cross-entropy (megatron
+    # adds the aux loss's gradient in the backward only), what transformers' loss is (no output_router_logits)
+    aux = ["model.moe_aux_loss_coeff=0.01"] if is_moe(hf_dir) else []
     over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.freeze=[vision]",
-                     "data.pack=false")
+                     "data.pack=false", *aux)
     batches, losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
                             export_dir=tmp_path / "exported")[0]
-    ref_batch = hf_inputs(hf_dir, records)
     (b,) = batches
-    image = hf_image_token(hf_dir)
-    # NOTE: the epoch order is seeded: rows are matched by their image token count (the images differ in size)
-    mine = sorted(range(2), key=lambda r: int((b["tokens"][r] == image).sum()))
-    theirs = sorted(range(2), key=lambda r: int((ref_batch["input_ids"][r] == image).sum()))
-    for r, h in zip(mine, theirs, strict=True):
-        n = int(ref_batch["attention_mask"][h].sum())
-        assert b["tokens"][r, :n].tolist() == ref_batch["input_ids"][h, :n].tolist()
-    assert torch.equal(torch.sort(b["pixel_values"], 0)[0], torch.sort(ref_batch["pixel_values"], 0)[0])
-    ref = hf_loss(hf_dir, ref_batch)
+    ref = processor_loss(hf_dir, records, b, pixels="pixel_values")
     assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
     assert losses[-1] < losses[0]
     source, trained = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
@@ -236,12 +282,63 @@ def test_sft_first_step_loss_equals_transformers_and_frozen_vision_stays(tmp_pat
         assert torch.equal(trained[name], tensor) == name.startswith(("visual.", "model.visual.")), name
 
 
+def make_video_records(root: Path) -> Path:
+    """A ShareGPT record with a 4-frame video (fps 2) and an OpenAI one with an image and a 3-frame video (fps 1, an
+    odd frame count: the processor pads it to its temporal patches), frames of other sizes than the image."""
+    from PIL import Image
+
+    make_records(root)
+    g = torch.Generator().manual_seed(1)
+    for name, (w, h), n in (("a", (24, 16), 4), ("b", (16, 24), 3)):
+        for k in range(n):
+            noise = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(noise).save(root / f"{name}{k}.png")
+    records = [
+        {"conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                           {"from": "gpt", "value": "It is noise."}], "videos": [[f"a{k}.png" for k in range(4)]]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
+                                                   {"type": "text", "text": "What colour is this? And this?"},
+                                                   {"type": "video", "video": {"frames": ["b0.png", "b1.png", "b2.png"],
+                                                                               "fps": 1}}]},
+                      {"role": "assistant", "content": "Red. Green and blue."}]},
+    ]
+    (root / "videos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "videos.jsonl"
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl", "qwen3_vl"], indirect=True)  # NOTE: the MoE one shares Qwen3-VL's
+def test_video_records_first_step_loss_equals_transformers(tmp_path, hf_dir, ranks):
+    """Records with videos (frame files; one next to an image): tokens, video patches and multimodal positions are
+    what transformers' processor and get_rope_index make of them (Qwen3-VL: timestamped frame groups), and the first
+    step's loss is transformers' on the processor's batch."""
+    records = make_video_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=1",
+                     "data.pack=false", "data.seq_length=160")
+    (b,), losses = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
+                         export_dir=tmp_path / "exported")[0]
+    video = json.loads((hf_dir / "config.json").read_text())["video_token_id"]
+    assert int((b["tokens"] == video).sum()) > 0
+    ref = processor_loss(hf_dir, records, b, pixels="pixel_values_videos")
+    assert losses[0] == pytest.approx(ref, rel=1e-5), (losses[0], ref)
+
+
+FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
 def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
+    """HF -> megatron -> HF at tp 1 and tp 2 / pp 2 (MoE: / ep 2) gives the source's tensors bit for bit.
+
+    Qwen3-VL-MoE: transformers 5's ``save_pretrained`` writes the fused experts as its modules hold them
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the export writes the published checkpoints' [E, H, 2I] /
+    [E, I, H], which transformers loads into the source's parameters bit for bit, and a file in that layout
+    converts to the same megatron shards."""
     from loongforge.cli import main
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     source = load_file(hf_dir / "model.safetensors")
-    for name, layout in (("tp1", []), ("tp2_pp2", ["--tp", "2", "--pp", "2"])):
+    moe = is_moe(hf_dir)
+    layouts = [("tp1", []), ("tp2_pp2", ["--tp", "2", "--pp", "2"] + (["--ep", "2"] if moe else []))]
+    for name, layout in layouts:
         assert main(["convert", str(hf_dir), str(tmp_path / name), "--to", "megatron", *layout]) == 0
         assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}_hf"), "--to", "hf"]) == 0
         back = {}
@@ -249,7 +346,31 @@ def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
             back.update(load_file(f))
         assert back.keys() == source.keys(), name
         for key, tensor in source.items():
-            assert torch.equal(back[key], tensor), (name, key)
+            if key.endswith(FUSED):
+                e, i, h = (4, 48, 64) if key.endswith("gate_up_proj") else (4, 64, 24)
+                assert tensor.shape == (e, i, h) and back[key].shape == (e, h, i), key
+                assert torch.equal(back[key].transpose(1, 2), tensor), (name, key)
+            else:
+                assert torch.equal(back[key], tensor), (name, key)
+    if not moe:
+        return
+    from transformers import AutoModelForImageTextToText
+
+    want = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    got = AutoModelForImageTextToText.from_pretrained(tmp_path / "tp2_pp2_hf", dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    hub = tmp_path / "hub_layout"
+    hub.mkdir()
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            (hub / f.name).write_bytes(f.read_bytes())
+    save_file({k: t.transpose(1, 2).contiguous() if k.endswith(FUSED) else t for k, t in source.items()},
+              hub / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", str(hub), str(tmp_path / "from_hub"), "--to", "megatron"]) == 0
+    shards = sorted(p.relative_to(tmp_path / "tp1") for p in (tmp_path / "tp1").rglob("*.safetensors"))
+    for rel in shards:
+        a, b = load_file(tmp_path / "tp1" / rel), load_file(tmp_path / "from_hub" / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
 
 
 @pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)  # NOTE: both families read records alike
@@ -268,7 +389,16 @@ def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir
            ({"conversations": [{"from": "human", "value": "<image>"}, *turn], "images": ["../red.png"]},
             "not a path inside"),
            ({"text": "no turns"}, "neither 'messages'"),
-           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text nor an image")]
+           ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "neither text, an image nor a video"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn], "videos": [["red.png", "noise.png"]]},
+            "video 1: frames of different sizes"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn], "videos": [["red.png", "gone.png"]]},
+            "video 1 frame"),
+           ({"conversations": [{"from": "human", "value": "<video>"}, *turn]}, "1 '<video>' placeholders but 0"),
+           ({"messages": [{"role": "user", "content": [{"type": "video", "video": {"frames": ["red.png"], "fps": 0}}]}]},
+            "'fps' must be a positive number"),
+           ({"messages": [{"role": "user", "content": [{"type": "video", "video": "red.png"}]}]},
+            "a video is a non-empty list of frame files")]
     lines = good.read_text().splitlines()
     (tmp_path / "bad.jsonl").write_text("\n".join(lines + [json.dumps(r) for r, _ in bad]) + "\n")
     arch = arch_from_hf(hf_dir)
@@ -318,15 +448,27 @@ def test_packed_micro_batch_equals_padded_rows(tmp_path, hf_dir, ranks):
     assert p_losses == pytest.approx(u_losses, rel=1e-5, abs=1e-6), (p_losses, u_losses)
 
 
-@pytest.mark.parametrize("hf_dir", ["qwen3_vl"], indirect=True)  # NOTE: deepstack layers on the first stage
-def test_tp2_and_pp2_equal_one_process(tmp_path, hf_dir, ranks):
-    """Packed SFT steps at tp 2 and at pp 2 (two gloo ranks each) give one process's losses."""
+# NOTE: deepstack layers on the first stage; MoE: the experts over two expert-parallel ranks (megatron's all-to-all
+# dispatcher; one process runs the fused permute dispatch), and under tp 2 with sequence parallelism (what megatron's
+# MoE layers need under tp)
+@pytest.mark.parametrize("hf_dir", ["qwen3_vl", "qwen3_vl_moe"], indirect=True)
+def test_tp2_pp2_cp2_and_ep2_equal_one_process(tmp_path, hf_dir, ranks):
+    """Packed SFT steps at tp 2 (the tower whole on both ranks, and split over them: heads, MLPs and mergers), at tp
+    2 with sequence parallelism (each packed row padded to an even length, its tokens and deepstack features split
+    over the two ranks), at pp 2 and at cp 2 (each record padded to a multiple
+    of 4 and cut into megatron's load-balanced chunks; the images' embeddings and MRoPE positions follow their
+    tokens) on two gloo ranks each give one process's losses; Qwen3-VL-MoE at ep 2, tp 2 + sp and pp 2."""
     records = make_records(tmp_path / "data")
     over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=2")
     one = ranks(_losses, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", overrides=over)[0][1]
-    for name, layout in (("tp2", "parallel.tp=2"), ("pp2", "parallel.pp=2")):
+    layouts = (("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sp=true"]),
+               ("tp2_split_tower", ["parallel.tp=2", "parallel.components.vision.tp=2"]),
+               ("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"]))
+    if is_moe(hf_dir):
+        layouts = (("ep2", ["parallel.ep=2"]), layouts[1], layouts[3])
+    for name, layout in layouts:
         two = ranks(_losses, world=2, out=tmp_path / name, run_dir=tmp_path / f"run_{name}",
-                    overrides=[*over, layout])
+                    overrides=[*over, *layout])
         for _, losses in two:
             assert losses == pytest.approx(one, rel=1e-5), (name, losses, one)
 
@@ -343,6 +485,7 @@ def _lora_exports(*, rank, world, overrides, run_dir, export_root):
         runtime.logger.close()
 
 
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl", "qwen3_vl"], indirect=True)  # NOTE: PEFT has no fused experts
 def test_lora_on_the_language_model_merges_and_loads_in_peft(tmp_path, hf_dir, ranks):
     """train.stage lora: adapters on the language model's linears only; the HF export is W + (alpha/r)·B A of the
     PEFT export's factors (the tower and norms unchanged), and PEFT loads the adapters into transformers' model:
@@ -393,7 +536,7 @@ def _fused_and_plain_output_layer(*, rank, world, run_dir):
     from loongforge_megatron.models.qwen_vl.model import forward_step
 
     out = {}
-    for name in ("qwen2_5_vl_tiny", "qwen3_vl_tiny"):
+    for name in ("qwen2_5_vl_tiny", "qwen3_vl_tiny", "qwen3_vl_moe_tiny"):
         recipe = RECIPE.with_name(f"{name}.yaml")
         job, runtime = loongforge.build_job(loongforge.load_recipe(recipe, ["accelerator=cpu", "logging.console=false"]),
                                             output_dir=run_dir / name)
@@ -415,7 +558,7 @@ def _fused_and_plain_output_layer(*, rank, world, run_dir):
 def test_fused_output_layer_gives_the_plain_loss_and_grads(tmp_path, ranks):
     """The loongforge spec's VL step runs the output layer as the fused linear cross-entropy, given the loss mask (a
     masked token-sum, no [tokens, vocab] logits): in fp32 on the CPU its loss and every gradient equal the plain
-    output layer + cross-entropy's, for Qwen2.5-VL and Qwen3-VL (deepstack)."""
+    output layer + cross-entropy's, for Qwen2.5-VL, Qwen3-VL (deepstack) and Qwen3-VL-MoE."""
     got = ranks(_fused_and_plain_output_layer, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run")[0]
     for name, (fused, plain) in got.items():
         assert (fused[0], plain[0]) == (0, 2), name  # a scalar sum vs per-token losses [b, s]
@@ -495,3 +638,22 @@ def test_freeze_names_are_checked_at_validate(capsys, args, key, message):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
     assert main(["validate", str(RECIPE), "train.freeze=[vision, 'decoder.layers.0.*']"]) == 0
+
+
+MOE_RECIPE = RECIPE.parent / "qwen3_vl_moe_tiny.yaml"
+
+
+@pytest.mark.parametrize(("args", "key", "message"), [
+    (["parallel.tp=2"], "parallel.sp", "MoE layers under tensor parallelism (tp 2) need sequence parallelism"),
+    (["train.stage=lora", "checkpoint.save_format=[peft]"], "train.lora.targets", "no adapter names for "
+                                                                                  "Qwen3-VL-MoE's fused experts"),
+])
+def test_moe_recipe_checks(capsys, args, key, message):
+    """Qwen3-VL-MoE validates with expert parallelism; what it cannot train is one line naming the key."""
+    from loongforge.cli import main
+
+    assert main(["validate", str(MOE_RECIPE), "parallel.ep=2", "--world-size", "2"]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(MOE_RECIPE), *args, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err

@@ -106,3 +106,39 @@ def test_check_shapes_names_the_tensor():
         check_shapes(exp, {"a": (1,), "b": (2, 2), "c": (3,)})
     with pytest.raises(CheckpointError, match=r"tensor 'b' has shape \(2, 3\)"):
         check_shapes(exp, {"a": (1,), "b": (2, 3)})
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_fused_experts_split_per_expert_and_back_in_either_orientation(etp):
+    """transformers' fused experts: gate_up [E, 2I, H] (its modules' layout) or [E, H, 2I] (the published
+    checkpoints') -> each expert's [gate ; up] over ETP; down [E, H, I] / [E, I, H] -> RowParallel. Export writes
+    the [in, out] layout, and a square expert [out, in] (the only one transformers 5 reads it as)."""
+    from loongforge.checkpoint import FusedExperts, NameMap
+    from loongforge.checkpoint.name_map import Entry
+
+    e, h, i = 4, 8, 6
+    gate_up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    fc1 = FusedExperts(GatedMLP(), e, out_features=2 * i, in_features=h)
+    fc2 = FusedExperts(RowParallel(), e, out_features=h, in_features=i)
+    for fused, rule, inner in ((gate_up, fc1, GatedMLP()), (down, fc2, RowParallel())):
+        for hf in (fused, fused.transpose(1, 2).contiguous()):
+            rows = []
+            for x in range(e):
+                bound = rule.for_expert(x)
+                shards = [bound.to_megatron({"t": hf}, tp_rank=r, tp_size=etp) for r in range(etp)]
+                parts = torch.chunk(fused[x], len(inner.roles))
+                want = [inner.to_megatron(dict(zip(inner.roles, parts, strict=True)), tp_rank=r, tp_size=etp)
+                        for r in range(etp)]
+                assert all(torch.equal(a, b) for a, b in zip(shards, want, strict=True))
+                rows.append(bound.to_hf(shards)["t"])
+            assert torch.equal(torch.cat(rows), fused.transpose(1, 2))  # the published [in, out] layout
+    with pytest.raises(CheckpointError, match=r"expected \[4, 12, 8\] or \[4, 8, 12\]"):
+        fc1.for_expert(0).to_megatron({"t": torch.randn(e, 12, 9)}, tp_rank=0, tp_size=1)
+    square = FusedExperts(GatedMLP(), e, out_features=h, in_features=h).for_expert(1)
+    w = torch.randn(e, h, h)
+    assert torch.equal(square.to_hf([square.to_megatron({"t": w}, tp_rank=0, tp_size=1)])["t"][0], w[1])
+    # the name map: one HF name per layer (no expert wildcard), the experts in contiguous blocks over EP
+    nm = NameMap([Entry("l.*.experts.*.fc1", "m.*.experts.gate_up_proj", fc1)])
+    params = list(nm.expand(num_layers=1, num_experts=e, ep=2))
+    assert [(p.megatron, p.hf["t"], p.where.ep_rank, p.rule.hf_row) for p in params] == [
+        (f"l.0.experts.{x % 2}.fc1", "m.0.experts.gate_up_proj", x // 2, x) for x in range(e)]

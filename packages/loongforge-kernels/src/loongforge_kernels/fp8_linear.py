@@ -81,9 +81,36 @@ def _version(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split(".")[:2])
 
 
-def _scaled_mm(a, sa, b, sb, out_dtype, fast_accum):
-    """``a [M, Kc] @ b [N, Kc].T`` from FP8 operands and their decode scales (b's scale passed transposed)."""
+def _scaled_mm(a, sa, b, sb, out_dtype, fast_accum, out=None):
+    """``a [M, Kc] @ b [N, Kc].T`` from FP8 operands and their decode scales (b's scale passed transposed),
+    written into ``out`` when given."""
+    if out is not None:
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=fast_accum,
+                                out=out)
     return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+# recipe -> whether torch's scaled-mm writes fp32 output for it (learnt at the first weight grad that tries)
+_FP32_OUT: dict[str, bool] = {}
+
+
+def _wgrad_into_main_grad(a, sa, b, sb, recipe: Fp8Recipe, main_grad: torch.Tensor, *, accumulate: bool) -> None:
+    """``main_grad (+)= a @ b.T`` for the FP8 weight grad. When ``main_grad`` holds nothing yet (``accumulate``
+    False: the first micro-batch after the grad buffer was zeroed) the GEMM writes its fp32 result straight into
+    it, so no bf16 grad is written, read back and added; otherwise (and where the scaled-mm kernel has no fp32
+    output for this recipe) a bf16 grad is added, as before.
+
+    NOTE: cuBLAS can accumulate (beta = 1) into an fp32 output, TransformerEngine's wgrad does, but
+    ``torch._scaled_mm`` does not expose it, so later micro-batches of a step still pay the add."""
+    fp32_ok = _FP32_OUT.get(recipe.recipe, True)
+    if not accumulate and fp32_ok and main_grad.dtype == torch.float32 and main_grad.is_contiguous():
+        try:
+            _scaled_mm(a, sa, b, sb, torch.float32, False, out=main_grad)
+            _FP32_OUT[recipe.recipe] = True
+            return
+        except RuntimeError:  # NOTE: argument checks fail before any kernel runs: main_grad is untouched
+            _FP32_OUT[recipe.recipe] = False
+    main_grad.add_(_scaled_mm(a, sa, b, sb, torch.bfloat16, False))
 
 
 class Fp8WeightCache:
@@ -158,8 +185,11 @@ def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *,
 
 
 def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
-                 w_dtype: torch.dtype):
-    """``(dx, dw)`` of :func:`fp8_forward` for the output grad ``dy [M, N]`` (None where not needed)."""
+                 w_dtype: torch.dtype, main_grad: torch.Tensor | None = None, accumulate: bool = True):
+    """``(dx, dw)`` of :func:`fp8_forward` for the output grad ``dy [M, N]`` (None where not needed).
+
+    With ``main_grad`` (megatron's gradient-accumulation fusion: the weight's fp32 grad buffer) the weight grad
+    goes into it instead (``dw`` is None): added, or written when ``accumulate`` is False (it holds zeros)."""
     xt, sxt, wt, swt, x_hp, w_hp = saved
     _, dgrad8, wgrad8 = gemms
     dy = dy.contiguous()
@@ -169,7 +199,15 @@ def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *
                       check_finite=False) if lay else ()
     if need_dx:
         dx = _scaled_mm(gs[0], gs[1], wt, swt, dy.dtype, False) if dgrad8 else dy @ w_hp.to(dy.dtype)
-    if need_dw:
+    if need_dw and main_grad is not None:
+        if wgrad8:
+            _wgrad_into_main_grad(gs[-2], gs[-1], xt, sxt, recipe, main_grad, accumulate=accumulate)
+        elif main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16):
+            # NOTE: bf16 weight grad (the policy keeps it): cuBLAS accumulates into the fp32 buffer (beta = 1)
+            torch.addmm(main_grad, dy.t(), x_hp, out_dtype=torch.float32, out=main_grad)
+        else:
+            main_grad.add_((dy.t() @ x_hp).to(main_grad.dtype))
+    elif need_dw:
         dw = (_scaled_mm(gs[-2], gs[-1], xt, sxt, dy.dtype, False) if wgrad8 else dy.t() @ x_hp).to(w_dtype)
     return dx, dw
 

@@ -187,7 +187,7 @@ def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, 
     """
     import json
 
-    from loongforge_megatron.conversion.engine import MegatronSource, hf_params, key_of, to_hf_dir
+    from loongforge_megatron.conversion.engine import MegatronSource, hf_params, to_hf_dir
     from loongforge_megatron.lora import merged_state_dict
 
     layout, config, mine, holdings = _gather_averaged(chunks, merged_state_dict, ema=ema, spec=spec, arch=arch,
@@ -212,8 +212,8 @@ def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, 
         device = _comm_device()
         source = MegatronSource(layout, read=None, spec=holdings.spec)
         for p in hf_params(layout):
-            for rank in source.reads(p):
-                _send_mine(mine, holdings, rank, source.params[key_of(p)].megatron, me, device)
+            for rank, name in source.reads(p):
+                _send_mine(mine, holdings, rank, name, me, device)
     dist.barrier()
     return out
 
@@ -236,6 +236,9 @@ def _peft_tensors(source, read: Callable, layout, lora_names: set[str], *,
         stem = src.megatron[: -len("weight")]
         if not src.megatron.endswith(".weight") or stem + "lora_A" not in lora_names:
             continue
+        if src.rule.hf_row is not None:
+            raise CheckpointError(f"PEFT has no adapter names for experts HF fuses into one tensor ('{p.hf['t']}'): "
+                                  "train.lora.targets [qkv, proj], or checkpoint.save_format hf (merged)")
         ranks = layout.shard_sources(src)
         shards = {f: [read(rank, stem + f) for rank in ranks] for f in ("lora_A", "lora_B")}
         split, repl = ("lora_B", "lora_A") if _is_column(src) else ("lora_A", "lora_B")

@@ -15,6 +15,7 @@ from loongforge.checkpoint.mapping import (
     ColumnParallel,
     Copies,
     Expert,
+    FusedExperts,
     FusedQKV,
     GatedMLP,
     Replicated,
@@ -33,7 +34,7 @@ from loongforge.checkpoint.safetensors_io import (
 )
 
 __all__ = [
-    "ColumnParallel", "Copies", "Entry", "Expert", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
+    "ColumnParallel", "Copies", "Entry", "Expert", "FusedExperts", "FusedQKV", "GatedMLP", "NameMap", "Param", "PipelineLayout",
     "Placement", "Replicated", "Reshaped", "RowParallel", "Rule", "SafetensorsReader", "Shared", "ShardedSafetensorsWriter",
     "StreamingSafetensorsFile", "VocabParallel", "apply_retention", "atomic_checkpoint", "check_shapes",
     "complete_checkpoints", "latest_checkpoint", "padded_vocab_size", "require_complete",

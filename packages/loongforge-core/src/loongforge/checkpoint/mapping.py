@@ -9,7 +9,7 @@ HF inputs by *role* (``q``/``k``/``v``, ``gate``/``up``); single-tensor rules us
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,12 @@ class Rule(abc.ABC):
     @abc.abstractmethod
     def to_hf(self, shards: list[Tensor]) -> dict[str, Tensor]:
         """The HF tensors (by role) from every TP rank's shard, in rank order."""
+
+    @property
+    def hf_row(self) -> int | None:
+        """The dim-0 row of the HF tensor this parameter fills when several parameters make one HF tensor (fused
+        experts); None: it makes the whole tensor."""
+        return None
 
     def shard_shape(self, hf_shapes: dict[str, tuple[int, ...]], *, tp_size: int) -> tuple[int, ...]:
         """Shape of one rank's shard, computed without data (used for dry runs and shape checks)."""
@@ -151,15 +157,23 @@ class ColumnParallel(Rule):
 
     HF [out, in]  ->  rank0 [out/tp, in]  (rows 0..out/tp)
                       rank1 [out/tp, in]  (next rows) ...
+
+    ``stride`` s > 1: the rows are s stacked blocks (a fused q / k / v projection, s = 3), each split evenly; a rank
+    holds its slice of every block, in block order (megatron's ``partition_stride``).
     """
 
+    stride: int = 1
     row_wise = True
 
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
-        return _split(hf_tensors[SINGLE], dim=0, parts=tp_size, what="ColumnParallel")[tp_rank]
+        pieces = _split(hf_tensors[SINGLE], dim=0, parts=tp_size * self.stride, what="ColumnParallel")
+        return torch.cat(pieces[tp_rank::tp_size], dim=0) if self.stride > 1 else pieces[tp_rank]
 
     def to_hf(self, shards):
-        return {SINGLE: torch.cat(shards, dim=0)}
+        if self.stride == 1:
+            return {SINGLE: torch.cat(shards, dim=0)}
+        blocks = [s.chunk(self.stride, dim=0) for s in shards]
+        return {SINGLE: torch.cat([b[j] for j in range(self.stride) for b in blocks], dim=0)}
 
 
 @dataclass(frozen=True)
@@ -312,8 +326,81 @@ class Expert(Rule):
     def global_index(self, local: int, *, ep_rank: int, ep_size: int) -> int:
         return ep_rank * self.per_rank(ep_size) + local
 
+    #: the HF tensor holds every expert along dim 0 (:class:`FusedExperts`): each expert's parameter supplies
+    #: row ``hf_row`` of it, and the HF patterns have no expert wildcard
+    fused = False
+
+    def for_expert(self, expert: int) -> Expert:
+        """The rule of global expert ``expert``'s parameter (the same rule: HF names it on its own)."""
+        return self
+
     def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
         return self.inner.to_megatron(hf_tensors, tp_rank=tp_rank, tp_size=tp_size)
 
     def to_hf(self, shards):
         return self.inner.to_hf(shards)
+
+
+@dataclass(frozen=True)
+class FusedExperts(Expert):
+    """Routed experts that HF stores as one 3-D tensor (transformers' fused ``experts.gate_up_proj`` /
+    ``experts.down_proj``), megatron as one linear per expert, spread over EP and sharded over ETP by ``inner``.
+
+    HF [E, a, b]: expert e = row e of dim 0, ``[out, in]`` (a linear weight) or ``[in, out]`` (transposed)
+        row e  ->  [out, in]  ->  ``inner``'s roles, concatenated along out (gate_up: [gate ; up])
+               ->  ``inner`` over ETP  ->  ep rank e // (E/ep), local expert e % (E/ep)
+
+    Import reads either orientation, as transformers 5 does (``Transpose(check_dims=True)``): a slice of shape
+    ``(out_features, in_features)`` is taken as a linear weight, anything else must be its transpose. Export writes
+    ``[in, out]`` when ``transposed`` (the published checkpoints' layout, e.g. Qwen3-VL-MoE's gate_up_proj
+    [E, H, 2I]), else ``[out, in]`` (what transformers 5's ``save_pretrained`` writes); a square expert always as
+    ``[out, in]``, the only way transformers 5 reads it. ``to_hf`` gives one expert's row ``[1, a, b]``; the engine
+    stacks the experts' rows.
+    """
+
+    out_features: int = 0  # the whole linear's output size (gate_up: 2 x intermediate)
+    in_features: int = 0
+    transposed: bool = True
+    expert: int | None = None
+    fused = True
+
+    @property
+    def roles(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (SINGLE,)
+
+    @property
+    def hf_row(self) -> int | None:  # type: ignore[override]
+        return self.expert
+
+    @property
+    def row_wise(self) -> bool:  # type: ignore[override]
+        return False  # NOTE: one expert is a slice (maybe transposed) of the HF tensor, not some of its rows
+
+    def for_expert(self, expert: int) -> FusedExperts:
+        if not 0 <= expert < self.num_experts:
+            raise CheckpointError(f"FusedExperts: expert {expert} is outside the {self.num_experts} experts")
+        return replace(self, expert=expert)
+
+    def _linear(self, t: Tensor) -> Tensor:
+        """Expert ``self.expert``'s ``[out, in]`` weight from the fused HF tensor."""
+        want = (self.out_features, self.in_features)
+        if t.dim() != 3 or t.shape[0] != self.num_experts or tuple(t.shape[1:]) not in (want, want[::-1]):
+            raise CheckpointError(f"FusedExperts: expected [{self.num_experts}, {want[0]}, {want[1]}] or "
+                                  f"[{self.num_experts}, {want[1]}, {want[0]}], got {tuple(t.shape)}")
+        if self.expert is None:
+            raise CheckpointError("FusedExperts: the rule is not bound to an expert (NameMap.expand binds it)")
+        w = t[self.expert]
+        return w if tuple(w.shape) == want else w.t()
+
+    def to_megatron(self, hf_tensors, *, tp_rank, tp_size):
+        w = self._linear(hf_tensors[SINGLE])
+        parts = torch.chunk(w, len(self.inner.roles), dim=0)
+        return self.inner.to_megatron(dict(zip(self.inner.roles, parts, strict=True)), tp_rank=tp_rank,
+                                      tp_size=tp_size)
+
+    def to_hf(self, shards):
+        parts = self.inner.to_hf(shards)
+        w = torch.cat([parts[r] for r in self.inner.roles], dim=0)
+        # NOTE: a square expert's orientation cannot be told from its shape: transformers 5 takes it as [out, in]
+        transpose = self.transposed and self.out_features != self.in_features
+        return {SINGLE: (w.t() if transpose else w).contiguous().unsqueeze(0)}

@@ -2,7 +2,8 @@
 
 An entry reads ``decoder.layers.*.mlp.linear_fc2.weight <-> model.layers.*.mlp.down_proj.weight`` with a rule.
 The first ``*`` is a layer index (backend side: local to its pipeline chunk; HF side: global), the second an
-expert index (backend side: local to its EP rank; HF side: global). Entries without ``*`` live on the first
+expert index (backend side: local to its EP rank; HF side: global, or none where HF fuses every expert into one
+3-D tensor: rule :class:`~loongforge.checkpoint.mapping.FusedExperts`). Entries without ``*`` live on the first
 (embedding) or last (head) pipeline stage. Entries of stage ``mtp`` are multi-token-prediction layers: the
 ``*`` is the depth (backend: ``mtp.layers.<depth>``; HF: layer ``num_layers + depth``), all on the last stage.
 """
@@ -140,9 +141,11 @@ class NameMap:
                 rule: Expert = e.rule  # type: ignore[assignment]
                 for expert in range(num_experts):
                     ep_rank, local_e = rule.locate(expert, ep_size=ep)
-                    hf = {r: _fill(p, [layer, expert]) for r, p in e.hf_patterns().items()}
+                    # NOTE: a fused HF tensor holds every expert (FusedExperts): its name has the layer only
+                    hf_index = [layer] if rule.fused else [layer, expert]
+                    hf = {r: _fill(p, hf_index) for r, p in e.hf_patterns().items()}
                     where = Placement(pp_rank, vpp_rank, ep_rank)
-                    yield Param(_fill(e.megatron, [local, local_e]), hf, e.rule, where, e.export)
+                    yield Param(_fill(e.megatron, [local, local_e]), hf, rule.for_expert(expert), where, e.export)
         for e in self.entries:
             # NOTE: "mtp_copy": megatron's MTP block embeds the shifted tokens itself, with its own copy of the
             # embedding when the decoder's first stage is elsewhere

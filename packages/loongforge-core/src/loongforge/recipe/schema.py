@@ -110,7 +110,8 @@ class Fp8Config(Section):
     grad_dtype: Literal["e4m3", "e5m2"] = Field("e4m3", description="FP8 format of the gradients (forward is E4M3)")
     policy: str | None = Field(None, description="policy file of 'loongforge fp8 profile': FP8 only for the GEMMs it "
                                "measured faster; default every GEMM in FP8")
-    output_layer: bool = Field(False, description="the output layer's GEMMs in FP8 too (default bf16)")
+    output_layer: bool = Field(False, description="the output layer's GEMMs in FP8 too (default bf16; megatron's "
+                               "loongforge spec refuses it: its fused linear cross-entropy runs them in bf16)")
     experts: bool = Field(False, description="MoE grouped experts' GEMMs in FP8 too (rowwise scaled_grouped_mm, "
                           "Hopper; default bf16: slower than bf16 grouped_mm at Qwen3-30B-A3B's shape on H200)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge_embodied.eval.envs.pusht import TASK, environment_state
+from loongforge_embodied.eval.envs.pusht import TASK, environment_state, environment_state_with_velocity
 
 
 def check_root(root: str | Path) -> None:
@@ -109,6 +109,11 @@ def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, imag
         # data.state_key observation.environment_state; gym-pusht's own ``state`` observation.
         "observation.environment_state": {"dtype": "float32", "shape": (5,),
                                           "names": ["agent_x", "agent_y", "block_x", "block_y", "block_angle"]},
+        # NOTE: the pose and the pusher's velocity: a whole-push expert's labels are a function of this state
+        # (mid-push and end-of-push frames have the same pose), not of the pose alone
+        "observation.environment_state_with_velocity": {
+            "dtype": "float32", "shape": (7,),
+            "names": ["agent_x", "agent_y", "block_x", "block_y", "block_angle", "agent_vx", "agent_vy"]},
         "action": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]},
     }
     # NOTE: images (PNG in parquet), not video: decoding needs no ffmpeg and small frames stay small.
@@ -129,8 +134,9 @@ def _record_seeds(out: Path, *, repo_id: str, seeds: range, max_steps: int, imag
             for action in plan_push(sim, s[:2], s[2:4], float(s[4])):
                 ds.add_frame({"observation.image": obs["pixels"],
                               "observation.state": obs["agent_pos"].astype(np.float32),
-                              "observation.environment_state": environment_state(u), "action": action,
-                              "task": TASK})
+                              "observation.environment_state": environment_state(u),
+                              "observation.environment_state_with_velocity": environment_state_with_velocity(u),
+                              "action": action, "task": TASK})
                 executed = action if not noise else np.clip(action + rng.normal(0.0, noise, 2), 0.0, 512.0)
                 obs, _, terminated, truncated, _ = env.step(executed.astype(np.float32))
                 steps += 1

@@ -180,7 +180,12 @@ class MegatronSource:
         read: Callable[[Rank, str], torch.Tensor], spec: Callable[[Rank, str], Spec],
     ):
         self.layout, self._read, self._spec = layout, read, spec
-        self.params = {key_of(p): p for p in layout.params() if p.export}
+        # NOTE: several parameters make one HF group where HF fuses the experts (each fills its row of dim 0)
+        self.members: dict[Key, list[Param]] = {}
+        for q in layout.params():
+            if q.export:
+                self.members.setdefault(key_of(q), []).append(q)
+        self.params = {key: ps[0] for key, ps in self.members.items()}
 
     def _p(self, p: Param) -> Param:
         try:
@@ -188,15 +193,33 @@ class MegatronSource:
         except KeyError:
             raise CheckpointError(f"the megatron checkpoint has no parameter for HF {key_of(p)}") from None
 
-    def spec(self, p: Param) -> dict[str, Spec]:
+    def _rows(self, p: Param) -> list[Param] | None:
+        """The parameters that fill the rows of a fused HF tensor, by row (None: one parameter makes the group)."""
         src = self._p(p)
+        if src.rule.hf_row is None:
+            return None
+        return sorted(self.members[key_of(p)], key=lambda q: q.rule.hf_row)
+
+    def _meta(self, src: Param) -> Group:
         shard_specs = [self._spec(rank, src.megatron) for rank in self.layout.shard_sources(src)]
-        meta = src.rule.to_hf([torch.empty(s, dtype=d, device="meta") for d, s in shard_specs])
+        return src.rule.to_hf([torch.empty(s, dtype=d, device="meta") for d, s in shard_specs])
+
+    def spec(self, p: Param) -> dict[str, Spec]:
+        rows = self._rows(p)
+        meta = self._meta(self._p(p))
+        if rows is not None:
+            return {r: (t.dtype, (len(rows), *t.shape[1:])) for r, t in meta.items()}
         return {r: (t.dtype, tuple(t.shape)) for r, t in meta.items()}
 
-    def get(self, p: Param) -> Group:
-        src = self._p(p)
+    def _get_one(self, src: Param) -> Group:
         return src.rule.to_hf([self._read(rank, src.megatron) for rank in self.layout.shard_sources(src)])
+
+    def get(self, p: Param) -> Group:
+        rows = self._rows(p)
+        if rows is None:
+            return self._get_one(self._p(p))
+        parts = [self._get_one(q) for q in rows]
+        return {r: torch.cat([part[r] for part in parts]) for r in parts[0]}
 
     def _row_plan(self, src: Param) -> list[tuple[Rank, list[tuple[str, int, int, int]]]] | None:
         """For a row-wise parameter: per shard source, the (role, HF row, shard row, count) runs it supplies
@@ -213,15 +236,27 @@ class MegatronSource:
             plan.append((rank, [(role, pos, v - lo, n) for role, rs in runs.items() for pos, v, n in rs if lo <= v < hi]))
         return plan
 
-    def reads(self, p: Param) -> list[Rank]:
-        """The shard sources ``write_rows`` reads, in order (senders mirror this in a distributed export)."""
+    def reads(self, p: Param) -> list[tuple[Rank, str]]:
+        """The (shard source, megatron name) reads of ``write_rows``, in order (senders mirror this in a
+        distributed export)."""
+        rows = self._rows(p)
+        if rows is not None:
+            return [(rank, q.megatron) for q in rows for rank in self.layout.shard_sources(q)]
         src = self._p(p)
         plan = self._row_plan(src)
-        return self.layout.shard_sources(src) if plan is None else [rank for rank, mine in plan if mine]
+        ranks = self.layout.shard_sources(src) if plan is None else [rank for rank, mine in plan if mine]
+        return [(rank, src.megatron) for rank in ranks]
 
     def write_rows(self, p: Param, put: Callable[[str, int, torch.Tensor], None]) -> None:
         """Stream ``p``'s HF tensors out as ``put(role, first_row, rows)`` calls, one shard in memory at a
-        time for row-wise rules; replicas (e.g. norms) are read from one rank only."""
+        time for row-wise rules, one expert at a time for fused experts; replicas (e.g. norms) are read from one
+        rank only."""
+        rows = self._rows(p)
+        if rows is not None:
+            for q in rows:
+                for role, t in self._get_one(q).items():
+                    put(role, q.rule.hf_row, t)
+            return
         src = self._p(p)
         plan = self._row_plan(src)
         if plan is None:
@@ -271,8 +306,13 @@ def _targets(layout: MegatronLayout) -> dict[Key, list[Param]]:
 
 
 def hf_params(layout: MegatronLayout) -> list[Param]:
-    """One representative parameter per HF group, in HF order (what an HF export writes)."""
-    return [p for p in layout.params() if p.export]
+    """One representative parameter per HF group, in HF order (what an HF export writes; a fused experts tensor's
+    is its first expert's)."""
+    out: dict[Key, Param] = {}
+    for p in layout.params():
+        if p.export:
+            out.setdefault(key_of(p), p)
+    return list(out.values())
 
 
 def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str = "convert") -> None:

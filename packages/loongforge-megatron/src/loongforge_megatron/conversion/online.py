@@ -8,12 +8,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from loongforge.checkpoint import check_shapes
+from loongforge.checkpoint import Param, check_shapes
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.convert import copy_assets, read_hf_config
 from loongforge_megatron.conversion.engine import (
     HFSource,
+    Key,
     MegatronSource,
     hf_params,
     key_of,
@@ -51,13 +52,21 @@ def shard_state_dict_for_rank(
     params = list(layout.params())
     source.check_names(key_of(p) for p in params)
     me: Rank = (tp_rank, pp_rank, ep_rank, vpp_rank)
-    out: dict[str, torch.Tensor] = {}
+    mine: dict[Key, list[tuple[Param, int]]] = {}
     for p in params:
         for rank, index in layout.holders(p):
             if rank == me:
-                t = shard(layout, p, source.get(p), index)
-                # NOTE: clone so the result does not keep the whole HF tensor alive through a view.
-                out[p.megatron] = t.to(dtype) if dtype is not None else t.clone()
+                mine.setdefault(key_of(p), []).append((p, index))
+    out: dict[str, torch.Tensor] = {}
+    for held in mine.values():
+        # NOTE: one read per HF group (a fused experts tensor serves all of this rank's experts)
+        group = source.get(held[0][0])
+        for p, index in held:
+            t = shard(layout, p, group, index)
+            # NOTE: a copy so the result does not keep the whole HF tensor alive through a view (a fused experts
+            # tensor holds every expert of the layer)
+            out[p.megatron] = t.to(dtype=dtype if dtype is not None else t.dtype, copy=True)
+        del group
     if expected_shapes is not None:
         actual = {k: tuple(v.shape) for k, v in out.items()}
         check_shapes(expected_shapes, actual, where=f"{hf_dir} (tp={tp_rank}, pp={pp_rank}, ep={ep_rank})")

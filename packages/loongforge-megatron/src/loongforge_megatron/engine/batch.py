@@ -11,13 +11,14 @@ _SEQ_DIM = {"tokens": 1, "labels": 1, "loss_mask": 1, "position_ids": 1, "attent
 
 
 def cp_slice(
-    batch: dict[str, Any], *, cp_size: int | None = None, cp_rank: int | None = None
+    batch: dict[str, Any], *, cp_size: int | None = None, cp_rank: int | None = None, seq_keys: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """This context-parallel rank's part of ``batch``: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` sequence chunks.
 
     NOTE: causal attention makes late tokens costlier than early ones; pairing chunk ``r`` with its mirror
     balances the work (megatron's load-balanced layout, which its CP attention expects). Sizes default to
-    megatron's parallel state. Keys not in the known [b, s] set are returned unchanged.
+    megatron's parallel state. Keys not in the known [b, s] set (nor in ``seq_keys``, a model's own per-token
+    ``[b, s]`` keys) are returned unchanged.
     """
     if cp_size is None or cp_rank is None:
         from megatron.core import parallel_state as mpu
@@ -28,9 +29,9 @@ def cp_slice(
         return dict(batch)
     packed = batch.get("packed_seq_params")
     if packed is not None:
-        return _cp_slice_packed(batch, packed, cp_size=cp_size, cp_rank=cp_rank)
+        return _cp_slice_packed(batch, packed, cp_size=cp_size, cp_rank=cp_rank, seq_keys=seq_keys)
     out = dict(batch)
-    for key, dim in _SEQ_DIM.items():
+    for key, dim in {**_SEQ_DIM, **dict.fromkeys(seq_keys, 1)}.items():
         val = batch.get(key)
         if val is None:
             continue
@@ -44,7 +45,8 @@ def cp_slice(
     return out
 
 
-def _cp_slice_packed(batch: dict[str, Any], packed: Any, *, cp_size: int, cp_rank: int) -> dict[str, Any]:
+def _cp_slice_packed(batch: dict[str, Any], packed: Any, *, cp_size: int, cp_rank: int,
+                     seq_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """A THD micro-batch's part on this CP rank: every sample's chunks ``r`` and ``2*cp-1-r`` (see
     :func:`~loongforge_megatron.engine.packing.cp_indices`); ``packed_seq_params`` stays global, as megatron's
     THD RoPE and our attention expect."""
@@ -58,7 +60,7 @@ def _cp_slice_packed(batch: dict[str, Any], packed: Any, *, cp_size: int, cp_ran
     packed._loongforge_bounds = bounds
     index = cp_indices(bounds, cp_size=cp_size, cp_rank=cp_rank, device=tokens.device)
     out = dict(batch)
-    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+    for key in ("tokens", "labels", "loss_mask", "position_ids", *seq_keys):
         if batch.get(key) is not None:
             out[key] = batch[key].index_select(-1, index)  # NOTE: -1: 3-D (mrope) position ids too
     if batch.get("attention_mask") is not None:

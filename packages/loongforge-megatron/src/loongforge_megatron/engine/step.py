@@ -40,15 +40,16 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return out
 
 
-def model_inputs(batch: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    """A micro-batch as the model takes it: on the model's device, this context-parallel rank's part, and for
-    megatron's local attention (which refuses ``packed_seq_params``) packed samples as the equivalent
-    block-diagonal mask (:func:`packed_attention_mask`, ``[t, t]``: that reference path alone builds one)."""
+def model_inputs(batch: dict[str, Any], model: torch.nn.Module, *, seq_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A micro-batch as the model takes it: on the model's device, this context-parallel rank's part (of the
+    standard keys and of ``seq_keys``, a model's own per-token keys), and for megatron's local attention (which
+    refuses ``packed_seq_params``) packed samples as the equivalent block-diagonal mask
+    (:func:`packed_attention_mask`, ``[t, t]``: that reference path alone builds one)."""
     batch = _to_device(batch, next(model.parameters()).device)
     if _cp_size() > 1:
         from loongforge_megatron.engine.batch import cp_slice
 
-        batch = cp_slice(batch)
+        batch = cp_slice(batch, seq_keys=seq_keys)
     packed = batch.get("packed_seq_params")
     if packed is not None and _uses_local_attention(model):
         b, s = batch["tokens"].shape

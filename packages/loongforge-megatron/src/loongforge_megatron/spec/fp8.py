@@ -5,7 +5,9 @@ The model is built as usual; :func:`apply_fp8` then gives each decoder ``ColumnP
 The subclass replaces only ``_forward_impl``, megatron's linear-with-communication: under sequence parallelism
 the column-parallel input is all-gathered in the forward and its grad reduce-scattered in the backward; without
 it the input grad is all-reduced over TP (``allreduce_dgrad``); row-parallel output reductions stay in megatron's
-``forward``. The weight gradient goes into ``main_grad`` under gradient-accumulation fusion, as megatron's.
+``forward``. The weight gradient goes into ``main_grad`` under gradient-accumulation fusion
+(``kernels.grad_accum_fusion``), as megatron's: the first micro-batch of a step writes the FP8 GEMM's fp32 result
+straight into the zeroed buffer, later ones add a bf16 grad (``torch._scaled_mm`` has no accumulating output).
 The output layer stays bf16 unless ``train.fp8.output_layer``; embeddings are lookups, not GEMMs.
 
 With ``train.fp8.experts``, grouped MoE experts (``GroupedMLP``, ``kernels.moe_grouped_gemm``) run their fc1 / fc2
@@ -53,15 +55,18 @@ class _Fp8TPLinear(torch.autograd.Function):
         recipe, gemms, fused, allreduce_dgrad, sp, tp_group, total_shape, has_bias = ctx.cfg
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = grad_output.reshape(-1, grad_output.shape[-1])
-        dx, dw = fp8_backward(dy, saved, recipe, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=weight.dtype)
+        # NOTE: megatron's DDP clears grad_added_to_main_grad when it zeroes the grad buffer, and every fused
+        # weight-grad path sets it: while it is False, main_grad holds zeros and the FP8 GEMM may overwrite it
+        main_grad = weight.main_grad if fused and need_dw else None
+        dx, dw = fp8_backward(dy, saved, recipe, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=weight.dtype,
+                              main_grad=main_grad, accumulate=getattr(weight, "grad_added_to_main_grad", True))
         if dx is not None:
             dx = dx.view(total_shape)
             if sp:
                 dx = _reduce_scatter_along_first_dim(dx, group=tp_group)
             elif allreduce_dgrad:
                 torch.distributed.all_reduce(dx, group=tp_group)
-        if dw is not None and fused:
-            weight.main_grad.add_(dw)
+        if main_grad is not None:
             if hasattr(weight, "grad_added_to_main_grad"):
                 # NOTE: as megatron's linear: a dummy grad keeps DDP's backward hooks on the main thread
                 dw = torch.zeros(weight.main_grad.shape, dtype=dy.dtype, device=dy.device) \

@@ -9,7 +9,10 @@ megatron's, so checkpoints and HF name maps are unchanged.
 Where the kernel does not apply, megatron's own path runs unchanged (see :meth:`KernelRoPESelfAttention._kernel_rope`):
 interleaved rope, a YaRN mscale != 1, inference / flash decode, fused single-QKV rope, positional calls, and
 packed THD under context parallelism. MLA (DeepSeek) keeps megatron's ``MLASelfAttention``. On the CPU the
-registry serves the plain-torch reference; with no kernel provider installed, megatron's path runs.
+registry serves the plain-torch reference; with no kernel provider installed, megatron's path runs. Multimodal
+RoPE (``config.mrope_section``: Qwen-VL) has a frequency row per token, this rank's tokens under context
+parallelism, which megatron's packed path would re-slice: it rotates here always, by megatron's own function where
+no kernel is installed.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class KernelRoPESelfAttention(SelfAttention):
         q_freqs, k_freqs = emb if isinstance(emb, tuple) else (emb, emb)
         cu_q = cu_kv = None
         packed = kwargs.get("packed_seq_params")
+        if cfg.mrope_section is not None:
+            # NOTE: multimodal RoPE's frequencies are per token (row i is token i's; this context-parallel rank's
+            # tokens under CP): packed rows rotate as one sequence, with or without a kernel
+            if self._impl is None:
+                self._impl = self._lookup(q_freqs)
+            return q_freqs, k_freqs, None, None
         if packed is not None and packed.qkv_format == "thd":
             if self.pg_collection.cp.size() > 1:
                 return None  # the kernel has no CP slicing of per-sequence positions
@@ -63,16 +72,15 @@ class KernelRoPESelfAttention(SelfAttention):
                 else packed.cu_seqlens_kv
             )
         if self._impl is None:
-            try:
-                self._impl = kernel(
-                    "rope",
-                    provider=self.provider,
-                    device_type=q_freqs.device.type,
-                    accelerator=self.accelerator,
-                )
-            except KeyError:  # no kernel package installed
-                self._impl = False
+            self._impl = self._lookup(q_freqs)
         return (q_freqs, k_freqs, cu_q, cu_kv) if self._impl else None
+
+    def _lookup(self, freqs: torch.Tensor):
+        """The registry's rope op for ``freqs``' device, or False when no kernel package is installed."""
+        try:
+            return kernel("rope", provider=self.provider, device_type=freqs.device.type, accelerator=self.accelerator)
+        except KeyError:
+            return False
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any
@@ -102,6 +110,10 @@ class KernelRoPESelfAttention(SelfAttention):
     ) -> torch.Tensor:
         if freqs is None:
             return x
+        if not self._impl:  # multimodal RoPE without a kernel package: megatron's own rotation, token by token
+            from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+            return _apply_rotary_pos_emb_bshd(x, freqs)
         if cu_seqlens is None:  # sbhd; under CP, megatron's RotaryEmbedding already sliced freqs to this rank
             return self._impl(x, freqs)
         return self._impl(x.squeeze(1), freqs, cu_seqlens=cu_seqlens).unsqueeze(1)  # THD: [t, 1, h, d]

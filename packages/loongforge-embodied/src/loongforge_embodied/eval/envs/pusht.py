@@ -20,15 +20,26 @@ def environment_state(unwrapped) -> np.ndarray:
     return np.array([*u.agent.position, *u.block.position, u.block.angle % (2 * np.pi)], dtype=np.float32)
 
 
+def environment_state_with_velocity(unwrapped) -> np.ndarray:
+    """:func:`environment_state` then the pusher's velocity (px/s): [agent_x, agent_y, block_x, block_y,
+    block_angle, agent_vx, agent_vy]. The scripted expert executes whole pushes, so from the pose alone a frame in
+    the middle of a push (the pusher moving into the block) and one at its end (the pusher at rest there, about to
+    walk elsewhere) look alike while their labels differ; the velocity tells them apart."""
+    v = unwrapped.agent.velocity
+    return np.array([*environment_state(unwrapped), v[0], v[1]], dtype=np.float32)
+
+
 class PushTAdapter:
     """``gym_pusht/PushT-v0`` with ``obs_type=pixels_agent_pos``; the block's pose is the privileged
-    ``observation.environment_state`` = [agent_x, agent_y, block_x, block_y, block_angle] (gym-pusht's ``state``)."""
+    ``observation.environment_state`` = [agent_x, agent_y, block_x, block_y, block_angle] (gym-pusht's ``state``),
+    ``observation.environment_state_with_velocity`` adds the pusher's velocity."""
 
     name = "pusht"
     max_steps = 300  # gym-pusht's own TimeLimit
     fps = 10
     references = ("expert", "random", "replay")
-    observation_keys = ("observation.image", "observation.state", "observation.environment_state")
+    observation_keys = ("observation.image", "observation.state", "observation.environment_state",
+                        "observation.environment_state_with_velocity")
     action_low, action_high = np.zeros(2, np.float32), np.full(2, 512.0, np.float32)
 
     def __init__(self, *, image_size: int | None = None, render_size: int = 256):
@@ -48,9 +59,10 @@ class PushTAdapter:
         self.unwrapped = self.env.unwrapped
 
     def _obs(self, raw) -> dict[str, Any]:
-        env_state = environment_state(self.unwrapped)
+        with_velocity = environment_state_with_velocity(self.unwrapped)
+        env_state = with_velocity[:5].copy()
         obs = {"observation.state": env_state[:2].copy(), "observation.environment_state": env_state,
-               "prompt": TASK}
+               "observation.environment_state_with_velocity": with_velocity, "prompt": TASK}
         if self.image_size:
             obs["observation.image"] = np.ascontiguousarray(raw["pixels"], dtype=np.uint8)
             obs["observation.state"] = np.asarray(raw["agent_pos"], np.float32)

@@ -85,6 +85,13 @@ def no_dit_keys(recipe: Any) -> None:
                           "DiTTransformer2DModel)", key=dit_only)
 
 
+def no_image_size(recipe: Any, model: str) -> None:
+    """``data.image_size`` sizes the images of a Qwen-VL model's synthetic samples and a DiT's latents only."""
+    if recipe.data.image_size is not None:
+        raise RecipeError(f"data.image_size sets the image side of a Qwen-VL model's synthetic samples or a DiT's "
+                          f"latents; {model}: remove it", key="data.image_size")
+
+
 def check_lm(recipe: Any, plan: Any, arch: Arch) -> None:
     """What every language model (a VLM's too) must satisfy: MoE / LoRA / etp / te / FP8-policy limits, positions."""
     if arch.is_moe and plan.tp > 1 and not plan.sp:
@@ -357,6 +364,7 @@ class GPTFamily(HFCheckpoint):
         no_compile(recipe)
         one_layout(recipe)
         no_dit_keys(recipe)
+        no_image_size(recipe, "a language model's data has no images")
         if recipe.data.format == "conversations":
             raise RecipeError("data.format conversations (image-text messages) needs a Qwen-VL model (e.g. "
                               "model.preset qwen2.5-vl-tiny or model.hf of a Qwen2.5-VL checkpoint)", key="data.format")
@@ -367,6 +375,13 @@ class GPTFamily(HFCheckpoint):
             have = sorted(s.name for s in _mtp_families())
             raise RecipeError(f"model.mtp_num_layers: the {self.name} family has no HF layout for multi-token "
                               f"prediction layers (families with one: {', '.join(have)})", key="model.mtp_num_layers")
+        fp8 = recipe.train.fp8
+        if fp8 is not None and fp8.output_layer and kernel_spec(recipe) == "loongforge":
+            # NOTE: the loongforge spec computes the output layer inside its fused linear cross-entropy (bf16
+            # GEMMs of its own): an FP8 output layer module would never run
+            raise RecipeError("train.fp8.output_layer: the loongforge spec runs the output layer inside its fused "
+                              "linear cross-entropy, in bf16; leave it false (or use kernels.spec local / te)",
+                              key="train.fp8.output_layer")
         self.check_family(recipe, plan, arch)
         check_lm(recipe, plan, arch)
 

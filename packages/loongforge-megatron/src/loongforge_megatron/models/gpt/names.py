@@ -14,6 +14,7 @@ from loongforge.checkpoint import (
     ColumnParallel,
     Entry,
     Expert,
+    FusedExperts,
     FusedQKV,
     GatedMLP,
     NameMap,
@@ -98,6 +99,23 @@ def routed_experts(
     if router_bias:
         out.append(Entry(L + "mlp.router.expert_bias", H + f"mlp.gate.{router_bias}", Replicated(), layers=layers))
     return out
+
+
+def fused_experts(
+    num_experts: int, *, hidden: int, ffn: int, layers: Callable[[int], bool] | None = None
+) -> list[Entry]:
+    """Router + routed experts that HF keeps as two 3-D tensors per layer (transformers' fused
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] or [E, H, 2I], gate before up, and ``mlp.experts.down_proj``
+    [E, H, I] or [E, I, H]), split into SequentialMLP's per-expert ``linear_fc1`` / ``linear_fc2`` (exported
+    in the ``[in, out]`` orientation of the published checkpoints)."""
+    ex = "mlp.experts.local_experts.*."
+    return [
+        Entry(L + "mlp.router.weight", H + "mlp.gate.weight", Replicated(), layers=layers),
+        Entry(L + ex + "linear_fc1.weight", H + "mlp.experts.gate_up_proj",
+              FusedExperts(GatedMLP(), num_experts, out_features=2 * ffn, in_features=hidden), layers=layers),
+        Entry(L + ex + "linear_fc2.weight", H + "mlp.experts.down_proj",
+              FusedExperts(RowParallel(), num_experts, out_features=hidden, in_features=ffn), layers=layers),
+    ]
 
 
 def column(meg: str, hf: str, **kw) -> Entry:

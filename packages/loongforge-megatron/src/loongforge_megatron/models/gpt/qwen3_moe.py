@@ -14,6 +14,7 @@ from loongforge_megatron.models.gpt.names import (
     HFConfig,
     dense_mlp,
     ends,
+    fused_experts,
     gqa_attention,
     norms,
     routed_experts,
@@ -64,16 +65,24 @@ class Qwen3Moe(Qwen3):
         return num_experts(cfg)
 
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
-        first, last = ends(cfg, divisible_by=divisible_by)
+        return name_map(cfg, divisible_by=divisible_by)
 
-        def moe(i: int) -> bool:
-            return is_moe_layer(cfg, i)
 
-        def dense(i: int) -> bool:
-            return not is_moe_layer(cfg, i)
+def name_map(cfg: HFConfig, *, divisible_by: int = 128, fused: bool = False) -> NameMap:
+    """Qwen3-MoE's layers; ``fused``: the experts as transformers' 3-D ``gate_up_proj`` / ``down_proj``
+    (Qwen3-VL-MoE's checkpoints), else one tensor per expert (Qwen3-MoE's)."""
+    first, last = ends(cfg, divisible_by=divisible_by)
 
-        body = norms() + gqa_attention(cfg, qk_norm=True) + dense_mlp(layers=dense)
-        return NameMap(first + body + routed_experts(num_experts(cfg), layers=moe) + last)
+    def moe(i: int) -> bool:
+        return is_moe_layer(cfg, i)
+
+    def dense(i: int) -> bool:
+        return not is_moe_layer(cfg, i)
+
+    body = norms() + gqa_attention(cfg, qk_norm=True) + dense_mlp(layers=dense)
+    experts = (fused_experts(num_experts(cfg), hidden=cfg["hidden_size"], ffn=cfg["moe_intermediate_size"], layers=moe)
+               if fused else routed_experts(num_experts(cfg), layers=moe))
+    return NameMap(first + body + experts + last)
 
 
 SPEC = Qwen3Moe()

@@ -21,6 +21,7 @@ from loongforge_megatron.models.gpt.family import (
     check_provider,
     no_compile,
     no_dit_keys,
+    no_image_size,
     padded_vocab,
     tokenizer_assets,
     tokenizer_for,
@@ -129,12 +130,14 @@ class Llava(HFCheckpoint):
     def check(self, recipe: Any, plan: Any, arch: LlavaArch) -> None:
         """What the first VLM path supports: TP / PP / DP / distributed optimizer, pretrain or CPT on image-text
         data, resumable checkpoints and HF export; the vision tower may be kept whole (``components.vision``)."""
-        from loongforge_megatron.models.llava.model import image_seq_length
+        from loongforge_megatron.models.llava.model import image_seq_length, image_size
 
         check_provider(recipe)
         no_compile(recipe)
         _check_components(recipe, plan)
         no_dit_keys(recipe)
+        no_image_size(recipe, f"LLaVA's images are its vision tower's size ({image_size(arch)[0]} px, the checkpoint's "
+                              "vision_config.image_size)")
         for key, value, allowed in (("parallel.vpp", plan.vpp, 1), ("parallel.cp", plan.cp, 1), ("parallel.ep", plan.ep, 1)):
             if value != allowed:
                 raise RecipeError(f"LLaVA models train with tensor, pipeline and data parallelism only (got {value})",

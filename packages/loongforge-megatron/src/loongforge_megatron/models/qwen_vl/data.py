@@ -14,17 +14,27 @@ multimodal positions starting at 0, and a micro-batch is its records back to bac
 parallelism every stage sends activations of one shape, so each record is padded to ``seq_length`` there (the
 padding is the record's own, after it, and carries no loss).
 
-Records (image paths relative to the records file, inside its folder):
+Records (image and frame paths relative to the records file, inside its folder):
 
 - ShareGPT: ``{"conversations": [{"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value":
-  "..."}], "images": ["a.png"]}`` (or ``"image": "a.png"``); each ``<image>`` takes the next image.
+  "..."}], "images": ["a.png"]}`` (or ``"image": "a.png"``); each ``<image>`` takes the next image, each
+  ``<video>`` the next of ``"videos"``.
 - OpenAI: ``{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text",
-  "text": "What is this?"}]}, {"role": "assistant", "content": "..."}]}``.
+  "text": "What is this?"}]}, {"role": "assistant", "content": "..."}]}``; a video part is ``{"type": "video",
+  "video": VIDEO}``.
+- A video (``VIDEO``) is its frames, already sampled: a list of image files, or ``{"frames": [...], "fps": 2}``
+  (the rate they were sampled at; default the video processor's ``fps``, else 2). The checkpoint's video processor
+  turns them into temporal patches (``pixel_values_videos`` / ``video_grid_thw``) and its processor writes the
+  placeholder (Qwen3-VL: a ``<t seconds>`` timestamp before each temporal patch's tokens); multimodal positions
+  advance ``tokens_per_second x temporal_patch_size / fps`` a temporal patch (Qwen2.5-VL) or restart per timestamped
+  frame group (Qwen3-VL), as transformers' ``get_rope_index``.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +44,7 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.data.epochs import ShuffledEpochs
 from loongforge_megatron.models.qwen_vl.rope import mrope_positions
 
-CONCAT_KEYS = ("pixel_values", "image_grid_thw")
+CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Qwen2-VL's chat template (the hub's chat_template.json), for a checkpoint directory that has none.
@@ -83,9 +93,30 @@ def read_records(path: str | Path) -> list[Any]:
     return records
 
 
-def to_messages(rec: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """(processor-style messages: content lists of ``{"type": "image"}`` / ``{"type": "text", ...}``, the image
-    references in order) of a ShareGPT or OpenAI record."""
+@dataclass
+class Video:
+    """A record's video: its (already sampled) frame files and the rate they were sampled at (None: the default)."""
+
+    frames: list[str]
+    fps: float | None = None
+
+
+def _video(ref: Any, where: str, what: str) -> Video:
+    if isinstance(ref, dict):
+        fps = ref.get("fps")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
+            raise _bad(where, f"{what}: 'fps' must be a positive number (got {fps!r})")
+        ref, fps = ref.get("frames"), None if fps is None else float(fps)
+    else:
+        fps = None
+    if not isinstance(ref, list) or not ref or not all(isinstance(f, str) for f in ref):
+        raise _bad(where, f"{what}: a video is a non-empty list of frame files, or {{\"frames\": [...], \"fps\": N}}")
+    return Video(frames=list(ref), fps=fps)
+
+
+def to_messages(rec: Any, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
+    """(processor-style messages: content lists of ``{"type": "image"}`` / ``{"type": "video"}`` / ``{"type":
+    "text", ...}``, the image references and the videos, each in order) of a ShareGPT or OpenAI record."""
     if not isinstance(rec, dict):
         raise _bad(where, "is not a JSON object")
     if "messages" in rec:
@@ -95,35 +126,41 @@ def to_messages(rec: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
     raise _bad(where, "has neither 'messages' (OpenAI style) nor 'conversations' (ShareGPT style)")
 
 
-def _sharegpt(rec: dict, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+def _sharegpt(rec: dict, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
     images = rec.get("images", [rec["image"]] if "image" in rec else [])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise _bad(where, "'images' must be a list of image paths")
-    messages, used = [], 0
+    videos = rec.get("videos", [rec["video"]] if "video" in rec else [])
+    if not isinstance(videos, list):
+        raise _bad(where, "'videos' must be a list of videos (each a list of frame files)")
+    videos = [_video(v, where, f"video {k + 1}") for k, v in enumerate(videos)]
+    messages, used = [], {"image": 0, "video": 0}
     turns = rec["conversations"]
     if not isinstance(turns, list) or not turns:
         raise _bad(where, "'conversations' must be a non-empty list of {from, value} turns")
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get("from") not in _ROLES or not isinstance(turn.get("value"), str):
             raise _bad(where, f"turn {i + 1} needs 'from' (one of {', '.join(_ROLES)}) and a string 'value'")
-        parts = turn["value"].split("<image>")
         content: list[dict[str, Any]] = []
-        for k, text in enumerate(parts):
-            if k:
-                content.append({"type": "image"})
-                used += 1
-            if text:
-                content.append({"type": "text", "text": text})
+        for piece in re.split(r"(<image>|<video>)", turn["value"]):
+            if piece in ("<image>", "<video>"):
+                kind = piece[1:-1]
+                content.append({"type": kind})
+                used[kind] += 1
+            elif piece:
+                content.append({"type": "text", "text": piece})
         messages.append({"role": _ROLES[turn["from"]], "content": content})
-    if used != len(images):
-        raise _bad(where, f"has {used} '<image>' placeholders but {len(images)} images")
-    return messages, images
+    if used["image"] != len(images):
+        raise _bad(where, f"has {used['image']} '<image>' placeholders but {len(images)} images")
+    if used["video"] != len(videos):
+        raise _bad(where, f"has {used['video']} '<video>' placeholders but {len(videos)} videos")
+    return messages, images, videos
 
 
-def _openai(turns: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
+def _openai(turns: Any, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
     if not isinstance(turns, list) or not turns:
         raise _bad(where, "'messages' must be a non-empty list of {role, content} messages")
-    messages, images = [], []
+    messages, images, videos = [], [], []
     for i, m in enumerate(turns):
         if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
             raise _bad(where, f"message {i + 1} needs 'role' (one of {', '.join(_ROLES)}) and 'content'")
@@ -144,11 +181,17 @@ def _openai(turns: Any, where: str) -> tuple[list[dict[str, Any]], list[str]]:
                     raise _bad(where, f"message {i + 1}: an image part without a path ('image' or 'image_url')")
                 images.append(ref)
                 parts.append({"type": "image"})
+            elif kind == "video":
+                ref = part.get("video", part.get("frames"))
+                if isinstance(ref, list) and part.get("fps") is not None:
+                    ref = {"frames": ref, "fps": part["fps"]}
+                videos.append(_video(ref, where, f"message {i + 1}: video part"))
+                parts.append({"type": "video"})
             else:
-                raise _bad(where, f"message {i + 1}: content part {str(part)[:80]} is neither text nor an image "
-                           "(videos are not supported yet)")
+                raise _bad(where, f"message {i + 1}: content part {str(part)[:80]} is neither text, an image nor a "
+                           "video")
         messages.append({"role": _ROLES[m["role"]], "content": parts})
-    return messages, images
+    return messages, images, videos
 
 
 def load_processor(model_dir: str | Path | None):
@@ -174,7 +217,7 @@ class Conversations:
     concat_keys = CONCAT_KEYS
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
-                 fill: bool = False):
+                 fill: bool = False, multiple_of: int = 1):
         self.file = Path(path)
         self.records = read_records(path)
         self.processor, self.tok = processor, processor.tokenizer
@@ -186,11 +229,21 @@ class Conversations:
             raise RecipeError(f"the tokenizer maps the image placeholder '{self.pad_text}' to id "
                               f"{self.tok.convert_tokens_to_ids(self.pad_text)}, the model's image_token_id is "
                               f"{self.image_token}", key="data.tokenizer")
+        self.video_text = getattr(processor, "video_token", "<|video_pad|>")
+        # NOTE: Qwen3-VL's processor writes each temporal patch of a video as its own timestamped group, and its
+        # get_rope_index gives each group the positions of a one-frame image
+        self.frame_groups = arch.spec_name == "qwen3_vl"
+        self.tokens_per_second = float(v["vision_config"].get("tokens_per_second", 2))
         eot = "<|im_end|>"
         self.end_of_turn = eot if self.tok.convert_tokens_to_ids(eot) not in (None, self.tok.unk_token_id) else (
             self.tok.eos_token)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_length, self.seed, self.pack, self.fill = seq_length, seed, pack, fill
+        if seq_length % multiple_of:
+            raise RecipeError(f"data.seq_length {seq_length} must be a multiple of {multiple_of} (2 x parallel.cp "
+                              "under context parallelism, times parallel.tp under sequence parallelism)",
+                              key="data.seq_length")
+        self.multiple_of = multiple_of
         self._record = ShuffledEpochs(len(self.records), seed)
 
     def __len__(self) -> int:
@@ -219,28 +272,60 @@ class Conversations:
             raise _bad(where, f"the chat template failed ({str(exc).splitlines()[0][:160]})") from None
         return text, spans
 
-    def _images(self, refs: list[str], where: str) -> dict[str, torch.Tensor]:
+    def _load(self, refs: list[str], where: str, what: str = "image") -> list[Any]:
+        """The RGB images of ``refs`` (paths inside the records' folder)."""
         from PIL import Image
 
         root = self.file.parent
         pil = []
         for ref in refs:
             if not ref or Path(ref).is_absolute() or ".." in Path(ref).parts:
-                raise _bad(where, f"image '{ref[:200]}' is not a path inside the records' folder {root} (relative "
+                raise _bad(where, f"{what} '{ref[:200]}' is not a path inside the records' folder {root} (relative "
                            "paths only, no '..')")
             path = root / ref
             if not path.is_file():
-                raise _bad(where, f"image '{path}' not found")
+                raise _bad(where, f"{what} '{path}' not found")
             try:
                 with Image.open(path) as im:
                     pil.append(im.convert("RGB"))
             except (OSError, ValueError) as exc:  # NOTE: PIL's UnidentifiedImageError and truncated files
-                raise _bad(where, f"image '{path}' is unreadable ({str(exc).splitlines()[0][:120]})") from None
+                raise _bad(where, f"{what} '{path}' is unreadable ({str(exc).splitlines()[0][:120]})") from None
+        return pil
+
+    def _images(self, refs: list[str], where: str) -> dict[str, torch.Tensor]:
+        pil = self._load(refs, where)
         if not pil:
             return {"pixel_values": torch.zeros(0, self._patch_width()), "image_grid_thw": torch.zeros(0, 3,
                                                                                                    dtype=torch.long)}
         out = self.processor.image_processor(images=pil, return_tensors="pt")
         return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
+
+    def _videos(self, videos: list[Video], where: str) -> tuple[dict[str, torch.Tensor], list[str], list[float]]:
+        """(the video processor's ``pixel_values_videos`` / ``video_grid_thw``, each video's placeholder text as
+        the processor writes it, each video's seconds per temporal patch)."""
+        if not videos:
+            return ({"pixel_values_videos": torch.zeros(0, self._patch_width()),
+                     "video_grid_thw": torch.zeros(0, 3, dtype=torch.long)}, [], [])
+        from transformers.video_utils import VideoMetadata
+
+        vp = getattr(self.processor, "video_processor", None)
+        if vp is None:
+            raise _bad(where, "has a video but the checkpoint's processor has no video processor "
+                       "(video_preprocessor_config.json)")
+        clips, meta = [], []
+        for k, video in enumerate(videos):
+            frames = self._load(video.frames, where, what=f"video {k + 1} frame")
+            if len({f.size for f in frames}) > 1:
+                raise _bad(where, f"video {k + 1}: frames of different sizes {sorted({f.size for f in frames})}")
+            fps = video.fps or float(getattr(vp, "fps", None) or 2.0)
+            clips.append(frames)
+            meta.append(VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(range(len(frames)))))
+        out = vp(videos=clips, video_metadata=meta, do_sample_frames=False, return_metadata=True, return_tensors="pt")
+        out = {**out, "video_metadata": out.get("video_metadata", meta)}
+        texts = [self.processor.replace_video_token(out, k) for k in range(len(clips))]
+        seconds = [vp.temporal_patch_size / m.fps for m in meta]
+        return ({"pixel_values_videos": out["pixel_values_videos"].float(),
+                 "video_grid_thw": out["video_grid_thw"].long()}, texts, seconds)
 
     def _patch_width(self) -> int:
         ip = self.processor.image_processor
@@ -249,60 +334,90 @@ class Conversations:
     def encode(self, n: int) -> dict[str, Any]:
         """Record ``n`` (0-based): token ids, 0/1 label mask, pixel values and grids (not cut or padded)."""
         where = f"{self.file}: record {n + 1}"
-        messages, refs = to_messages(self.records[n], where)
+        messages, refs, videos = to_messages(self.records[n], where)
         text, spans = self._render(messages, where)
         images = self._images(refs, where)
+        clips, video_texts, seconds = self._videos(videos, where)
+        video_texts = iter(video_texts)
         counts = (images["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
-        pieces = text.split(self.pad_text)
-        if len(pieces) - 1 != len(counts):
-            raise _bad(where, f"the chat template wrote {len(pieces) - 1} image placeholders for {len(counts)} images")
-        # NOTE: expand each placeholder to its image's token count (the processor's rule), moving the spans along
-        expanded, shift, starts = [], 0, []
-        for k, piece in enumerate(pieces):
-            starts.append((shift, sum(len(p) for p in pieces[:k]) + k * len(self.pad_text)))
-            expanded.append(piece)
-            if k < len(counts):
-                expanded.append(self.pad_text * counts[k])
-                shift += len(self.pad_text) * (counts[k] - 1)
-        full = "".join(expanded)
+        found = re.findall(f"{re.escape(self.pad_text)}|{re.escape(self.video_text)}", text)
+        for what, token, have in (("image", self.pad_text, len(counts)), ("video", self.video_text, len(videos))):
+            if found.count(token) != have:
+                raise _bad(where, f"the chat template wrote {found.count(token)} {what} placeholders for {have} "
+                           f"{what}s")
+        # NOTE: each placeholder expanded as the processor does (an image: its merged-patch count of placeholder
+        # tokens; a video: the processor's text for it), moving the spans along; the grids in placeholder order
+        # give the multimodal positions
+        image_texts = iter(self.pad_text * c for c in counts)
+        image_grids, video_grids = iter(images["image_grid_thw"].tolist()), iter(clips["video_grid_thw"].tolist())
+        video_seconds = iter(seconds)
+        pieces, moves, grids, scales, last, shift = [], [], [], [], 0, 0
+        for m in re.finditer(f"{re.escape(self.pad_text)}|{re.escape(self.video_text)}", text):
+            video = m.group() == self.video_text
+            rep = next(video_texts) if video else next(image_texts)
+            pieces += [text[last:m.start()], rep]
+            shift += len(rep) - (m.end() - m.start())
+            moves.append((m.end(), shift))
+            last = m.end()
+            if not video:
+                grids.append(next(image_grids))
+                continue
+            t, h, w = next(video_grids)
+            step = next(video_seconds) * self.tokens_per_second
+            if self.frame_groups:
+                grids += [[1, h, w]] * t
+                scales += [1.0] * t
+            else:
+                grids.append([t, h, w])
+                scales.append(step)
+        pieces.append(text[last:])
+        full = "".join(pieces)
 
         def moved(c: int) -> int:
-            return c + max((s for s, at in starts if at <= c), default=0)
+            return c + max((sh for end, sh in moves if end <= c), default=0)
 
         spans = [(moved(a), moved(b)) for a, b in spans]
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
-        if ids.count(self.image_token) != sum(counts):
-            raise _bad(where, f"{ids.count(self.image_token)} image tokens after tokenization for {sum(counts)} "
-                       "image embeddings (the tokenizer splits the placeholder)")
-        return {"ids": ids, "mask": mask, **images}
+        n_video = int(clips["video_grid_thw"].prod(-1).sum()) // self.merge ** 2
+        for what, token, want in (("image", self.image_token, sum(counts)), ("video", self.video_token, n_video)):
+            if want and ids.count(token) != want:
+                raise _bad(where, f"{ids.count(token)} {what} tokens after tokenization for {want} {what} "
+                           "embeddings (the tokenizer splits the placeholder)")
+        return {"ids": ids, "mask": mask, **images, **clips, "rope_grids": grids, "time_scale": scales}
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         n = self._record(idx)
         rec = self.encode(n)
-        return sample(rec["ids"], rec["mask"], pixel_values=rec["pixel_values"], grid_thw=rec["image_grid_thw"],
-                      seq_length=self.seq_length, pad=self.pad, image_token=self.image_token,
-                      video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}",
-                      pack=self.pack, fill=self.fill)
+        row = sample(rec["ids"], rec["mask"], pixel_values=rec["pixel_values"], grid_thw=rec["image_grid_thw"],
+                     seq_length=self.seq_length, pad=self.pad, image_token=self.image_token,
+                     video_token=self.video_token, merge=self.merge, where=f"{self.file}: record {n + 1}",
+                     pack=self.pack, fill=self.fill, multiple_of=self.multiple_of, rope_grids=rec["rope_grids"],
+                     time_scale=rec["time_scale"])
+        return {**row, "pixel_values_videos": rec["pixel_values_videos"], "video_grid_thw": rec["video_grid_thw"]}
 
 
 def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_thw: torch.Tensor, seq_length: int,
            pad: int, image_token: int, video_token: int | None, merge: int, where: str, pack: bool = False,
-           fill: bool = True) -> dict[str, torch.Tensor]:
+           fill: bool = True, multiple_of: int = 1, rope_grids: list[list[int]] | None = None,
+           time_scale: list[float] = ()) -> dict[str, torch.Tensor]:
     """One row of ``seq_length`` tokens: GPT-shifted labels, the 0/1 loss mask, multimodal positions. ``pack``: the
-    row also carries ``cu_seqlens`` / ``num_tokens`` and, unless ``fill``, is only as long as the record."""
-    positions = mrope_positions(ids, grids=grid_thw.tolist(), image_token=image_token, video_token=video_token,
-                                merge=merge)
+    row also carries ``cu_seqlens`` / ``num_tokens`` and, unless ``fill``, is only as long as the record, padded to
+    a multiple of ``multiple_of``. ``rope_grids`` / ``time_scale``: the grid of every image / video placeholder run
+    in order and each video run's positions a frame (default: the images' grids)."""
+    positions = mrope_positions(ids, grids=grid_thw.tolist() if rope_grids is None else rope_grids,
+                                image_token=image_token, video_token=video_token, merge=merge, time_scale=time_scale)
     n = seq_length
     if len(ids) > n + 1:
-        if image_token in ids[n:]:
+        if image_token in ids[n:] or (video_token is not None and video_token in ids[n:]):
             raise _bad(where, f"an image's tokens end after data.seq_length {n} (the record has {len(ids)} tokens "
-                       "with its images expanded); raise seq_length or use smaller images (max_pixels)")
+                       "with its images and videos expanded); raise seq_length or use smaller images (max_pixels) "
+                       "or fewer frames")
         ids, mask, positions = ids[: n + 1], mask[: n + 1], positions[:, : n + 1]
     real = len(ids) - 1
     if pack and not fill:
-        n = real
+        n = -(-real // multiple_of) * multiple_of
     extra = n + 1 - len(ids)
     last = int(positions.max()) + 1 if positions.numel() else 0
     positions = torch.cat([positions, torch.arange(last, last + extra).expand(3, -1)], dim=1)

@@ -4,8 +4,9 @@ the image placeholder tokens' embeddings before the decoder runs; :func:`forward
 
 The language model keeps GPTModel's parameter names (``embedding.*``, ``decoder.layers.*``, ``output_layer.*``), so
 the GPT name maps, the seeded initialisation and the pipeline layout are the GPT ones; the tower is ``vision.*``.
-The tower is whole on every tensor-parallel rank (each runs it on the same images): its gradients agree across
-those ranks because the decoder's first column-parallel layers all-reduce the gradient of their input.
+The tower is whole on every tensor-parallel rank (each runs it on the same images; its gradients agree across those
+ranks because the decoder's first column-parallel layers all-reduce the gradient of their input), or split over them
+(``parallel.components.vision.tp`` = tp: ``tower_parallel.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ def _gpt_model_class():
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
                      mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
-                     **gpt: Any):
+                     vision_tp: int = 1, **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
 
-            super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base), **gpt)
+            # NOTE: the image embeddings go over the placeholders' embeddings of the whole sequence; under
+            # sequence parallelism :meth:`forward` scatters the merged sequence (megatron's LLaVAModel does the same)
+            super().__init__(position_embedding_type="rope", rotary_base=int(rotary_base),
+                             scatter_embedding_sequence_parallel=False, **gpt)
             # NOTE: GPTModel's mrope branch calls rotary_pos_emb(position_ids, mrope_section); megatron's own
             # MultimodalRotaryEmbedding allocates on torch.cuda at build and has no interleaved sections, so the
             # model is built with plain rope and given ours
@@ -44,8 +48,9 @@ def _gpt_model_class():
             self.rotary_pos_emb = MRoPE(kv_channels=self.config.kv_channels, rotary_base=rotary_base,
                                         interleaved=mrope_interleaved)
             self.image_token, self.video_token = image_token, video_token
+            self.merge = vision_config.get("spatial_merge_size", 2)  # merged patches: merge x merge a token
             tower = VisionTower3 if deepstack else VisionTower
-            self.vision = tower(vision_config) if self.pre_process else None
+            self.vision = tower(vision_config, tp=vision_tp) if self.pre_process else None
             self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
             if self.vision is not None and deepstack:
                 n = len(vision_config.get("deepstack_visual_indexes", []))
@@ -57,49 +62,104 @@ def _gpt_model_class():
 
         def _add_deepstack(self, i, module, args, output):
             """Deepstack: after language layer ``i``, the image tokens' hidden states get the tower's i-th
-            deepstack features (transformers' ``_deepstack_process``)."""
+            deepstack features (transformers' ``_deepstack_process``). Under sequence parallelism the features are
+            laid over the whole sequence and scattered like the embeddings, so that every tensor-parallel rank's
+            tower gets the gradient of all of them (the scatter's backward gathers it)."""
             if self._deepstack is None:
                 return output
             mask, order, feats = self._deepstack
             hidden, *rest = output if isinstance(output, tuple) else (output,)
-            hidden = hidden.clone()
-            hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
+            if self.config.sequence_parallel:
+                from megatron.core import tensor_parallel
+
+                add = hidden.new_zeros(mask.shape[0], *hidden.shape[1:])
+                add[mask] = feats[i][order].to(hidden.dtype)
+                hidden = hidden + tensor_parallel.scatter_to_sequence_parallel_region(add)
+            else:
+                hidden = hidden.clone()
+                hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
-                    image_grid_thw=None, packed_seq_params=None, **kw):
+                    image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, vision_index=None,
+                    packed_seq_params=None, **kw):
+            """Images (``pixel_values`` / ``image_grid_thw``) and videos (``pixel_values_videos`` /
+            ``video_grid_thw``) as the processor makes them; ``vision_index`` ``[b, s]`` (:func:`vision_rows`,
+            computed here when not given): each token's row of the tower's output, given under context parallelism,
+            where this rank holds only some of the tokens."""
             decoder_input, self._deepstack = None, None
             if self.pre_process:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-                if pixel_values is not None and pixel_values.numel():
-                    decoder_input = self._with_images(decoder_input, input_ids, pixel_values, image_grid_thw)
+                pixels, grids, image_rows = vision_batch(pixel_values, image_grid_thw, pixel_values_videos,
+                                                         video_grid_thw, merge=self.merge)
+                if pixels is not None:
+                    if vision_index is None:
+                        vision_index = vision_rows(input_ids, self.image_token, self.video_token, images=image_rows)
+                    decoder_input = self._with_images(decoder_input, vision_index, pixels, grids)
+                if self.config.sequence_parallel:
+                    from megatron.core import tensor_parallel
+
+                    decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
+                    if self.config.clone_scatter_output_in_embedding:
+                        decoder_input = decoder_input.clone()  # NOTE: the scatter returns a view (megatron's rule)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    labels=labels, packed_seq_params=packed_seq_params, **kw)
 
-        def _with_images(self, emb, input_ids, pixel_values, grid_thw):
-            """The image embeddings in place of the placeholder tokens' embeddings, row after row (the order the
-            images were collated in)."""
+        def _with_images(self, emb, image_index, pixel_values, grid_thw):
+            """The tower's embeddings (images', then videos') in place of the placeholder tokens' embeddings
+            (``image_index`` says which embedding each token takes)."""
             feats = self.vision(pixel_values, grid_thw)
-            mask = input_ids == self.image_token
+            mask = image_index >= 0
             if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
                 feats, deep = feats
-                # NOTE: hidden states are [s, b, h]: the features (row after row) in sequence-major order
-                rank = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
-                rank[mask] = torch.arange(int(mask.sum()), device=mask.device)
-                self._deepstack = (mask.t(), rank.t()[mask.t()], deep)
-            if int(mask.sum()) != feats.shape[0]:
-                raise ValueError(f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image embeddings "
+                # NOTE: hidden states are [s, b, h]: the features of the tokens in sequence-major order
+                self._deepstack = (mask.t(), image_index.t()[mask.t()], deep)
+            n = int(mask.sum())
+            # NOTE: a context-parallel rank holds some of the placeholders, every other rank all of them
+            if (int(image_index.max()) + 1 if n else 0) > feats.shape[0] or (
+                    self.config.context_parallel_size == 1 and n != feats.shape[0]):
+                raise ValueError(f"{n} image placeholder tokens but {feats.shape[0]} image embeddings "
                                  f"(grids {grid_thw.tolist()})")
             rows = emb.transpose(0, 1).clone()
-            rows[mask] = feats.to(rows.dtype)
+            rows[mask] = feats[image_index[mask]].to(rows.dtype)
             return rows.transpose(0, 1).contiguous()
 
     return QwenVLModel
 
 
+def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, *, merge: int):
+    """(the tower's input: the images' patches then the videos', their grids, how many embeddings the images
+    make) — (None, None, 0) without either. The tower treats every grid on its own, so one call serves both."""
+    parts = [(p, g) for p, g in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+             if p is not None and p.numel()]
+    if not parts:
+        return None, None, 0
+    images = int(image_grid_thw.prod(-1).sum()) // merge ** 2 if pixel_values is not None and pixel_values.numel() else 0
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1], images
+    return (torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
+            torch.cat([image_grid_thw, video_grid_thw]), images)
+
+
+def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | None, *, images: int) -> torch.Tensor:
+    """``[b, s]``: each image placeholder token's row of the tower's output (the images' embeddings follow the
+    placeholders row after row, the order the images were collated in), each video placeholder token's row after
+    the ``images`` image embeddings, -1 for other tokens."""
+    index = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+    mask = input_ids == image_token
+    if int(mask.sum()) != images:
+        raise ValueError(f"{int(mask.sum())} image placeholder tokens but {images} image embeddings")
+    index[mask] = torch.arange(images, device=input_ids.device)
+    if video_token is not None:
+        video = input_ids == video_token
+        index[video] = images + torch.arange(int(video.sum()), device=input_ids.device)
+    return index
+
+
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
-                  device: torch.device, vpp: int = 1) -> list[torch.nn.Module]:
-    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage."""
+                  device: torch.device, vpp: int = 1, vision_tp: int = 1) -> list[torch.nn.Module]:
+    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage, whole
+    (``vision_tp`` 1) or split over the tensor-parallel ranks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
@@ -116,7 +176,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
             vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
             deepstack="deepstack_visual_indexes" in v["vision_config"],
-            rotary_base=arch.rope_theta, config=config,
+            rotary_base=arch.rope_theta, config=config, vision_tp=vision_tp,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),
@@ -132,16 +192,25 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module, *,
                  output_processor: Callable[..., torch.Tensor] | None = None):
     """megatron's ``forward_step_func`` for :class:`QwenVLModel`: ``position_ids`` ``[b, 3, s]`` (multimodal),
-    the micro-batch's images as the processor's patches (``pixel_values``, ``image_grid_thw``); a packed
+    the micro-batch's images and videos as the processor's patches (``pixel_values``, ``image_grid_thw``,
+    ``pixel_values_videos``, ``video_grid_thw``); a packed
     micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it.
     ``output_processor``: GPTModel's output hook, given the loss mask (the loongforge spec's fused linear
     cross-entropy, :func:`~loongforge_megatron.spec.output.fused_output_processor`); None: the output layer's
     logits and megatron's cross-entropy."""
-    batch = model_inputs(next(data_iterator), model)
+    from loongforge_megatron.engine.model import unwrap
+
+    batch, inner = next(data_iterator), unwrap(model)
+    vision = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    if inner.pre_process:
+        _, _, images = vision_batch(*vision.values(), merge=inner.merge)
+        if any(v is not None and v.numel() for v in vision.values()):
+            # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
+            batch["vision_index"] = vision_rows(batch["tokens"], inner.image_token, inner.video_token, images=images)
+    batch = model_inputs(batch, model, seq_keys=("vision_index",))
     fused = {} if output_processor is None else {"output_processor": output_processor,
                                                  "output_processor_context": batch["loss_mask"]}
     output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),
-                   labels=batch["labels"], pixel_values=batch.get("pixel_values"),
-                   image_grid_thw=batch.get("image_grid_thw"), packed_seq_params=batch.get("packed_seq_params"),
-                   **fused)
+                   labels=batch["labels"], **{k: batch.get(k) for k in vision}, vision_index=batch.get("vision_index"),
+                   packed_seq_params=batch.get("packed_seq_params"), **fused)
     return output, functools.partial(loss_func, batch["loss_mask"])

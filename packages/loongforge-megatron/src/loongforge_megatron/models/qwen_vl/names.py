@@ -3,17 +3,19 @@
 
 HF names are the checkpoint files' (the hub's, and what transformers' ``save_pretrained`` writes): the language
 model is the GPT map of its family (Qwen2's: q/k/v biases: ``model.layers.*``, ``model.embed_tokens``,
-``lm_head``); the vision tower keeps transformers' names under ``vision.`` (megatron) / ``visual.`` (HF), whole on
-every rank (replicated) on the first pipeline stage. Files that spell the module paths of transformers 5's model
+``lm_head``); the vision tower keeps transformers' names under ``vision.`` (megatron) / ``visual.`` (HF), on the
+first pipeline stage, split like megatron's layers (:func:`_rule`) or whole on every rank. Files that spell the module paths of transformers 5's model
 (``model.language_model.*``, ``model.visual.*``) are read through :func:`hf_alias`. Qwen3-VL's files use those
-module paths themselves (:func:`name_map_3`: Qwen3's language model, with q/k norms).
+module paths themselves (:func:`name_map_3`: Qwen3's language model, with q/k norms; Qwen3-VL-MoE's a Qwen3-MoE
+whose experts are fused 3-D tensors).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from loongforge.checkpoint import Entry, NameMap, Replicated
+from loongforge.checkpoint import ColumnParallel, Entry, NameMap, Replicated, RowParallel
+from loongforge.checkpoint.mapping import Rule
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.models.gpt.names import HFConfig, decoder
@@ -35,7 +37,9 @@ def complete_config(h: HFConfig) -> HFConfig:
 
 def text_config(h: HFConfig) -> HFConfig:
     t = dict(h.get("text_config") or {})
-    t.setdefault("tie_word_embeddings", h.get("tie_word_embeddings", False))
+    # NOTE: transformers ties the head by the top-level config's flag; a text config's own may differ (Qwen3-VL-MoE's
+    # defaults to true while the model's defaults to false)
+    t["tie_word_embeddings"] = h.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
     return t
 
 
@@ -47,6 +51,24 @@ def mrope_section(h: HFConfig) -> list[int]:
     return list(params["mrope_section"])
 
 
+# NOTE: the tower's rules when it is split like the language model (parallel.components.vision.tp = tp); kept whole
+# (the default) the layout holds it at tp 1 (``whole``), where every rule is the whole tensor
+_COLUMN, _QKV, _ROW, _SAME = ColumnParallel(), ColumnParallel(stride=3), RowParallel(), Replicated()
+
+
+def _rule(name: str) -> Rule:
+    """A tower tensor's tensor-parallel rule: q / k / v rows split by heads, column- then row-parallel MLPs and
+    mergers (row-parallel biases whole), everything else (norms, embeddings) whole."""
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return _QKV
+    if name.endswith(("attn.proj.weight", "down_proj.weight", "mlp.2.weight", "linear_fc2.weight")):
+        return _ROW
+    if name.endswith(("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "mlp.0.weight",
+                      "mlp.0.bias", "linear_fc1.weight", "linear_fc1.bias")):
+        return _COLUMN
+    return _SAME
+
+
 def _vision(h: HFConfig) -> list[Entry]:
     v = h["vision_config"]
     names = ["patch_embed.proj.weight", "merger.ln_q.weight", "merger.mlp.0.weight", "merger.mlp.0.bias",
@@ -54,7 +76,7 @@ def _vision(h: HFConfig) -> list[Entry]:
     per_block = ["norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
                  "attn.proj.bias"] + [f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias")]
     names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
-    return [Entry("vision." + n, V + n, Replicated(), stage="first") for n in names]
+    return [Entry("vision." + n, V + n, _rule(n), stage="first") for n in names]
 
 
 def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
@@ -71,7 +93,7 @@ def _vision_3(h: HFConfig) -> list[Entry]:
     per_block = [f"{n}.{w}" for n in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
                  for w in ("weight", "bias")]
     names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
-    return [Entry("vision." + n, "model.visual." + n, Replicated(), stage="first") for n in names]
+    return [Entry("vision." + n, "model.visual." + n, _rule(n), stage="first") for n in names]
 
 
 def _language(entry: Entry) -> Entry:
@@ -83,10 +105,14 @@ def _language(entry: Entry) -> Entry:
     return replace(entry, hf=pats[next(iter(pats))] if isinstance(entry.hf, str) else pats)
 
 
-def name_map_3(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
-    """Qwen3-VL: Qwen3 layers (q/k norms, no biases) under ``model.language_model.``, the tower ``model.visual.``."""
+def name_map_3(h: HFConfig, *, divisible_by: int = 128, moe: bool = False) -> NameMap:
+    """Qwen3-VL: Qwen3 layers (q/k norms, no biases) under ``model.language_model.``, the tower ``model.visual.``;
+    ``moe``: Qwen3-VL-MoE's Qwen3-MoE layers, whose experts the files fuse into 3-D tensors."""
+    from loongforge_megatron.models.gpt import qwen3_moe
+
     t = text_config(h)
-    lm = decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias")))
+    lm = (qwen3_moe.name_map(t, divisible_by=divisible_by, fused=True) if moe else
+          decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias"))))
     return NameMap(_vision_3(h) + [_language(e) for e in lm.entries])
 
 

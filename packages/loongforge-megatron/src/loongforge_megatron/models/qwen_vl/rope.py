@@ -42,8 +42,8 @@ class MRoPE(nn.Module):
         axis = self.axis_of_frequency(mrope_section, device)
         freqs = freqs.gather(0, axis.view(1, 1, 1, -1).expand(1, *freqs.shape[1:])).squeeze(0)  # [b, s, half]
         emb = torch.cat([freqs, freqs], dim=-1)
-        if cp_group is not None and cp_group.size() > 1:
-            raise ValueError("multimodal RoPE under context parallelism is not supported")
+        # NOTE: under context parallelism ``position_ids`` are this rank's tokens' already (the micro-batch's
+        # context-parallel slice), so the rows are too: ``cp_group`` needs no slicing here
         return emb.transpose(0, 1).unsqueeze(2).contiguous()
 
 

@@ -1,9 +1,9 @@
-"""The Qwen-VL specs: presets, ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig`` both ways, name maps, recipe checks,
-data and model.
+"""The Qwen-VL specs: presets, ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig`` / ``Qwen3VLMoeConfig`` both ways, name
+maps, recipe checks, data and model.
 
 Qwen2.5-VL's language model is a Qwen2 (``models/gpt/qwen2.py`` reads and writes its text config), Qwen3-VL's a
-Qwen3 (q/k norms), both with multimodal RoPE (Qwen3-VL's interleaved); the vision tower, the special token ids
-and the mrope sections are ``Arch.vision``.
+Qwen3 (q/k norms), Qwen3-VL-MoE's a Qwen3-MoE (``models/gpt/qwen3_moe.py``), all with multimodal RoPE (Qwen3-VL's
+interleaved); the vision tower, the special token ids and the mrope sections are ``Arch.vision``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from loongforge.errors import RecipeError
 
 from loongforge_megatron.models.base import HFCheckpoint
-from loongforge_megatron.models.gpt import qwen2, qwen3
+from loongforge_megatron.models.gpt import qwen2, qwen3, qwen3_moe
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.family import (
     check_lm,
@@ -69,7 +69,9 @@ class QwenVLArch(Arch):
 
     @property
     def spec_name(self) -> str:
-        return "qwen3_vl" if "deepstack_visual_indexes" in self.vision["vision_config"] else "qwen2_5_vl"
+        if "deepstack_visual_indexes" not in self.vision["vision_config"]:
+            return "qwen2_5_vl"
+        return "qwen3_vl_moe" if self.is_moe else "qwen3_vl"
 
     def language(self) -> Arch:
         return Arch(**self.model_dump(exclude={"vision"}))
@@ -152,22 +154,29 @@ class QwenVL(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
-        """Tensor / pipeline / data parallelism and the distributed optimizer; the tower whole on every rank."""
+        """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the tower
+        whole on every rank."""
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
         no_dit_keys(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
         for name, comp in (recipe.parallel.components or {}).items():
-            if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}):
-                raise RecipeError("Qwen-VL's vision tower runs whole on every rank: parallel.components may only "
-                                  "say vision: {tp: 1}", key=f"parallel.components.{name}")
-        for key, value in (("parallel.vpp", plan.vpp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
+            if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}, {"tp": plan.tp}):
+                raise RecipeError(f"Qwen-VL's vision tower runs whole on every rank (the default, vision: {{tp: 1}}) "
+                                  f"or split like the language model (vision: {{tp: {plan.tp}}}): parallel.components "
+                                  "may only say one of those", key=f"parallel.components.{name}")
+        if vision_tp(recipe, plan) > 1:
+            v = arch.vision["vision_config"]
+            for key, n in (("num_heads", v["num_heads"]), ("intermediate_size", v["intermediate_size"])):
+                if n % plan.tp:
+                    raise RecipeError(f"the vision tower's {key} {n} does not split over tp {plan.tp}; keep it whole "
+                                      "(parallel.components.vision.tp 1)", key="parallel.components.vision.tp")
+        # NOTE: expert parallelism splits a MoE language model's experts (Qwen3-VL-MoE); the tower is replicated over ep
+        for key, value in (("parallel.vpp", plan.vpp), *((("parallel.ep", plan.ep),) if not arch.is_moe else ())):
             if value != 1:
-                raise RecipeError(f"Qwen-VL models train with tensor, pipeline and data parallelism (got {value})",
-                                  key=key)
-        if plan.sp:
-            raise RecipeError("Qwen-VL models do not support sequence parallelism yet", key="parallel.sp")
+                raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
+                                  f"language models) expert parallelism (got {value})", key=key)
         if recipe.train.stage not in ("pretrain", "cpt", "sft", "lora"):
             raise RecipeError(f"Qwen-VL models support train.stage pretrain / cpt / sft / lora (adapters on the "
                               f"language model; got '{recipe.train.stage}')", key="train.stage")
@@ -203,8 +212,12 @@ class QwenVL(HFCheckpoint):
             if len(processor.tokenizer) > arch.vocab_size:
                 raise RecipeError(f"tokenizer has {len(processor.tokenizer)} tokens but the model's vocab_size is "
                                   f"{arch.vocab_size}", key="model.vocab_size")
+            # NOTE: context parallelism cuts every packed record into 2 * cp chunks, sequence parallelism a row's
+            # tokens into tp slices
+            plan = runtime.plan
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
-                                  pack=recipe.data.pack, fill=runtime.plan.pp > 1)
+                                  pack=recipe.data.pack, fill=plan.pp > 1,
+                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1))
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
@@ -212,29 +225,44 @@ class QwenVL(HFCheckpoint):
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.engine.weights import seeded_init
-        from loongforge_megatron.models.gpt.family import layer_spec
+        from loongforge_megatron.models.gpt.family import layer_spec, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
-        from loongforge_megatron.models.qwen_vl.model import build_qwen_vl, forward_step
+        from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
 
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
+        # NOTE: tells the attention that the rotary frequencies are per token (multimodal RoPE)
+        config.mrope_section = list(arch.vision["mrope_section"])
         # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
         # megatron's local one needs a [t, t] mask for them
         spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        # NOTE: a MoE language model gets the GPT families' expert kernels (grouped experts, permute dispatch)
+        moe = moe_kernels(recipe, arch, plan, accelerator=accelerator, config=config, spec_name=spec_name,
+                          precision=precision) if arch.is_moe else None
         spec = layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
-                          accelerator=accelerator)
+                          accelerator=accelerator, moe=moe)
+        tower_tp = vision_tp(recipe, plan)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
-                               device=device, vpp=plan.vpp)
+                               device=device, vpp=plan.vpp, vision_tp=tower_tp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
+        whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
             from loongforge_megatron.spec.output import fused_output_processor
 
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
-        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups)
+        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups,
+                     whole=whole)
+
+
+def vision_tp(recipe: Any, plan: Any) -> int:
+    """The tower's tensor parallelism: 1 (whole on every rank) unless ``parallel.components.vision.tp`` says the
+    language model's."""
+    comp = (recipe.parallel.components or {}).get("vision")
+    return plan.tp if comp is not None and comp.tp == plan.tp else 1
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
@@ -290,5 +318,53 @@ class Qwen3VL(QwenVL):
         return cfg
 
 
+_MOE_30B = dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
+                num_experts=128, moe_topk=8, moe_ffn_hidden_size=768)
+PRESETS3_MOE: dict[str, dict[str, Any]] = {
+    "qwen3-vl-30b-a3b": _preset3(out=2048, family="qwen3_moe", **_MOE_30B),
+    "qwen3-vl-235b-a22b": _preset3(out=4096, family="qwen3_moe", num_layers=94, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64, num_query_groups=4, num_experts=128, moe_topk=8, moe_ffn_hidden_size=1536),
+    "qwen3-vl-moe-tiny": dict(PRESETS3["qwen3-vl-tiny"], family="qwen3_moe", num_experts=4, moe_topk=2, moe_ffn_hidden_size=32),
+}
+
+
+class Qwen3VLMoe(Qwen3VL):
+    """``Qwen3VLMoeForConditionalGeneration`` <-> :class:`~.model.QwenVLModel` with a Qwen3-MoE language model
+    (megatron's MoE layers: router, experts over ``parallel.ep``; every layer sparse). The checkpoint's experts are
+    3-D ``gate_up_proj`` / ``down_proj`` tensors (:class:`~loongforge.checkpoint.FusedExperts`); its router
+    always renormalises the top-k probabilities (no ``norm_topk_prob``)."""
+
+    name = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+    presets = PRESETS3_MOE
+    hf_architecture = "Qwen3VLMoeForConditionalGeneration"
+    lm = qwen3_moe.SPEC
+    lm_family = "qwen3_moe"
+    text_model_type, vision_model_type = "qwen3_vl_moe_text", "qwen3_vl_moe_vision"
+
+    def arch_from_hf(self, cfg: HFConfig, *, path: Path) -> QwenVLArch:
+        cfg = {**cfg, "text_config": {**names.text_config(cfg), "norm_topk_prob": True}}
+        return super().arch_from_hf(cfg, path=path)
+
+    def hf_config(self, arch: QwenVLArch, *, torch_dtype: str = "float32") -> HFConfig:
+        cfg = super().hf_config(arch, torch_dtype=torch_dtype)
+        cfg["text_config"].pop("norm_topk_prob", None)
+        return cfg
+
+    def name_map(self, cfg: HFConfig, *, divisible_by: int = 128):
+        return names.name_map_3(cfg, divisible_by=divisible_by, moe=True)
+
+    def num_experts(self, cfg: HFConfig) -> int:
+        return qwen3_moe.num_experts(names.text_config(cfg))
+
+    def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
+        super().check(recipe, plan, arch)
+        lora = recipe.train.lora if recipe.train.stage == "lora" else None
+        if lora is not None and "peft" in recipe.checkpoint.save_format and {"fc1", "fc2"} & set(lora.targets):
+            raise RecipeError("a PEFT export has no adapter names for Qwen3-VL-MoE's fused experts: "
+                              "train.lora.targets [qkv, proj], or checkpoint.save_format hf (adapters merged)",
+                              key="train.lora.targets")
+
+
 SPEC = QwenVL()
 SPEC3 = Qwen3VL()
+SPEC3_MOE = Qwen3VLMoe()

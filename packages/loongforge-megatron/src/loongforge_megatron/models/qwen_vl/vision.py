@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's vision tower as one plain torch module, held whole on every rank: a 3-D patch embedding (temporal x
+"""Qwen2.5-VL's vision tower as one plain torch module, whole on every rank or split over the tensor-parallel ranks
+(``tower_parallel.py``): a 3-D patch embedding (temporal x
 2-D patches), blocks of RMSNorm -> attention with 2-D rotary positions -> RMSNorm -> SwiGLU, where most blocks attend
 within windows of merged patches and a few (``fullatt_block_indexes``) over the whole image, and the 2x2 patch merger
 (RMSNorm, MLP) that turns four patches into one language-model embedding.
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loongforge_megatron.models.qwen_vl.tower_parallel import column, row
 
 
 class RMSNorm(nn.Module):
@@ -58,11 +61,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    """``tp`` > 1: this rank's ``heads / tp`` heads (q / k / v rows of each, a column-parallel ``qkv``)."""
+
+    def __init__(self, dim: int, heads: int, tp: int = 1):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        if heads % tp:
+            raise ValueError(f"vision tower: {heads} heads do not split over tp {tp}")
+        self.heads = heads // tp
+        self.qkv = column(dim, 3 * dim, tp=tp, stride=3)
+        self.proj = row(dim, dim, tp=tp)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -76,22 +83,22 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, *, bias: bool = True):
+    def __init__(self, dim: int, hidden: int, *, bias: bool = True, tp: int = 1):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_proj = column(dim, hidden, bias=bias, tp=tp)
+        self.up_proj = column(dim, hidden, bias=bias, tp=tp)
+        self.down_proj = row(hidden, dim, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, hidden: int, tp: int = 1):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.mlp = SwiGLU(dim, hidden)
+        self.attn = Attention(dim, heads, tp)
+        self.mlp = SwiGLU(dim, hidden, tp=tp)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -111,11 +118,11 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, *, dim: int, context: int, merge: int):
+    def __init__(self, *, dim: int, context: int, merge: int, tp: int = 1):
         super().__init__()
         self.width = context * merge * merge
         self.ln_q = RMSNorm(context)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, dim))
+        self.mlp = nn.Sequential(column(self.width, self.width, tp=tp), nn.GELU(), row(self.width, dim, tp=tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).reshape(-1, self.width))
@@ -176,7 +183,7 @@ class VisionTower(nn.Module):
     """Qwen2.5-VL's ViT: ``pixel_values [patches, channels * temporal * patch * patch]`` (the processor's) and
     ``grid_thw [images, 3]`` -> one embedding per merged patch ``[patches / merge**2, out_hidden_size]``."""
 
-    def __init__(self, cfg: Mapping[str, Any]):
+    def __init__(self, cfg: Mapping[str, Any], *, tp: int = 1):
         super().__init__()
         dim, heads = cfg["hidden_size"], cfg["num_heads"]
         self.merge = cfg.get("spatial_merge_size", 2)
@@ -186,8 +193,8 @@ class VisionTower(nn.Module):
                                       channels=cfg.get("in_channels", 3), dim=dim)
         self.theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.half = dim // heads // 2  # NOTE: each of the two axes rotates half of a head's channels
-        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"]) for _ in range(cfg["depth"]))
-        self.merger = PatchMerger(dim=cfg["out_hidden_size"], context=dim, merge=self.merge)
+        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], tp) for _ in range(cfg["depth"]))
+        self.merger = PatchMerger(dim=cfg["out_hidden_size"], context=dim, merge=self.merge, tp=tp)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(pixels)

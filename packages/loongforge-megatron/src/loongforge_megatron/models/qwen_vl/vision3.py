@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loongforge_megatron.models.qwen_vl.tower_parallel import column, row
 from loongforge_megatron.models.qwen_vl.vision import (
     Attention,
     PatchEmbed,
@@ -29,23 +30,23 @@ _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
+    def __init__(self, dim: int, hidden: int, act: str, tp: int = 1):
         super().__init__()
         if act not in _ACTS:
             raise ValueError(f"qwen3_vl: vision hidden_act '{act}' (supported: {', '.join(_ACTS)})")
         self.act = _ACTS[act]
-        self.linear_fc1, self.linear_fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.linear_fc1, self.linear_fc2 = column(dim, hidden, tp=tp), row(hidden, dim, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, act: str):
+    def __init__(self, dim: int, heads: int, hidden: int, act: str, tp: int = 1):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads)
-        self.mlp = MLP(dim, hidden, act)
+        self.attn = Attention(dim, heads, tp)
+        self.mlp = MLP(dim, hidden, act, tp)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -56,11 +57,11 @@ class Merger(nn.Module):
     """merge x merge patches -> one language-model embedding; ``postshuffle``: the norm after the patches are
     concatenated (the deepstack mergers) instead of before."""
 
-    def __init__(self, *, dim: int, context: int, merge: int, postshuffle: bool):
+    def __init__(self, *, dim: int, context: int, merge: int, postshuffle: bool, tp: int = 1):
         super().__init__()
         self.width, self.postshuffle = context * merge * merge, postshuffle
         self.norm = nn.LayerNorm(self.width if postshuffle else context, eps=1e-6)
-        self.linear_fc1, self.linear_fc2 = nn.Linear(self.width, self.width), nn.Linear(self.width, dim)
+        self.linear_fc1, self.linear_fc2 = column(self.width, self.width, tp=tp), row(self.width, dim, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.reshape(-1, self.width)) if self.postshuffle else self.norm(x).reshape(-1, self.width)
@@ -85,7 +86,7 @@ class VisionTower3(nn.Module):
     """``pixel_values``, ``grid_thw`` -> (one embedding per merged patch, the deepstack features: one such tensor
     per ``deepstack_visual_indexes`` block)."""
 
-    def __init__(self, cfg: Mapping[str, Any]):
+    def __init__(self, cfg: Mapping[str, Any], *, tp: int = 1):
         super().__init__()
         dim, heads = cfg["hidden_size"], cfg["num_heads"]
         self.merge = cfg.get("spatial_merge_size", 2)
@@ -96,12 +97,12 @@ class VisionTower3(nn.Module):
         self.theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.half = dim // heads // 2
         act = cfg.get("hidden_act", "gelu_pytorch_tanh")
-        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], act) for _ in range(cfg["depth"]))
+        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], act, tp) for _ in range(cfg["depth"]))
         out = cfg["out_hidden_size"]
-        self.merger = Merger(dim=out, context=dim, merge=self.merge, postshuffle=False)
+        self.merger = Merger(dim=out, context=dim, merge=self.merge, postshuffle=False, tp=tp)
         self.deepstack = list(cfg.get("deepstack_visual_indexes", []))
         self.deepstack_merger_list = nn.ModuleList(
-            Merger(dim=out, context=dim, merge=self.merge, postshuffle=True) for _ in self.deepstack)
+            Merger(dim=out, context=dim, merge=self.merge, postshuffle=True, tp=tp) for _ in self.deepstack)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.patch_embed(pixels)
