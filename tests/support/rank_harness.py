@@ -119,6 +119,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, env: dict[str, str], 
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.chdir(cwd)
+    # NOTE: the parent starts ranks as daemons (they die with it) and kills them itself at the end; a rank may start
+    # worker processes of its own (data.num_workers), which multiprocessing refuses to a daemon
+    mp.current_process().daemon = False
     try:
         import torch
 

@@ -448,6 +448,36 @@ def test_packed_micro_batch_equals_padded_rows(tmp_path, hf_dir, ranks):
     assert p_losses == pytest.approx(u_losses, rel=1e-5, abs=1e-6), (p_losses, u_losses)
 
 
+def _steps_with_workers(*, rank, world, overrides, run_dir):
+    return [_losses(rank=rank, world=world, overrides=[*overrides, f"data.num_workers={w}"], run_dir=run_dir / str(w))
+            for w in (0, 1)]
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)  # NOTE: the data path is the families' one
+def test_micro_batches_made_ahead_by_a_worker_are_the_steps_own(tmp_path, hf_dir, ranks):
+    """data.num_workers 1: a spawned worker makes the next steps' (packed) micro-batches while the model trains; the
+    losses are those of batches made in the step. A bad record read by the worker fails as its own one-line error."""
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.data.datasets import BatchSchedule
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
+    from loongforge_megatron.models.registry import arch_from_hf
+
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=3")
+    (_, here), (_, ahead) = ranks(_steps_with_workers, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
+                                  overrides=over)[0]
+    assert ahead == here, (ahead, here)
+    lines = records.read_text().splitlines()
+    (tmp_path / "data" / "bad.jsonl").write_text("\n".join([*lines, '{"text": "no turns"}']) + "\n")
+    ds = Conversations(str(tmp_path / "data" / "bad.jsonl"), processor=load_processor(hf_dir),
+                       arch=arch_from_hf(hf_dir), seq_length=96, seed=0, pack=True)
+    schedule = BatchSchedule(ds, global_batch_size=3, micro_batch_size=3, dp_size=1, dp_rank=0, workers=1, steps=2)
+    with pytest.raises(RecipeError) as err:
+        schedule.microbatches(0, device=torch.device("cpu"))
+    schedule.close()
+    assert "bad.jsonl: record 3" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 # NOTE: deepstack layers on the first stage; MoE: the experts over two expert-parallel ranks (megatron's all-to-all
 # dispatcher; one process runs the fused permute dispatch), and under tp 2 with sequence parallelism (what megatron's
 # MoE layers need under tp)

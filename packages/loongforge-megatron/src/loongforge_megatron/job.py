@@ -117,7 +117,8 @@ class MegatronJob(Job):
             WEIGHT_CACHE.enabled, self._fp8_cache = True, WEIGHT_CACHE
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
         self.schedule = BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
-                                      micro_batch_size=t.micro_batch_size, **dp)
+                                      micro_batch_size=t.micro_batch_size, workers=recipe.data.num_workers,
+                                      steps=t.steps, **dp)
         self.valid_schedule = (BatchSchedule(self.data.valid, global_batch_size=t.global_batch_size,
                                              micro_batch_size=t.micro_batch_size, **dp)
                                if self.data.valid is not None else None)
@@ -330,6 +331,8 @@ class MegatronJob(Job):
                     dist.barrier()
                 engine.destroy(process_group=True)
         finally:
+            if getattr(self, "schedule", None) is not None:
+                self.schedule.close()
             if getattr(self, "_fp8_cache", None) is not None:
                 self._fp8_cache.invalidate()
                 self._fp8_cache.enabled = False

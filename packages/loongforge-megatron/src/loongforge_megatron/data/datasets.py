@@ -176,14 +176,60 @@ class BatchSchedule:
 
     Global batch ``step`` is samples ``[step*G, (step+1)*G)``; micro-batch m of dp rank r takes
     ``step*G + m*M*D + r*M + [0, M)`` (G global batch, M micro batch, D dp size).
+
+    ``workers`` > 0 (``data.num_workers``): the steps' micro-batches are made ahead, in order, by that many worker
+    processes (torch's DataLoader, spawned: the trainer may have compiled graphs, so no fork), while the model
+    trains on the current step; a step asked for out of that order (a resume, an evaluation) restarts them there.
+    The batches are the same either way: each is a function of its step alone.
     """
 
-    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int):
+    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int,
+                 workers: int = 0, steps: int | None = None):
         self.dataset = dataset
         self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.workers, self.steps = workers, steps
+        self._ahead, self._next = None, None  # the workers' iterator and the step it yields next
 
     def microbatches(self, step: int, *, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for batch in self._prefetched(step) if self.workers else self.host_batches(step):
+            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
+                               ("loss_mask", torch.float)):
+                if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens
+                    batch[key] = batch[key].to(dtype)
+            out.append(batch)
+        return out
+
+    def _prefetched(self, step: int) -> list[dict[str, torch.Tensor]]:
+        if self._next != step:
+            self.close()
+            from torch.utils.data import DataLoader
+
+            end = max(self.steps or 0, step + 1)
+            loader = DataLoader(_Steps(self), batch_size=None, sampler=range(step, end), num_workers=self.workers,
+                                prefetch_factor=2, multiprocessing_context="spawn", persistent_workers=False)
+            self._ahead = iter(loader)
+        try:
+            batches = next(self._ahead)
+        except StopIteration:  # NOTE: past the planned steps (a run extended on resume): the next call restarts
+            self._next = None
+            return self.host_batches(step)
+        except Exception:  # noqa: BLE001 - NOTE: a worker's error (a bad record, a killed worker): the step is
+            # made here again, so a data error surfaces as itself (one line naming the record), not as a worker's
+            # traceback, and a lost worker costs one step made in-process
+            self.close()
+            return self.host_batches(step)
+        self._next = step + 1
+        return batches
+
+    def close(self) -> None:
+        """Stop the prefetching workers (if any)."""
+        self._ahead, self._next = None, None
+
+    def host_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Step ``step``'s micro-batches of this rank, on the host."""
         out = []
         n = len(self.dataset)
         for m in range(self.num_microbatches):
@@ -203,10 +249,17 @@ class BatchSchedule:
                         batch[key] = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 if "num_tokens" in samples[0]:
                     batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
-            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
-                               ("loss_mask", torch.float)):
-                if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens
-                    batch[key] = batch[key].to(dtype)
             out.append(batch)
         return out
+
+
+class _Steps(torch.utils.data.Dataset):
+    """Item ``step``: that step's host micro-batches (what a prefetching worker makes)."""
+
+    def __init__(self, schedule: BatchSchedule):
+        # NOTE: a copy without the prefetching state: this is what the workers receive
+        self.schedule = BatchSchedule(schedule.dataset, global_batch_size=schedule.gbs, micro_batch_size=schedule.mbs,
+                                      dp_size=schedule.dp, dp_rank=schedule.rank)
+
+    def __getitem__(self, step: int) -> list[dict[str, torch.Tensor]]:
+        return self.schedule.host_batches(step)
