@@ -1,4 +1,4 @@
-"""Acceptance: every parallel layout of the megatron backend (2 gloo processes, tiny models, fp32, the loongforge
+"""Acceptance: every parallel layout of the megatron backend (2 gloo processes, 4 for tp 2 x cp 2, tiny models, fp32, the loongforge
 spec: SDPA attention + fused kernels + fused linear cross-entropy) gives the single-process losses over 5 steps.
 
 All runs start from the same weights, a tiny model saved by transformers and loaded online into each layout's
@@ -24,7 +24,8 @@ LAYOUTS = {
     # uneven and interleaved: stage 0 holds 2 layers (1 per chunk), stage 1 holds 4 (2 per chunk)
     "pp2_vpp2_uneven": ("llama", ["parallel.pp=2", "parallel.vpp=2", "parallel.first_stage_layers=2"]),
     "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
-    "cp2": ("llama", ["parallel.cp=2"]),
+    # NOTE: 4 processes: a context-parallel group next to a tensor-parallel one (smaller than the world)
+    "tp2_cp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
     "ep2_moe": ("qwen3_moe", ["parallel.ep=2"]),
 }
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -75,7 +76,7 @@ def references(tmp_path_factory):
 def test_layout_matches_single_process(layout, references, tmp_path):
     family, overrides = LAYOUTS[layout]
     hf_dir, ref = references(family)
-    got = train(family, overrides, tmp_path / layout, 2, hf_dir)
+    got = train(family, overrides, tmp_path / layout, 4 if layout == "tp2_cp2" else 2, hf_dir)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
     for a, b in zip(got, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=REL_TOL), (layout, a["step"], a["loss"], b["loss"])

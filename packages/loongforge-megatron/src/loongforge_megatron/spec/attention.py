@@ -35,11 +35,20 @@ def _cp_positions(seq_local: int, cp_size: int, cp_rank: int, device) -> Tensor:
     return torch.cat([first, second])
 
 
+def _gather_ranks(x: Tensor, group) -> Tensor:
+    """Every rank's ``x`` of ``group`` concatenated on dim 0 in rank order, with autograd: the backward sums each
+    rank's gradient and gives every rank its own part (a reduce-scatter: megatron's sequence-parallel gather).
+
+    NOTE: not ``torch.distributed.nn``'s all_gather, whose backward on gloo scatters from group ranks as if they
+    were global ones and fails for any group smaller than the world (context parallelism next to dp or tp)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x.contiguous(), tensor_parallel_output_grad=True, group=group)
+
+
 def _all_gather_seq(x: Tensor, group) -> Tensor:
     """All-gather ``[s, b, h, d]`` along the sequence with autograd, returning keys in sequence order."""
-    import torch.distributed.nn.functional as dist_nn
-
-    parts = dist_nn.all_gather(x.contiguous(), group=group)
+    parts = _gather_ranks(x, group).chunk(group.size(), dim=0)
     cp = len(parts)
     chunks: list[Tensor | None] = [None] * (2 * cp)
     for r, part in enumerate(parts):
@@ -148,14 +157,12 @@ class SDPAttention(torch.nn.Module):
                                    max_seqlen_k=longest, causal=causal, scale=self.softmax_scale, dropout=dropout,
                                    bounds_q=bounds, bounds_k=bounds)
         else:
-            import torch.distributed.nn.functional as dist_nn
             from torch.distributed import get_rank
 
             plan = _cp_plan(params, bounds, cp_size=self.cp_size, cp_rank=get_rank(self.cp_group), causal=causal,
                             local_tokens=q.shape[0], device=q.device)
             # every rank's local keys, in rank order; plan.key_index picks each local chunk's keys from them
-            k_all = torch.cat(dist_nn.all_gather(k.contiguous(), group=self.cp_group))
-            v_all = torch.cat(dist_nn.all_gather(v.contiguous(), group=self.cp_group))
+            k_all, v_all = _gather_ranks(k, self.cp_group), _gather_ranks(v, self.cp_group)
             k_seg, v_seg = k_all.index_select(0, plan.key_index), v_all.index_select(0, plan.key_index)
             out = varlen_attention(q, k_seg, v_seg, cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k,
                                    max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, causal=causal,
