@@ -1,4 +1,4 @@
-"""Acceptance: every parallel layout of the megatron backend (2 gloo processes, 4 for tp 2 x cp 2, tiny models, fp32, the loongforge
+"""Acceptance: every parallel layout of the megatron backend (2 gloo processes, 4 for tp 2 x cp 2 and tp 2 x ep 2, tiny models, fp32, the loongforge
 spec: SDPA attention + fused kernels + fused linear cross-entropy) gives the single-process losses over 5 steps.
 
 All runs start from the same weights, a tiny model saved by transformers and loaded online into each layout's
@@ -27,7 +27,10 @@ LAYOUTS = {
     # NOTE: 4 processes: a context-parallel group next to a tensor-parallel one (smaller than the world)
     "tp2_cp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
     "ep2_moe": ("qwen3_moe", ["parallel.ep=2"]),
+    # NOTE: 4 processes: experts split over tp 2 too (etp = tp), each rank's tokens gathered unevenly
+    "tp2_sp_ep2_moe": ("qwen3_moe", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"]),
 }
+FOUR = {"tp2_cp2", "tp2_sp_ep2_moe"}  # the layouts run on 4 processes
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -76,7 +79,7 @@ def references(tmp_path_factory):
 def test_layout_matches_single_process(layout, references, tmp_path):
     family, overrides = LAYOUTS[layout]
     hf_dir, ref = references(family)
-    got = train(family, overrides, tmp_path / layout, 4 if layout == "tp2_cp2" else 2, hf_dir)
+    got = train(family, overrides, tmp_path / layout, 4 if layout in FOUR else 2, hf_dir)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
     for a, b in zip(got, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=REL_TOL), (layout, a["step"], a["loss"], b["loss"])

@@ -149,6 +149,39 @@ def wrap_classmethod(
     return Adaptation(name=name, description=description, apply=apply, check=check)
 
 
+def _uneven_gather_on_gloo(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Uneven all-gathers (an expert-TP MoE dispatch's token counts) as an even one of padded parts: gloo's
+    all_gather needs every rank's tensor to have one shape."""
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1 or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes, strict=True)])
+
+    return gather
+
+
+def _uneven_reduce_scatter_on_gloo(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Uneven reduce-scatters as an all-reduce of the whole tensor, each rank keeping its rows: gloo has no
+    reduce_scatter of a list."""
+
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].contiguous()
+
+    return reduce_scatter
+
+
 @dataclass(frozen=True)
 class _Patch:
     """One function-level adaptation: replace ``target`` by ``factory(original)`` when its source has ``needles``."""
@@ -211,6 +244,20 @@ _PATCHES: tuple[_Patch, ...] = (
         _host_copy_on_cpu,
         ("tensor.is_cuda", "as_numpy"),
         "the all-to-all dispatcher gets its split sizes as host arrays (it converts only CUDA tensors)",
+    ),
+    _Patch(
+        "uneven-all-gather",
+        "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+        _uneven_gather_on_gloo,
+        ("torch.distributed.all_gather(output_tensor_list",),
+        "uneven sequence-parallel all-gathers (an expert-TP MoE dispatch) pad every part to one shape for gloo",
+    ),
+    _Patch(
+        "uneven-reduce-scatter",
+        "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+        _uneven_reduce_scatter_on_gloo,
+        ("torch.distributed.reduce_scatter(output, input_tensor_list",),
+        "uneven reduce-scatters run as an all-reduce, each rank keeping its rows (gloo has no list reduce-scatter)",
     ),
     _Patch(
         "grad-norm",
