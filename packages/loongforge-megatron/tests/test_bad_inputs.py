@@ -164,6 +164,28 @@ def test_corrupt_index_cache_names_the_file(tmp_path, tok, damage):
         _build_pretrain(recipe, out / "tokenizer")
 
 
+def test_a_split_without_documents(tmp_path, tok):
+    """A one-document corpus at split 98,2,0: the valid share holds no document. Megatron caches empty indices for
+    it, which the next run on the same prepared data reads back (not "corrupt"); asked for validation samples (train.
+    eval_interval), it is a one-line error naming data.split, not megatron's endless search for their tokens."""
+    from loongforge_megatron.data.datasets import build_pretrain_dataset
+    from loongforge_megatron.data.tokenizer import load_tokenizer
+
+    src = tmp_path / "corpus.txt"
+    src.write_text(" ".join(f"the quick brown fox jumps {i}" for i in range(40)))
+    recipe = _recipe(tmp_path, {"format": "pretrain", "path": str(tmp_path / "data"), "tokenizer": str(tok),
+                                "source": {"kind": "text", "paths": [str(src)]}, "split": "98,2,0"})
+    out = _prepare(recipe)
+    tokenizer = load_tokenizer(out / "tokenizer")
+    for _ in range(2):  # NOTE: the second build reads the first one's cache
+        train, _ = build_pretrain_dataset(recipe, tokenizer=tokenizer, num_samples=4)
+        assert len(train) >= 4
+    assert sorted((out / "cache").rglob("*-valid-document_index.npy"))
+    with pytest.raises(RecipeError, match="gives the validation split none of the 1 documents") as err:
+        build_pretrain_dataset(recipe, tokenizer=tokenizer, num_samples=4, num_valid=2)
+    assert err.value.key == "data.split" and "\n" not in str(err.value)
+
+
 def test_prepare_force_gives_a_new_corpus_a_new_sample_plan(tmp_path, tok):
     """A larger corpus prepared with --force over the old one trains on its own samples (as a fresh directory)."""
     recipe, out = _prepared(tmp_path, tok)

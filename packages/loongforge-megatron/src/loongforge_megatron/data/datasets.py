@@ -127,7 +127,10 @@ def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: in
     for p in prefixes:
         if not Path(p + ".idx").is_file():
             raise RecipeError(f"dataset '{p}' not found (.idx missing); run `loongforge data prepare` first", key=key)
-    documents = max(check_indexed(p, key=key) for p in prefixes)
+    counts = [check_indexed(p, key=key) for p in prefixes]
+    documents = max(counts)
+    _check_split_documents(data.split, dict(zip(prefixes, counts, strict=True)),
+                           wanted={"train": num_samples, "validation": num_valid})
     # NOTE: keyed by the data's content: a corpus prepared again never reuses the old one's sample plan
     cache = Path(data.path or Path(prefixes[0]).parent) / "cache" / content_key(prefixes)
     check_cache(cache, num_documents=documents, key=key)
@@ -151,6 +154,26 @@ def build_pretrain_dataset(recipe, *, tokenizer, num_samples: int, num_valid: in
         raise RecipeError(f"data.split '{data.split}' leaves no validation documents but train.eval_interval is set",
                           key="data.split")
     return train, valid
+
+
+def _check_split_documents(split: str, documents: dict[str, int], *, wanted: dict[str, int | None]) -> None:
+    """Every split that samples are asked of holds at least one document of every dataset, as megatron cuts them
+    (a share that rounds to no document: megatron's GPTDataset would loop forever looking for its tokens)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for (name, samples), bounds in zip(wanted.items(), matrix, strict=False):
+        if not samples or bounds is None:
+            continue  # NOTE: a zero share with samples asked of it is refused after the build (no dataset)
+        for prefix, n in documents.items():
+            if int(round(bounds[1] * n)) - int(round(bounds[0] * n)) < 1:
+                raise RecipeError(f"data.split '{split}' gives the {name} split none of the {n} documents of "
+                                  f"'{prefix}'; raise its share, use a larger corpus"
+                                  + (", or unset train.eval_interval" if name == "validation" else ""),
+                                  key="data.split")
 
 
 def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int, num_valid: int | None = None):

@@ -89,6 +89,8 @@ def check_cache(cache: Path, *, num_documents: int, key: str = "data.path") -> N
         if not (sample_path.is_file() and shuffle_path.is_file()):
             continue  # NOTE: megatron rebuilds an incomplete set
         doc, sample, shuffle = _load(doc_path, key), _load(sample_path, key), _load(shuffle_path, key)
+        if doc.ndim == 1 and not len(doc) and sample.shape == (1, 2) and not len(shuffle):
+            continue  # NOTE: a split with no documents (a small corpus' valid / test share): megatron's empty indices
         if doc.ndim != 1 or not len(doc) or doc.min() < 0 or doc.max() >= num_documents:
             raise RecipeError(f"{doc_path}: corrupt index cache (document ids outside 0..{num_documents - 1}); "
                               "delete it (it is rebuilt)", key=key)
