@@ -134,11 +134,18 @@ def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_t
              if p is not None and p.numel()]
     if not parts:
         return None, None, 0
-    images = int(image_grid_thw.prod(-1).sum()) // merge ** 2 if pixel_values is not None and pixel_values.numel() else 0
+    images = image_embeddings(pixel_values, image_grid_thw, merge=merge)
     if len(parts) == 1:
         return parts[0][0], parts[0][1], images
     return (torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
             torch.cat([image_grid_thw, video_grid_thw]), images)
+
+
+def image_embeddings(pixel_values, image_grid_thw, *, merge: int) -> int:
+    """How many embeddings the tower makes of a micro-batch's images (merge x merge patches each)."""
+    if pixel_values is None or not pixel_values.numel():
+        return 0
+    return int(image_grid_thw.prod(-1).sum()) // merge ** 2
 
 
 def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | None, *, images: int) -> torch.Tensor:
@@ -203,7 +210,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     batch, inner = next(data_iterator), unwrap(model)
     vision = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
     if inner.pre_process:
-        _, _, images = vision_batch(*vision.values(), merge=inner.merge)
+        images = image_embeddings(vision["pixel_values"], vision["image_grid_thw"], merge=inner.merge)
         if any(v is not None and v.numel() for v in vision.values()):
             # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
             batch["vision_index"] = vision_rows(batch["tokens"], inner.image_token, inner.video_token, images=images)
