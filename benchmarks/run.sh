@@ -42,8 +42,9 @@
 #   x2     (2 GPUs, ~8 min) CUDA graphs under ddp / zero1 (test_gpu_compile.py); tiny LLaVA on 1 GPU, pp 2, and
 #                           tp 2 with the vision tower whole (parallel.components.vision.tp 1), nccl
 #   flce   (1 GPU, ~5 min)  fused CE GPU tests, then its fwd+bwd rows (--rep 400) vs eager / compile / Liger
-#   vlm    (1 GPU, ~7 min)  the Qwen3-VL packed-vs-padded GPU test; Qwen3-VL-8B shape ours (and ours with the plain
-#                           output layer + CE, A/B) vs transformers eager and compiled, with a profile of our step;
+#   vlm    (1 GPU, ~8 min)  the Qwen-VL packed-vs-padded GPU tests; Qwen3-VL-8B shape ours (and ours with the plain
+#                           output layer + CE, A/B) vs transformers eager and compiled, with a profile of our step,
+#                           its CPU + CUDA trace (OUT/trace) and the stacks of its host-GPU syncs;
 #                           Qwen2.5-VL-3B shape ours vs transformers eager
 #   vlm_sft (1 GPU, ~3 min) packed vs padded SFT on variable-size image-text records at the Qwen2.5-VL-3B shape, and
 #                           transformers eager on the padded rows
@@ -190,9 +191,9 @@ from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/ll
   vlm)
     vlm=(python3 benchmarks/vlm_throughput.py --layers 4 --vision-depth 8 --batch 4 --seq 2048 --image 448 --steps 4
          --warmup 2)
-    step gpu_test_qwen3_vl 90 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
-      packages/loongforge-megatron/tests/test_qwen_vl.py -k "gpu_packed and qwen3_vl and not moe"
-    step vlm_qwen3_vl_8b 220 "${vlm[@]}" --model qwen3-vl-8b --profile \
+    step gpu_test_qwen_vl 150 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+      packages/loongforge-megatron/tests/test_qwen_vl.py -k "gpu_packed and not moe"
+    step vlm_qwen3_vl_8b 245 "${vlm[@]}" --model qwen3-vl-8b --profile --trace "$out/trace" \
       --variants loongforge,loongforge_plain_ce,hf_eager,hf_compile \
       --timeouts loongforge=60,loongforge_plain_ce=45,hf_eager=30,hf_compile=70
     step vlm_qwen2_5_vl_3b 105 "${vlm[@]}" --model qwen2.5-vl-3b --variants loongforge,hf_eager \

@@ -181,7 +181,8 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False) -> dict:
     job, runtime = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
     n = args.warmup + args.steps
     t0 = time.perf_counter()
-    batches = [job.schedule.microbatches(i, device=torch.device("cpu")) for i in range(n + 2 * args.profile)]
+    extra = 2 * args.profile + 2 * bool(args.trace)
+    batches = [job.schedule.microbatches(i, device=torch.device("cpu")) for i in range(n + extra)]
     data_s = (time.perf_counter() - t0) / len(batches)
     if args.batches:
         torch.save(batches[:n], args.batches)
@@ -204,12 +205,57 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False) -> dict:
                 job.step()
             sync()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
+    if args.trace and torch.cuda.is_available():
+        trace(job, Path(args.trace))
     job.close()
     runtime.logger.close()
     slots = [sum(int(m["tokens"].numel()) for m in step) for step in batches[:n]]
     labels = [sum(int(m["loss_mask"].sum()) for m in step) for step in batches[:n]]
     return {"times": times, "losses": losses, "peak_gib": peak / 2**30, "slots": slots, "labels": labels,
             "data_s": data_s}
+
+
+def trace(job, out: Path) -> None:
+    """Where the host holds the GPU up: one step's CPU + CUDA timeline with Python stacks (a chrome trace,
+    ``out / "step_trace.json.gz"``), then the Python stack of every call that synchronises the host with the GPU in
+    another step (CUDA's sync debug mode), each place once with its count."""
+    import gzip
+    import traceback
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        job.step()
+        sync()
+    raw = out / "step_trace.json"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as f, gzip.open(out / "step_trace.json.gz", "wb") as g:
+        g.write(f.read())
+    raw.unlink()
+    seen: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message) or "prototype" in str(message):
+            return
+        stack = "".join(traceback.format_stack()[:-2][-12:])
+        seen[stack] = seen.get(stack, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            job.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    text = "\n".join(f"--- {n} x\n{stack}" for stack, n in sorted(seen.items(), key=lambda kv: -kv[1]))
+    (out / "syncs.txt").write_text(f"{sum(seen.values())} synchronising calls in one step ({len(seen)} places)\n"
+                                   + text)
+    print(f"trace: {sum(seen.values())} synchronising calls in one step ({len(seen)} places); "
+          f"{out}/syncs.txt, {out}/step_trace.json.gz", flush=True)
 
 
 def hf_inputs(micro: dict, *, image_token: int, device, dtype) -> dict:
@@ -323,6 +369,8 @@ def main() -> None:
                     "loongforge,hf_eager,hf_compile; with --sft loongforge_packed,loongforge_padded,hf_eager)")
     ap.add_argument("--timeouts", default="", help="per-variant seconds, e.g. hf_compile=150 (default 300)")
     ap.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of two of our steps")
+    ap.add_argument("--trace", default=None, help="a folder: write a CPU + CUDA trace of one of our steps and the "
+                    "stacks of its host-GPU synchronisations there")
     ap.add_argument("--out", default=None, help="write the table (markdown) here too")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on a small preset")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -363,6 +411,7 @@ def main() -> None:
                else "", "--seq", str(args.seq), "--image", str(args.image), "--batch", str(args.batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
         cmd += ["--profile"] if args.profile and name.startswith("loongforge") else []
+        cmd += ["--trace", str(Path(args.trace) / name)] if args.trace and name.startswith("loongforge") else []
         t0 = time.time()
         try:
             subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeouts.get(name, 300))

@@ -204,6 +204,11 @@ class BatchSchedule:
     processes (torch's DataLoader, spawned: the trainer may have compiled graphs, so no fork), while the model
     trains on the current step; a step asked for out of that order (a resume, an evaluation) restarts them there.
     The batches are the same either way: each is a function of its step alone.
+
+    A dataset may also say how its micro-batches are made: ``concat_keys`` (per-sample sizes, joined on their first
+    dimension), ``finish_batch(batch)`` (a model's own host work on a collated micro-batch, done where the batch is
+    made: in a worker when there are workers) and ``host_keys`` (metadata its model reads on the host, left there
+    when the micro-batch moves to the device).
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int,
@@ -216,8 +221,10 @@ class BatchSchedule:
 
     def microbatches(self, step: int, *, device: torch.device) -> list[dict[str, torch.Tensor]]:
         out = []
+        keep = getattr(self.dataset, "host_keys", ())  # NOTE: metadata its model reads on the host (a VLM's grids)
         for batch in self._prefetched(step) if self.workers else self.host_batches(step):
-            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep else v
+                     for k, v in batch.items()}
             for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
                                ("loss_mask", torch.float)):
                 if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens
@@ -272,7 +279,8 @@ class BatchSchedule:
                         batch[key] = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 if "num_tokens" in samples[0]:
                     batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
-            out.append(batch)
+            finish = getattr(self.dataset, "finish_batch", None)  # NOTE: a model's per-micro-batch host work
+            out.append(finish(batch) if finish is not None else batch)
         return out
 
 

@@ -58,11 +58,14 @@ def _cp_slice_packed(batch: dict[str, Any], packed: Any, *, cp_size: int, cp_ran
     cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
     bounds = check_cu_seqlens(cu, total=tokens.shape[1], multiple_of=2 * cp_size, what="packed_seq_params.cu_seqlens_q")
     packed._loongforge_bounds = bounds
-    index = cp_indices(bounds, cp_size=cp_size, cp_rank=cp_rank, device=tokens.device)
+    index = cp_indices(bounds, cp_size=cp_size, cp_rank=cp_rank)  # NOTE: on the host; a key's device gets a copy
+    moved: dict[torch.device, torch.Tensor] = {}
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask", "position_ids", *seq_keys):
-        if batch.get(key) is not None:
-            out[key] = batch[key].index_select(-1, index)  # NOTE: -1: 3-D (mrope) position ids too
+        val = batch.get(key)
+        if val is not None:
+            here = moved.setdefault(val.device, index.to(val.device, non_blocking=True))
+            out[key] = val.index_select(-1, here)  # NOTE: -1: 3-D (mrope) position ids too
     if batch.get("attention_mask") is not None:
         raise ValueError("a packed micro-batch carries packed_seq_params, not an attention_mask")
     return out

@@ -24,8 +24,9 @@ from loongforge_megatron.engine.batch import packed_attention_mask
 LossReport = dict[str, torch.Tensor]
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def _to_device(batch: dict[str, Any], device: torch.device, *, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep else v
+           for k, v in batch.items()}
     packed = out.get("packed_seq_params")
     if packed is not None and packed.cu_seqlens_q is not None and packed.cu_seqlens_q.device != device:
         import dataclasses
@@ -40,12 +41,14 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return out
 
 
-def model_inputs(batch: dict[str, Any], model: torch.nn.Module, *, seq_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A micro-batch as the model takes it: on the model's device, this context-parallel rank's part (of the
-    standard keys and of ``seq_keys``, a model's own per-token keys), and for megatron's local attention (which
-    refuses ``packed_seq_params``) packed samples as the equivalent block-diagonal mask
-    (:func:`packed_attention_mask`, ``[t, t]``: that reference path alone builds one)."""
-    batch = _to_device(batch, next(model.parameters()).device)
+def model_inputs(batch: dict[str, Any], model: torch.nn.Module, *, seq_keys: tuple[str, ...] = (),
+                 host_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A micro-batch as the model takes it: on the model's device (but ``host_keys``, metadata the model reads on
+    the host, which stay where they are), this context-parallel rank's part (of the standard keys and of
+    ``seq_keys``, a model's own per-token keys), and for megatron's local attention (which refuses
+    ``packed_seq_params``) packed samples as the equivalent block-diagonal mask (:func:`packed_attention_mask`,
+    ``[t, t]``: that reference path alone builds one)."""
+    batch = _to_device(batch, next(model.parameters()).device, keep=host_keys)
     if _cp_size() > 1:
         from loongforge_megatron.engine.batch import cp_slice
 

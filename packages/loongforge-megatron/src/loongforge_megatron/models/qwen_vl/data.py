@@ -45,6 +45,9 @@ from loongforge_megatron.data.epochs import ShuffledEpochs
 from loongforge_megatron.models.qwen_vl.rope import mrope_positions
 
 CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+# NOTE: read on the host by the model (the tower's positions and windows, which token takes which embedding): the
+# micro-batch leaves them there when it moves to the device, so no step reads anything back from the device
+HOST_KEYS = ("image_grid_thw", "video_grid_thw", "vision_index")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Qwen2-VL's chat template (the hub's chat_template.json), for a checkpoint directory that has none.
@@ -60,6 +63,43 @@ QWEN_VL_CHAT_TEMPLATE = (
     "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
     "<|im_start|>assistant\n{% endif %}"
 )
+
+
+def image_embeddings(pixel_values, image_grid_thw, *, merge: int) -> int:
+    """How many embeddings the tower makes of a micro-batch's images (merge x merge patches each)."""
+    if pixel_values is None or not pixel_values.numel():
+        return 0
+    return int(image_grid_thw.prod(-1).sum()) // merge ** 2
+
+
+def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | None, *, images: int,
+                videos: int | None = None) -> torch.Tensor:
+    """``[b, s]``: each image placeholder token's row of the tower's output (the images' embeddings follow the
+    placeholders row after row, the order the images were collated in), each video placeholder token's row after
+    the ``images`` image embeddings, -1 for other tokens; ``videos``: the video embeddings there are, when known."""
+    index = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+    mask = input_ids == image_token
+    if int(mask.sum()) != images:
+        raise ValueError(f"{int(mask.sum())} image placeholder tokens but {images} image embeddings")
+    index[mask] = torch.arange(images, device=input_ids.device)
+    if video_token is not None:
+        video = input_ids == video_token
+        count = int(video.sum())
+        if videos is not None and count != videos:
+            raise ValueError(f"{count} video placeholder tokens but {videos} video embeddings")
+        index[video] = images + torch.arange(count, device=input_ids.device)
+    return index
+
+
+def with_vision_index(batch: dict[str, Any], *, image_token: int, video_token: int | None,
+                      merge: int) -> dict[str, Any]:
+    """A collated micro-batch (on the host) with its ``vision_index`` (:func:`vision_rows`), when it holds images
+    or videos."""
+    images = image_embeddings(batch.get("pixel_values"), batch.get("image_grid_thw"), merge=merge)
+    videos = image_embeddings(batch.get("pixel_values_videos"), batch.get("video_grid_thw"), merge=merge)
+    if images or videos:
+        batch["vision_index"] = vision_rows(batch["tokens"], image_token, video_token, images=images, videos=videos)
+    return batch
 
 
 def _bad(where: str, what: str) -> RecipeError:
@@ -214,7 +254,10 @@ class Conversations:
     after its last image, or refused when an image does not fit). Records are visited in a seeded order, a new
     one every epoch, a function of the sample index (resume is exact)."""
 
-    concat_keys = CONCAT_KEYS
+    concat_keys, host_keys = CONCAT_KEYS, HOST_KEYS
+
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
                  fill: bool = False, multiple_of: int = 1):
@@ -435,7 +478,10 @@ class SyntheticImageText:
     """Deterministic samples: ``[<|vision_start|>, image tokens, <|vision_end|>, caption]`` where the caption is a
     function of the image's colours (so the loss can fall); one ``side`` x ``side`` image per sample."""
 
-    concat_keys = CONCAT_KEYS
+    concat_keys, host_keys = CONCAT_KEYS, HOST_KEYS
+
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
 
     def __init__(self, *, arch: Any, seq_length: int, seed: int, side: int | None = None):
         v = arch.vision

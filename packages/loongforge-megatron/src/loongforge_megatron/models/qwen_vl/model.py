@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from loongforge_megatron.engine.step import loss_func, model_inputs
+from loongforge_megatron.models.qwen_vl.data import HOST_KEYS, image_embeddings, vision_rows
 
 VISION_PREFIXES = ("vision.",)  # the "vision" component (tower + merger)
 
@@ -67,17 +68,17 @@ def _gpt_model_class():
             tower gets the gradient of all of them (the scatter's backward gathers it)."""
             if self._deepstack is None:
                 return output
-            mask, order, feats = self._deepstack
+            where, rows, feats, seq = self._deepstack
             hidden, *rest = output if isinstance(output, tuple) else (output,)
+            add = feats[i].index_select(0, rows).to(hidden.dtype)
             if self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
-                add = hidden.new_zeros(mask.shape[0], *hidden.shape[1:])
-                add[mask] = feats[i][order].to(hidden.dtype)
-                hidden = hidden + tensor_parallel.scatter_to_sequence_parallel_region(add)
+                width = hidden.shape[1:]
+                whole = hidden.new_zeros(seq * width[0], *width[1:]).index_copy(0, where, add)
+                hidden = hidden + tensor_parallel.scatter_to_sequence_parallel_region(whole.view(seq, *width))
             else:
-                hidden = hidden.clone()
-                hidden[mask] = hidden[mask] + feats[i][order].to(hidden.dtype)
+                hidden = hidden.flatten(0, 1).index_add(0, where, add).view(hidden.shape)
             return (hidden, *rest) if isinstance(output, tuple) else hidden
 
         def forward(self, input_ids, position_ids, attention_mask, *, labels=None, pixel_values=None,
@@ -107,22 +108,30 @@ def _gpt_model_class():
 
         def _with_images(self, emb, image_index, pixel_values, grid_thw):
             """The tower's embeddings (images', then videos') in place of the placeholder tokens' embeddings
-            (``image_index`` says which embedding each token takes)."""
+            (``image_index`` says which embedding each token takes).
+
+            NOTE: which tokens take which embedding is worked out on the host (the data pipeline keeps
+            ``image_index`` there) and reaches the device as two index vectors, so neither this nor the deepstack
+            layers read anything back from the device (a boolean-mask index would, forward and backward)."""
             feats = self.vision(pixel_values, grid_thw)
-            mask = image_index >= 0
+            # NOTE: hidden states are [s, b, h]: the tokens in sequence-major order
+            index = image_index.cpu().t().reshape(-1)
+            where = (index >= 0).nonzero().squeeze(1)
+            rows = index[where]
+            deep = None
             if isinstance(feats, tuple):  # Qwen3-VL: (embeddings, deepstack features)
                 feats, deep = feats
-                # NOTE: hidden states are [s, b, h]: the features of the tokens in sequence-major order
-                self._deepstack = (mask.t(), image_index.t()[mask.t()], deep)
-            n = int(mask.sum())
+            n = where.numel()
             # NOTE: a context-parallel rank holds some of the placeholders, every other rank all of them
-            if (int(image_index.max()) + 1 if n else 0) > feats.shape[0] or (
+            if (int(rows.max()) + 1 if n else 0) > feats.shape[0] or (
                     self.config.context_parallel_size == 1 and n != feats.shape[0]):
                 raise ValueError(f"{n} image placeholder tokens but {feats.shape[0]} image embeddings "
                                  f"(grids {grid_thw.tolist()})")
-            rows = emb.transpose(0, 1).clone()
-            rows[mask] = feats[image_index[mask]].to(rows.dtype)
-            return rows.transpose(0, 1).contiguous()
+            where, rows = where.to(emb.device, non_blocking=True), rows.to(emb.device, non_blocking=True)
+            if deep is not None:
+                self._deepstack = (where, rows, deep, emb.shape[0])
+            flat = emb.flatten(0, 1).index_copy(0, where, feats.index_select(0, rows).to(emb.dtype))
+            return flat.view(emb.shape)
 
     return QwenVLModel
 
@@ -139,28 +148,6 @@ def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_t
         return parts[0][0], parts[0][1], images
     return (torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
             torch.cat([image_grid_thw, video_grid_thw]), images)
-
-
-def image_embeddings(pixel_values, image_grid_thw, *, merge: int) -> int:
-    """How many embeddings the tower makes of a micro-batch's images (merge x merge patches each)."""
-    if pixel_values is None or not pixel_values.numel():
-        return 0
-    return int(image_grid_thw.prod(-1).sum()) // merge ** 2
-
-
-def vision_rows(input_ids: torch.Tensor, image_token: int, video_token: int | None, *, images: int) -> torch.Tensor:
-    """``[b, s]``: each image placeholder token's row of the tower's output (the images' embeddings follow the
-    placeholders row after row, the order the images were collated in), each video placeholder token's row after
-    the ``images`` image embeddings, -1 for other tokens."""
-    index = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
-    mask = input_ids == image_token
-    if int(mask.sum()) != images:
-        raise ValueError(f"{int(mask.sum())} image placeholder tokens but {images} image embeddings")
-    index[mask] = torch.arange(images, device=input_ids.device)
-    if video_token is not None:
-        video = input_ids == video_token
-        index[video] = images + torch.arange(int(video.sum()), device=input_ids.device)
-    return index
 
 
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
@@ -209,12 +196,13 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
 
     batch, inner = next(data_iterator), unwrap(model)
     vision = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-    if inner.pre_process:
+    if inner.pre_process and batch.get("vision_index") is None and any(
+            v is not None and v.numel() for v in vision.values()):
+        # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it (the data pipeline
+        # gives it, made on the host: this reads the tokens back from the device)
         images = image_embeddings(vision["pixel_values"], vision["image_grid_thw"], merge=inner.merge)
-        if any(v is not None and v.numel() for v in vision.values()):
-            # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it
-            batch["vision_index"] = vision_rows(batch["tokens"], inner.image_token, inner.video_token, images=images)
-    batch = model_inputs(batch, model, seq_keys=("vision_index",))
+        batch["vision_index"] = vision_rows(batch["tokens"], inner.image_token, inner.video_token, images=images)
+    batch = model_inputs(batch, model, seq_keys=("vision_index",), host_keys=HOST_KEYS)
     fused = {} if output_processor is None else {"output_processor": output_processor,
                                                  "output_processor_context": batch["loss_mask"]}
     output = model(batch["tokens"], batch["position_ids"].transpose(0, 1).contiguous(), batch.get("attention_mask"),

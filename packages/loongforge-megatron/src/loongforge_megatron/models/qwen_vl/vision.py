@@ -129,22 +129,23 @@ class PatchMerger(nn.Module):
 
 
 def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
-    """(row, column) of every patch ``[patches, 2]``, in the order the processor flattens them: merge x merge
-    blocks one after another, each block row-major."""
+    """(row, column) of every patch ``[patches, 2]``, on the host, in the order the processor flattens them: merge
+    x merge blocks one after another, each block row-major."""
     out = []
     for t, h, w in grid_thw.tolist():
         rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
         cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
         hw = torch.stack([rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)], dim=-1)
         out.append(hw.repeat(t, 1))
-    return torch.cat(out).to(grid_thw.device)
+    return torch.cat(out)
 
 
 def window_order(grid_thw: torch.Tensor, *, merge: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(merged-patch order that puts each attention window's patches together, window bounds over patches).
 
     A window is ``window`` merged patches square (``window_size // patch // merge``), tiled from the image's top
-    left; edge windows are smaller. Bounds are cumulative patch counts (``merge**2`` patches per merged one)."""
+    left; edge windows are smaller. Bounds are cumulative patch counts (``merge**2`` patches per merged one). Both
+    on the host."""
     order, bounds, base = [], [0], 0
     unit = merge * merge
     for t, h, w in grid_thw.tolist():
@@ -157,7 +158,7 @@ def window_order(grid_thw: torch.Tensor, *, merge: int, window: int) -> tuple[to
                     order.append(cell + base)
                     bounds.append(bounds[-1] + cell.numel() * unit)
         base += t * gh * gw
-    return torch.cat(order).to(grid_thw.device), torch.tensor(bounds, dtype=torch.int32, device=grid_thw.device)
+    return torch.cat(order), torch.tensor(bounds, dtype=torch.int32)
 
 
 def rotary_2d(pos: torch.Tensor, *, theta: float, half: int, order: torch.Tensor | None = None,
@@ -171,6 +172,14 @@ def rotary_2d(pos: torch.Tensor, *, theta: float, half: int, order: torch.Tensor
         freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(freqs.shape)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def host_grids(grid_thw: torch.Tensor) -> torch.Tensor:
+    """The grids on the host, where the tower's metadata (positions, windows, boundaries) is made.
+
+    NOTE: the data pipeline keeps a micro-batch's grids there (its ``host_keys``), so this reads nothing back from
+    the device; grids given on the device (a direct call of the model) are read back once here."""
+    return grid_thw.cpu()
 
 
 def image_bounds(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -198,12 +207,14 @@ class VisionTower(nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(pixels)
-        unit = self.merge * self.merge
-        order, windows = window_order(grid_thw, merge=self.merge, window=self.window)
-        images, windows = blocks(image_bounds(grid_thw), x.device), blocks(windows, x.device)
+        unit, dev, grid = self.merge * self.merge, x.device, host_grids(grid_thw)
+        order, windows = window_order(grid, merge=self.merge, window=self.window)
+        images, windows = blocks(image_bounds(grid), dev), blocks(windows, dev)
+        restore = torch.argsort(order).to(dev, non_blocking=True)
+        order = order.to(dev, non_blocking=True)
         x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
-        pos = patch_positions(grid_thw, self.merge)
+        pos = patch_positions(grid, self.merge).to(dev, non_blocking=True)
         cos, sin = rotary_2d(pos, theta=self.theta, half=self.half, order=order, unit=unit)
         for i, block in enumerate(self.blocks):
             x = block(x, images if i in self.full else windows, cos, sin)
-        return self.merger(x)[torch.argsort(order)]
+        return self.merger(x)[restore]

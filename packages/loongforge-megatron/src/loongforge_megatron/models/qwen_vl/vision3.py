@@ -21,6 +21,7 @@ from loongforge_megatron.models.qwen_vl.vision import (
     Attention,
     PatchEmbed,
     blocks,
+    host_grids,
     image_bounds,
     patch_positions,
     rotary_2d,
@@ -68,11 +69,13 @@ class Merger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-def interpolated_positions(grid_thw: torch.Tensor, *, side: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+def interpolated_positions(grid_thw: torch.Tensor, *, side: int, merge: int,
+                           positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(table indices, weights) ``[patches, 4]`` that resample a ``side`` x ``side`` learned table bilinearly, with
-    aligned corners, to every patch of every image (patches in the processor's merge-block order)."""
-    pos = patch_positions(grid_thw, merge)
-    sizes = torch.repeat_interleave(grid_thw[:, 1:], grid_thw.prod(-1), dim=0).to(pos.device)
+    aligned corners, to every patch of every image (patches in the processor's merge-block order); on the host, as
+    ``grid_thw`` and ``positions`` (:func:`patch_positions`, made here when not given)."""
+    pos = patch_positions(grid_thw, merge) if positions is None else positions
+    sizes = torch.repeat_interleave(grid_thw[:, 1:], grid_thw.prod(-1), dim=0)
     src = pos.float() * (side - 1) / (sizes - 1).clamp(min=1)  # [patches, 2]: row, column on the table
     low = src.floor()
     taps = torch.stack([low, low + 1], dim=-1).long().clamp(0, side - 1)  # [patches, 2 axes, 2 taps]
@@ -106,10 +109,13 @@ class VisionTower3(nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.patch_embed(pixels)
-        index, weight = interpolated_positions(grid_thw, side=self.side, merge=self.merge)
+        dev, grid = x.device, host_grids(grid_thw)
+        pos = patch_positions(grid, self.merge)
+        index, weight = (t.to(dev, non_blocking=True) for t in interpolated_positions(
+            grid, side=self.side, merge=self.merge, positions=pos))
         x = x + (self.pos_embed(index) * weight[..., None].to(x.dtype)).sum(1)
-        cos, sin = rotary_2d(patch_positions(grid_thw, self.merge), theta=self.theta, half=self.half)
-        bounds = blocks(image_bounds(grid_thw), x.device)
+        cos, sin = rotary_2d(pos.to(dev, non_blocking=True), theta=self.theta, half=self.half)
+        bounds = blocks(image_bounds(grid), dev)
         features = []
         for i, block in enumerate(self.blocks):
             x = block(x, bounds, cos, sin)
