@@ -200,8 +200,9 @@ from test_llava import save_llava; save_llava(Path('/tmp/llava_hf'))" > "$out/ll
       --timeouts loongforge=60,hf_eager=30
     ;;
   vlm_sft)
-    step vlm_sft_qwen2_5_vl_3b 140 python3 benchmarks/vlm_throughput.py --layers 4 --vision-depth 8 --batch 4 \
-      --seq 2048 --image 448 --steps 4 --warmup 2 --model qwen2.5-vl-3b --sft 64 \
+    # NOTE: every step's records (image sizes, lengths) are new shapes: more steps than the synthetic rows
+    step vlm_sft_qwen2_5_vl_3b 150 python3 benchmarks/vlm_throughput.py --layers 4 --vision-depth 8 --batch 4 \
+      --seq 2048 --image 448 --steps 12 --warmup 4 --model qwen2.5-vl-3b --sft 96 \
       --variants loongforge_packed,loongforge_padded,hf_eager \
       --timeouts loongforge_packed=60,loongforge_padded=55,hf_eager=30
     ;;

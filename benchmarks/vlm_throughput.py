@@ -144,9 +144,10 @@ def max_memory() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def run_ours(args, *, pack: bool | None, plain_ce: bool = False) -> dict:
-    """Our job on the checkpoint; ``pack`` None: synthetic rows, else the SFT records packed or padded. Writes the
-    steps' micro-batches to ``--batches`` for the transformers variants."""
+def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = False) -> dict:
+    """Our job on the checkpoint; ``pack`` None: synthetic rows, else the SFT records packed or padded; ``gaf``:
+    with ``kernels.grad_accum_fusion``. Writes the steps' micro-batches to ``--batches`` for the transformers
+    variants."""
     import loongforge
     import torch
     import yaml
@@ -176,6 +177,8 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False) -> dict:
         "accelerator": args.device,
         "logging": {"tensorboard": False, "console": False},
     }
+    if gaf:
+        recipe["kernels"] = {"grad_accum_fusion": True}
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, runtime = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
@@ -337,12 +340,13 @@ def run_hf(args, *, compiled: bool) -> dict:
 VARIANTS = {
     "loongforge": lambda a: run_ours(a, pack=None),
     "loongforge_plain_ce": lambda a: run_ours(a, pack=None, plain_ce=True),
+    "loongforge_gaf": lambda a: run_ours(a, pack=None, gaf=True),
     "loongforge_packed": lambda a: run_ours(a, pack=True),
     "loongforge_padded": lambda a: run_ours(a, pack=False),
     "hf_eager": lambda a: run_hf(a, compiled=False),
     "hf_compile": lambda a: run_hf(a, compiled=True),
 }
-PEERS = ("hf_eager", "hf_compile", "loongforge_padded", "loongforge_plain_ce")
+PEERS = ("hf_eager", "hf_compile", "loongforge_padded", "loongforge_plain_ce", "loongforge_gaf")
 
 
 def child(args) -> None:
@@ -422,6 +426,8 @@ def main() -> None:
         res["wall_s"] = time.time() - t0
         rows[name] = res
         print(name, {k: v for k, v in res.items() if k not in ("times", "losses", "slots", "labels")}, flush=True)
+        if "times" in res:
+            print(f"{name} step times (s): {' '.join(f'{t:.3f}' for t in res['times'])}", flush=True)
         if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
             write(args.out, render(args, rows, device))
     text = render(args, rows, device)

@@ -124,7 +124,9 @@ CHILD = """
 import os, signal, sys, time
 out = sys.argv[1]
 def stop(signum, frame):
-    open(out + ".stopped", "w").write(signal.Signals(signum).name)
+    with open(out + ".stopping", "w") as f:  # NOTE: whole, then renamed: the test never reads a half-written file
+        f.write(signal.Signals(signum).name)
+    os.replace(out + ".stopping", out + ".stopped")
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)

@@ -1,7 +1,8 @@
 """Non-finite steps: a NaN / inf loss or gradient never reaches the weights, a checkpoint or an export.
 
 Every step checks the reduced loss and this rank's gradients, then agrees across all ranks (one scalar
-all-reduce), before the optimizer runs. A non-finite step stops the run with a message naming it, or, with
+all-reduce), before the optimizer runs. Where the step folds the clipping into the fused Adam kernel
+(``engine/optimizer.py``), the gradients' check is their norm, which that step computes anyway. A non-finite step stops the run with a message naming it, or, with
 ``train.skip_nonfinite: true``, skips the update and is counted (megatron-LM's ``--check-for-nan-in-loss-and-grad``
 stops, its fp16 loss scaler skips). With fp16 loss scaling, gradient overflows stay the scaler's business (it
 skips and lowers the scale); only a non-finite loss counts.
@@ -54,7 +55,7 @@ def _locally_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 def all_ranks_finite(local_ok: bool) -> bool:
     """True when every rank's ``local_ok`` is (one all-reduce on the default group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local_ok
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     flag = torch.tensor([0.0 if local_ok else 1.0], device=device)

@@ -84,6 +84,65 @@ def use_fused_torch_adam(optimizer: Any) -> int:
     return switched
 
 
+def folds_clip(optimizer: Any) -> bool:
+    """Whether :func:`step_with_folded_clip` can step ``optimizer``: no loss scaling, every torch optimizer inside
+    is fused Adam / AdamW (its kernel takes a gradient divisor), one ``clip_grad`` for all, and none of megatron's
+    per-step extras that need the clipped gradients themselves (zero counting, a skip threshold, separate
+    gradient-norm groups such as multi-token prediction's)."""
+    import math
+
+    from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+    inner = inner_optimizers(optimizer)
+    if not inner or any(not isinstance(o, torch.optim.Adam | torch.optim.AdamW)
+                        or not all(g.get("fused") for g in o.param_groups) for o in inner):
+        return False
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(getattr(m, "grad_scaler", None) is not None for m in parts):
+        return False
+    configs = [m.config for m in parts]
+    if len({c.clip_grad for c in configs}) != 1 or any(
+            c.log_num_zeros_in_grad or math.isfinite(getattr(c, "grad_norm_skip_threshold", math.inf))
+            for c in configs):
+        return False
+    has_group = getattr(optimizer, "has_grad_norm_group", None)
+    return not (has_group is not None and any(has_group(g) for g in SEPARATE_GRAD_NORM_GROUPS))
+
+
+def step_with_folded_clip(optimizer: Any, *, loss_finite: bool) -> tuple[bool, float, bool]:
+    """megatron's optimizer step (gradients made ready, their norm, clipping, the update, the model weights
+    refreshed) with the clipping folded into the fused Adam kernel, for an ``optimizer`` :func:`folds_clip` accepts.
+    Returns (updated, grad norm, finite).
+
+    megatron scales every gradient by ``clip / (norm + 1e-6)`` when that is below 1, a pass that reads and writes
+    all fp32 gradients; here the kernel divides each gradient by the inverse as it reads it (torch's ``grad_scale``,
+    the amp GradScaler's hook). The step's non-finite check is the norm's (a NaN / inf gradient makes it non-finite;
+    agreed across ranks with the loss's), so no other pass over the gradients is made: a non-finite step changes
+    nothing and returns (False, norm, False)."""
+    import math
+
+    from loongforge_megatron.nonfinite import all_ranks_finite
+
+    if optimizer.prepare_grads():  # NOTE: a found inf / NaN: loss scaling only, which folds_clip refuses
+        return False, float("nan"), False
+    norm = float(optimizer.get_grad_norm())
+    if not all_ranks_finite(loss_finite and math.isfinite(norm)):
+        return False, norm, False
+    clip = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0].config.clip_grad
+    divisor = (norm + 1.0e-6) / clip if clip > 0 else 1.0
+    inner = inner_optimizers(optimizer)
+    if divisor > 1.0:
+        for opt in inner:
+            device = opt.param_groups[0]["params"][0].device
+            opt.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=device)
+    try:
+        updated = optimizer.step_with_ready_grads()
+    finally:
+        for opt in inner:
+            opt.__dict__.pop("grad_scale", None)
+    return updated, norm, True
+
+
 def build_scheduler(
     optimizer: Any,
     *,

@@ -13,6 +13,7 @@ reported loss is sum / count over all micro-batches and data-parallel ranks, so 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -155,11 +156,14 @@ def reduce_loss(losses: list[LossReport], *, key: str = "lm loss") -> float:
     """
     from megatron.core import parallel_state as mpu
 
-    total = torch.zeros(2, dtype=torch.float64)
+    # NOTE: summed where the reports are and read back once, at the end (one host-device sync a step)
+    total = None
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         for report in losses:
-            total += report[key].detach().to("cpu", torch.float64)
-    total = total.to(_comm_device())
+            part = report[key].detach().to(torch.float64)
+            total = part if total is None else total + part
+    device = _comm_device()
+    total = torch.zeros(2, dtype=torch.float64, device=device) if total is None else total.to(device)
     dist.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(
@@ -231,6 +235,7 @@ def train_step(
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_model_config
 
+    from loongforge_megatron.engine.optimizer import folds_clip, step_with_folded_clip
     from loongforge_megatron.nonfinite import step_is_finite, uses_loss_scaling
 
     config = get_model_config(model_chunks[0])
@@ -250,11 +255,14 @@ def train_step(
     )
     loss = reduce_loss(losses, key=loss_key)
     # NOTE: a non-finite loss or gradient never reaches the weights (nonfinite.py); fp16's scaler skips by itself
-    finite = step_is_finite(model_chunks, loss, optimizer)
-    if finite or uses_loss_scaling(optimizer):
-        update_successful, grad_norm, _ = optimizer.step()
+    if folds_clip(optimizer):  # the clipping inside the fused Adam kernel, the check read off the gradient norm
+        update_successful, grad_norm, finite = step_with_folded_clip(optimizer, loss_finite=math.isfinite(loss))
     else:
-        update_successful, grad_norm = False, float("nan")
+        finite = step_is_finite(model_chunks, loss, optimizer)
+        if finite or uses_loss_scaling(optimizer):
+            update_successful, grad_norm, _ = optimizer.step()
+        else:
+            update_successful, grad_norm = False, float("nan")
     if update_successful:
         global_batch = num_microbatches * micro_batch_size * mpu.get_data_parallel_world_size()
         scheduler.step(increment=global_batch)
