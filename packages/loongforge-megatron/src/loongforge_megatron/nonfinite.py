@@ -2,10 +2,10 @@
 
 Every step checks the reduced loss and this rank's gradients, then agrees across all ranks (one scalar
 all-reduce), before the optimizer runs. Where the step folds the clipping into the fused Adam kernel
-(``engine/optimizer.py``), the gradients' check is their norm, which that step computes anyway. A non-finite step stops the run with a message naming it, or, with
-``train.skip_nonfinite: true``, skips the update and is counted (megatron-LM's ``--check-for-nan-in-loss-and-grad``
-stops, its fp16 loss scaler skips). With fp16 loss scaling, gradient overflows stay the scaler's business (it
-skips and lowers the scale); only a non-finite loss counts.
+(``engine/optimizer.py``), the gradients' check is their norm, which that step computes anyway. A non-finite step
+stops the run with a message naming it, or, with ``train.skip_nonfinite: true``, skips the update and is counted
+(megatron-LM's ``--check-for-nan-in-loss-and-grad`` stops, its fp16 loss scaler skips). With fp16 loss scaling,
+gradient overflows stay the scaler's business (it skips and lowers the scale); only a non-finite loss counts.
 """
 
 from __future__ import annotations

@@ -262,10 +262,11 @@ class BatchSchedule:
         """Step ``step``'s micro-batches of this rank, on the host."""
         out = []
         n = len(self.dataset)
+        concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
+        finish = getattr(self.dataset, "finish_batch", None)  # NOTE: a model's per-micro-batch host work
         for m in range(self.num_microbatches):
             first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
             samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
-            concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
             if "cu_seqlens" in samples[0]:  # packed rows: one THD micro-batch (engine/packing.py)
                 from loongforge_megatron.engine.packing import collate
 
@@ -279,7 +280,6 @@ class BatchSchedule:
                         batch[key] = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 if "num_tokens" in samples[0]:
                     batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
-            finish = getattr(self.dataset, "finish_batch", None)  # NOTE: a model's per-micro-batch host work
             out.append(finish(batch) if finish is not None else batch)
         return out
 

@@ -84,6 +84,11 @@ def use_fused_torch_adam(optimizer: Any) -> int:
     return switched
 
 
+def _megatron_parts(optimizer: Any) -> list[Any]:
+    """The megatron optimizers a (possibly chained) one steps."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def folds_clip(optimizer: Any) -> bool:
     """Whether :func:`step_with_folded_clip` can step ``optimizer``: no loss scaling, every torch optimizer inside
     is fused Adam / AdamW (its kernel takes a gradient divisor), one ``clip_grad`` for all, and none of megatron's
@@ -97,7 +102,7 @@ def folds_clip(optimizer: Any) -> bool:
     if not inner or any(not isinstance(o, torch.optim.Adam | torch.optim.AdamW)
                         or not all(g.get("fused") for g in o.param_groups) for o in inner):
         return False
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    parts = _megatron_parts(optimizer)
     if any(getattr(m, "grad_scaler", None) is not None for m in parts):
         return False
     configs = [m.config for m in parts]
@@ -128,7 +133,7 @@ def step_with_folded_clip(optimizer: Any, *, loss_finite: bool) -> tuple[bool, f
     norm = float(optimizer.get_grad_norm())
     if not all_ranks_finite(loss_finite and math.isfinite(norm)):
         return False, norm, False
-    clip = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0].config.clip_grad
+    clip = _megatron_parts(optimizer)[0].config.clip_grad  # NOTE: one for all (folds_clip)
     divisor = (norm + 1.0e-6) / clip if clip > 0 else 1.0
     inner = inner_optimizers(optimizer)
     if divisor > 1.0:

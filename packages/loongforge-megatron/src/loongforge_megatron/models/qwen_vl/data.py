@@ -102,6 +102,17 @@ def with_vision_index(batch: dict[str, Any], *, image_token: int, video_token: i
     return batch
 
 
+class VisionBatches:
+    """How a Qwen-VL dataset's micro-batches are made (``BatchSchedule``'s dataset hooks): the patches joined, the
+    vision index made on the host, the grids and the index left there. Needs ``image_token``, ``video_token`` and
+    ``merge``."""
+
+    concat_keys, host_keys = CONCAT_KEYS, HOST_KEYS
+
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
+
+
 def _bad(where: str, what: str) -> RecipeError:
     return RecipeError(f"{where}: {what}", key="data.path")
 
@@ -249,15 +260,10 @@ def load_processor(model_dir: str | Path | None):
     return processor
 
 
-class Conversations:
+class Conversations(VisionBatches):
     """The records of ``path`` as Qwen-VL samples of ``seq_length`` tokens (rows padded; a longer record is cut
     after its last image, or refused when an image does not fit). Records are visited in a seeded order, a new
     one every epoch, a function of the sample index (resume is exact)."""
-
-    concat_keys, host_keys = CONCAT_KEYS, HOST_KEYS
-
-    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
                  fill: bool = False, multiple_of: int = 1):
@@ -474,14 +480,9 @@ def sample(ids: list[int], mask: list[int], *, pixel_values: torch.Tensor, grid_
     return row
 
 
-class SyntheticImageText:
+class SyntheticImageText(VisionBatches):
     """Deterministic samples: ``[<|vision_start|>, image tokens, <|vision_end|>, caption]`` where the caption is a
     function of the image's colours (so the loss can fall); one ``side`` x ``side`` image per sample."""
-
-    concat_keys, host_keys = CONCAT_KEYS, HOST_KEYS
-
-    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
 
     def __init__(self, *, arch: Any, seq_length: int, seed: int, side: int | None = None):
         v = arch.vision
