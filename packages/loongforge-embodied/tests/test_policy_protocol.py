@@ -476,7 +476,7 @@ def export(tmp_path_factory) -> Path:
 def _run_folder_damages(export: Path) -> dict[str, tuple[str, object]]:
     cfg = json.loads((export / "config.json").read_text())
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
     return {
         "recipe.yaml a list": ("recipe.yaml", "- 1\n- 2\n"),
         "recipe.yaml an alias bomb": ("recipe.yaml", bomb + "data: {task: push}\n"),
