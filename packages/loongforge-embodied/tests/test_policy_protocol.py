@@ -502,6 +502,9 @@ def _run_folder_damages(export: Path) -> dict[str, tuple[str, object]]:
         "config.json state_dim disagrees": ("hf/config.json", json.dumps({**cfg, "state_dim": 7})),
         "config.json image_size disagrees": ("hf/config.json", json.dumps({**cfg, "image_size": 32})),
         "config.json hidden 2**20": ("hf/config.json", json.dumps({**cfg, "lm_hidden": 2**20, "expert_hidden": 2**20})),
+        "config.json 100k layers": ("hf/config.json", json.dumps({**cfg, "vision_layers": 100_000})),
+        "config.json 10**9 layers": ("hf/config.json", json.dumps({**cfg, "lm_layers": 10**9})),
+        "config.json a size 2**40": ("hf/config.json", json.dumps({**cfg, "max_text_tokens": 2**40})),
         "config.json a size a string": ("hf/config.json", json.dumps({**cfg, "chunk_size": "8"})),
         "config.json a size negative": ("hf/config.json", json.dumps({**cfg, "action_dim": -2})),
         "model.safetensors truncated": ("hf/model.safetensors", "TRUNCATE"),
@@ -568,6 +571,14 @@ def test_request_timeout_and_counts_are_checked_by_evaluate():
     from loongforge.errors import LoongForgeError
     from loongforge_embodied.eval.evaluate import check_counts
 
+    from loongforge.errors import RecipeError
+    from loongforge.recipe import load_recipe
+
+    synthetic = ROOT / "recipes" / "embodied" / "tiny_vla_synthetic.yaml"
+    assert load_recipe(synthetic).data.eval_request_timeout == 120.0
+    for value in ("nan", "inf", "0", "-1", "x"):
+        with pytest.raises(RecipeError, match="key 'data.eval_request_timeout'"):
+            load_recipe(synthetic, [f"data.eval_request_timeout={value}"])
     base = {"episodes": 1, "workers": 1, "max_steps": None, "replan": None, "videos": 0, "request_timeout_s": 5.0}
     check_counts(**base)
     for key, value in (("max_steps", -5), ("replan", 0), ("replan", -1), ("episodes", True),

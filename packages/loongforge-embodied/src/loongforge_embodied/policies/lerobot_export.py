@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from loongforge_embodied.policies.arch import ArchMixin
 
 PREFIX = "model."  # an ArchPolicyMixin policy holds the network as ``self.model``
+MAX_SIZE = 2**24  # any one size or count of an exported architecture
 
 
 @contextlib.contextmanager
@@ -78,13 +79,20 @@ def load_model(path: str | Path, *, arch_class: type[ArchMixin], model_class: ty
     path = Path(path)
     config, weights = path / "config.json", path / "model.safetensors"
     cfg = read_json_object(config)
+    header = {k[len(PREFIX):]: tuple(v["shape"]) for k, v in read_header(weights).items() if k.startswith(PREFIX)}
     try:
         arch = arch_class().with_overrides(**{f.name: cfg[f.name] for f in arch_class.size_fields() if f.name in cfg})
+        # NOTE: every layer holds a tensor: more layers than the file has tensors is a lie, and building them
+        # (even on the meta device) would take as long as the lie is large
+        for name, value in arch.to_dict().items():
+            if type(value) is int and (value > MAX_SIZE or ("layers" in name and value > len(header))):
+                raise ValueError(f"key '{name}' is {value}, more than {str(weights.name)} can hold "
+                                 f"({len(header)} tensors)" if value <= MAX_SIZE else f"key '{name}' is {value}, "
+                                 f"more than any size allowed ({MAX_SIZE})")
         with torch.device("meta"):  # NOTE: shapes only; nothing is allocated for a config that lies
             expected = {k: tuple(v.shape) for k, v in model_class(arch).state_dict().items()}
     except (TypeError, ValueError, AssertionError) as exc:
         raise CheckpointError(f"{config}: {(str(exc).splitlines() or [''])[0][:300]}") from None
-    header = {k[len(PREFIX):]: tuple(v["shape"]) for k, v in read_header(weights).items() if k.startswith(PREFIX)}
     check_shapes(expected, siglip_names.match(header, expected.keys()),
                  where=f"{weights} (against {config.name})")
     model = model_class(arch)
