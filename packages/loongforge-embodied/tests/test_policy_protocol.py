@@ -568,11 +568,9 @@ def test_corrupt_run_folders_are_one_line_naming_the_file(export, tmp_path):
 
 
 def test_request_timeout_and_counts_are_checked_by_evaluate():
-    from loongforge.errors import LoongForgeError
-    from loongforge_embodied.eval.evaluate import check_counts
-
-    from loongforge.errors import RecipeError
+    from loongforge.errors import LoongForgeError, RecipeError
     from loongforge.recipe import load_recipe
+    from loongforge_embodied.eval.evaluate import check_counts
 
     synthetic = ROOT / "recipes" / "embodied" / "tiny_vla_synthetic.yaml"
     assert load_recipe(synthetic).data.eval_request_timeout == 120.0
