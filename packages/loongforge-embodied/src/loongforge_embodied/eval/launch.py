@@ -96,6 +96,7 @@ def run_eval(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
     check_counts(episodes=args.episodes, workers=args.workers, max_steps=args.max_steps, replan=args.replan,
                  videos=args.videos, request_timeout_s=args.request_timeout)
+    check_listen(host="127.0.0.1", port=0, max_batch=args.max_batch)
     server, record_seed = None, None
     if args.server:
         if not args.server.startswith(("ws://", "wss://")):
@@ -107,7 +108,6 @@ def run_eval(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         policy, env, out, record_seed = build_policy(args.source, args.overrides, policy=args.policy, env=args.env,
                                                      device=args.device)
         out = Path(args.output) if args.output else out
-        check_listen(host="127.0.0.1", port=0, max_batch=args.max_batch)
         server = PolicyServer(policy, host="127.0.0.1", port=0, max_batch=args.max_batch).start()
         address = server.address
     try:
