@@ -58,6 +58,8 @@ class PolicyServer:
         try:
             asyncio.run(self._main())
         except OSError as exc:
+            if self._failure is None:
+                raise  # NOTE: not a bind failure: it came while serving
             raise self._bind_error(exc) from None
 
     def _bind_error(self, exc: BaseException) -> LoongForgeError:
@@ -110,8 +112,9 @@ class PolicyServer:
                     self._on_ready()
                 await self._stop.wait()
         except BaseException as exc:
-            self._failure = exc
-            self._ready.set()
+            if not self._ready.is_set():  # NOTE: a failure to bind (start() and serve_forever() report it)
+                self._failure = exc
+                self._ready.set()
             raise
         finally:
             batcher.cancel()
