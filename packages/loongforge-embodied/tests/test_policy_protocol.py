@@ -536,7 +536,7 @@ def _damage(run: Path, rel: str, what) -> None:
         path.write_bytes(what if isinstance(what, bytes) else what.encode())
 
 
-def test_corrupt_run_folders_are_one_line_naming_the_file(export, tmp_path):
+def test_corrupt_run_folders_are_one_line_naming_the_file(export, tmp_path, capsys):
     import shutil
 
     from loongforge.errors import LoongForgeError
@@ -558,6 +558,12 @@ def test_corrupt_run_folders_are_one_line_naming_the_file(export, tmp_path):
         except Exception as exc:  # noqa: BLE001 - recorded as a failure of the contract
             failures.append((name, f"{type(exc).__name__}: {str(exc)[:200]}"))
     assert failures == [], failures
+    names = list(damages)  # a few again through the command line: exit 2, one line
+    for i in map(names.index, ("recipe.yaml a list", "config.json a list", "model.safetensors truncated")):
+        for command in (["eval", str(tmp_path / f"run{i}"), "--episodes", "1", "--videos", "0"],
+                        ["serve", str(tmp_path / f"run{i}"), "--port", "0"]):
+            rc, err = _cli(capsys, *command, "--device", "cpu")
+            assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), (i, command[0], err)
     ok = tmp_path / "ok"
     shutil.copytree(export, ok / "hf")
     (ok / "recipe.yaml").write_text("data: {task: push the block, record: {env: pusht, seed: 3}}\n")
