@@ -133,7 +133,8 @@ def _definitions(*, classes: bool, functions: bool) -> dict[str, list[str]]:
 
 
 def test_each_error_class_is_defined_once():
-    errors = {k: v for k, v in _definitions(classes=True, functions=False).items() if k.endswith(("Error", "Exception"))}
+    classes = _definitions(classes=True, functions=False)
+    errors = {k: v for k, v in classes.items() if k.endswith(("Error", "Exception"))}
     twice = {k: v for k, v in errors.items() if len(v) > 1}
     assert not twice, f"error classes defined more than once: {twice}"
     for name in ("LoongForgeError", "PeerFailedError", "NonFiniteError", "CheckpointError", "RecipeError"):

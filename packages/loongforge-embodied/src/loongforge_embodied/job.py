@@ -143,8 +143,8 @@ class EmbodiedJob(Job):
         self.step_index, failure = 0, None
         try:
             if r.checkpoint.resume == "auto":
-                self.step_index = checkpoint.resume(model=self.model.raw, optimizer=self.optimizer, ema=self.ema, recipe=r,
-                                                    checkpoint_dir=rt.checkpoint_dir)
+                self.step_index = checkpoint.resume(model=self.model.raw, optimizer=self.optimizer, ema=self.ema,
+                                                    recipe=r, checkpoint_dir=rt.checkpoint_dir)
         except Exception as exc:  # NOTE: re-raised by agree(), on this rank; its peers raise PeerFailedError
             failure = exc
         from loongforge.failures import agree
@@ -327,9 +327,10 @@ class EmbodiedJob(Job):
         from loongforge_embodied import checkpoint
 
         self.check_finite()
+        rt = self.runtime
         return checkpoint.export(model=self.model.raw, ema=self.ema, policy=self.recipe.model.policy, arch=self.arch,
-                                 features=self.features, step=self.step_index,
-                                 out_dir=Path(out_dir or self.runtime.hf_dir), checkpoint_dir=self.runtime.checkpoint_dir)
+                                 features=self.features, step=self.step_index, out_dir=Path(out_dir or rt.hf_dir),
+                                 checkpoint_dir=rt.checkpoint_dir)
 
     def run(self) -> dict[str, Any]:
         from loongforge.metrics import is_logged_step
