@@ -407,10 +407,16 @@ CKPT_DAMAGE = (
 )
 
 
+def _resume(job, checkpoint_dir: Path) -> int:
+    from loongforge_embodied import checkpoint
+
+    return checkpoint.resume(model=job.model.raw, optimizer=job.optimizer, ema=job.ema, recipe=job.recipe,
+                             checkpoint_dir=checkpoint_dir)
+
+
 @pytest.mark.parametrize(("name", "how"), CKPT_DAMAGE, ids=[f"{n}-{h[:24]}" for n, h in CKPT_DAMAGE])
 def test_damaged_checkpoint_is_one_line_naming_it(trained, tmp_path, name, how):
     from loongforge.errors import LoongForgeError
-    from loongforge_embodied import checkpoint
 
     job, step = trained
     out = tmp_path / "run"
@@ -423,13 +429,8 @@ def test_damaged_checkpoint_is_one_line_naming_it(trained, tmp_path, name, how):
         target.write_text(how[5:])
     else:
         _damage(target, how)
-    old = job.runtime.output_dir
-    job.runtime.output_dir = out
-    try:
-        with pytest.raises(LoongForgeError) as err:
-            checkpoint.resume(job)
-    finally:
-        job.runtime.output_dir = old
+    with pytest.raises(LoongForgeError) as err:
+        _resume(job, copy)
     msg = str(err.value)
     assert "\n" not in msg and str(copy / step.name) in msg, msg
     assert not marker.exists()
@@ -442,7 +443,6 @@ LATEST = {"garbage": "\x00\xffjunk", "escape": "../../other/checkpoints/step_000
 @pytest.mark.parametrize("case", sorted(LATEST))
 def test_bad_latest_pointer_is_one_line_or_falls_back(trained, tmp_path, case):
     from loongforge.errors import LoongForgeError
-    from loongforge_embodied import checkpoint
 
     job, step = trained
     out = tmp_path / "run"
@@ -452,16 +452,11 @@ def test_bad_latest_pointer_is_one_line_or_falls_back(trained, tmp_path, case):
         foreign = Path(shutil.copytree(step, tmp_path / "other" / "checkpoints" / "step_00000005"))
         meta = json.loads((foreign / "trainer.json").read_text())
         (foreign / "trainer.json").write_text(json.dumps({**meta, "step": 5}))
-    old = job.runtime.output_dir
-    job.runtime.output_dir = out
     try:
-        try:
-            resumed = checkpoint.resume(job)
-        except LoongForgeError as exc:
-            assert "\n" not in str(exc) and "latest" in str(exc), str(exc)
-            return
-    finally:
-        job.runtime.output_dir = old
+        resumed = _resume(job, copy)
+    except LoongForgeError as exc:
+        assert "\n" not in str(exc) and "latest" in str(exc), str(exc)
+        return
     assert resumed in (0, 1)
     assert case != "escape" or resumed == 1  # NOTE: only a fall-back to the run's own complete step
 

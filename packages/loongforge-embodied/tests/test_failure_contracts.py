@@ -157,14 +157,14 @@ def test_skip_nonfinite_skips_the_update_and_counts_it(tmp_path):
         job.step()  # NOTE: one huge finite update; the next steps' losses are not finite
         before = [p.detach().clone() for p in job.model.raw.parameters()]
         metrics = job.step()
-        assert job.skipped_steps == 1 and metrics["skipped_steps"] == 1
+        assert job.nonfinite.skipped == 1 and metrics["skipped_nonfinite"] == 1
         assert not torch.isfinite(torch.tensor(metrics["loss"]))
         assert all(torch.equal(a, b) for a, b in zip(before, job.model.raw.parameters(), strict=True))
     finally:
         job.close()
         job.runtime.logger.close()
     records = _strict_json_lines(tmp_path / "metrics.jsonl")
-    assert records[-1]["loss"] is None and records[-1]["skipped_steps"] == 1
+    assert records[-1]["loss"] is None and records[-1]["skipped_nonfinite"] == 1
 
 
 def test_nonfinite_weights_are_never_saved_or_exported(tmp_path):

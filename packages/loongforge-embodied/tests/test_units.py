@@ -278,7 +278,7 @@ def test_ema_follows_the_weights_and_is_exported_and_resumed(tmp_path):
             if step == 1:
                 job.save()
                 at_save = {n: e.clone() for n, e in expected.items()}
-        exported = full_state_dict(job, use_ema=True)
+        exported = full_state_dict(job.model.raw, ema=job.ema)
         weights = dict(raw.named_parameters())
         assert all(torch.equal(exported[n], e) for n, e in expected.items())
         assert any(not torch.equal(exported[n], weights[n].detach()) for n in expected)

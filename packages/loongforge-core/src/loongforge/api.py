@@ -22,10 +22,10 @@ from typing import Any
 
 from loongforge.backend import Job, get_backend
 from loongforge.errors import LaunchError, LoongForgeError, RecipeError
+from loongforge.failures import FAILED
 from loongforge.launcher import LaunchConfig, launch
 from loongforge.recipe import Recipe, dump_recipe, load_recipe
 from loongforge.runtime import Runtime
-from loongforge.worker import FAILED
 
 __all__ = ["build_job", "default_output_dir", "load_recipe", "run_in_process", "train", "write_run_recipe"]
 

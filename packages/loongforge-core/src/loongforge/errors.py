@@ -49,7 +49,17 @@ class CheckpointError(LoongForgeError):
 
 
 class NonFiniteError(LoongForgeError):
-    """Training produced a NaN / inf loss, gradient norm or weight; the message names the step (and what to try)."""
+    """Training produced a NaN / inf loss, gradient norm or weight; the message names the step (and what to try).
+    Raised by every rank together (the verdict is agreed across ranks: ``loongforge.failures``)."""
+
+
+class PeerFailedError(LoongForgeError):
+    """Another rank failed in a phase every rank passes together (``loongforge.failures.agree``); the message is
+    that rank's (``rank``: the first rank that failed)."""
+
+    def __init__(self, message: str, *, rank: int):
+        self.rank = rank
+        super().__init__(message)
 
 
 class AdaptationError(LoongForgeError):

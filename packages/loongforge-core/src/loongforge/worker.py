@@ -1,9 +1,10 @@
 """Entry point of one training process started by the elastic launcher (``python -m loongforge.worker``).
 
 A user error (``LoongForgeError``) is one line on stderr and exit code 2. When several ranks fail, the first one
-to record ``OUTPUT/.failed.<restart>`` prints; ranks that fail with the same message, or only because a failed
-peer closed its connections, stay quiet, so the console shows the cause once, not one traceback per rank. Any
-other exception keeps its traceback.
+to record ``OUTPUT/.failed.<restart>`` (``loongforge.failures.marker_path``) prints; ranks that fail with the same
+message (a ``PeerFailedError`` carries the failing rank's), or only because a failed peer closed its connections,
+stay quiet, so the console shows the cause once, not one traceback per rank. Any other exception keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -14,16 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from loongforge.distributed_health import PeerFailedError
 from loongforge.errors import LoongForgeError
+from loongforge.failures import marker_path
 
-FAILED = ".failed"  # OUTPUT/.failed.<restart>: the first failing rank's one-line error (one launch attempt)
 # what a rank sees when a failed peer's process is gone: a consequence, not a cause
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
-def marker_path(output: str | Path) -> Path:
-    return Path(output) / f"{FAILED}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _claim(marker: Path, message: str) -> str | None:
@@ -67,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe)
         run_in_process(recipe, output_dir=args.output, write_recipe=rank == 0)
-    except PeerFailedError:
-        return 2  # NOTE: another rank failed in the same phase and prints its own error
     except LoongForgeError as exc:
         message = f"error: {exc}\n"
         if _claim(marker, message) != message:

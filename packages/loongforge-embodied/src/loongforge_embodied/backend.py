@@ -9,15 +9,18 @@ from typing import TYPE_CHECKING
 from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
 
-from loongforge_embodied.config import COMPONENTS, DataConfig, EmbodiedParallelConfig, ModelConfig
+from loongforge_embodied.config import (
+    COMPONENTS,
+    CUDA_GRAPH_MODES,
+    DataConfig,
+    EmbodiedParallelConfig,
+    ModelConfig,
+)
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
     from loongforge.runtime import Runtime
 
-
-# torch.compile modes that replay CUDA graphs (torch._inductor.list_mode_options: "triton.cudagraphs": True)
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 class EmbodiedBackend(Backend):
     """Vision-language-action policies trained by flow matching on action chunks."""

@@ -3,6 +3,7 @@
 State is keyed by parameter name: ``model`` (plain or DTensor shards), ``optim.<name>.<slot>`` (each ZeRO-1
 rank writes only what it owns), ``ema`` and per-rank RNG. DCP writes every rank's shards in parallel into the
 staging directory of rank 0's ``atomic_checkpoint``, which is published only after every rank finished.
+Every function takes the values it reads (the unwrapped model, optimizer, EMA, recipe, paths), never the job.
 """
 
 from __future__ import annotations
@@ -17,25 +18,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from loongforge.checkpoint.atomic import atomic_checkpoint, latest_checkpoint
-from loongforge.errors import CheckpointError, NonFiniteError
+from loongforge.errors import CheckpointError
+from loongforge.failures import check_weights_finite
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loongforge_embodied import safe_dcp
 
 if TYPE_CHECKING:
-    from loongforge_embodied.job import EmbodiedJob
+    from loongforge.recipe.schema import Recipe
 
 META = "trainer.json"
 
 
-def _optim_state(job: EmbodiedJob, *, allocate: bool) -> dict[str, torch.Tensor]:
+def _optim_state(model: torch.nn.Module, optimizer: Any, *, adamw: bool, allocate: bool) -> dict[str, torch.Tensor]:
     """Optimizer slots by parameter name; ``allocate`` creates zero slots first (DCP loads in place)."""
-    names = {p: n for n, p in job.model.raw.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
     out = {}
-    for group in job.optimizer.param_groups:
+    for group in optimizer.param_groups:
         for p in group["params"]:
-            st = job.optimizer.state[p]
-            if allocate and not st and job.recipe.train.optimizer == "adamw":
+            st = optimizer.state[p]
+            if allocate and not st and adamw:
                 fused = bool(group.get("fused"))
                 st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
                 st["exp_avg"] = torch.zeros_like(p)
@@ -48,59 +50,64 @@ def _optim_state(job: EmbodiedJob, *, allocate: bool) -> dict[str, torch.Tensor]
     return out
 
 
-def _state(job: EmbodiedJob, *, allocate: bool) -> dict[str, Any]:
+def _state(model: torch.nn.Module, optimizer: Any, ema: dict[str, torch.Tensor] | None, *, recipe: Recipe,
+           allocate: bool) -> dict[str, Any]:
     rank = dist.get_rank()
-    state: dict[str, Any] = {"model": job.model.raw.state_dict(), "optim": _optim_state(job, allocate=allocate),
-                             f"rng_rank{rank}": torch.get_rng_state()}
-    if job.ema is not None:
-        state["ema"] = job.ema
+    optim = _optim_state(model, optimizer, adamw=recipe.train.optimizer == "adamw", allocate=allocate)
+    state: dict[str, Any] = {"model": model.state_dict(), "optim": optim, f"rng_rank{rank}": torch.get_rng_state()}
+    if ema is not None:
+        state["ema"] = ema
     return state
 
 
-def save(job: EmbodiedJob, step: int) -> Path:
-    """Save the resume state of optimizer step ``step`` into ``checkpoints/step_<step>`` (collective)."""
-    rt = job.runtime
+def save(*, model: torch.nn.Module, optimizer: Any, ema: dict[str, torch.Tensor] | None, recipe: Recipe, step: int,
+         checkpoint_dir: Path, strategy: str) -> Path:
+    """Save the resume state of optimizer step ``step`` (``model``: the unwrapped model, plain or DTensor shards;
+    ``strategy``: its data-parallel strategy, recorded) into ``checkpoint_dir/step_<step>`` (collective)."""
     name = f"step_{step:08d}"
-    check_finite_weights(job, step=step, what="checkpoint")
-    meta = {"step": step, "world_size": rt.world_size, "strategy": job.model.strategy, "model": _model_id(job)}
+    check_weights_finite([*model.parameters(), *(ema or {}).values()], step=step, what="checkpoint",
+                         checkpoint_dir=checkpoint_dir)
+    meta = {"step": step, "world_size": dist.get_world_size(), "strategy": strategy, "model": _model_id(recipe)}
     try:
-        if rt.is_main:
-            with atomic_checkpoint(rt.checkpoint_dir, name, keep_last=job.recipe.checkpoint.keep_last) as staging:
+        if dist.get_rank() == 0:
+            with atomic_checkpoint(checkpoint_dir, name, keep_last=recipe.checkpoint.keep_last) as staging:
                 dist.broadcast_object_list([str(staging)], src=0)
-                dcp.save(_state(job, allocate=False), checkpoint_id=staging)
+                dcp.save(_state(model, optimizer, ema, recipe=recipe, allocate=False), checkpoint_id=staging)
                 (staging / META).write_text(json.dumps(meta))
                 from loongforge.recipe import dump_recipe
 
-                (staging / "recipe.yaml").write_text(dump_recipe(job.recipe))
+                (staging / "recipe.yaml").write_text(dump_recipe(recipe))
         else:
             box = [None]
             dist.broadcast_object_list(box, src=0)
-            dcp.save(_state(job, allocate=False), checkpoint_id=box[0])
+            dcp.save(_state(model, optimizer, ema, recipe=recipe, allocate=False), checkpoint_id=box[0])
     except (CheckpointException, OSError) as exc:  # NOTE: CheckpointException is a BaseException
-        raise _save_error(exc, rt.checkpoint_dir / name) from None
+        raise _save_error(exc, checkpoint_dir / name) from None
     # NOTE: nobody runs ahead (or dies on purpose) before the checkpoint is published.
     dist.barrier()
-    return rt.checkpoint_dir / name
+    return checkpoint_dir / name
 
 
-def resume(job: EmbodiedJob) -> int:
-    """Load the latest complete checkpoint if any; returns the optimizer steps already done (0 if none)."""
-    path = latest_checkpoint(job.runtime.checkpoint_dir)
+def resume(*, model: torch.nn.Module, optimizer: Any, ema: dict[str, torch.Tensor] | None, recipe: Recipe,
+           checkpoint_dir: Path) -> int:
+    """Load the latest complete checkpoint of ``checkpoint_dir`` if any into ``model`` (unwrapped), ``optimizer``
+    and ``ema`` (in place); returns the optimizer steps already done (0 if none)."""
+    path = latest_checkpoint(checkpoint_dir)
     if path is None:
         return 0
     meta = read_trainer_meta(path)
-    saved, mine = meta.get("model"), _model_id(job)
+    saved, mine = meta.get("model"), _model_id(recipe)
     if saved is not None and saved != mine:
         raise CheckpointError(f"{path} holds a '{saved['policy']}' policy, this recipe builds '{mine['policy']}': "
                               "use another --output, or checkpoint.resume=never")
-    state = _state(job, allocate=True)
-    same_world = meta["world_size"] == job.runtime.world_size
+    state = _state(model, optimizer, ema, recipe=recipe, allocate=True)
+    same_world = meta["world_size"] == dist.get_world_size()
     if not same_world:
         # NOTE: a different world size reshards model/optimizer (DCP does); RNG streams are per rank, so reseed.
         state = {k: v for k, v in state.items() if not k.startswith("rng_rank")}
     try:
         safe_dcp.load(state, path)
-        job.model.raw.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     except (CheckpointException, RuntimeError) as exc:  # NOTE: CheckpointException is a BaseException
         if isinstance(exc, torch.OutOfMemoryError | getattr(dist, "DistBackendError", torch.OutOfMemoryError)):
             raise  # NOTE: not a mismatch: resume=never would throw progress away
@@ -153,33 +160,17 @@ def _save_error(exc: BaseException, path: Path) -> BaseException:
     return exc
 
 
-def check_finite_weights(job: EmbodiedJob, *, step: int, what: str) -> None:
-    """Refuse to save or export weights with a NaN / inf value (agreed across ranks: a collective)."""
-    from loongforge_embodied.parallel import all_reduce_sum
-
-    params = [p.detach() for p in job.model.raw.parameters()]
-    if job.ema is not None:
-        params += list(job.ema.values())
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    bad = torch.zeros((), device=job.device)
-    for p in local:
-        if p.numel() and p.is_floating_point():
-            bad += (~torch.isfinite(p)).sum()
-    if float(all_reduce_sum(bad)) > 0:
-        raise NonFiniteError(f"the weights after step {step} hold NaN / inf values: the {what} is not written (the "
-                             "last finite checkpoint stays the latest); lower train.lr or raise train.grad_clip")
-
-
-def _model_id(job: EmbodiedJob) -> dict[str, Any]:
+def _model_id(recipe: Recipe) -> dict[str, Any]:
     """What must match for a resume (shapes are checked by the load itself)."""
-    return {"policy": job.recipe.model.policy}
+    return {"policy": recipe.model.policy}
 
 
-def full_state_dict(job: EmbodiedJob, *, use_ema: bool) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copy of the weights (collective under fsdp2/hsdp: every rank must call it)."""
-    src = job.model.raw.state_dict()
-    if use_ema and job.ema is not None:
-        src = {**src, **{k: v.to(src[k].dtype) for k, v in job.ema.items()}}  # NOTE: fp32 averages, weights' dtype
+def full_state_dict(model: torch.nn.Module, *, ema: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copy of ``model``'s weights, the ``ema`` averages in place of those it holds (collective under
+    fsdp2/hsdp: every rank must call it)."""
+    src = model.state_dict()
+    if ema is not None:
+        src = {**src, **{k: v.to(src[k].dtype) for k, v in ema.items()}}  # NOTE: fp32 averages, weights' dtype
     out = {}
     for key, value in src.items():
         if hasattr(value, "full_tensor"):
@@ -188,14 +179,16 @@ def full_state_dict(job: EmbodiedJob, *, use_ema: bool) -> dict[str, torch.Tenso
     return out
 
 
-def export(job: EmbodiedJob, out_dir: Path) -> Path | None:
-    """Write ``out_dir`` as a LeRobot policy directory (config.json + model.safetensors); collective."""
-    check_finite_weights(job, step=job.step_index, what="policy export")
-    weights = full_state_dict(job, use_ema=True)
-    if job.runtime.is_main:
+def export(*, model: torch.nn.Module, ema: dict[str, torch.Tensor] | None, policy: str, arch: Any,
+           features: dict[str, Any], step: int, out_dir: Path, checkpoint_dir: Path | None = None) -> Path:
+    """Write ``out_dir`` as a LeRobot policy directory (config.json + model.safetensors) of ``model`` after step
+    ``step``, with the ``ema`` averages where kept; collective."""
+    check_weights_finite([*model.parameters(), *(ema or {}).values()], step=step, what="policy export",
+                         checkpoint_dir=checkpoint_dir)
+    weights = full_state_dict(model, ema=ema)
+    if dist.get_rank() == 0:
         from loongforge_embodied.policies import get_policy
 
-        get_policy(job.recipe.model.policy).export.write_pretrained(out_dir, arch=job.arch, weights=weights,
-                                                                    features=job.features)
+        get_policy(policy).export.write_pretrained(out_dir, arch=arch, weights=weights, features=features)
     dist.barrier()
     return out_dir

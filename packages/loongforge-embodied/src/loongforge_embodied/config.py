@@ -8,6 +8,8 @@ from loongforge.recipe.schema import ParallelConfig, Section
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 COMPONENTS = ("vision", "language", "expert")
+# torch.compile modes that replay CUDA graphs (torch._inductor.list_mode_options: "triton.cudagraphs": True)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class FP8AllGatherConfig(Section):

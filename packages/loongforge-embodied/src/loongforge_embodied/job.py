@@ -36,7 +36,6 @@ class EmbodiedJob(Job):
         except BaseException:
             self.close()
             raise
-        self.skipped_steps = 0  # steps whose update train.skip_nonfinite dropped (since this process started)
         self._clock: tuple[float, int] | None = None  # (time, step index) since which step_time is measured
         try:
             self._build()
@@ -70,6 +69,8 @@ class EmbodiedJob(Job):
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
 
     def _build(self) -> None:
+        from loongforge.failures import NonFiniteGuard
+
         from loongforge_embodied import checkpoint
         from loongforge_embodied.data.dataset import build_loader
         from loongforge_embodied.data.sampler import GlobalBatchSampler
@@ -79,10 +80,9 @@ class EmbodiedJob(Job):
 
         r, rt, t = self.recipe, self.runtime, self.recipe.train
         self.acc, self.device = rt.accelerator, rt.accelerator.device()
-        # (step, loss, grad norm) of the first non-finite step, or zeros (see step())
-        self._first_nonfinite = torch.zeros(3, device=self.device)
         self.precision = self.acc.resolve_precision(t.precision)
         self.log = rt.logger
+        self.nonfinite = NonFiniteGuard(skip=t.skip_nonfinite, checkpoint_dir=rt.checkpoint_dir, log=self.log)
         if t.fp8 is not None:
             self._check_fp8()
         source = self._source()
@@ -112,7 +112,7 @@ class EmbodiedJob(Job):
             self._apply_fp8(raw)
         if rt.plan.recompute == "full":
             raw.enable_activation_checkpointing()
-        from loongforge_embodied.backend import CUDA_GRAPH_MODES
+        from loongforge_embodied.config import CUDA_GRAPH_MODES
 
         self._graphs = t.compile and t.compile_mode in CUDA_GRAPH_MODES and self.device.type == "cuda"
         if t.compile:
@@ -142,10 +142,12 @@ class EmbodiedJob(Job):
                     if t.ema_decay else None)
         self.step_index, failure = 0, None
         try:
-            self.step_index = checkpoint.resume(self) if r.checkpoint.resume == "auto" else 0
+            if r.checkpoint.resume == "auto":
+                self.step_index = checkpoint.resume(model=self.model.raw, optimizer=self.optimizer, ema=self.ema,
+                                                    recipe=r, checkpoint_dir=rt.checkpoint_dir)
         except Exception as exc:  # NOTE: re-raised by agree(), on this rank; its peers raise PeerFailedError
             failure = exc
-        from loongforge.distributed_health import agree
+        from loongforge.failures import agree
 
         agree(failure, phase="resume", device=self.device if self.device.type != "cpu" else None)
         self.accum = rt.plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
@@ -245,23 +247,21 @@ class EmbodiedJob(Job):
         gnorm = clip_grad_norm(self.trainable, t.grad_clip, into=scale_target)
         # NOTE: the loss is summed over ranks (the grad norm is global already), so every rank sees the same verdict.
         loss_sum = all_reduce_sum(loss_sum)
-        ok = torch.isfinite(loss_sum) & torch.isfinite(gnorm)
         finite = True
         if t.skip_nonfinite:
-            finite = bool(ok)  # NOTE: skipping needs the verdict on the host before the update: one sync per step
+            # NOTE: skipping needs the verdict on the host before the update: one sync per step
+            if not bool(torch.isfinite(loss_sum) & torch.isfinite(gnorm)):
+                finite = self.nonfinite.check(self.step_index + 1, loss=float(loss_sum) / t.global_batch_size,
+                                              grad_norm=float(gnorm), nonfinite=True)
+                self._discard_prepared()
         else:
             # NOTE: no host sync: the first non-finite step is kept on the device and read at the reported steps and
             # before every save or export (check_finite), so its weights are never written
-            new = (self._first_nonfinite[0] == 0) & ~ok
-            vals = torch.stack([torch.full_like(loss_sum, self.step_index + 1), loss_sum / t.global_batch_size,
-                                gnorm.to(loss_sum.device, loss_sum.dtype)])
-            self._first_nonfinite = torch.where(new, vals, self._first_nonfinite)
+            self.nonfinite.defer(self.step_index + 1, loss=loss_sum / t.global_batch_size, grad_norm=gnorm)
         if finite:
             self.optimizer.step()
         if scale_target is not None:
             scale_target.grad_scale = None  # NOTE: no later step() may reuse this step's clip
-        if not finite:
-            self._skip_nonfinite(float(loss_sum) / t.global_batch_size, float(gnorm))
         self.optimizer.zero_grad(set_to_none=not self._resident_grads)
         if finite and self.model.allgather is not None:
             self.model.allgather.step()
@@ -278,8 +278,7 @@ class EmbodiedJob(Job):
         dt = (time.perf_counter() - start) / (self.step_index - start_step)
         metrics: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": float(gnorm), "step_time": dt,
                                    "samples_per_s": t.global_batch_size / dt}
-        if self.skipped_steps:
-            metrics["skipped_steps"] = self.skipped_steps
+        metrics.update(self.nonfinite.metrics())
         if self.model.allgather is not None:
             metrics["allgather_bytes_ratio"] = self.model.allgather.stats.ratio
         mem = self.acc.memory_stats().get("peak_allocated")
@@ -292,26 +291,13 @@ class EmbodiedJob(Job):
     def check_finite(self) -> None:
         """Raise ``NonFiniteError`` naming the first step since this process started whose loss or grad norm was NaN /
         inf (``train.skip_nonfinite`` false); reads one small tensor from the device."""
-        from loongforge.errors import NonFiniteError
+        self.nonfinite.raise_deferred()
 
-        step, loss, gnorm = self._first_nonfinite.tolist()
-        if step:
-            raise NonFiniteError(f"step {int(step)}: the loss is {loss:g} and the grad norm {gnorm:g} (not finite); "
-                                 "stopped, and nothing of it or after it is saved (the last checkpoint is intact). "
-                                 "Lower train.lr, raise train.grad_clip, or set train.skip_nonfinite true to skip such "
-                                 "steps")
-
-    def _skip_nonfinite(self, loss: float, gnorm: float) -> None:
-        """Step ``step_index + 1`` has a NaN / inf loss or grad norm and ``train.skip_nonfinite`` is set: its
-        gradients are dropped (no update of weights, optimizer state or EMA) and it is counted."""
-        step = self.step_index + 1
-        self.skipped_steps += 1
+    def _discard_prepared(self) -> None:
+        """A skipped step's gradients are dropped (no update of weights, optimizer state or EMA)."""
         discard = getattr(getattr(self.optimizer, "inner", self.optimizer), "discard_prepared", None)
         if discard is not None:
             discard()  # NOTE: our fused AdamW prepared this step's gradient table while computing the norm
-        if self.log:
-            self.log.info(f"[embodied] step {step}: loss {loss:g}, grad norm {gnorm:g} not finite: update skipped "
-                          f"({self.skipped_steps} skipped so far; train.skip_nonfinite)")
 
     @torch.no_grad()
     def _update_ema(self, decay: float) -> None:
@@ -320,23 +306,31 @@ class EmbodiedJob(Job):
         update_ema([(self.ema[n], p.detach()) for n, p in self.model.raw.named_parameters() if n in self.ema], decay)
 
     def evaluate(self) -> dict[str, float]:
-        """Closed-loop episodes of the current weights (``train.eval_interval``; collective)."""
-        from loongforge_embodied.eval.during_training import evaluate_job
+        """Closed-loop episodes of the current weights (``train.eval_interval``; collective): exported (the EMA
+        where kept, as the final export) and served like ``loongforge eval`` does."""
+        from loongforge_embodied.eval.during_training import evaluate_export
 
-        return evaluate_job(self)
+        out = self.runtime.output_dir / "eval" / f"step_{self.step_index:06d}"
+        self.export(out / "policy")  # NOTE: collective (the full weights are gathered under fsdp2 / hsdp)
+        return evaluate_export(out / "policy", recipe=self.recipe, step=self.step_index, out_dir=out,
+                               device=self.device)
 
     def save(self) -> Path:
         from loongforge_embodied import checkpoint
 
         self.check_finite()
-        return checkpoint.save(self, self.step_index)
+        return checkpoint.save(model=self.model.raw, optimizer=self.optimizer, ema=self.ema, recipe=self.recipe,
+                               step=self.step_index, checkpoint_dir=self.runtime.checkpoint_dir,
+                               strategy=self.model.strategy)
 
     def export(self, out_dir: Path | None = None) -> Path:
         from loongforge_embodied import checkpoint
 
         self.check_finite()
-
-        return checkpoint.export(self, Path(out_dir or self.runtime.hf_dir))
+        rt = self.runtime
+        return checkpoint.export(model=self.model.raw, ema=self.ema, policy=self.recipe.model.policy, arch=self.arch,
+                                 features=self.features, step=self.step_index, out_dir=Path(out_dir or rt.hf_dir),
+                                 checkpoint_dir=rt.checkpoint_dir)
 
     def run(self) -> dict[str, Any]:
         from loongforge.metrics import is_logged_step

@@ -12,13 +12,8 @@ import os
 
 import torch
 
-try:
-    from loongforge.errors import PluginError
-except ImportError:  # NOTE: core's package __init__ needs pydantic/pyyaml; the kernels alone must not.
-
-    class PluginError(RuntimeError):  # type: ignore[no-redef]
-        """Stand-in for ``loongforge.errors.PluginError`` when loongforge core cannot be imported."""
-
+# NOTE: ``loongforge.errors`` imports nothing (core's package names resolve lazily): no pydantic / pyyaml needed
+from loongforge.errors import PluginError
 
 ENV_VAR = "LOONGFORGE_KERNELS"
 CHOICES = ("auto", "torch", "triton")

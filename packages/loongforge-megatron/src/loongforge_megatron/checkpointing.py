@@ -194,12 +194,10 @@ class Checkpointer:
     def save(self, step: int, *, final: bool = False) -> Path | None:
         """Write the checkpoint of ``step`` (and the HF / PEFT exports the save format asks for); weights that are
         not finite are never written."""
-        from loongforge_megatron.nonfinite import NonFiniteError, last_checkpoint, weights_finite
+        from loongforge.failures import check_weights_finite
 
-        if not weights_finite([unwrap(m) for m in self.chunks]):
-            last = last_checkpoint(self.root)
-            raise NonFiniteError(f"step {step}: the weights are not finite, so no checkpoint or export was written"
-                                 + (f"; the last checkpoint, {last}, is intact" if last else ""))
+        check_weights_finite((p for m in self.chunks for p in unwrap(m).parameters()), step=step,
+                             what="checkpoint or export", checkpoint_dir=self.root)
         path = None
         if "dist" in self.save_format:
             path = self._save_dist(step)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from loongforge.backend import Job
 from loongforge.errors import RecipeError
+from loongforge.failures import raised_on_every_rank
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -47,7 +48,7 @@ class MegatronJob(Job):
             self._build()
             self._resume()
         except BaseException as exc:
-            self._failed = not _agreed(exc)
+            self._failed = not raised_on_every_rank(exc)
             self.close()
             raise
 
@@ -138,27 +139,24 @@ class MegatronJob(Job):
 
             self.ema = ModelEMA(self.chunks, t.ema_decay)  # NOTE: from the initial (or loaded) weights
         self.checkpointer = self._checkpointer()
-        from loongforge_megatron.nonfinite import NonFiniteGuard
+        from loongforge.failures import NonFiniteGuard
 
-        self.nonfinite = NonFiniteGuard(recipe, checkpoint_dir=self.runtime.checkpoint_dir, log=self.log)
+        self.nonfinite = NonFiniteGuard(skip=recipe.train.skip_nonfinite, checkpoint_dir=self.runtime.checkpoint_dir,
+                                        log=self.log)
 
     def _resume(self) -> None:
         """Resume from the run's latest checkpoint, then agree that every rank is ready (a rank that failed joins
         the check, so its peers stop too instead of waiting for it in their first collective)."""
-        from loongforge_megatron.rank_status import all_ranks_ok
+        from loongforge.failures import agree
 
         recipe, plan, arch, spec = self.recipe, self.plan, self.arch, self.spec
         error = None
         try:
             if recipe.checkpoint.resume == "auto":
                 self.step_index = self.checkpointer.resume()
-        except Exception as exc:  # noqa: BLE001 - re-raised by all_ranks_ok on this rank
+        except Exception as exc:  # noqa: BLE001 - re-raised by agree() on this rank
             error = exc
-        try:
-            all_ranks_ok(error, what="resuming")
-        except BaseException as exc:
-            _mark_agreed(exc)
-            raise
+        agree(error, phase="resume")
         if self.log:
             n = arch.num_params()
             split = "" if plan.first_stage_layers is None and plan.last_stage_layers is None else (
@@ -217,7 +215,7 @@ class MegatronJob(Job):
         try:
             return self._step()
         except BaseException as exc:
-            self._failed = not _agreed(exc)
+            self._failed = not raised_on_every_rank(exc)
             raise
 
     def _step(self) -> dict[str, float]:
@@ -238,7 +236,8 @@ class MegatronJob(Job):
         self.acc.synchronize()
         dt = time.perf_counter() - t0
         self.step_index += 1
-        self.nonfinite.check(self.step_index, out)
+        self.nonfinite.check(self.step_index, loss=out["loss"], grad_norm=out.get("grad_norm"),
+                             nonfinite=bool(out.get("nonfinite")))
         tokens = self.recipe.train.global_batch_size * self.seq_length
         metrics: dict[str, Any] = {"loss": out["loss"], "lr": out["lr"], "step_time": dt, "tokens_per_s": tokens / dt}
         real = [b["real_tokens"] for b in batches if isinstance(b, dict) and "real_tokens" in b]
@@ -249,8 +248,7 @@ class MegatronJob(Job):
             metrics["samples_per_s"] = self.recipe.train.global_batch_size / dt  # e.g. images (tokens: latent patches)
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
-        if self.nonfinite.skipped:
-            metrics["skipped_nonfinite"] = self.nonfinite.skipped
+        metrics.update(self.nonfinite.metrics())
         if getattr(self.config, "mtp_num_layers", None):
             from loongforge_megatron.engine.mtp import collect_mtp_loss
 
@@ -291,7 +289,7 @@ class MegatronJob(Job):
         try:
             return self._run()
         except BaseException as exc:
-            self._failed = not _agreed(exc)
+            self._failed = not raised_on_every_rank(exc)
             raise
 
     def _run(self) -> dict[str, Any]:
@@ -339,14 +337,3 @@ class MegatronJob(Job):
             if self._adaptations is not None:
                 self._adaptations.__exit__(None, None, None)
                 self._adaptations = None
-
-
-def _mark_agreed(exc: BaseException) -> None:
-    exc._loongforge_all_ranks = True  # NOTE: every rank raises it at the same point, so close() may still wait
-
-
-def _agreed(exc: BaseException) -> bool:
-    """Whether every rank fails with ``exc`` together (an all-ranks check, a non-finite step)."""
-    from loongforge_megatron.nonfinite import NonFiniteError
-
-    return isinstance(exc, NonFiniteError) or getattr(exc, "_loongforge_all_ranks", False)

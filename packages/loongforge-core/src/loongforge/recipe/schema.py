@@ -158,11 +158,10 @@ class TrainConfig(Section):
     )
     skip_nonfinite: bool = Field(
         False, description="a step whose loss or grad norm is NaN / inf: false stops the run naming the step; true "
-        "skips that step's update (weights and optimizer state unchanged) and counts it in the skipped_steps metric")
+        "skips that step's update (weights and optimizer state unchanged) and counts it in the skipped_nonfinite metric")
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="keep an EMA of the weights (saved with checkpoints; the HF export writes it)"
     )
-    skip_nonfinite: bool = False
 
     @field_validator("lora")
     @classmethod

@@ -9,37 +9,38 @@ The episodes are ``train.eval_steps`` seeded ones (``data.eval_seed + i``: the s
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loongforge_embodied.job import EmbodiedJob
+    import torch
+    from loongforge.recipe.schema import Recipe
 
 
-def evaluate_job(job: EmbodiedJob) -> dict[str, float]:
-    """Run one evaluation (collective: every rank calls it; rank 0 rolls out). Returns rank 0's metrics."""
+def evaluate_export(export_dir: Path, *, recipe: Recipe, step: int, out_dir: Path,
+                    device: torch.device | str) -> dict[str, float]:
+    """Roll out the policy exported to ``export_dir`` after step ``step`` (collective: every rank calls it once the
+    export is written; rank 0 serves it on ``device``, rolls out and writes the summary into ``out_dir``, then
+    deletes the export). Returns rank 0's metrics ({} on the other ranks)."""
     import torch.distributed as dist
 
-    r, rt = job.recipe, job.runtime
-    d = r.data
-    out = rt.output_dir / "eval" / f"step_{job.step_index:06d}"
-    export_dir = out / "policy"
-    job.export(export_dir)  # NOTE: collective (the full weights are gathered under fsdp2 / hsdp)
+    r, d = recipe, recipe.data
     metrics: dict[str, float] = {}
-    if rt.is_main:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         from loongforge_embodied.eval.evaluate import evaluate
         from loongforge_embodied.eval.server import PolicyServer
         from loongforge_embodied.eval.trained_policy import TrainedPolicy
 
-        policy = TrainedPolicy.load(export_dir, device=str(job.device))
+        policy = TrainedPolicy.load(export_dir, device=str(device))
         if policy.task is None:
             policy.task, policy.prompt = d.task, "optional"
         env = d.eval_env or d.record.env
         try:
             with PolicyServer(policy, port=0) as server:
                 s = evaluate(address=server.address, env=env, episodes=r.train.eval_steps, workers=d.eval_workers,
-                             seed=d.eval_seed, max_steps=d.eval_max_steps, out_dir=out, videos=1,
+                             seed=d.eval_seed, max_steps=d.eval_max_steps, out_dir=out_dir, videos=1,
                              request_timeout_s=d.eval_request_timeout,
-                             label=f"{r.model.policy} step {job.step_index}")
+                             label=f"{r.model.policy} step {step}")
         finally:
             shutil.rmtree(export_dir, ignore_errors=True)  # NOTE: the summary stays; the weights are the run's
         lo, hi = s["success_ci95"]

@@ -32,7 +32,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from loongforge_embodied.config import DataConfig, ModelConfig
+
+class PolicyChoice(Protocol):
+    """What the registry reads of the recipe's ``model`` section (``loongforge_embodied.config.ModelConfig``)."""
+
+    policy: str
+    preset: str
+    arch: dict[str, Any]
+
+
+class DatasetChoice(Protocol):
+    """What the registry reads of the recipe's ``data`` section (``loongforge_embodied.config.DataConfig``)."""
+
+    format: str
+    root: str | None
+    cameras: list[str] | None
+    state_key: str
 
 
 class PolicyArch(Protocol):
@@ -102,7 +117,7 @@ def get_policy(name: str) -> PolicySpec:
     return POLICIES[name]
 
 
-def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> PolicyArch:
+def resolve_arch(model: PolicyChoice, data: DatasetChoice | None = None) -> PolicyArch:
     """Preset + ``model.arch`` overrides + the dataset's shapes (state / action dims, camera count)."""
     arch = get_policy(model.policy).presets[model.preset].with_overrides(**model.arch)
     if data is not None and data.format == "lerobot":
@@ -117,7 +132,7 @@ def resolve_arch(model: ModelConfig, data: DataConfig | None = None) -> PolicyAr
     return arch
 
 
-def dataset_shapes(data: DataConfig) -> dict[str, Any]:
+def dataset_shapes(data: DatasetChoice) -> dict[str, Any]:
     """Shapes from ``meta/info.json`` (read as JSON: no LeRobot import); empty when not recorded yet."""
     info_path = Path(data.root or "") / "meta" / "info.json"
     if not info_path.is_file():

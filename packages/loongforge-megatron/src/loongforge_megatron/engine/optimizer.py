@@ -126,7 +126,7 @@ def step_with_folded_clip(optimizer: Any, *, loss_finite: bool) -> tuple[bool, f
     nothing and returns (False, norm, False)."""
     import math
 
-    from loongforge_megatron.nonfinite import all_ranks_finite
+    from loongforge.failures import all_ranks_finite
 
     if optimizer.prepare_grads():  # NOTE: a found inf / NaN: loss scaling only, which folds_clip refuses
         return False, float("nan"), False

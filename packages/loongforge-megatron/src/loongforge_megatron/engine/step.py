@@ -214,6 +214,37 @@ def run_schedule(
     )
 
 
+def uses_loss_scaling(optimizer: Any) -> bool:
+    """True when megatron's optimizer scales the loss (fp16): it detects overflowing gradients itself."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(getattr(o, "grad_scaler", None) is not None for o in inner)
+
+
+def _grad_tensors(model_chunks: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    for m in model_chunks:
+        buffers = getattr(m, "buffers", None)
+        if isinstance(buffers, list):  # megatron DDP: contiguous grad buffers (after the data-parallel reduction)
+            for buf in buffers + list(getattr(m, "expert_parallel_buffers", [])):
+                yield buf.grad_data
+            continue
+        for p in m.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                yield g
+
+
+def step_is_finite(model_chunks: list[torch.nn.Module], loss: float, optimizer: Any) -> bool:
+    """Whether this step's loss and (unless the optimizer scales the loss: fp16 overflows are its business) this
+    rank's gradients are finite on every rank (one all-reduce of one number)."""
+    from loongforge.failures import all_ranks_finite, tensors_finite
+
+    ok = math.isfinite(loss)
+    if ok and not uses_loss_scaling(optimizer):
+        ok = tensors_finite(_grad_tensors(model_chunks))
+    return all_ranks_finite(ok)
+
+
 def train_step(
     *,
     model_chunks: list[torch.nn.Module],
@@ -236,7 +267,6 @@ def train_step(
     from megatron.core.utils import get_model_config
 
     from loongforge_megatron.engine.optimizer import folds_clip, step_with_folded_clip
-    from loongforge_megatron.nonfinite import step_is_finite, uses_loss_scaling
 
     config = get_model_config(model_chunks[0])
     _configure(config, model_chunks, optimizer)
@@ -254,7 +284,8 @@ def train_step(
         forward_step_fn=forward_step_fn,
     )
     loss = reduce_loss(losses, key=loss_key)
-    # NOTE: a non-finite loss or gradient never reaches the weights (nonfinite.py); fp16's scaler skips by itself
+    # NOTE: a non-finite loss or gradient never reaches the weights (loongforge.failures decides what the run does
+    # then: stop or skip); fp16's scaler skips by itself
     if folds_clip(optimizer):  # the clipping inside the fused Adam kernel, the check read off the gradient norm
         update_successful, grad_norm, finite = step_with_folded_clip(optimizer, loss_finite=math.isfinite(loss))
     else:
