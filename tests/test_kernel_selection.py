@@ -19,11 +19,11 @@ VLA = ROOT / "recipes" / "embodied" / "tiny_vla_synthetic.yaml"
 
 pytest.importorskip("loongforge_kernels")
 from loongforge_kernels import _dispatch  # noqa: E402
-from loongforge_kernels.providers import OPS  # noqa: E402
+from loongforge_kernels.providers import OPS, TRITON_OPS  # noqa: E402
 
 no_interpreter = pytest.mark.skipif(_dispatch.interpreter_active(), reason="Triton's interpreter runs triton on CPU")
-EMBODIED_OPS = ("adamw", "fp8_delta_encode", "fp8_delta_apply")
-MEGATRON_OPS = tuple(op for op in OPS if op not in EMBODIED_OPS)
+EMBODIED_OPS = ("adamw", "fp8_delta_encode", "fp8_delta_apply", "fp8_linear")
+MEGATRON_OPS = tuple(op for op in OPS if op not in EMBODIED_OPS or op == "fp8_linear")  # NOTE: FP8 linears: both
 
 
 def _pinned(impl, name: str) -> bool:
@@ -33,9 +33,10 @@ def _pinned(impl, name: str) -> bool:
 def test_every_shipped_op_has_one_record_per_provider():
     from loongforge_kernels.providers import TorchProvider, TritonProvider
 
-    assert set(EMBODIED_OPS) <= set(OPS)  # AdamW and the FP8 codec are ops of the registry too
-    for provider in (TorchProvider(), TritonProvider()):
-        assert set(provider.ops()) == set(OPS)
+    assert set(EMBODIED_OPS) <= set(OPS)  # AdamW, the FP8 codec and the FP8 linears are ops of the registry too
+    assert {"fp8_linear", "fp8_grouped_linear"} <= set(MEGATRON_OPS)
+    assert set(TorchProvider().ops()) == set(OPS)
+    assert set(TritonProvider().ops()) == set(OPS) | set(TRITON_OPS)  # NOTE: adamw_plan is the Triton kernel's
 
 
 def _megatron(op: str, provider: str):

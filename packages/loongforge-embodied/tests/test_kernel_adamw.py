@@ -113,12 +113,31 @@ print("fallback ok")
 
 FALLBACK = r"""
 import torch
+from loongforge.errors import PluginError
 from loongforge_embodied.optim import KernelAdamW
-p = torch.nn.Parameter(torch.ones(8)); q = torch.nn.Parameter(torch.ones(8))
+from unittest import mock
+
+# a tensor the kernel cannot take (fp64): torch's own step, the refusal remembered
+p = torch.nn.Parameter(torch.ones(8, dtype=torch.float64)); q = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
 o = KernelAdamW([p], lr=0.1, fused=True); r = torch.optim.AdamW([q], lr=0.1, fused=True)
 for _ in range(2):
-    p.grad = torch.full((8,), 0.5); q.grad = p.grad.clone(); o.step(); r.step()
+    p.grad = torch.full((8,), 0.5, dtype=torch.float64); q.grad = p.grad.clone(); o.step(); r.step()
+assert all(plan is None for _, plan in o._plans.values()) and torch.equal(p, q)
+# no provider serving adamw_plan (here: the registry refuses it) under auto: torch's own step, no plan made
+p = torch.nn.Parameter(torch.ones(8)); q = torch.nn.Parameter(torch.ones(8))
+o = KernelAdamW([p], lr=0.1, fused=True); r = torch.optim.AdamW([q], lr=0.1, fused=True)
+with mock.patch("loongforge.kernels.select_op", side_effect=PluginError("no provider serves op 'adamw_plan'")):
+    for _ in range(2):
+        p.grad = torch.full((8,), 0.5); q.grad = p.grad.clone(); o.step(); r.step()
 assert not o._plans and torch.equal(p, q)
+# an explicit provider that cannot serve it raises (the registry's one rule)
+o = KernelAdamW([p], lr=0.1, fused=True, kernels="torch")
+p.grad = torch.full((8,), 0.5)
+try:
+    o.step()
+    raise SystemExit("an explicit provider without adamw_plan did not raise")
+except PluginError as exc:
+    assert "adamw_plan" in str(exc), exc
 print("fallback ok")
 """
 
@@ -135,6 +154,7 @@ def test_kernel_adamw_trains_and_resumes_like_torch_adamw():
 
 
 def test_kernel_adamw_falls_back_to_torch():
-    """``LOONGFORGE_KERNELS=torch`` (and any tensor the kernel cannot take) runs torch's own step."""
-    r = _run(FALLBACK, TRITON_INTERPRET="1", LOONGFORGE_KERNELS="torch")
+    """Any tensor the kernel cannot take, and ``auto`` with no provider serving ``adamw_plan``, run torch's own
+    step; an explicit provider that cannot serve it raises."""
+    r = _run(FALLBACK, TRITON_INTERPRET="1")
     assert r.returncode == 0 and "fallback ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

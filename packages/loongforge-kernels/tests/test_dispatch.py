@@ -1,4 +1,4 @@
-"""Implementation selection: the env var, the entry-point providers and core's ``select_op`` rules."""
+"""Implementation selection: a direct call's ``impl``, the entry-point providers and core's ``select_op`` rules."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ registry = pytest.importorskip(
     "loongforge.registry", reason="loongforge core (pydantic, pyyaml) not importable"
 )
 select_op = pytest.importorskip("loongforge.kernels").select_op
-from loongforge_kernels.providers import OPS, TorchProvider, TritonProvider  # noqa: E402
+from loongforge_kernels.providers import OPS, TRITON_OPS, TorchProvider, TritonProvider  # noqa: E402
 
 
 def _no_interpreter(monkeypatch):
@@ -29,8 +29,16 @@ def test_providers_are_registered():
     registry.kernels.reset()
     assert registry.kernels.get("torch") is TorchProvider
     assert registry.kernels.get("triton") is TritonProvider
-    for cls in (TorchProvider, TritonProvider):
-        assert set(cls().ops()) == set(OPS)
+    assert set(TorchProvider().ops()) == set(OPS)
+    assert set(TritonProvider().ops()) == set(OPS) | set(TRITON_OPS)
+
+
+def test_every_served_op_is_in_the_core_op_list():
+    from loongforge.kernels import OPS as CORE_OPS
+    from loongforge_kernels.providers import TileLangProvider
+
+    for cls in (TorchProvider, TritonProvider, TileLangProvider):
+        assert set(cls().ops()) <= set(CORE_OPS), cls
 
 
 def test_explicit_provider_that_cannot_serve_raises(monkeypatch):
@@ -56,23 +64,21 @@ def test_auto_prefers_triton_on_cuda():
     assert select_op("swiglu", device_type="cuda").keywords["impl"] == "triton"
 
 
-def test_env_var(monkeypatch):
+def test_impl_argument(monkeypatch):
+    """A direct call's ``impl`` is the only switch: no environment variable is read (one selection rule)."""
     x = torch.randn(2, 8)
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "torch")
-    assert _dispatch.resolve(None, x) == "torch"
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "bogus")
+    assert _dispatch.resolve("torch", x) == "torch"
     with pytest.raises(PluginError, match="bogus"):
-        lk.swiglu(x)
+        lk.swiglu(x, impl="bogus")
     _no_interpreter(monkeypatch)
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "auto")
-    assert _dispatch.resolve(None, x) == "torch"
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "triton")
+    monkeypatch.setenv("LOONGFORGE_KERNELS", "triton")  # NOTE: once a second selection rule; now ignored
+    assert _dispatch.resolve(None, x) == _dispatch.resolve("auto", x) == "torch"
     with pytest.raises(lk.KernelUnavailableError, match="TRITON_INTERPRET=1"):
-        lk.swiglu(x)
+        lk.swiglu(x, impl="triton")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOONGFORGE_KERNELS")}
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     full.update(env)
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
 
@@ -86,11 +92,11 @@ def test_fresh_process_behaviour():
         "x = torch.randn(2, 8)\n"
         "try:\n"
         "    print('resolved', _dispatch.resolve(None, x))\n"
-        "    lk.swiglu(x)\n"
+        "    lk.swiglu(x, impl='triton')\n"
         "except lk.KernelUnavailableError as e:\n"
         "    print('error', e)\n"
     )
-    r = _python(code, LOONGFORGE_KERNELS="triton")
+    r = _python(code)
     assert "error Triton kernels requested but unusable" in r.stdout and "TRITON_INTERPRET=1" in r.stdout, (
         r.stderr
     )

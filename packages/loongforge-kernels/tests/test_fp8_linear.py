@@ -113,27 +113,28 @@ def test_recipe_and_availability_errors(monkeypatch):
 
 
 def test_weight_cache_quantizes_each_weight_once_per_step(emulated, monkeypatch):
-    """With the cache on, micro-batches after the first reuse the weight's FP8 copies until invalidate()."""
+    """With the cache on, micro-batches after the first reuse the weight's FP8 copies until invalidate(). The
+    cache is the FP8 op's own (``Fp8Linears.weight_cache``): another op, or a plain call, never sees it."""
     calls = []
     real = fl.fp8_quantize
     monkeypatch.setattr(fl, "fp8_quantize", lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k))
     w = (torch.randn(64, 32) / 8).to(torch.bfloat16).requires_grad_()
-    r = fl.Fp8Recipe("tensorwise")
-    cache = fl.WEIGHT_CACHE
-    monkeypatch.setattr(cache, "enabled", True)
-    try:
-        for _ in range(3):
-            fl.fp8_linear(torch.randn(16, 32).to(torch.bfloat16), w, recipe=r).sum().backward()
-        assert calls.count((64, 32)) == 1 and len(cache) == 1
-        ref = w.grad.clone()
-        cache.invalidate()
-        w.grad = None
-        with torch.no_grad():
-            w.mul_(2)
-        fl.fp8_linear(torch.ones(16, 32).to(torch.bfloat16), w, recipe=r).sum().backward()
-        assert calls.count((64, 32)) == 2 and not torch.equal(ref, w.grad)
-    finally:
-        cache.invalidate()
+    ops = fl.Fp8Linears("tensorwise", impl="torch")
+    cache = ops.weight_cache
+    assert not cache.enabled and not hasattr(fl, "WEIGHT_CACHE")
+    cache.enabled = True
+    for _ in range(3):
+        ops.linear(torch.randn(16, 32).to(torch.bfloat16), w).sum().backward()
+    assert calls.count((64, 32)) == 1 and len(cache) == 1
+    fl.fp8_linear(torch.randn(16, 32).to(torch.bfloat16), w, recipe=ops.scaling).sum().backward()
+    assert calls.count((64, 32)) == 2 and len(fl.Fp8Linears("tensorwise").weight_cache) == 0
+    ref = w.grad.clone()
+    cache.invalidate()
+    w.grad = None
+    with torch.no_grad():
+        w.mul_(2)
+    ops.linear(torch.ones(16, 32).to(torch.bfloat16), w).sum().backward()
+    assert calls.count((64, 32)) == 3 and not torch.equal(ref, w.grad)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -111,9 +111,8 @@ def test_sparse_mla_layouts(triton_cpu):
 
 def test_sparse_mla_torch_impl_and_errors(monkeypatch):
     q, kv, idx = _inputs(4, 2, 1, 6, 7, torch.float32)
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "torch")
     torch.testing.assert_close(
-        sparse_mla_attention(q, kv, idx, None, D_V), sparse_mla_ref(q, kv, idx, None, D_V)
+        sparse_mla_attention(q, kv, idx, None, D_V, impl="torch"), sparse_mla_ref(q, kv, idx, None, D_V)
     )
     with pytest.raises(ValueError, match="H % G"):
         sparse_mla_attention(q, kv.expand(7, 3, -1), idx.expand(4, 3, -1), None, D_V)
@@ -259,7 +258,6 @@ def test_auto_uses_tilelang_only_when_it_can_run(no_tilelang, monkeypatch):
 
     tsm = no_tilelang
     _fake_hopper(monkeypatch)
-    monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
     assert not sparse_mla._use_tilelang(None, _FakeCuda(), 512)  # tilelang missing: Triton
     assert sparse_mla._use_tilelang("tilelang", _FakeCuda(), 512)  # explicit: its own error names why
     monkeypatch.setattr(tsm, "_setup_error", lambda: None)
@@ -267,9 +265,6 @@ def test_auto_uses_tilelang_only_when_it_can_run(no_tilelang, monkeypatch):
     assert sparse_mla._use_tilelang("auto", _FakeCuda(), 512)
     assert not sparse_mla._use_tilelang(None, _FakeCuda(torch.float32), 512)  # fp32: Triton's exact path
     assert not sparse_mla._use_tilelang("triton", _FakeCuda(), 512)
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "triton")
-    assert not sparse_mla._use_tilelang(None, _FakeCuda(), 512)
-    monkeypatch.delenv("LOONGFORGE_KERNELS")
     q, kv, idx = _inputs(4, 2, 1, 6, 7, torch.float32)
     assert not sparse_mla._use_tilelang(None, q, D_V)  # CPU tensors
     torch.testing.assert_close(

@@ -63,6 +63,18 @@ def test_fp8_output_layer_under_the_fused_loss_is_refused(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "r.yaml"), "kernels.spec=local"]) == 0
 
 
+@pytest.mark.parametrize(("override", "fragment"), [("kernels.spec=te", "kernels.spec te"),
+                                                    ("train.compile=true", "train.compile")])
+def test_fp8_conflicts_are_refused_at_validate(tmp_path, capsys, override, fragment):
+    """What the FP8 linears cannot run with is refused by ``loongforge validate``, not first after launch."""
+    from loongforge.cli import main
+
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
+    assert main(["validate", str(tmp_path / "r.yaml"), override]) == 2
+    err = capsys.readouterr().err
+    assert "key 'train.fp8'" in err and fragment in err and err.count("\n") == 1, err
+
+
 def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY))
     assert "fp8" in _cli("--help", cwd=tmp_path).stdout
@@ -99,7 +111,7 @@ def _swap_body(policy: str | None) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
     from loongforge_megatron.engine.layer_spec import row_parallel_linear
-    from loongforge_megatron.spec.fp8 import Fp8ParallelLinear, apply_fp8
+    from loongforge_megatron.spec.fp8 import Fp8Kernels, Fp8ParallelLinear, apply_fp8
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
 
@@ -114,7 +126,9 @@ def _swap_body(policy: str | None) -> dict:
     keys = set(model.state_dict())
     x = torch.randn(16, 2, 64)
     before = model.fc2(model.fc1(x)[0])[0]
-    n8, n = apply_fp8([model], Fp8Config(recipe="tensorwise", policy=policy), tokens=32)
+    fp8 = Fp8Config(recipe="tensorwise", policy=policy)
+    kernels = Fp8Kernels.select(fp8, provider="auto", device_type="cpu")
+    n8, n = apply_fp8([model], fp8, kernels=kernels, tokens=32)
     after = model.fc2(model.fc1(x)[0])[0]  # CPU tensors: megatron's own linear
     return {"counts": (n8, n), "keys_same": set(model.state_dict()) == keys, "equal": torch.equal(before, after),
             "fp8": sorted(k for k, m in model.named_children() if isinstance(m, Fp8ParallelLinear)),
@@ -148,7 +162,7 @@ def _grouped_body(cases: list[tuple[str | None, str, bool]]) -> list[dict]:
 def _grouped_case(policy: str | None, recipe: str, experts: bool) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
-    from loongforge_megatron.spec.fp8 import apply_fp8
+    from loongforge_megatron.spec.fp8 import Fp8Kernels, apply_fp8
     from loongforge_megatron.spec.grouped_experts import GroupedMLP
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
@@ -163,7 +177,9 @@ def _grouped_case(policy: str | None, recipe: str, experts: bool) -> dict:
     tokens = torch.tensor([3, 0, 5, 2])
     before = model.experts(x, tokens, None)[0]
     notes: list[str] = []
-    counts = apply_fp8([model], Fp8Config(recipe=recipe, policy=policy, experts=experts), tokens=16, notes=notes)
+    fp8 = Fp8Config(recipe=recipe, policy=policy, experts=experts)
+    kernels = Fp8Kernels.select(fp8, provider="auto", device_type="cpu")
+    counts = apply_fp8([model], fp8, kernels=kernels, tokens=16, notes=notes)
     after = model.experts(x, tokens, None)[0]  # CPU tensors: bf16 grouped_mm path
     return {"counts": counts, "gemms": model.experts.fp8_gemms, "notes": notes, "equal": torch.equal(before, after)}
 
@@ -203,6 +219,7 @@ def test_fp8_weight_grad_goes_into_main_grad(monkeypatch):
     must not survive), added on the next micro-batch; the flag is set and DDP gets a dummy grad. On CPU through an
     emulated scaled-mm (dequantize, then matmul)."""
     import torch
+    from loongforge.kernels import select_op
     from loongforge_kernels import fp8_linear as fl
     from loongforge_megatron.spec.fp8 import _Fp8TPLinear
 
@@ -215,14 +232,14 @@ def test_fp8_weight_grad_goes_into_main_grad(monkeypatch):
     x = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
     w = torch.nn.Parameter((torch.randn(48, 32, generator=gen) / 8).to(torch.bfloat16))
     g = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
-    recipe = fl.Fp8Recipe("tensorwise")
-    y = _Fp8TPLinear.apply(x, w, None, False, False, False, None, recipe, fl.ALL_FP8)
+    ops = select_op("fp8_linear", provider="torch", device_type="cpu")("tensorwise")  # NOTE: the registry's op
+    y = _Fp8TPLinear.apply(x, w, None, False, False, False, None, ops, fl.ALL_FP8)
     y.backward(g)
     plain = w.grad.float()
     w.grad = None
     w.main_grad, w.grad_added_to_main_grad = torch.full((48, 32), 5.0), False
     for micro_batch in (1, 2):
-        _Fp8TPLinear.apply(x, w, None, True, False, False, None, recipe, fl.ALL_FP8).backward(g)
+        _Fp8TPLinear.apply(x, w, None, True, False, False, None, ops, fl.ALL_FP8).backward(g)
         assert w.grad_added_to_main_grad and w.grad is not None and w.grad.shape == w.shape
         torch.testing.assert_close(w.main_grad, micro_batch * plain, atol=1e-2, rtol=1e-2)
         w.grad = None

@@ -47,24 +47,22 @@ class EmbodiedJob(Job):
     def _apply_fp8(self, raw: torch.nn.Module) -> None:
         """``train.fp8``: the policy's ``nn.Linear`` layers run their GEMMs in FP8 (torchao-style module swap; the
         parameters and checkpoints are unchanged); output heads named ``lm_head`` stay bf16 unless asked."""
-        from loongforge_kernels.fp8_linear import Fp8Recipe, convert_to_fp8
-
         fp8 = self.recipe.train.fp8
         skip = (lambda name, mod: False) if fp8.output_layer else (lambda name, mod: name.endswith("lm_head"))
-        swapped = convert_to_fp8(raw, Fp8Recipe(fp8.recipe, fp8.grad_dtype), skip=skip)
+        swapped = self._fp8_ops.convert(raw, skip=skip)
         n = sum(1 for m in raw.modules() if isinstance(m, torch.nn.Linear))
         self.log.info(f"[embodied] train.fp8 {fp8.recipe} (grads {fp8.grad_dtype}): {3 * len(swapped)} of {3 * n} "
                       "GEMMs run in FP8")
 
     def _check_fp8(self) -> None:
-        """``train.fp8`` needs FP8 tensor cores: refused before anything is built on a device without them."""
-        from loongforge_kernels.fp8_linear import fp8_unavailable_reason
+        """``train.fp8``'s op from the kernel registry (``fp8_linear``), refused before anything is built where it
+        cannot run (the registry's FP8 GEMMs need FP8 tensor cores)."""
+        from loongforge_embodied.kernels import fp8_linear
 
         fp8 = self.recipe.train.fp8
-        if self.device.type != "cuda":
-            raise RecipeError(f"train.fp8 needs CUDA GPUs with FP8 tensor cores (compute capability 8.9+); this run "
-                              f"is on {self.device.type}", key="train.fp8")
-        reason = fp8_unavailable_reason(fp8.recipe, self.device)
+        self._fp8_ops = fp8_linear(fp8, provider=self.recipe.kernels.provider, device_type=self.device.type,
+                                   accelerator=self.acc)
+        reason = self._fp8_ops.unavailable_reason(self.device)
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
 

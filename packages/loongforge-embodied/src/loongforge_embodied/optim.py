@@ -56,7 +56,7 @@ def make_optimizer(groups: list[dict], t: TrainConfig, *, device_type: str,
     kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None,
               foreach=None if fused else True)
     if choose("adamw", provider=kernels, device_type=device_type, accelerator=accelerator).provider == "triton":
-        return KernelAdamW(groups, row_sparse=row_sparse, impl="triton", **kw)
+        return KernelAdamW(groups, row_sparse=row_sparse, kernels="triton", accelerator=accelerator, **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
@@ -66,7 +66,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class KernelAdamW(torch.optim.AdamW):
     """torch's fused AdamW — same arguments, same state (``step`` as an fp32 device scalar, moments in the
-    parameter's dtype), same checkpoints, same ``grad_scale`` hook — whose step is ``loongforge_kernels.adamw``:
+    parameter's dtype), same checkpoints, same ``grad_scale`` hook — whose step is the kernel registry's
+    ``adamw_plan`` op (the ``triton`` provider's fused AdamW, chosen by ``kernels`` under the registry's rule):
     one Triton launch per dtype that reads each gradient once and does not write it back (torch's fused kernel
     writes the unscaled gradient back when given a ``grad_scale``, and moves pi05's optimizer bytes at ~2.8 of
     the H200's 4.8 TB/s; ours at ~3.7).
@@ -80,16 +81,35 @@ class KernelAdamW(torch.optim.AdamW):
 
     Falls back to torch's step for what the kernel does not cover: amsgrad, maximize, capturable,
     differentiable, ``found_inf``, tensor learning rates, a closure, sparse / non-contiguous / misaligned
-    tensors, other dtypes, an unusable ``grad_scale``, and (``impl=None``) ``LOONGFORGE_KERNELS=torch``. Sharded (DTensor)
+    tensors, other dtypes, an unusable ``grad_scale``, and (``kernels="auto"``) no provider serving ``adamw_plan``
+    for the parameters' device (an explicit provider that cannot serve it raises). Sharded (DTensor)
     parameters update their local shards. The per-group ``AdamWPlan`` (offsets of parameters, moments and steps)
     is kept while the group's parameters with gradients, and the addresses of them and of their state, stay the
     same; a fallback step drops plans with row-sparse tables (torch's step moved rows the plan had not marked)."""
 
-    def __init__(self, *args, row_sparse=(), impl: str | None = None, **kwargs):
+    def __init__(self, *args, row_sparse=(), kernels: str = "auto", accelerator: Any = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._row_sparse = {id(p) for p in row_sparse}
-        self._impl = impl  # NOTE: the backend pins "triton" (its kernel choice); None: loongforge_kernels' default
+        # NOTE: the backend passes the provider that serves its "adamw" op; "auto" (a direct use) takes any
+        self._kernels, self._accelerator = kernels, accelerator
+        self._planners: dict[str, Any] = {}
         self._reset()
+
+    def _planner(self, device_type: str):
+        """The registry's ``adamw_plan`` for ``device_type`` tensors, or None (``auto``: no provider serves it)."""
+        if device_type not in self.__dict__.setdefault("_planners", {}):
+            from loongforge.errors import PluginError
+            from loongforge.kernels import select_op
+
+            kernels = self.__dict__.get("_kernels", "auto")
+            try:
+                self._planners[device_type] = select_op("adamw_plan", provider=kernels, device_type=device_type,
+                                                        accelerator=self.__dict__.get("_accelerator"))
+            except PluginError:
+                if kernels != "auto":
+                    raise
+                self._planners[device_type] = None
+        return self._planners[device_type]
 
     def _reset(self) -> None:
         self.__dict__.setdefault("_row_sparse", set())
@@ -119,9 +139,8 @@ class KernelAdamW(torch.optim.AdamW):
             raise ValueError("KernelAdamW.mark_rows: the parameter was not declared row_sparse")
         self._marks.append((param, rows))
 
-    def _plan(self, gi: int, group: dict, params: list[torch.Tensor]):
-        from loongforge_kernels._dispatch import KernelUnavailableError
-        from loongforge_kernels.adamw import AdamWPlan
+    def _plan(self, gi: int, group: dict, params: list[torch.Tensor], planner):
+        from loongforge.errors import PluginError
 
         states = [self.state[p] for p in params]
         for p, state in zip(params, states, strict=True):
@@ -138,13 +157,14 @@ class KernelAdamW(torch.optim.AdamW):
         cached = self._plans.get(gi)
         if cached is not None and cached[0] == key:
             if cached[1] is None:  # NOTE: these tensors cannot take the kernel; torch's step, without re-checking
-                raise KernelUnavailableError("cached")
+                raise PluginError("adamw: these tensors cannot take the kernel (cached)")
             return cached[1]
         try:
-            plan = AdamWPlan([t[0] for t in locals_], [t[1] for t in locals_], [t[2] for t in locals_],
+            # NOTE: the kernels' KernelUnavailableError is a PluginError: the kernel cannot take these tensors
+            plan = planner([t[0] for t in locals_], [t[1] for t in locals_], [t[2] for t in locals_],
                              [t[3] for t in locals_],
                              row_sparse=[id(p) in self._row_sparse and not isinstance(p, DTensor) for p in params])
-        except KernelUnavailableError:
+        except PluginError:
             self._plans[gi] = (key, None)
             raise
         self._plans[gi] = (key, plan)
@@ -152,7 +172,7 @@ class KernelAdamW(torch.optim.AdamW):
 
     def _prepare(self) -> list | None:
         """(plan, checked gradients, group, params) per group with gradients, or None for torch's step."""
-        from loongforge_kernels._dispatch import KernelUnavailableError, resolve
+        from loongforge.errors import PluginError
 
         if getattr(self, "found_inf", None) is not None:
             return None
@@ -168,16 +188,17 @@ class KernelAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 work.append((gi, group, params))
-        if not work or resolve(getattr(self, "_impl", None), _local(work[0][2][0])) != "triton":
+        planner = self._planner(_local(work[0][2][0]).device.type) if work else None
+        if planner is None:
             return None
         try:
             scale = getattr(self, "grad_scale", None)
             prepared = []
             for gi, group, params in work:
-                plan = self._plan(gi, group, params)
+                plan = self._plan(gi, group, params, planner)
                 plan.check_scale(scale)
                 prepared.append((plan, plan.check([_local(p.grad) for p in params]), group, params))
-        except KernelUnavailableError:
+        except PluginError:
             return None
         index = {id(p): (plan, i) for plan, _, _, params in prepared for i, p in enumerate(params)}
         for param, rows in self._marks:  # NOTE: mark_rows took only row_sparse parameters
@@ -207,7 +228,7 @@ class KernelAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from loongforge_kernels._dispatch import KernelUnavailableError
+        from loongforge.errors import PluginError
 
         prepared = None if closure is not None else self._prepare()
         self._prepared = None
@@ -215,7 +236,7 @@ class KernelAdamW(torch.optim.AdamW):
         try:
             for plan, *_ in prepared or ():
                 plan.check_scale(scale)  # NOTE: the clip sets it after the norm, i.e. after _prepare
-        except KernelUnavailableError:
+        except PluginError:
             prepared = None
         if prepared is None:
             # NOTE: torch's step updates rows a row-sparse plan may hold inactive: drop those plans (a rebuilt plan

@@ -1,7 +1,8 @@
 """loongforge_kernels: fused Triton kernels for LLM training, each with a plain-torch reference.
 
 Each kernel is one file: Triton kernel -> ``torch.autograd.Function`` -> function / ``nn.Module``.
-``LOONGFORGE_KERNELS=torch|triton|auto`` (default auto) picks the implementation per call; see README.md.
+A function's ``impl`` keyword (``auto``, ``torch``, ``triton``) picks the implementation of a direct call;
+runs take every op from the core's kernel registry (``providers.py``); see README.md.
 """
 
 from __future__ import annotations

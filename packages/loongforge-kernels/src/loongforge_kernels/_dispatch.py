@@ -1,21 +1,20 @@
 """Pick the implementation of one kernel call: the Triton kernel or the plain-torch reference.
 
-``LOONGFORGE_KERNELS=torch|triton|auto`` (default ``auto``) is read on every call, so tests and users can
-switch without re-importing. ``auto`` uses Triton on CUDA tensors, and on CPU tensors only when Triton's
-interpreter is active; an explicit ``triton`` that cannot run raises :class:`KernelUnavailableError`.
+A kernel function's ``impl`` keyword says which: ``auto`` (or None) uses Triton on CUDA tensors, and on CPU
+tensors only when Triton's interpreter is active; an explicit ``triton`` that cannot run raises
+:class:`KernelUnavailableError`. Runs never set it themselves: the core's kernel registry pins it per provider
+(``providers.py``), under the registry's one selection rule (the recipe's ``kernels.provider``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 # NOTE: ``loongforge.errors`` imports nothing (core's package names resolve lazily): no pydantic / pyyaml needed
 from loongforge.errors import PluginError
 
-ENV_VAR = "LOONGFORGE_KERNELS"
 CHOICES = ("auto", "torch", "triton")
 
 try:
@@ -78,17 +77,9 @@ def triton_unavailable_reason(device_type: str) -> str | None:
     return f"these Triton kernels target CUDA, not '{device_type}'"
 
 
-def requested() -> str:
-    """The value of ``LOONGFORGE_KERNELS`` (validated)."""
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise KernelUnavailableError(f"{ENV_VAR}={choice!r} is not one of {', '.join(CHOICES)}")
-    return choice
-
-
 def resolve(impl: str | None, tensor: torch.Tensor) -> str:
-    """Return ``"triton"`` or ``"torch"`` for a call on ``tensor``; ``impl=None`` means the env var."""
-    choice = impl or requested()
+    """Return ``"triton"`` or ``"torch"`` for a call on ``tensor``; ``impl=None`` means ``auto``."""
+    choice = impl or "auto"
     if choice == "torch":
         return "torch"
     if choice not in CHOICES:

@@ -418,7 +418,7 @@ def adamw_step_(
 ) -> None:
     """Update ``params``, ``exp_avgs``, ``exp_avg_sqs`` in place (see the module docstring); ``steps`` are fp32
     scalar tensors that already count this update (torch's AdamW state). Tensors must be contiguous, on one
-    device, moments in their parameter's dtype (bf16 / fp16 / fp32); ``impl`` overrides ``LOONGFORGE_KERNELS``."""
+    device, moments in their parameter's dtype (bf16 / fp16 / fp32); ``impl``: ``auto`` (None), ``torch`` or ``triton``."""
     if not params:
         return
     n = len(params)

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from loongforge_kernels._dispatch import KernelUnavailableError, jit, requested, resolve, tl
+from loongforge_kernels._dispatch import KernelUnavailableError, jit, resolve, tl
 from loongforge_kernels.references import apply_fp8_deltas_ref, encode_fp8_delta_ref
 
 BLOCK = 256  # elements per scale
@@ -140,7 +140,7 @@ def _which(impl: str | None, *tensors: torch.Tensor) -> str:
     """``resolve``, plus: dtypes other than bf16 / fp32 raise under an explicit triton, else run torch."""
     which = resolve(impl, tensors[0])
     if which == "triton" and any(t.dtype not in DTYPES for t in tensors):
-        if (impl or requested()) == "triton":
+        if impl == "triton":
             got = ", ".join(str(t.dtype) for t in tensors)
             raise KernelUnavailableError(f"fp8_delta Triton kernels take bf16 / fp32 tensors, got {got}")
         return "torch"
@@ -156,7 +156,7 @@ def _launch(device: torch.device) -> tuple[int, bool]:
 def encode_fp8_delta(x: torch.Tensor, ref: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     """``x - ref`` (same numel) as one uint8 payload ``[fp8 e4m3 bytes (nb*256) | fp32 scales (4*nb)]``.
 
-    One read of ``x`` and ``ref``, one write of the payload; ``impl`` overrides ``LOONGFORGE_KERNELS``."""
+    One read of ``x`` and ``ref``, one write of the payload; ``impl``: ``auto`` (None), ``torch`` or ``triton``."""
     if x.numel() != ref.numel():
         raise ValueError(f"encode_fp8_delta: x has {x.numel()} elements, ref {ref.numel()}")
     if _which(impl, x, ref) == "torch":

@@ -14,11 +14,15 @@ quantizes x and W once in both layouts it needs and saves only the FP8 copies fo
 
 ``gemms`` (fwd, dgrad, wgrad) picks which of the three run in FP8 (the adaptive policy's per-GEMM answer); a
 GEMM whose shape the FP8 kernel cannot take (dims not multiples of 16, or of 128 for blockwise) runs in bf16.
+
+:class:`Fp8Linears` is the kernel registry's ``fp8_linear`` op: the functions below for one recipe, with the
+quantization pinned to the provider that serves it and the weight cache the layers of one job share.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,24 +123,27 @@ class Fp8WeightCache:
     A weight changes only in the optimizer step, so under gradient accumulation each micro-batch would quantize
     the same weights again. When :attr:`enabled`, the first forward of a step quantizes a weight (in the layouts
     it needs) and later ones reuse that; whoever runs the optimizer calls :meth:`invalidate` after each step
-    (the megatron job does, when a step has more than one micro-batch). Costs one FP8 copy per layout of each
+    (the megatron job does, when a step has more than one micro-batch). One cache belongs to one
+    :class:`Fp8Linears` (``weight_cache``), i.e. to the job that made it, never to the process. Costs one FP8 copy per layout of each
     FP8 weight (1 byte a parameter per layout) between the first forward and the step's end.
 
     NOTE: keyed by the weight tensor itself, not its version counter: optimizers write parameters through
     ``.data``, which does not bump it."""
 
-    def __init__(self):
-        self.enabled = False
+    def __init__(self, *, enabled: bool = False, impl: str | None = None):
+        self.enabled, self.impl = enabled, impl
         self._entries: dict[tuple[int, str, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def quantize(self, weight: torch.Tensor, granularity: str, layout: str) -> tuple[torch.Tensor, ...]:
         if not self.enabled:
-            return fp8_quantize(weight, granularity, torch.float8_e4m3fn, layout=layout, check_finite=False)
+            return fp8_quantize(weight, granularity, torch.float8_e4m3fn, layout=layout, check_finite=False,
+                                impl=self.impl)
         key = (id(weight), granularity, layout)
         hit = self._entries.get(key)
         if hit is not None and hit[0] is weight:
             return hit[1]
-        out = fp8_quantize(weight.detach(), granularity, torch.float8_e4m3fn, layout=layout, check_finite=False)
+        out = fp8_quantize(weight.detach(), granularity, torch.float8_e4m3fn, layout=layout, check_finite=False,
+                           impl=self.impl)
         self._entries[key] = (weight, out)
         return out
 
@@ -148,16 +155,15 @@ class Fp8WeightCache:
         return len(self._entries)
 
 
-WEIGHT_CACHE = Fp8WeightCache()
-
-
 def shape_ok(recipe: Fp8Recipe, *dims: int) -> bool:
     return all(d > 0 and d % recipe.align == 0 for d in dims)
 
 
-def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool):
+def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
+                cache: Fp8WeightCache | None = None, impl: str | None = None):
     """``x [M, K] @ weight [N, K].T`` and what the backward needs: the FP8 transposed copies (or bf16 tensors
-    for a backward GEMM that stays bf16). Returns ``(y, saved)``; hand ``saved`` to :func:`fp8_backward`."""
+    for a backward GEMM that stays bf16). Returns ``(y, saved)``; hand ``saved`` to :func:`fp8_backward`.
+    ``cache`` reuses the weight's FP8 copies within a step; ``impl`` picks the quantization kernels."""
     g_act, g_w, _ = recipe.granularity
     fwd8, dgrad8, wgrad8 = gemms
     e4m3 = torch.float8_e4m3fn
@@ -165,12 +171,13 @@ def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *,
     xs = ws = ()
     lay = ("n" if fwd8 else "") + ("t" if need_dw and wgrad8 else "")
     if lay:
-        xs = fp8_quantize(x, g_act, e4m3, layout=lay, check_finite=False)
+        xs = fp8_quantize(x, g_act, e4m3, layout=lay, check_finite=False, impl=impl)
         if "t" in lay:
             saved[0], saved[1] = xs[-2], xs[-1]
     lay = ("n" if fwd8 else "") + ("t" if need_dx and dgrad8 else "")
     if lay:
-        ws = WEIGHT_CACHE.quantize(weight, g_w, lay)
+        ws = (cache.quantize(weight, g_w, lay) if cache is not None
+              else fp8_quantize(weight, g_w, e4m3, layout=lay, check_finite=False, impl=impl))
         if "t" in lay:
             saved[2], saved[3] = ws[-2], ws[-1]
     if fwd8:
@@ -185,7 +192,8 @@ def fp8_forward(x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *,
 
 
 def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
-                 w_dtype: torch.dtype, main_grad: torch.Tensor | None = None, accumulate: bool = True):
+                 w_dtype: torch.dtype, main_grad: torch.Tensor | None = None, accumulate: bool = True,
+                 impl: str | None = None):
     """``(dx, dw)`` of :func:`fp8_forward` for the output grad ``dy [M, N]`` (None where not needed).
 
     With ``main_grad`` (megatron's gradient-accumulation fusion: the weight's fp32 grad buffer) the weight grad
@@ -196,7 +204,7 @@ def fp8_backward(dy, saved, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], *
     dx = dw = None
     lay = ("n" if need_dx and dgrad8 else "") + ("t" if need_dw and wgrad8 else "")
     gs = fp8_quantize(dy, recipe.granularity[2], GRAD_DTYPES[recipe.grad_dtype], layout=lay,
-                      check_finite=False) if lay else ()
+                      check_finite=False, impl=impl) if lay else ()
     if need_dx:
         dx = _scaled_mm(gs[0], gs[1], wt, swt, dy.dtype, False) if dgrad8 else dy @ w_hp.to(dy.dtype)
     if need_dw and main_grad is not None:
@@ -216,10 +224,10 @@ class Fp8Matmul(torch.autograd.Function):
     """``x [M, K] @ weight [N, K].T`` with the GEMMs flagged in ``gemms`` (fwd, dgrad, wgrad) in FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool]):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool], cache, impl):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, saved = fp8_forward(x, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw)
-        ctx.recipe, ctx.gemms, ctx.w_dtype = recipe, gemms, weight.dtype
+        y, saved = fp8_forward(x, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw, cache=cache, impl=impl)
+        ctx.recipe, ctx.gemms, ctx.w_dtype, ctx.impl = recipe, gemms, weight.dtype, impl
         ctx.save_for_backward(*saved)
         return y
 
@@ -227,24 +235,27 @@ class Fp8Matmul(torch.autograd.Function):
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = fp8_backward(dy, ctx.saved_tensors, ctx.recipe, ctx.gemms, need_dx=need_dx, need_dw=need_dw,
-                              w_dtype=ctx.w_dtype)
-        return dx, dw, None, None
+                              w_dtype=ctx.w_dtype, impl=ctx.impl)
+        return dx, dw, None, None, None, None
 
 
 def fp8_matmul(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
-               gemms: tuple[bool, bool, bool] = ALL_FP8) -> torch.Tensor:
+               gemms: tuple[bool, bool, bool] = ALL_FP8, *, cache: Fp8WeightCache | None = None,
+               impl: str | None = None) -> torch.Tensor:
     """``x2d @ weight.T`` with FP8 GEMMs where ``gemms`` says and the shape allows, bf16 elsewhere."""
     m, k = x2d.shape
     n = weight.shape[0]
     if not any(gemms) or not shape_ok(recipe, m, n, k):
         return x2d @ weight.t().to(x2d.dtype)
-    return Fp8Matmul.apply(x2d, weight, recipe, tuple(gemms))
+    return Fp8Matmul.apply(x2d, weight, recipe, tuple(gemms), cache, impl)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, recipe: Fp8Recipe,
-               gemms: tuple[bool, bool, bool] = ALL_FP8) -> torch.Tensor:
+               gemms: tuple[bool, bool, bool] = ALL_FP8, cache: Fp8WeightCache | None = None,
+               impl: str | None = None) -> torch.Tensor:
     """``F.linear`` with FP8 GEMMs: any leading dims, bias added in the output dtype."""
-    y = fp8_matmul(x.reshape(-1, x.shape[-1]), weight, recipe, gemms).view(*x.shape[:-1], weight.shape[0])
+    y = fp8_matmul(x.reshape(-1, x.shape[-1]), weight, recipe, gemms, cache=cache, impl=impl).view(
+        *x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -253,25 +264,29 @@ class Fp8Linear(torch.nn.Linear):
 
     fp8_recipe: Fp8Recipe
     fp8_gemms: tuple[bool, bool, bool] = ALL_FP8
+    fp8_cache: Fp8WeightCache | None = None
+    fp8_impl: str | None = None
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, recipe: Fp8Recipe,
-                    gemms: tuple[bool, bool, bool] = ALL_FP8) -> Fp8Linear:
+    def from_linear(cls, linear: torch.nn.Linear, recipe: Fp8Recipe, gemms: tuple[bool, bool, bool] = ALL_FP8, *,
+                    cache: Fp8WeightCache | None = None, impl: str | None = None) -> Fp8Linear:
         linear.__class__ = cls
-        linear.fp8_recipe, linear.fp8_gemms = recipe, tuple(gemms)
+        linear.fp8_recipe, linear.fp8_gemms, linear.fp8_cache, linear.fp8_impl = recipe, tuple(gemms), cache, impl
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cuda":  # NOTE: CPU forward (export, eval on host) keeps the plain linear
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, gemms=self.fp8_gemms)
+        return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, gemms=self.fp8_gemms,
+                          cache=self.fp8_cache, impl=self.fp8_impl)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe.recipe}, gemms={self.fp8_gemms}"
 
 
 def convert_to_fp8(model: torch.nn.Module, recipe: Fp8Recipe, *, skip=lambda name, module: False,
-                   gemms_for=lambda name, module: ALL_FP8) -> list[str]:
+                   gemms_for=lambda name, module: ALL_FP8, cache: Fp8WeightCache | None = None,
+                   impl: str | None = None) -> list[str]:
     """Swap every ``nn.Linear`` of ``model`` (not those ``skip(name, module)`` names, nor ones whose weight
     shape the recipe cannot take) for :class:`Fp8Linear`; returns the swapped names.
 
@@ -284,6 +299,73 @@ def convert_to_fp8(model: torch.nn.Module, recipe: Fp8Recipe, *, skip=lambda nam
             continue
         gemms = tuple(gemms_for(name, mod))
         if any(gemms):
-            Fp8Linear.from_linear(mod, recipe, gemms)
+            Fp8Linear.from_linear(mod, recipe, gemms, cache=cache, impl=impl)
             swapped.append(name)
     return swapped
+
+
+class Fp8Linears:
+    """The kernel registry's ``fp8_linear`` op: FP8 linears for one scaling ``recipe`` and gradient format, their
+    quantization pinned to ``impl`` (the serving provider's), and the :class:`Fp8WeightCache` they share
+    (``weight_cache``, off until its owner turns it on). A backend holds one per job and calls only these
+    methods; an accelerator plugin replaces the op with an object of the same methods (``device_type``: the
+    tensors its GEMMs run on; others keep the plain linear)."""
+
+    device_type = "cuda"
+
+    def __init__(self, recipe: str = "tensorwise", grad_dtype: str = "e4m3", *, impl: str | None = None):
+        self.scaling = Fp8Recipe(recipe, grad_dtype)
+        self.recipe, self.grad_dtype, self.impl = recipe, grad_dtype, impl
+        self.weight_cache = Fp8WeightCache(impl=impl)
+
+    def unavailable_reason(self, device: Any = None) -> str | None:
+        """None when ``device`` (default the current GPU) can run this recipe's FP8 GEMMs, else why (one line)."""
+        kind = torch.device(device).type if device is not None else "cuda"
+        if kind != "cuda":
+            return (f"FP8 GEMMs need CUDA GPUs with FP8 tensor cores (compute capability 8.9+); this run is on "
+                    f"{kind}")
+        return fp8_unavailable_reason(self.recipe, device)
+
+    def shape_ok(self, *dims: int) -> bool:
+        """Whether GEMMs of these dims can run in FP8 (each a multiple of the recipe's alignment)."""
+        return shape_ok(self.scaling, *dims)
+
+    def forward(self, x2d: torch.Tensor, weight: torch.Tensor, gemms: tuple[bool, bool, bool], *, need_dx: bool,
+                need_dw: bool):
+        """:func:`fp8_forward` through this op's weight cache: ``(y, saved)``."""
+        return fp8_forward(x2d, weight, self.scaling, gemms, need_dx=need_dx, need_dw=need_dw,
+                           cache=self.weight_cache, impl=self.impl)
+
+    def backward(self, dy: torch.Tensor, saved, gemms: tuple[bool, bool, bool], *, need_dx: bool, need_dw: bool,
+                 w_dtype: torch.dtype, main_grad: torch.Tensor | None = None, accumulate: bool = True):
+        """:func:`fp8_backward`: ``(dx, dw)`` (``dw`` None when it went into ``main_grad``)."""
+        return fp8_backward(dy, saved, self.scaling, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=w_dtype,
+                            main_grad=main_grad, accumulate=accumulate, impl=self.impl)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               gemms: tuple[bool, bool, bool] = ALL_FP8) -> torch.Tensor:
+        """``F.linear`` with FP8 GEMMs (autograd included)."""
+        return fp8_linear(x, weight, bias, recipe=self.scaling, gemms=gemms, cache=self.weight_cache,
+                          impl=self.impl)
+
+    def convert(self, model: torch.nn.Module, *, skip=lambda name, module: False,
+                gemms_for=lambda name, module: ALL_FP8) -> list[str]:
+        """:func:`convert_to_fp8` with this op's recipe, cache and kernels; the swapped layers' names."""
+        return convert_to_fp8(model, self.scaling, skip=skip, gemms_for=gemms_for, cache=self.weight_cache,
+                              impl=self.impl)
+
+    def gemms(self, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> dict[str, Callable[[], Any]]:
+        """The three FP8 GEMMs of ``y = x @ weight.T`` run alone, each quantizing its own operands in the layout it
+        needs (what ``loongforge fp8 profile`` times; the training path fuses the forward's quantizations)."""
+        g_act, g_w, g_grad = self.scaling.granularity
+        e4m3, gdt = torch.float8_e4m3fn, GRAD_DTYPES[self.grad_dtype]
+
+        def q(t, g, dt, lay):
+            return fp8_quantize(t, g, dt, layout=lay, check_finite=False, impl=self.impl)
+
+        fast = self.recipe != "blockwise"
+        return {
+            "fwd": lambda: _scaled_mm(*q(x, g_act, e4m3, "n"), *q(weight, g_w, e4m3, "n"), torch.bfloat16, fast),
+            "dgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "n"), *q(weight, g_w, e4m3, "t"), torch.bfloat16, False),
+            "wgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "t"), *q(x, g_act, e4m3, "t"), torch.bfloat16, False),
+        }

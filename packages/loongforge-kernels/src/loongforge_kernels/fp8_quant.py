@@ -266,8 +266,8 @@ def fp8_quantize(
     """Quantize the 2-D ``x`` to ``dtype`` with one current scale per ``granularity`` group.
 
     Returns ``(q, s)`` for ``layout="n"``, ``(qt, st)`` (``x.T`` quantized, contiguous) for ``"t"``, and
-    ``(q, s, qt, st)`` for ``"nt"``; ``s`` are fp32 decode scales (``x ~ q * s``). ``impl`` overrides
-    ``LOONGFORGE_KERNELS``; see the module docstring for the scale shapes.
+    ``(q, s, qt, st)`` for ``"nt"``; ``s`` are fp32 decode scales (``x ~ q * s``). ``impl``: ``auto``
+    (None), ``torch`` or ``triton``; see the module docstring for the scale shapes.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"fp8_quantize: granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")

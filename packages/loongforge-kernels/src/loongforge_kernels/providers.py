@@ -1,7 +1,7 @@
 """Kernel providers registered under the ``loongforge.kernels`` entry-point group.
 
 ``select_op`` in loongforge core asks them what they can run; each op is pinned to its implementation,
-so an explicitly selected provider never silently becomes another (``LOONGFORGE_KERNELS`` is not consulted).
+so an explicitly selected provider never silently becomes another.
 """
 
 from __future__ import annotations
@@ -25,8 +25,17 @@ OPS = (
     "adamw",
     "fp8_delta_encode",
     "fp8_delta_apply",
+    "fp8_linear",
+    "fp8_grouped_linear",
 )
-"""The ops the ``torch`` and ``triton`` providers serve (one record each: op name -> callable)."""
+"""The ops the ``torch`` and ``triton`` providers serve (one record each: op name -> callable). ``fp8_linear``
+and ``fp8_grouped_linear`` are factories: ``fp8_linear(recipe, grad_dtype)`` -> ``fp8_linear.Fp8Linears``,
+``fp8_grouped_linear()`` -> ``fp8_grouped.Fp8GroupedLinears`` (the FP8 GEMMs run on CUDA whichever provider
+serves them; the provider picks the quantization kernels)."""
+
+TRITON_OPS = ("adamw_plan",)
+"""Ops only the ``triton`` provider serves: ``adamw_plan`` -> ``adamw.AdamWPlan`` (the fused AdamW step over
+tables kept between steps, as ``loongforge_embodied``'s ``KernelAdamW`` runs it)."""
 
 
 def _ops(impl: str) -> dict[str, Callable[..., Any]]:
@@ -44,6 +53,8 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         swiglu,
     )
     from loongforge_kernels.adamw import adamw_step_
+    from loongforge_kernels.fp8_grouped import Fp8GroupedLinears
+    from loongforge_kernels.fp8_linear import Fp8Linears
 
     fns = (
         rms_norm,
@@ -58,6 +69,8 @@ def _ops(impl: str) -> dict[str, Callable[..., Any]]:
         adamw_step_,
         encode_fp8_delta,
         apply_fp8_deltas,
+        Fp8Linears,
+        Fp8GroupedLinears,
     )
     return {name: partial(fn, impl=impl) for name, fn in zip(OPS, fns, strict=True)}
 
@@ -83,7 +96,9 @@ class TritonProvider:
         return _dispatch.triton_unavailable_reason(device_type)
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
-        return _ops("triton")
+        from loongforge_kernels.adamw import AdamWPlan
+
+        return {**_ops("triton"), "adamw_plan": AdamWPlan}
 
 
 class TileLangProvider:

@@ -168,14 +168,15 @@ def rms_norm(
     zero_centered_gamma: bool = False,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """RMS-normalise the last dim of ``x`` and scale by ``weight``; ``impl`` overrides ``LOONGFORGE_KERNELS``."""
+    """RMS-normalise the last dim of ``x`` and scale by ``weight``; ``impl``: ``auto`` (None), ``torch`` or ``triton``."""
     if resolve(impl, x) == "triton":
         return RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
     return rms_norm_ref(x, weight, eps, zero_centered_gamma=zero_centered_gamma)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm layer over the last dim; the weight starts at 1 (0 with ``zero_centered_gamma``)."""
+    """RMSNorm layer over the last dim; the weight starts at 1 (0 with ``zero_centered_gamma``); ``impl`` as
+    :func:`rms_norm`'s."""
 
     def __init__(
         self,
@@ -185,15 +186,16 @@ class RMSNorm(nn.Module):
         zero_centered_gamma: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        impl: str | None = None,
     ):
         super().__init__()
-        self.eps = eps
+        self.eps, self.impl = eps, impl
         self.zero_centered_gamma = zero_centered_gamma
         init = torch.zeros if zero_centered_gamma else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma, impl=self.impl)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

@@ -9,7 +9,7 @@ Two GPU implementations share this contract, the reference and the tests: the Tr
 TileLang kernels of :mod:`loongforge_kernels.tilelang_sparse_mla` (``impl="tilelang"``; tilelang is an optional
 dependency, ``pip install 'loongforge-kernels[tilelang]'``, and JIT-compiles through TVM and nvcc for SM >= 9.0).
 ``auto`` on CUDA takes TileLang when it can run the call (importable, Hopper or newer, bf16 / fp16, head dims
-multiples of 16), else Triton; ``LOONGFORGE_KERNELS=triton`` / ``impl="triton"`` pins Triton. Without a GPU
+multiples of 16), else Triton; ``impl="triton"`` pins Triton. Without a GPU
 the TileLang kernels are compiled for sm_90a and run serially on TileLang's C backend against the reference
 (tests/test_sparse_mla.py, where tilelang and nvcc are installed); tests/test_gpu.py runs them on the GPU.
 
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from loongforge_kernels._dispatch import jit, next_pow2, requested, resolve, tl
+from loongforge_kernels._dispatch import jit, next_pow2, resolve, tl
 from loongforge_kernels.references import sparse_mla_ref
 
 LOG2E = 1.4426950408889634
@@ -415,8 +415,7 @@ def sparse_mla_attention(
     q [T, H, D], kv [T_kv, G, D] (value = its first ``d_v`` channels), indices [T, G, topk] int (< 0 or
     >= T_kv: masked; a query with none valid gets zeros). ``sm_scale`` defaults to D**-0.5 (TileLang's
     example; DeepSeek-V3.2 passes its own). Returns o [T, H, d_v], and the fp32 lse [T, H] with ``return_lse``.
-    Grads flow to q and kv; ``impl`` (``auto``, ``torch``, ``triton`` or ``tilelang``) overrides
-    ``LOONGFORGE_KERNELS``.
+    Grads flow to q and kv; ``impl``: ``auto`` (None), ``torch``, ``triton`` or ``tilelang``.
     """
     _validate(q, kv, indices, d_v)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
@@ -438,7 +437,7 @@ def _use_tilelang(impl: str | None, q: torch.Tensor, d_v: int) -> bool:
     """``impl="tilelang"`` always (it raises with the reason if it cannot run); ``auto`` on CUDA when it can."""
     if impl == "tilelang":
         return True
-    if q.device.type != "cuda" or (impl or requested()) != "auto":
+    if q.device.type != "cuda" or (impl or "auto") != "auto":
         return False
     from loongforge_kernels.tilelang_sparse_mla import unsupported_reason
 

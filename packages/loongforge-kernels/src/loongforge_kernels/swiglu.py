@@ -83,14 +83,18 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """silu(x[..., :F]) * x[..., F:]; ``impl`` overrides ``LOONGFORGE_KERNELS``."""
+    """silu(x[..., :F]) * x[..., F:]; ``impl``: ``auto`` (None), ``torch`` or ``triton``."""
     if resolve(impl, x) == "triton":
         return SwiGLUFunction.apply(x)
     return swiglu_ref(x)
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU activation on a fused [..., 2F] input (no parameters)."""
+    """SwiGLU activation on a fused [..., 2F] input (no parameters); ``impl`` as :func:`swiglu`'s."""
+
+    def __init__(self, *, impl: str | None = None):
+        super().__init__()
+        self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x)
+        return swiglu(x, impl=self.impl)

@@ -66,6 +66,7 @@ class MegatronBackend(Backend):
                 key="train.global_batch_size",
             )
         self._check_compile(recipe)
+        self._check_fp8(recipe)
         spec.check(recipe, plan, arch)
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:
@@ -102,6 +103,19 @@ class MegatronBackend(Backend):
             raise RecipeError("kernels.grad_accum_fusion cannot be used with train.compile: megatron's linear backward "
                               "writes the fp32 main_grad outside the compiled graph, which breaks it at every linear "
                               "(0.60x measured); use one of them", key="kernels.grad_accum_fusion")
+
+    @staticmethod
+    def _check_fp8(recipe: Recipe) -> None:
+        """``train.fp8`` settings no model can run here; whether this machine has FP8 GEMMs is the build's check."""
+        t = recipe.train
+        if t.fp8 is None:
+            return
+        if recipe.kernels.spec == "te":
+            raise RecipeError("train.fp8 runs on kernels.spec loongforge or local (kernels.spec te has "
+                              "TransformerEngine's own FP8, not wired here); use one of them", key="train.fp8")
+        if t.compile:
+            raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "
+                              "from an autograd function); use one of them", key="train.fp8")
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         import warnings

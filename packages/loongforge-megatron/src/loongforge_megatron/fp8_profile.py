@@ -6,8 +6,10 @@ rank's weight shard) it times the forward, input-grad and weight-grad GEMMs: bf1
 (quantizing the GEMM's own operands in the layout it needs + ``torch._scaled_mm``; the training path fuses the
 forward's quantizations, so this is the pessimistic side). A GEMM is FP8 in training only where FP8 measured
 faster, so the policy never picks a slower GEMM than bf16 on this GPU at these shapes.
+The FP8 GEMMs are the kernel registry's (``fp8_linear`` / ``fp8_grouped_linear`` under ``kernels.provider``), so
+a plugin that replaces them is profiled too.
 With ``train.fp8.experts``, grouped MoE experts (fc1 / fc2 of ``GroupedMLP``) are timed the same way as grouped GEMMs: bf16 ``grouped_mm``
-against ``loongforge_kernels.fp8_grouped`` (rowwise; quantization and the weight grad's group padding included)
+against the ``fp8_grouped_linear`` op (rowwise; quantization and the weight grad's group padding included)
 at the local experts' shape and M = tokens x top-k routed rows, spread evenly over the experts.
 MLA's projections are not profiled: they stay bf16 under a policy.
 """
@@ -46,9 +48,10 @@ def _cmd_fp8(args: argparse.Namespace) -> int:
         raise RecipeError(f"loongforge fp8 profile is for the megatron backend (the recipe's is {recipe.backend})",
                           key="backend")
     fp8 = recipe.train.fp8 or Fp8Config()
-    from loongforge_kernels.fp8_linear import fp8_unavailable_reason
+    from loongforge_megatron.spec.fp8 import Fp8Kernels
 
-    reason = fp8_unavailable_reason(fp8.recipe)
+    kernels = Fp8Kernels.select(fp8, provider=recipe.kernels.provider, device_type="cuda")
+    reason = kernels.linear.unavailable_reason()
     if reason:
         raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
     arch = recipe.model.arch()
@@ -57,7 +60,7 @@ def _cmd_fp8(args: argparse.Namespace) -> int:
     shapes = gemm_shapes(arch, tp=plan.tp, tokens=tokens, output_layer=fp8.output_layer)
     experts = (expert_gemm_shapes(arch, ep=plan.ep, etp=plan.etp, tokens=tokens)
                if fp8.experts and fp8.recipe != "blockwise" else {})
-    policy = profile(shapes, recipe=fp8.recipe, grad_dtype=fp8.grad_dtype, reps=args.reps, expert_shapes=experts)
+    policy = profile(shapes, kernels=kernels, reps=args.reps, expert_shapes=experts)
     policy["recipe_file"] = str(args.recipe)
     out = Path(args.output or f"fp8_policy_{Path(args.recipe).stem}.json")
     out.write_text(json.dumps(policy, indent=1))
@@ -98,18 +101,10 @@ def expert_gemm_shapes(arch: Any, *, ep: int, etp: int, tokens: int) -> dict[str
     return {"expert_fc1": (e, m, 2 * ffn, h), "expert_fc2": (e, m, h, ffn)}
 
 
-def _time_grouped(e: int, m: int, n: int, k: int, *, reps: int) -> dict[str, Any]:
-    """bf16 and FP8 milliseconds of the three grouped GEMMs of one expert projection (even routing)."""
+def _time_grouped(grouped: Any, e: int, m: int, n: int, k: int, *, reps: int) -> dict[str, Any]:
+    """bf16 and FP8 (the ``fp8_grouped_linear`` op ``grouped``) milliseconds of the three grouped GEMMs of one
+    expert projection (even routing)."""
     import torch.nn.functional as F
-    from loongforge_kernels.fp8_grouped import (
-        _rowwise,
-        _sgmm,
-        _transposed_padded,
-        grouped_fp8_unavailable_reason,
-        grouped_shape_ok,
-        padded_groups,
-        quantize_expert_weight,
-    )
 
     counts = torch.full((e,), m // e, dtype=torch.int64)
     counts[: m - int(counts.sum())] += 1
@@ -117,25 +112,10 @@ def _time_grouped(e: int, m: int, n: int, k: int, *, reps: int) -> dict[str, Any
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-
-    def fwd8():
-        q, s, _, _ = quantize_expert_weight(w, plain=True, transposed=False)
-        return _sgmm(*_rowwise(x), q.transpose(-2, -1), s, offs, True)
-
-    def dgrad8():
-        _, _, qt, st = quantize_expert_weight(w, plain=False, transposed=True)
-        return _sgmm(*_rowwise(dy), qt.transpose(-2, -1), st, offs, False)
-
-    def wgrad8():
-        dest, poffs, rows = padded_groups(offs, m)
-        a, sa = _transposed_padded(dy, dest, rows, e)
-        b, sb = _transposed_padded(x, dest, rows, e)
-        return _sgmm(a, sa, b.t(), sb, poffs, False)
-
     bf16 = {"fwd": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs),
             "dgrad": lambda: F.grouped_mm(dy, w, offs=offs), "wgrad": lambda: F.grouped_mm(dy.t(), x, offs=offs)}
-    fp8 = {"fwd": fwd8, "dgrad": dgrad8, "wgrad": wgrad8}
-    ok = grouped_shape_ok(n, k) and grouped_fp8_unavailable_reason() is None
+    fp8 = grouped.gemms(x, w, dy, offs)
+    ok = grouped.shape_ok(n, k) and grouped.unavailable_reason() is None
     entry: dict[str, Any] = {}
     for g in ("fwd", "dgrad", "wgrad"):
         t16 = _time_ms(bf16[g], reps)
@@ -157,53 +137,38 @@ def _time_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _time_shape(r: Any, m: int, n: int, k: int, *, reps: int) -> dict[str, Any]:
-    """bf16 and FP8 milliseconds of the three GEMMs of one linear shape (random operands of the right scale)."""
-    from loongforge_kernels.fp8_linear import GRAD_DTYPES, _scaled_mm, shape_ok
-    from loongforge_kernels.fp8_quant import fp8_quantize
-
-    g_act, g_w, g_grad = r.granularity
-    e4m3, gdt = torch.float8_e4m3fn, GRAD_DTYPES[r.grad_dtype]
+def _time_shape(linear: Any, m: int, n: int, k: int, *, reps: int) -> dict[str, Any]:
+    """bf16 and FP8 (the ``fp8_linear`` op ``linear``) milliseconds of the three GEMMs of one linear shape (random
+    operands of the right scale)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-
-    def q(t, g, dt, lay):
-        return fp8_quantize(t, g, dt, layout=lay, check_finite=False)
-
-    fast = r.recipe != "blockwise"
     bf16 = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
-    fp8 = {
-        "fwd": lambda: _scaled_mm(*q(x, g_act, e4m3, "n"), *q(w, g_w, e4m3, "n"), torch.bfloat16, fast),
-        "dgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "n"), *q(w, g_w, e4m3, "t"), torch.bfloat16, False),
-        "wgrad": lambda: _scaled_mm(*q(dy, g_grad, gdt, "t"), *q(x, g_act, e4m3, "t"), torch.bfloat16, False),
-    }
+    fp8 = linear.gemms(x, w, dy)
     entry: dict[str, Any] = {}
     for g in ("fwd", "dgrad", "wgrad"):
         t16 = _time_ms(bf16[g], reps)
-        t8 = _time_ms(fp8[g], reps) if shape_ok(r, m, n, k) else None
+        t8 = _time_ms(fp8[g], reps) if linear.shape_ok(m, n, k) else None
         entry[g] = {"bf16_ms": round(t16, 4), "fp8_ms": None if t8 is None else round(t8, 4),
                     "fp8_faster": t8 is not None and t8 < t16}
     return entry
 
 
-def profile(shapes: dict[str, tuple[int, int, int]], *, recipe: str, grad_dtype: str, reps: int = 20,
+def profile(shapes: dict[str, tuple[int, int, int]], *, kernels: Any, reps: int = 20,
             expert_shapes: dict[str, tuple[int, int, int, int]] | None = None) -> dict[str, Any]:
-    """Time fwd / dgrad / wgrad of every shape (and grouped expert shape) in bf16 and FP8; the policy dict (see
-    the module docstring)."""
-    from loongforge_kernels.fp8_linear import Fp8Recipe
-
+    """Time fwd / dgrad / wgrad of every shape (and grouped expert shape) in bf16 and FP8 (``kernels``: the
+    ``spec.fp8.Fp8Kernels`` of the recipe); the policy dict (see the module docstring)."""
     from loongforge_megatron.spec.fp8 import gemm_key, grouped_gemm_key
 
-    r = Fp8Recipe(recipe, grad_dtype)
     gemms: dict[str, Any] = {}
     for name, (m, n, k) in shapes.items():
-        entry = _time_shape(r, m, n, k, reps=reps)
+        entry = _time_shape(kernels.linear, m, n, k, reps=reps)
         entry["name"] = name
         gemms[gemm_key(m, n, k)] = entry
     for name, (e, m, n, k) in (expert_shapes or {}).items():
-        entry = _time_grouped(e, m, n, k, reps=reps)
+        entry = _time_grouped(kernels.grouped, e, m, n, k, reps=reps)
         entry["name"] = name
         gemms[grouped_gemm_key(e, m, n, k)] = entry
-    return {"version": 1, "device": torch.cuda.get_device_name(), "recipe": recipe, "grad_dtype": grad_dtype,
+    return {"version": 1, "device": torch.cuda.get_device_name(), "recipe": kernels.linear.recipe,
+            "grad_dtype": kernels.linear.grad_dtype,
             "torch": torch.__version__, "gemms": gemms}

@@ -62,8 +62,7 @@ class MegatronJob(Job):
         recipe, plan, arch, spec, t = self.recipe, self.plan, self.arch, self.spec, self.recipe.train
         self.device = self.acc.device()
         self.precision = self.acc.resolve_precision(t.precision)
-        if t.fp8 is not None:
-            self._check_fp8()
+        self.fp8_kernels = self._fp8_kernels() if t.fp8 is not None else None
         # the data first: a bad data path or VAE fails before the model is built
         self.data = spec.data(recipe=recipe, arch=arch, runtime=self.runtime, device=self.device)
         self.seq_length = self.data.seq_length
@@ -91,7 +90,7 @@ class MegatronJob(Job):
 
             tokens = t.micro_batch_size * self.seq_length // plan.cp
             notes: list[str] = []
-            n8, n = apply_fp8(self.chunks, t.fp8, tokens=tokens, notes=notes)
+            n8, n = apply_fp8(self.chunks, t.fp8, kernels=self.fp8_kernels, tokens=tokens, notes=notes)
             if self.runtime.is_main:
                 self.log.info(f"[megatron] train.fp8 {t.fp8.recipe} (grads {t.fp8.grad_dtype}): {n8} of {n} GEMMs run "
                               "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else "")
@@ -111,11 +110,12 @@ class MegatronJob(Job):
             weight_decay=t.weight_decay, wsd_decay_steps=t.wsd_decay_steps or max(1, decay_steps // 10),
         )
         self.num_microbatches = plan.grad_accumulation(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
-        if t.fp8 is not None and self.num_microbatches > 1:
-            from loongforge_kernels.fp8_linear import WEIGHT_CACHE
-
-            # NOTE: every micro-batch of a step sees the same weights: quantize each once per step
-            WEIGHT_CACHE.enabled, self._fp8_cache = True, WEIGHT_CACHE
+        if self.fp8_kernels is not None and self.num_microbatches > 1:
+            # NOTE: every micro-batch of a step sees the same weights: quantize each once per step (the cache is
+            # this job's FP8 op's own; an op without one quantizes every micro-batch)
+            self._fp8_cache = getattr(self.fp8_kernels.linear, "weight_cache", None)
+            if self._fp8_cache is not None:
+                self._fp8_cache.enabled = True
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
         self.schedule = BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
                                       micro_batch_size=t.micro_batch_size, workers=recipe.data.num_workers,
@@ -165,24 +165,19 @@ class MegatronJob(Job):
                           f"{split} vpp {plan.vpp} cp {plan.cp} ep {plan.ep} dp {plan.dp} | {self.num_microbatches} micro-batches/step"
                           f" | {self.acc.describe()}" + (f" | resumed at step {self.step_index}" if self.step_index else ""))
 
-    def _check_fp8(self) -> None:
-        """``train.fp8`` needs FP8 tensor cores (CUDA, compute capability >= 8.9; blockwise: Hopper) and ours or
-        megatron's local spec (TransformerEngine's layers have their own FP8, not wired here)."""
-        fp8 = self.recipe.train.fp8
-        if self.acc.device_type != "cuda":
-            raise RecipeError(f"train.fp8 needs CUDA GPUs with FP8 tensor cores (compute capability 8.9+); this run is "
-                              f"on {self.acc.device_type}", key="train.fp8")
-        from loongforge_kernels.fp8_linear import fp8_unavailable_reason
+    def _fp8_kernels(self):
+        """``train.fp8``'s ops from the kernel registry, refused before anything is built where they cannot run
+        (the registry's FP8 GEMMs: CUDA, compute capability >= 8.9, blockwise on Hopper). The recipe conflicts
+        (``kernels.spec te``, ``train.compile``) are refused at validate."""
+        from loongforge_megatron.spec.fp8 import Fp8Kernels
 
-        reason = fp8_unavailable_reason(fp8.recipe, self.acc.device())
+        fp8 = self.recipe.train.fp8
+        kernels = Fp8Kernels.select(fp8, provider=self.recipe.kernels.provider, device_type=self.acc.device_type,
+                                    accelerator=self.acc)
+        reason = kernels.linear.unavailable_reason(self.acc.device())
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
-        if self.recipe.kernels.spec == "te":
-            raise RecipeError("train.fp8 runs on the loongforge or local spec (kernels.spec te has TransformerEngine's "
-                              "own FP8, not wired here)", key="train.fp8")
-        if self.recipe.train.compile:
-            raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "
-                              "from an autograd function); use one of them", key="train.fp8")
+        return kernels
 
     def _checkpointer(self):
         """Resumable checkpoints of this run, with the HF / PEFT exports its save format asks for."""
@@ -332,8 +327,7 @@ class MegatronJob(Job):
             if getattr(self, "schedule", None) is not None:
                 self.schedule.close()
             if getattr(self, "_fp8_cache", None) is not None:
-                self._fp8_cache.invalidate()
-                self._fp8_cache.enabled = False
+                self._fp8_cache.invalidate()  # NOTE: frees the FP8 weight copies now, not when the job is collected
             if self._adaptations is not None:
                 self._adaptations.__exit__(None, None, None)
                 self._adaptations = None

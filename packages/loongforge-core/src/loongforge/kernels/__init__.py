@@ -1,13 +1,13 @@
 """Kernel providers: the contract between kernel packages, hardware plugins and backends.
 
-A provider (registered under the ``loongforge.kernels`` entry-point group) maps op names (``rms_norm``,
-``swiglu``, ``rope``, ``fused_linear_cross_entropy``, ``adamw``, ``fp8_delta_encode``, ...) to callables: one
-implementation record per op. Both backends ask :func:`select` / :func:`select_op` with the recipe's
-``kernels.provider``; an accelerator plugin may override some ops through ``Accelerator.kernel_overrides()``.
-The record format and how to add an op: ``packages/loongforge-kernels/README.md``.
+A provider (registered under the ``loongforge.kernels`` entry-point group) maps op names (:data:`OPS`) to
+callables: one implementation record per op. Backends run kernels only through :func:`select` /
+:func:`select_op` with the recipe's ``kernels.provider``, never by importing a kernel package; an accelerator
+plugin may override any op through ``Accelerator.kernel_overrides()``. The record format and how to add an op:
+``packages/loongforge-kernels/README.md``.
 
-Selection rule (as in Liger-Kernel): an explicitly requested provider that cannot serve an op raises;
-``auto`` walks the preference order and falls back to the next provider.
+Selection rule (as in Liger-Kernel), the only one: an explicitly requested provider that cannot serve an op
+raises; ``auto`` walks the preference order and falls back to the next provider.
 """
 
 from __future__ import annotations
@@ -16,6 +16,30 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 from loongforge.errors import PluginError
+
+OPS: dict[str, str] = {
+    "rms_norm": "rms_norm(x, weight, eps) -> y",
+    "swiglu": "swiglu(x [..., 2F]) -> silu(x[..., :F]) * x[..., F:]",
+    "rope": "rope(x, freqs, *, cu_seqlens=None) -> x rotated (megatron's rotate-half layout)",
+    "fused_linear_cross_entropy": "fused_linear_cross_entropy(hidden, weight, labels, ...) -> loss without logits",
+    "moe_permute": "moe_permute(tokens, indices, *, num_experts) -> (permuted, row_id_map, tokens_per_expert)",
+    "moe_unpermute": "moe_unpermute(permuted, row_id_map, probs=None) -> tokens",
+    "moe_router_topk": "moe_router_topk(logits, ...) -> the router's fused top-k",
+    "sparse_mla_attention": "sparse_mla_attention(q, kv, indices, sm_scale, d_v) -> o (DSA attention)",
+    "fp8_quantize": "fp8_quantize(x, granularity, dtype, *, layout) -> FP8 tensors and decode scales",
+    "fp8_linear": ("fp8_linear(recipe, grad_dtype) -> FP8 linears: device_type, recipe, grad_dtype, "
+                   "unavailable_reason(device), shape_ok(*dims), forward / backward (a TP linear's GEMMs), "
+                   "linear(x, w, b, gemms), convert(model, skip=...), gemms(x, w, dy) (the profile's), "
+                   "optional weight_cache (enabled, invalidate())"),
+    "fp8_grouped_linear": ("fp8_grouped_linear() -> FP8 grouped expert GEMMs: device_type, unavailable_reason(device), "
+                           "shape_ok(n, k), linear(x, w, offs, gemms), gemms(x, w, dy, offs)"),
+    "adamw": "adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, grad_scale)",
+    "adamw_plan": ("adamw_plan(params, exp_avgs, exp_avg_sqs, steps, row_sparse=None) -> the fused AdamW step kept "
+                   "between steps: check(grads), launch(checked, ...), grad_sumsq(checked), check_scale, mark_rows"),
+    "fp8_delta_encode": "fp8_delta_encode(x, ref) -> uint8 payload (the delta-FP8 all-gather codec)",
+    "fp8_delta_apply": "fp8_delta_apply(recon, gathered, *, out=None) (decodes the gathered payloads in place)",
+}
+"""Every op a backend may ask the registry for, with its call contract (a provider may serve some of them)."""
 
 AUTO_ORDER = ("triton", "tilelang", "torch")
 JIT_PROVIDERS = ("triton", "tilelang")  # need the accelerator's ``capabilities().triton``

@@ -10,8 +10,12 @@ it the input grad is all-reduced over TP (``allreduce_dgrad``); row-parallel out
 straight into the zeroed buffer, later ones add a bf16 grad (``torch._scaled_mm`` has no accumulating output).
 The output layer stays bf16 unless ``train.fp8.output_layer``; embeddings are lookups, not GEMMs.
 
+The FP8 GEMMs come from the core's kernel registry (ops ``fp8_linear`` and ``fp8_grouped_linear``, chosen by
+``kernels.provider``; an accelerator plugin may replace them): :class:`Fp8Kernels` holds the job's two, and with
+them the FP8 weight cache the job turns on under gradient accumulation.
+
 With ``train.fp8.experts``, grouped MoE experts (``GroupedMLP``, ``kernels.moe_grouped_gemm``) run their fc1 / fc2
-as FP8 grouped GEMMs (``loongforge_kernels.fp8_grouped``: rowwise E4M3 whatever the recipe, torch's only FP8
+as FP8 grouped GEMMs (the ``fp8_grouped_linear`` op: rowwise E4M3 whatever the recipe, torch's only FP8
 grouped kernel on Hopper; blockwise recipes and GPUs other than Hopper keep the experts bf16). Off by default:
 at Qwen3-30B-A3B's shape on an H200 they measured slower than bf16 grouped_mm (the 128 experts' weights are
 quantized every step); a policy file then still decides per GEMM.
@@ -22,6 +26,7 @@ layers it does not list, or lists as slower, stay bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -30,35 +35,57 @@ from typing import Any
 import torch
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernels:
+    """The job's FP8 ops from the kernel registry: ``linear`` (``fp8_linear`` for ``train.fp8``'s recipe; it owns
+    the FP8 weight cache) and ``grouped`` (``fp8_grouped_linear``)."""
+
+    linear: Any
+    grouped: Any
+
+    @classmethod
+    def select(cls, fp8: Any, *, provider: str, device_type: str, accelerator: Any = None) -> Fp8Kernels:
+        """Both ops under the registry's rule for ``kernels.provider`` (an explicit provider that cannot serve them
+        is a one-line error at ``kernels.provider``)."""
+        from loongforge.errors import PluginError, RecipeError
+        from loongforge.kernels import select_op
+
+        try:
+            linear = select_op("fp8_linear", provider=provider, device_type=device_type, accelerator=accelerator)
+            grouped = select_op("fp8_grouped_linear", provider=provider, device_type=device_type,
+                                accelerator=accelerator)
+        except PluginError as exc:
+            raise RecipeError(f"train.fp8: {str(exc).splitlines()[0]}", key="kernels.provider") from None
+        return cls(linear(fp8.recipe, fp8.grad_dtype), grouped())
+
+
 class _Fp8TPLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, main_grad_fusion, allreduce_dgrad, sequence_parallel, tp_group, recipe, gemms):
-        from loongforge_kernels.fp8_linear import fp8_forward
+    def forward(ctx, input, weight, bias, main_grad_fusion, allreduce_dgrad, sequence_parallel, tp_group, ops, gemms):
         from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
 
         total = _gather_along_first_dim(input, group=tp_group) if sequence_parallel else input
         x2d = total.reshape(-1, total.shape[-1])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, saved = fp8_forward(x2d, weight, recipe, gemms, need_dx=need_dx, need_dw=need_dw)
+        y, saved = ops.forward(x2d, weight, gemms, need_dx=need_dx, need_dw=need_dw)
         ctx.save_for_backward(*saved, weight)
-        ctx.cfg = (recipe, gemms, main_grad_fusion and hasattr(weight, "main_grad"), allreduce_dgrad,
+        ctx.cfg = (ops, gemms, main_grad_fusion and hasattr(weight, "main_grad"), allreduce_dgrad,
                    sequence_parallel, tp_group, total.shape, bias is not None)
         out = y.view(*total.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad_output):
-        from loongforge_kernels.fp8_linear import fp8_backward
         from megatron.core.tensor_parallel.mappings import _reduce_scatter_along_first_dim
 
         *saved, weight = ctx.saved_tensors
-        recipe, gemms, fused, allreduce_dgrad, sp, tp_group, total_shape, has_bias = ctx.cfg
+        ops, gemms, fused, allreduce_dgrad, sp, tp_group, total_shape, has_bias = ctx.cfg
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         # NOTE: megatron's DDP clears grad_added_to_main_grad when it zeroes the grad buffer, and every fused
         # weight-grad path sets it: while it is False, main_grad holds zeros and the FP8 GEMM may overwrite it
         main_grad = weight.main_grad if fused and need_dw else None
-        dx, dw = fp8_backward(dy, saved, recipe, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=weight.dtype,
+        dx, dw = ops.backward(dy, saved, gemms, need_dx=need_dx, need_dw=need_dw, w_dtype=weight.dtype,
                               main_grad=main_grad, accumulate=getattr(weight, "grad_added_to_main_grad", True))
         if dx is not None:
             dx = dx.view(total_shape)
@@ -79,32 +106,31 @@ class _Fp8TPLinear(torch.autograd.Function):
 
 
 class Fp8ParallelLinear:
-    """Mixin over megatron's Column/RowParallelLinear: ``_forward_impl`` in FP8 on CUDA for trainable weights."""
+    """Mixin over megatron's Column/RowParallelLinear: ``_forward_impl`` in FP8 for trainable weights on the FP8
+    op's device (``fp8_ops.device_type``; CPU tensors of an export or host eval keep megatron's linear)."""
 
-    fp8_recipe: Any
+    fp8_ops: Any
     fp8_gemms: tuple[bool, bool, bool] = (True, True, True)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
                       gtp_remat_size=1, **kwargs):
-        if (not weight.requires_grad or input.device.type != "cuda" or grad_output_buffer is not None
+        if (not weight.requires_grad or input.device.type != self.fp8_ops.device_type or grad_output_buffer is not None
                 or gtp_remat_size > 1):
             return super()._forward_impl(
                 input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                 grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
                 gtp_remat_size=gtp_remat_size, **kwargs)
-        from loongforge_kernels.fp8_linear import shape_ok
-
         tp_group = tp_group if tp_group is not None else self.tp_group
         m = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
-        if not shape_ok(self.fp8_recipe, m, *weight.shape):  # e.g. an expert's token count: bf16 this call
+        if not self.fp8_ops.shape_ok(m, *weight.shape):  # e.g. an expert's token count: bf16 this call
             return super()._forward_impl(
                 input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, grad_output_buffer=None,
                 wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, gtp_remat_size=gtp_remat_size, **kwargs)
         return _Fp8TPLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                                  tp_group, self.fp8_recipe, self.fp8_gemms)
+                                  tp_group, self.fp8_ops, self.fp8_gemms)
 
 
 @functools.cache
@@ -131,16 +157,15 @@ def _policy_gemms(policy: dict[str, Any] | None, key: str) -> tuple[bool, bool, 
     return tuple(bool(entry and entry.get(g, {}).get("fp8_faster")) for g in ("fwd", "dgrad", "wgrad"))
 
 
-def _grouped_expert_flags(mod: Any, recipe: Any, policy: dict[str, Any] | None, *, tokens: int, notes: list[str]):
+def _grouped_expert_flags(mod: Any, recipe: str, grouped: Any, policy: dict[str, Any] | None, *, tokens: int,
+                          notes: list[str]):
     """The (fwd, dgrad, wgrad) FP8 flags of a ``GroupedMLP``'s fc1 and fc2, or None when its experts stay bf16
     (``notes`` gets the reason once)."""
-    from loongforge_kernels.fp8_grouped import grouped_fp8_unavailable_reason, grouped_shape_ok
-
     why = None
-    if recipe.recipe == "blockwise":
+    if recipe == "blockwise":
         why = "blockwise: torch has no blockwise FP8 grouped GEMM on Hopper"
     elif torch.cuda.is_available():  # NOTE: on the CPU the module runs bf16 grouped_mm anyway
-        why = grouped_fp8_unavailable_reason()
+        why = grouped.unavailable_reason()
     if why:
         if why not in notes:
             notes.append(f"MoE experts stay bf16 ({why})")
@@ -149,7 +174,7 @@ def _grouped_expert_flags(mod: Any, recipe: Any, policy: dict[str, Any] | None, 
     flags = []
     for w in (mod.weight1, mod.weight2):
         e, n, k = w.shape
-        flags.append(_policy_gemms(policy, grouped_gemm_key(e, rows, n, k)) if grouped_shape_ok(n, k)
+        flags.append(_policy_gemms(policy, grouped_gemm_key(e, rows, n, k)) if grouped.shape_ok(n, k)
                      else (False, False, False))
     return tuple(flags) if any(any(f) for f in flags) else None
 
@@ -168,16 +193,15 @@ def load_policy(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_name: str | None = None,
+def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, kernels: Fp8Kernels, tokens: int,
               notes: list[str] | None = None) -> tuple[int, int]:
     """Swap the decoder's TP linears of ``chunks`` to FP8 per ``fp8`` (a ``train.fp8`` section) and switch grouped
-    MoE experts (``GroupedMLP``) to FP8 grouped GEMMs; ``tokens`` is the GEMMs' M (micro-batch tokens of this
-    rank, gathered under SP; the experts' is that times top-k). Returns (FP8 GEMMs, all GEMMs), three per linear
-    and per expert projection; ``notes`` collects why a kind of GEMM stays bf16."""
-    from loongforge_kernels.fp8_linear import Fp8Recipe, shape_ok
+    MoE experts (``GroupedMLP``) to FP8 grouped GEMMs, both running ``kernels``' ops; ``tokens`` is the GEMMs' M
+    (micro-batch tokens of this rank, gathered under SP; the experts' is that times top-k). Returns (FP8 GEMMs,
+    all GEMMs), three per linear and per expert projection; ``notes`` collects why a kind of GEMM stays bf16."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    recipe = Fp8Recipe(fp8.recipe, fp8.grad_dtype)
+    linear = kernels.linear
     policy = load_policy(fp8.policy)["gemms"] if fp8.policy else None
     from loongforge_megatron.spec.grouped_experts import GroupedMLP
 
@@ -188,7 +212,9 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_na
             if isinstance(mod, GroupedMLP):
                 n_all += 6
                 if fp8.experts and mod.weight1.requires_grad:
-                    mod.fp8_gemms = _grouped_expert_flags(mod, recipe, policy, tokens=tokens, notes=notes)
+                    mod.fp8_gemms = _grouped_expert_flags(mod, fp8.recipe, kernels.grouped, policy, tokens=tokens,
+                                                          notes=notes)
+                    mod.fp8_grouped = kernels.grouped
                     n_fp8 += sum(sum(f) for f in mod.fp8_gemms or ())
                 continue
             if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or isinstance(mod, Fp8ParallelLinear):
@@ -199,12 +225,12 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, tokens: int, recipe_na
                 continue
             n_all += 3
             nw, kw = mod.weight.shape
-            if not shape_ok(recipe, tokens, nw, kw):
+            if not linear.shape_ok(tokens, nw, kw):
                 continue
             gemms = _policy_gemms(policy, gemm_key(tokens, nw, kw))
             if not any(gemms):
                 continue
             mod.__class__ = fp8_class(type(mod))
-            mod.fp8_recipe, mod.fp8_gemms = recipe, gemms
+            mod.fp8_ops, mod.fp8_gemms = linear, gemms
             n_fp8 += sum(gemms)
     return n_fp8, n_all

@@ -151,15 +151,17 @@ class GroupedMLP(_megatron_module()):
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 
-    # NOTE: set by ``train.fp8`` (spec/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2
+    # NOTE: set by ``train.fp8`` (spec/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2, and
+    # the kernel registry's ``fp8_grouped_linear`` op that runs them
     fp8_gemms: tuple[tuple[bool, bool, bool], tuple[bool, bool, bool]] | None = None
+    fp8_grouped: Any = None
 
     def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: int) -> torch.Tensor:
-        """One grouped projection: FP8 (``loongforge_kernels.fp8_grouped``) where ``train.fp8`` chose it, on CUDA."""
-        if self.fp8_gemms is not None and x.is_cuda and any(self.fp8_gemms[which]):
-            from loongforge_kernels.fp8_grouped import fp8_grouped_linear
-
-            return fp8_grouped_linear(x, weight, offs, self.fp8_gemms[which])
+        """One grouped projection: FP8 (the registry's ``fp8_grouped_linear``) where ``train.fp8`` chose it, on the
+        op's device."""
+        if (self.fp8_gemms is not None and x.device.type == self.fp8_grouped.device_type
+                and any(self.fp8_gemms[which])):
+            return self.fp8_grouped.linear(x, weight, offs, self.fp8_gemms[which])
         return grouped_linear(x, weight, offs)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
