@@ -237,33 +237,43 @@ def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: P
     return slot_expert
 
 
-def _sinkhorn_shares(arr: np.ndarray, slot_expert: np.ndarray, *, iterations: int) -> np.ndarray:
-    """Pass 2 of ``plan``: per-slot shares that level the ranks (scale overloaded ranks down, renormalise experts)."""
+def _sinkhorn_shares(arr: np.ndarray, slot_expert: np.ndarray, topology: Topology, *, iterations: int,
+                     locality: float) -> np.ndarray:
+    """Pass 2 of ``plan``: per-slot shares that level the ranks (scale overloaded ranks down, renormalise experts),
+    never taking a node's copies of an expert below ``locality / nodes`` of its tokens (that node's own demand)."""
     layers, experts = arr.shape
+    ranks, slots = slot_expert.shape[1], slot_expert.shape[2]
     flat = slot_expert.reshape(layers, -1)
     index = (flat + np.arange(layers)[:, None] * experts).ravel()
+    node_of_slot = np.repeat(topology.node_of(), slots)
+    # copies of the slot's expert on the slot's node: the floor splits the node's demand over them
+    key = (index * topology.nodes + np.tile(node_of_slot, layers))
+    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    floor = (locality / topology.nodes / counts[inverse]).reshape(layers, -1)
     share = _equal_shares(slot_expert, experts).reshape(layers, -1)
     load = np.take_along_axis(arr, flat, 1)
-    mean = arr.sum(1, keepdims=True) / slot_expert.shape[1]
-    shape = (layers, slot_expert.shape[1], slot_expert.shape[2])
+    mean = arr.sum(1, keepdims=True)[:, :, None] / ranks
+    shape = (layers, ranks, slots)
     for _ in range(iterations):
         rank = (share * load).reshape(shape).sum(2, keepdims=True)
-        scale = np.minimum(1.0, mean[:, :, None] / np.maximum(rank, 1e-12))
-        share = (share.reshape(shape) * scale).reshape(layers, -1)
+        scale = np.minimum(1.0, mean / np.maximum(rank, 1e-12))
+        share = np.maximum((share.reshape(shape) * scale).reshape(layers, -1), floor)
         total = np.bincount(index, share.ravel(), minlength=layers * experts).reshape(layers, experts)
         share = share / np.take_along_axis(total, flat, 1)
     return share.reshape(slot_expert.shape)
 
 
 def plan(loads: object, topology: Topology, slots_per_rank: int, *, previous: Placement | None = None,
-         stickiness: float = 0.5, iterations: int = 40) -> Placement:
+         stickiness: float = 0.5, locality: float = 0.5, iterations: int = 20) -> Placement:
     """Replica placement and token shares for every layer from ``loads[layers, experts]`` (recent token counts per
     expert). ``slots_per_rank`` counts all expert slots of a rank, its ``experts / ranks`` home experts included.
     ``previous`` (the last plan) makes unchanged replicas stay where they are; ``stickiness`` is how much rank load
-    (in units of the mean rank load) keeping a replica in place is worth. See the module docstring for the method."""
+    (in units of the mean rank load) keeping a replica in place is worth; ``locality`` (0..1) how much of a node's own
+    demand its copies of an expert keep when shares are levelled. See the module docstring for the method."""
     arr = validate(loads, topology, slots_per_rank)
     slot_expert = _place(arr, topology, slots_per_rank, previous, stickiness)
-    return Placement(slot_expert, _sinkhorn_shares(arr, slot_expert, iterations=iterations), arr.shape[1] // topology.ranks)
+    shares = _sinkhorn_shares(arr, slot_expert, topology, iterations=iterations, locality=locality)
+    return Placement(slot_expert, shares, arr.shape[1] // topology.ranks)
 
 
 def no_replicas(experts: int, topology: Topology, layers: int) -> Placement:

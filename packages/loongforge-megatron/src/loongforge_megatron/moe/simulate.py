@@ -30,6 +30,7 @@ from loongforge_megatron.moe.placement import (
     plan_eplb,
     replica_sync,
     traffic,
+    validate,
 )
 
 PLANNERS = ("none", "eplb", "ours")
@@ -90,6 +91,7 @@ def replay(trace: np.ndarray, topology: Topology, *, slots_per_rank: int, shape:
     if trace.shape[1] == 0:
         raise PlacementError("the trace has no MoE layer with routed tokens")
     steps, layers, experts = trace.shape
+    validate(trace[0], topology, slots_per_rank)  # NOTE: one line for an impossible layout, before any replay
     planners: dict[str, Callable[[np.ndarray, Placement | None], Placement]] = {
         "none": lambda h, prev: no_replicas(experts, topology, layers),
         "eplb": lambda h, prev: plan_eplb(h, topology, slots_per_rank),
