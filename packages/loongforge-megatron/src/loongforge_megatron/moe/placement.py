@@ -7,21 +7,26 @@ replicas of hot experts and gives every copy of an expert a token share (the sha
 ``plan`` (ours) is a topology-aware water-filling planner in three vectorised passes (all layers at once):
 
 1. *Replica counts and places* (greedy, one spare slot per round): the expert with the largest per-copy load gets
-   the next copy (the water-filling rule that also drives DeepSeek's EPLB). The copy goes to the rank with a free
-   slot that (a) sits on a node with no copy of that expert yet, (b) held that expert in that slot in ``previous``
-   (no weights move), else (c) has the least estimated load. (a) is what cuts cross-node traffic: with a copy on
-   every node, a node's tokens for that expert never leave it; a hot expert's copies spread over nodes first.
+   the next copy (the water-filling rule that also drives DeepSeek's EPLB), plus ``locality / nodes`` of its load
+   while some node has no copy of it (what a copy there keeps off the inter-node links). The copy goes to the rank with a free
+   slot that (a) sits on a node with no copy of that expert yet, then (b) has the least estimated load, a rank that
+   held the expert in ``previous`` counting ``stickiness`` mean rank loads lighter (its weights need not move).
+   (a) is what cuts cross-node traffic: with a copy on every node, a node's tokens for that expert never leave it.
 2. *Token shares* by Sinkhorn-style matrix scaling of the expert x copy flow: alternately scale down every rank
    above the mean load and renormalise each expert's flow to its load. Fractional shares level ranks that equal
    splits (EPLB's) cannot, e.g. a home rank that also holds other busy experts gets a small share of its hot one.
-3. *Locality*: a token is served by a copy on its own node while that copy's share lasts (see ``traffic``); this is
-   the transport plan for two-level link costs (all inter-node links cost the same, so any cross-node assignment of
-   the rest is optimal).
+   A floor keeps ``locality / nodes`` of an expert's tokens on every node that has a copy (that node's own demand),
+   trading a little balance for cross-node traffic.
+3. *Locality*: a token is served by a copy on its own node while that copy's share lasts (see ``traffic``); with
+   two-level link costs (every inter-node link costs the same) this is the optimal transport of the tokens for
+   the given shares.
 
-Why not a full OT + integer matching per step: at 256 experts x 64 ranks x 60 layers the greedy + scaling runs in a
-few milliseconds and already reaches the fractional optimum's balance on the planned loads within a few percent;
-the next step's imbalance is dominated by load drift, not by the solver. ``plan_eplb`` is the baseline: EPLB's
-replication rule, greedy packing of the replicas onto the least-loaded ranks regardless of nodes, equal shares.
+Why a greedy + scaling rather than an exact OT + integer matching per step: the plan is remade every step from
+noisy loads, so it must cost well under 1% of a step (about 20 ms of one CPU core at 256 experts x 64 ranks x 60
+layers); the next step's imbalance is dominated by how loads drift, which ``loongforge moe simulate`` measures.
+``plan_eplb`` is the baseline: EPLB's replication rule, greedy packing of the replicas onto the least-loaded
+ranks regardless of nodes, equal shares. Replica-sync bytes (weights out, gradients back every step) do not
+depend on the planner beyond where replicas sit; the simulator reports them apart.
 """
 
 from __future__ import annotations
@@ -190,8 +195,8 @@ def plan_eplb(loads: object, topology: Topology, slots_per_rank: int) -> Placeme
     return Placement(slot_expert, _equal_shares(slot_expert, experts), home)
 
 
-def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: Placement | None,
-           stickiness: float) -> np.ndarray:
+def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: Placement | None, *,
+           stickiness: float, locality: float) -> np.ndarray:
     """Pass 1 of ``plan``: ``slot_expert`` with the spare slots filled (see the module docstring)."""
     layers, experts = arr.shape
     ranks, home = topology.ranks, experts // topology.ranks
@@ -211,7 +216,8 @@ def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: P
     if previous is not None and previous.slot_expert.shape == slot_expert.shape:
         was = previous.slot_expert[:, :, home:]  # [layers, ranks, spare]
     for _ in range(ranks * spare):
-        e = _pick(arr / copies, free, held)
+        # NOTE: a copy on a new node also keeps 1 / nodes of the expert's tokens on their node
+        e = _pick(arr / copies + locality * arr / topology.nodes * (~on_node).any(2), free, held)
         per_copy_now, per_copy_next = arr[rows, e] / copies[rows, e], arr[rows, e] / (copies[rows, e] + 1)
         # score in units of the mean rank load: a new node first, then keep last plan's slot, then the lightest rank
         score = rank_load / mean + 4.0 * on_node[rows, e][:, node]
@@ -268,10 +274,14 @@ def plan(loads: object, topology: Topology, slots_per_rank: int, *, previous: Pl
     """Replica placement and token shares for every layer from ``loads[layers, experts]`` (recent token counts per
     expert). ``slots_per_rank`` counts all expert slots of a rank, its ``experts / ranks`` home experts included.
     ``previous`` (the last plan) makes unchanged replicas stay where they are; ``stickiness`` is how much rank load
-    (in units of the mean rank load) keeping a replica in place is worth; ``locality`` (0..1) how much of a node's own
-    demand its copies of an expert keep when shares are levelled. See the module docstring for the method."""
+    (in units of the mean rank load) keeping a replica in place is worth; ``locality`` (0..1) weighs cross-node traffic
+    against balance: how much a copy on a new node is worth, and how much of a node's own demand its copies of an
+    expert keep when shares are levelled. See the module docstring for the method."""
     arr = validate(loads, topology, slots_per_rank)
-    slot_expert = _place(arr, topology, slots_per_rank, previous, stickiness)
+    if not (0.0 <= locality <= 1.0 and stickiness >= 0 and iterations >= 1):
+        raise PlacementError(f"plan: allowed locality 0..1, stickiness >= 0, iterations >= 1; got {locality}, "
+                             f"{stickiness}, {iterations}")
+    slot_expert = _place(arr, topology, slots_per_rank, previous, stickiness=stickiness, locality=locality)
     shares = _sinkhorn_shares(arr, slot_expert, topology, iterations=iterations, locality=locality)
     return Placement(slot_expert, shares, arr.shape[1] // topology.ranks)
 

@@ -131,8 +131,8 @@ def table(results: dict[str, dict[str, float]], *, title: str = "") -> str:
     ref = results["eplb"]["traffic_gb"] + results["eplb"]["migration_gb"]
     for name, r in results.items():
         both = r["traffic_gb"] + r["migration_gb"]
-        lines.append(f"| {name} | {r['imbalance_mean']:.3f} | {r['imbalance_p99']:.3f} | {r['traffic_gb']:.3f} | "
-                     f"{r['migration_gb']:.3f} | {both / ref if ref else float('nan'):.2f}x | {r['sync_gb']:.3f} | "
+        lines.append(f"| {name} | {r['imbalance_mean']:.3f} | {r['imbalance_p99']:.3f} | {r['traffic_gb']:.4g} | "
+                     f"{r['migration_gb']:.4g} | {both / ref if ref else float('nan'):.2f}x | {r['sync_gb']:.4g} | "
                      f"{r['solve_ms']:.2f} |")
     return "\n".join(lines)
 
