@@ -148,13 +148,15 @@ def _replica_counts(loads: np.ndarray, spare: int) -> np.ndarray:
 def _pick(per_copy: np.ndarray, free: np.ndarray, held: np.ndarray) -> np.ndarray:
     """Per layer the expert with the largest ``per_copy`` that some rank with a free slot does not hold yet."""
     rows = np.arange(len(per_copy))
-    per_copy = per_copy.copy()
-    while True:
-        e = np.argmax(per_copy, 1)
-        stuck = ~((free > 0) & ~held[rows, e]).any(1)
-        if not stuck.any():
-            return e
-        per_copy[rows[stuck], e[stuck]] = -np.inf
+    e = np.argmax(per_copy, 1)
+    stuck = ~((free > 0) & ~held[rows, e]).any(1)
+    if stuck.any():
+        per_copy = per_copy.copy()
+        while stuck.any():
+            per_copy[rows[stuck], e[stuck]] = -np.inf
+            e = np.argmax(per_copy, 1)
+            stuck = ~((free > 0) & ~held[rows, e]).any(1)
+    return e
 
 
 def _equal_shares(slot_expert: np.ndarray, experts: int) -> np.ndarray:
@@ -209,6 +211,7 @@ def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: P
     held[:, np.arange(experts), np.arange(experts) // home] = True
     on_node = np.zeros((layers, experts, topology.nodes), dtype=bool)
     on_node[:, np.arange(experts), node[np.arange(experts) // home]] = True
+    spread = np.ones((layers, experts))  # nodes with a copy
     rank_load = arr.reshape(layers, ranks, home).sum(2)  # estimated, equal shares
     free = np.full((layers, ranks), spare)
     mean = np.maximum(arr.sum(1) / ranks, 1e-12)[:, None]
@@ -217,7 +220,7 @@ def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: P
         was = previous.slot_expert[:, :, home:]  # [layers, ranks, spare]
     for _ in range(ranks * spare):
         # NOTE: a copy on a new node also keeps 1 / nodes of the expert's tokens on their node
-        e = _pick(arr / copies + locality * arr / topology.nodes * (~on_node).any(2), free, held)
+        e = _pick(arr / copies + locality * arr / topology.nodes * (spread < topology.nodes), free, held)
         per_copy_now, per_copy_next = arr[rows, e] / copies[rows, e], arr[rows, e] / (copies[rows, e] + 1)
         # score in units of the mean rank load: a new node first, then keep last plan's slot, then the lightest rank
         score = rank_load / mean + 4.0 * on_node[rows, e][:, node]
@@ -230,6 +233,7 @@ def _place(arr: np.ndarray, topology: Topology, slots_per_rank: int, previous: P
         slot_expert[rows, r, home + spare - free[rows, r]] = e
         free[rows, r] -= 1
         held[rows, e, r] = True
+        spread[rows, e] += ~on_node[rows, e, node[r]]
         on_node[rows, e, node[r]] = True
         copies[rows, e] += 1
     if was is not None:  # NOTE: a replica kept on its rank stays in its slot, so no weights move for it
@@ -253,9 +257,9 @@ def _sinkhorn_shares(arr: np.ndarray, slot_expert: np.ndarray, topology: Topolog
     index = (flat + np.arange(layers)[:, None] * experts).ravel()
     node_of_slot = np.repeat(topology.node_of(), slots)
     # copies of the slot's expert on the slot's node: the floor splits the node's demand over them
-    key = (index * topology.nodes + np.tile(node_of_slot, layers))
-    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
-    floor = (locality / topology.nodes / counts[inverse]).reshape(layers, -1)
+    key = index * topology.nodes + np.tile(node_of_slot, layers)
+    counts = np.bincount(key, minlength=layers * experts * topology.nodes)
+    floor = (locality / topology.nodes / counts[key]).reshape(layers, -1)
     share = _equal_shares(slot_expert, experts).reshape(layers, -1)
     load = np.take_along_axis(arr, flat, 1)
     mean = arr.sum(1, keepdims=True)[:, :, None] / ranks
