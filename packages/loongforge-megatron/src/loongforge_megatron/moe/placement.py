@@ -297,24 +297,33 @@ def no_replicas(experts: int, topology: Topology, layers: int) -> Placement:
     return Placement(slot_expert, np.ones(slot_expert.shape), home)
 
 
+def _local(placement: Placement, loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """``[layers, experts]`` tokens served on the node they come from (see ``traffic``)."""
+    layers, experts = loads.shape
+    nodes = topology.nodes
+    idx = placement.slot_expert.reshape(layers, -1) + np.arange(layers)[:, None] * experts
+    node_of_slot = np.repeat(topology.node_of(), placement.slot_expert.shape[2])
+    # share of each expert held on each node: [layers, experts, nodes]
+    held = np.zeros((layers * experts, nodes))
+    np.add.at(held, (idx.ravel(), np.tile(node_of_slot, layers)), placement.slot_share.reshape(-1))
+    return (np.minimum(held.reshape(layers, experts, nodes), 1.0 / nodes) * loads[:, :, None]).sum(2)
+
+
+def cross_node_tokens(placement: Placement, loads: np.ndarray, topology: Topology) -> np.ndarray:
+    """``[layers]`` tokens of one dispatch that cross nodes under ``placement`` (see ``traffic``)."""
+    return (loads - _local(placement, loads, topology)).sum(1)
+
+
 def traffic(placement: Placement, loads: np.ndarray, topology: Topology) -> np.ndarray:
     """``[layers]`` link-cost-weighted tokens of one dispatch under ``placement`` for ``loads[layers, experts]``.
 
     Every rank routes ``1 / ranks`` of every expert's tokens (data parallel batches). A node's tokens for an expert
     go to that expert's copies on the node while their shares last (intra-node cost, except the part a rank serves
     itself), the rest crosses nodes (inter-node cost)."""
-    layers, experts = loads.shape
-    nodes, per_node = topology.nodes, topology.ranks_per_node
-    idx = placement.slot_expert.reshape(layers, -1) + np.arange(layers)[:, None] * experts
-    node_of_slot = np.repeat(topology.node_of(), placement.slot_expert.shape[2])
-    # share of each expert held on each node: [layers, experts, nodes]
-    held = np.zeros((layers * experts, nodes))
-    np.add.at(held, (idx.ravel(), np.tile(node_of_slot, layers)), placement.slot_share.reshape(-1))
-    held = held.reshape(layers, experts, nodes)
-    local = np.minimum(held, 1.0 / nodes) * loads[:, :, None]  # tokens served on their own node
-    cross = loads - local.sum(2)
+    local = _local(placement, loads, topology)
+    cross = loads - local
     # NOTE: of a node's local tokens, 1 / ranks_per_node start on the rank that serves them (no link at all)
-    intra = local.sum(2) * (1 - 1 / per_node)
+    intra = local * (1 - 1 / topology.ranks_per_node)
     return (cross * topology.inter_node_cost + intra * topology.intra_node_cost).sum(1)
 
 

@@ -24,6 +24,7 @@ from loongforge_megatron.moe.placement import (
     Placement,
     PlacementError,
     Topology,
+    cross_node_tokens,
     migration,
     no_replicas,
     plan,
@@ -100,7 +101,7 @@ def replay(trace: np.ndarray, topology: Topology, *, slots_per_rank: int, shape:
     out = {}
     for name, make in planners.items():
         current: Placement | None = None
-        imb, tok, mig, sync, solve = [], [], [], [], []
+        imb, tok, cross, mig, sync, solve = [], [], [], [], [], []
         for t in range(1, steps):
             if current is None or (t - 1) % interval == 0:
                 history = trace[max(0, t - window):t].mean(0)
@@ -114,12 +115,27 @@ def replay(trace: np.ndarray, topology: Topology, *, slots_per_rank: int, shape:
             now = trace[t]
             imb.append(_imbalance(current.rank_loads(now)).mean())
             tok.append(traffic(current, now, topology).sum() * shape.token_bytes)
+            cross.append(cross_node_tokens(current, now, topology).sum())
             sync.append(replica_sync(current, topology).sum() * shape.expert_bytes if name != "none" else 0.0)
         imb_a = np.asarray(imb)
         out[name] = {"imbalance_mean": float(imb_a.mean()), "imbalance_p99": float(np.percentile(imb_a, 99)),
-                     "traffic_gb": float(np.mean(tok)) / 1e9, "migration_gb": float(np.mean(mig)) / 1e9,
+                     "traffic_gb": float(np.mean(tok)) / 1e9, "cross_node_tokens": float(np.mean(cross)), "migration_gb": float(np.mean(mig)) / 1e9,
                      "sync_gb": float(np.mean(sync)) / 1e9, "solve_ms": 1e3 * float(np.mean(solve))}
     return out
+
+
+def cross_node_bound(trace: np.ndarray, topology: Topology, *, slots_per_rank: int) -> float:
+    """The fewest cross-node tokens per step any plan with this slot budget can reach on ``trace`` (balance ignored):
+    every replica on a node without a copy keeps at most ``1 / nodes`` of its expert's tokens on that node, so the
+    best plan gives the ``ranks x spare`` slots to the largest of those savings (steps 1.., as ``replay`` scores)."""
+    trace = np.asarray(trace, dtype=np.float64)[1:]
+    nodes = topology.nodes
+    spare = topology.ranks * (slots_per_rank - trace.shape[2] // topology.ranks)
+    base = trace.sum(2) * (nodes - 1) / nodes
+    if nodes == 1 or spare == 0:
+        return float(base.sum(1).mean())
+    gains = np.sort(np.repeat(trace / nodes, nodes - 1, axis=2), axis=2)[:, :, ::-1][:, :, :spare].sum(2)
+    return float((base - gains).sum(1).mean())
 
 
 def table(results: dict[str, dict[str, float]], *, title: str = "") -> str:
