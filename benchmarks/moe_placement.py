@@ -99,8 +99,9 @@ def main() -> None:
     for name, r in cases.items():
         o, e = r["ours"], r["eplb"]
         mig = f"{o['migration_gb'] / e['migration_gb']:.2f}" if e["migration_gb"] else "n/a"
-        cross = e["cross_node_tokens"]
-        ours_cross, best = (f"{o['cross_node_tokens'] / cross:.2f}", f"{bounds[name] / cross:.2f}") if cross else ("n/a",) * 2
+        cross = e["cross_node_tokens"] if e["cross_node_tokens"] > 1e-6 * r["none"]["cross_node_tokens"] + 1e-9 else 0
+        ours_cross, best = ((f"{o['cross_node_tokens'] / cross:.2f}", f"{bounds[name] / cross:.2f}") if cross
+                            else ("n/a (one node)",) * 2)
         ratios.append(f"| {name} | {o['imbalance_mean'] / max(e['imbalance_mean'], 1e-12):.2f} | "
                       f"{(o['traffic_gb'] + o['migration_gb']) / (e['traffic_gb'] + e['migration_gb']):.2f} | {mig} | "
                       f"{ours_cross} | {best} |")
