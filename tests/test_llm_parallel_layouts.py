@@ -26,7 +26,7 @@ LAYOUTS = {
     "dp2_distopt": ("llama", ["parallel.distributed_optimizer=true", "parallel.dp=2"]),
     # NOTE: 4 processes: a context-parallel group next to a tensor-parallel one (smaller than the world)
     "tp2_cp2": ("llama", ["parallel.tp=2", "parallel.cp=2"]),
-    "ep2_moe": ("qwen3_moe", ["parallel.ep=2"]),
+    "ep2_moe": ("qwen3_moe", ["parallel.ep=2", "logging.moe_trace=true"]),  # + the per-step routing trace
     # NOTE: 4 processes: experts split over tp 2 too (etp = tp), each rank's tokens gathered unevenly
     "tp2_sp_ep2_moe": ("qwen3_moe", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"]),
 }
@@ -87,6 +87,20 @@ def test_layout_matches_single_process(layout, references, tmp_path):
     assert all(r["loss"] == r["loss"] and r["grad_norm"] < 1e6 for r in got)  # finite
     if family == "qwen3_moe":
         check_router_load(got, ref, tmp_path / layout / "moe_imbalance.json")
+    if "logging.moe_trace=true" in overrides:
+        check_moe_trace(tmp_path / layout)
+
+
+def check_moe_trace(run_dir: Path) -> None:
+    """``moe_trace.jsonl`` holds every step's loads (summed over the EP ranks) and they add up to the run's totals;
+    ``loongforge moe simulate`` replays it."""
+    from loongforge.cli import main
+    from loongforge_megatron.moe.trace import read_trace
+
+    loads, ep = read_trace(run_dir / "moe_trace.jsonl")
+    total = json.loads((run_dir / "moe_imbalance.json").read_text())["tokens_per_expert"]
+    assert ep == 2 and loads.shape[0] == 5 and loads.sum(0).tolist() == total
+    assert main(["moe", "simulate", str(run_dir / "moe_trace.jsonl"), "--ranks-per-node", "1"]) == 0
 
 
 def check_router_load(got: list[dict], ref: list[dict], summary: Path) -> None:

@@ -1,5 +1,6 @@
 """The megatron backend's commands for ``loongforge`` (entry-point group ``loongforge.commands``): ``convert``
-(HF <-> megatron layouts, with the layout flags) and ``place-experts`` (MoE expert placement).
+(HF <-> megatron layouts, with the layout flags), ``place-experts`` (MoE expert placement) and ``moe simulate``
+(replica planners replayed on routing traces).
 
 Each ``register(subparsers)`` adds its argparse subparser and ``set_defaults(handler=fn)``; ``fn(args)`` returns
 the exit code. Core's CLI loads a command's module only when that command (or the help) is asked for.
@@ -68,4 +69,72 @@ def place_experts(args: argparse.Namespace) -> int:
     for layer, r in report["layers"].items():
         print(f"layer {layer}: EP-rank imbalance {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f}")
     print(f"wrote {args.dst} (placement in expert_placement.json)")
+    return 0
+
+
+def register_moe(subparsers: argparse._SubParsersAction) -> None:
+    """``loongforge moe simulate TRACE | --synthetic [--experts E --ranks R ...]``."""
+    p = subparsers.add_parser("moe", help="MoE tools: replay routing traces through expert-replica planners")
+    sub = p.add_subparsers(dest="moe_command", metavar="SUBCOMMAND", required=True)
+    s = sub.add_parser("simulate", help="compare no replicas, EPLB-style and ours on a moe_trace.jsonl or Zipf loads")
+    s.add_argument("trace", nargs="?", help="a run's moe_trace.jsonl (logging.moe_trace: true)")
+    s.add_argument("--synthetic", action="store_true", help="Zipf loads with hot experts and drift instead of a trace")
+    s.add_argument("--experts", type=int, default=256, help="synthetic: routed experts per layer")
+    s.add_argument("--layers", type=int, default=4, help="synthetic: MoE layers")
+    s.add_argument("--steps", type=int, default=60, help="synthetic: steps")
+    s.add_argument("--tokens-per-rank", type=int, default=4096, help="synthetic: tokens per EP rank and step")
+    s.add_argument("--top-k", type=int, default=8, help="synthetic: experts per token")
+    s.add_argument("--zipf", type=float, default=1.0, help="synthetic: Zipf exponent of expert popularity")
+    s.add_argument("--hot", type=int, default=2, help="synthetic: injected hot experts per layer")
+    s.add_argument("--hot-factor", type=float, default=4.0, help="synthetic: how much hotter a hot expert is")
+    s.add_argument("--drift", type=float, default=0.05, help="synthetic: log-popularity random walk per step")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ranks", type=int, default=None, help="EP ranks (default: the trace's ep_size; synthetic: 64)")
+    s.add_argument("--ranks-per-node", type=int, default=8)
+    s.add_argument("--slots-per-rank", type=int, default=None,
+                   help="expert slots per rank, home experts included (default: experts / ranks + 1)")
+    s.add_argument("--window", type=int, default=10, help="steps of history a plan is made from")
+    s.add_argument("--interval", type=int, default=1, help="steps between plans")
+    s.add_argument("--hidden", type=int, default=7168, help="hidden size (bytes per token)")
+    s.add_argument("--ffn", type=int, default=2048, help="expert FFN size (bytes per expert copy)")
+    s.add_argument("--inter-node-cost", type=float, default=1.0)
+    s.add_argument("--intra-node-cost", type=float, default=0.1)
+    s.add_argument("--plot", default=None, help="write a PNG of the comparison here (needs matplotlib)")
+    s.add_argument("--json", default=None, help="write the scores as JSON here")
+    s.set_defaults(handler=moe_simulate)
+
+
+def moe_simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from loongforge_megatron.moe.placement import PlacementError, Topology
+    from loongforge_megatron.moe.simulate import Shape, plot, replay, synthetic_loads, table
+    from loongforge_megatron.moe.trace import read_trace
+
+    if bool(args.trace) == bool(args.synthetic):
+        raise PlacementError("moe simulate: give a TRACE (a run's moe_trace.jsonl) or --synthetic, exactly one")
+    for key in ("experts", "layers", "steps", "tokens_per_rank", "top_k", "window", "interval", "hidden", "ffn"):
+        if getattr(args, key) < 1:
+            raise PlacementError(f"moe simulate: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.synthetic:
+        ranks = args.ranks or 64
+        loads = synthetic_loads(steps=args.steps, layers=args.layers, experts=args.experts,
+                                tokens=ranks * args.tokens_per_rank * args.top_k, zipf=args.zipf, hot=args.hot,
+                                hot_factor=args.hot_factor, drift=args.drift, seed=args.seed)
+        name = f"synthetic: {args.experts} experts, Zipf {args.zipf}, {args.hot} hot x{args.hot_factor}"
+    else:
+        loads, ep = read_trace(args.trace)
+        ranks = args.ranks or ep
+        name = f"trace {args.trace}: {loads.shape[2]} experts"
+    topology = Topology(ranks=ranks, ranks_per_node=min(args.ranks_per_node, ranks),
+                        intra_node_cost=args.intra_node_cost, inter_node_cost=args.inter_node_cost)
+    slots = args.slots_per_rank or loads.shape[2] // ranks + 1
+    results = replay(loads, topology, slots_per_rank=slots, shape=Shape(args.hidden, args.ffn), window=args.window,
+                     interval=args.interval)
+    print(table(results, title=f"{name}, EP {ranks} ({topology.ranks_per_node} per node), {slots} slots per rank"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        print(f"wrote {args.plot}" if plot({name: results}, args.plot) else "no plot: matplotlib is not installed")
     return 0

@@ -132,6 +132,11 @@ class MegatronJob(Job):
             repeat = (plan.tp if plan.tp > 1 and not plan.sp else 1) * (2 if plan.recompute == "full" else 1)
             self.router_load = RouterLoad(self.chunks, num_layers=arch.num_layers, num_experts=arch.num_experts,
                                           ep=plan.ep, device=self.device, repeat=repeat)
+        self.moe_trace = None
+        if self.router_load is not None and recipe.logging.moe_trace and self.runtime.is_main:
+            from loongforge_megatron.moe.trace import TraceWriter
+
+            self.moe_trace = TraceWriter(self.runtime.output_dir, ep_size=plan.ep)
         self.peak_flops = self.acc.peak_flops(self.config.params_dtype)
         self.ema = None
         if t.ema_decay:
@@ -255,6 +260,8 @@ class MegatronJob(Job):
             metrics["moe_expert_imbalance"] = load["max_expert"]
             if self.plan.ep > 1:
                 metrics["moe_ep_imbalance"] = load["max_ep"]
+            if self.moe_trace is not None:
+                self.moe_trace.write(self.step_index, self.router_load.last.tolist())
         every = self.recipe.train.eval_interval
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
             metrics["val_loss"] = self.evaluate()

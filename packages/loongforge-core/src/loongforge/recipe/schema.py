@@ -237,6 +237,8 @@ class LoggingConfig(Section):
     console: bool = True
     tensorboard: bool = True
     jsonl: bool = True
+    moe_trace: bool = Field(False, description="MoE models: record every step's per-layer expert loads to "
+                                               "moe_trace.jsonl in the run directory (for `loongforge moe simulate`)")
 
 
 class Recipe(Section):

@@ -35,6 +35,7 @@ class RouterLoad:
         self.first_step = 1  # the first step the counts cover (a resume restores it)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.total = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # whole run, on the host
+        self.last = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # the last collected step's counts
         for module in modules:
             for name, m in module.named_modules():
                 # NOTE: multi-token prediction's routers number their layers from 1 again (not decoder layers)
@@ -57,6 +58,7 @@ class RouterLoad:
             dist.all_reduce(counts)
         counts = counts.cpu() // self.repeat
         self.total += counts
+        self.last = counts
         return imbalance(counts, ep=self.ep)
 
     def summary(self) -> dict[str, Any]:
