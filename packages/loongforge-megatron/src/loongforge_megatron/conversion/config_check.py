@@ -48,9 +48,9 @@ class SpecReader:
         return self._specs[name][0]
 
 
-def check_config_tree(cfg: Any, *, where: str | Path, limit: int) -> None:
+def check_config_tree(cfg: Any, *, where: str | Path, limit: int | None) -> None:
     """Structure every family relies on: nested objects at most ``_MAX_DEPTH`` deep, counts (layers, experts)
-    non-negative integers no larger than ``limit`` (the number of tensors in the files)."""
+    non-negative integers no larger than ``limit`` (the number of tensors in the files; None: depth only)."""
     def walk(node: Any, path: str, depth: int) -> None:
         if depth > _MAX_DEPTH:
             raise CheckpointError(f"{where}: key '{path}' nests objects more than {_MAX_DEPTH} deep")
@@ -62,7 +62,7 @@ def check_config_tree(cfg: Any, *, where: str | Path, limit: int) -> None:
             return
         for k, v in node.items():
             key = f"{path}.{k}" if path else str(k)
-            if k in _COUNT_KEYS and v is not None:
+            if limit is not None and k in _COUNT_KEYS and v is not None:
                 if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
                     raise CheckpointError(f"{where}: key '{key}' must be an integer from 0 to {limit} (the number "
                                           f"of tensors in the weights), got {v!r:.40}")

@@ -17,6 +17,7 @@ from typing import Any
 from loongforge.checkpoint import Expert, NameMap, Param, padded_vocab_size
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.sizes import Sizes
 from loongforge_megatron.models.registry import get_family
 
 LAYOUT_FILE = "loongforge_layout.json"
@@ -141,7 +142,9 @@ class MegatronLayout:
         try:
             layout = cls(**data)
             get_family(layout.family)
-            layout.num_layers, layout.num_experts, layout.padded_vocab_size  # noqa: B018 - fail here, file named
+            layout.num_layers, layout.num_experts  # noqa: B018 - fail here, with the file named
+            text = Sizes(layout.text_config, where=path, prefix="hf_config.")
+            text["vocab_size"], text["hidden_size"]  # noqa: B018
             layout.name_map()
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from None

@@ -77,6 +77,9 @@ def load_config_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got a JSON {type(cfg).__name__}")
+    from loongforge_megatron.conversion.config_check import check_config_tree
+
+    check_config_tree(cfg, where=path, limit=None)
     model_type = cfg.get("model_type", cfg.get("_class_name"))
     if model_type is not None and not isinstance(model_type, str):
         raise CheckpointError(f"{path}: key 'model_type' must be a string, got {type(model_type).__name__}")
@@ -95,8 +98,8 @@ def complete(spec: ModelSpec, cfg: HFConfig, path: Path) -> HFConfig:
         raise
     except RecursionError:
         raise CheckpointError(f"{path}: not a model config (nested too deep)") from None
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
-        first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - transformers' config classes validate with errors of their own
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{path}: not a valid {spec.name} config ({first})") from None
 
 

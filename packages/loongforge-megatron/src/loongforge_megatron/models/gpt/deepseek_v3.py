@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loongforge.checkpoint import ColumnParallel, Copies, Entry, GatedMLP, NameMap, Replicated, RowParallel
-from loongforge.errors import RecipeError
+from loongforge.errors import CheckpointError, RecipeError
 
 from loongforge_megatron.conversion.sizes import Size, Sizes
 from loongforge_megatron.models.gpt.arch import Arch
@@ -150,9 +150,16 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
 
 
 def mtp_layers_in(h: HFConfig, names: list[str]) -> int:
-    """MTP layers present in a checkpoint: the layers after num_hidden_layers that have an ``eh_proj``."""
+    """MTP layers present in a checkpoint: the layers after num_hidden_layers that have an ``eh_proj``. A layer
+    after num_hidden_layers without one is a decoder layer the config does not count (refused: ignored as an MTP
+    layer it would silently drop from the model)."""
     n = h["num_hidden_layers"]
+    layers = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
     found = {int(m.group(1)) for name in names if (m := _LAYER.match(name)) and name.endswith(".eh_proj.weight")}
+    stray = sorted(i for i in layers if i >= n and i not in found)
+    if stray:
+        raise CheckpointError(f"num_hidden_layers {n} does not match the weights: they hold decoder layer {stray[0]} "
+                              f"(layers 0..{max(layers)}; multi-token-prediction layers have an eh_proj)")
     return len([i for i in found if i >= n])
 
 
