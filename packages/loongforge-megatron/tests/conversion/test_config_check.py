@@ -63,7 +63,15 @@ def checkpoints(tmp_path_factory, tiny_hf):
 
     def get(name: str) -> Path:
         if name not in cache:
-            if name in VLMS:
+            if name == "dit":
+                from diffusers import DiTTransformer2DModel
+
+                torch.manual_seed(0)
+                DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+                                      num_layers=2, sample_size=8, patch_size=2,
+                                      num_embeds_ada_norm=10).save_pretrained(root / name)
+                cache[name] = root / name
+            elif name in VLMS:
                 cfg, cls = _vlm(name)
                 torch.manual_seed(0)
                 cls(cfg).save_pretrained(root / name)
@@ -121,6 +129,9 @@ DISAGREE = [
     ("qwen3_vl_moe", "text_config.moe_intermediate_size", 32, "text_config.moe_intermediate_size 32"),
     ("llava", "vision_config.intermediate_size", 96, "vision_config.intermediate_size 96"),
     ("llava", "text_config.hidden_size", 96, "text_config.hidden_size 96"),
+    ("dit", "attention_head_dim", 8, "attention_head_dim 8"),
+    ("dit", "num_embeds_ada_norm", 20, "num_embeds_ada_norm 20"),
+    ("dit", "out_channels", 4, "out_channels 4"),
 ]
 
 
@@ -148,7 +159,7 @@ def test_a_config_that_disagrees_with_the_weights_is_refused_at_load_and_in_conv
 def test_the_unchanged_checkpoints_pass(tmp_path, checkpoints):
     from loongforge_megatron.models.registry import arch_from_hf
 
-    for family in ("kimi_k2", "glm4_moe", *VLMS):
+    for family in ("kimi_k2", "glm4_moe", *VLMS, "dit"):
         assert arch_from_hf(checkpoints(family)) is not None
 
 
@@ -207,7 +218,8 @@ def _int_keys(cfg: dict, prefix: str = "") -> list[str]:
 _SIZE_KEYS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
               "num_hidden_layers", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
               "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts", "head_dim", "depth",
-              "out_hidden_size", "patch_size", "spatial_merge_size", "temporal_patch_size"}
+              "out_hidden_size", "patch_size", "spatial_merge_size", "temporal_patch_size", "attention_head_dim",
+              "num_embeds_ada_norm", "in_channels", "out_channels", "num_layers"}
 _BAD_VALUES = [lambda v: v + 1, lambda v: 0, lambda v: -3, lambda v: 2**20, lambda v: 10**9, lambda v: str(v),
                lambda v: [v], lambda v: True]
 _STRUCTURAL = {
@@ -222,7 +234,7 @@ _STRUCTURAL = {
     "layers-minus-one": lambda cfg: _text_layers(cfg, -1),
     "layers-plus-one": lambda cfg: _text_layers(cfg, +1),
     "nested-deep": lambda cfg: {**cfg, "quantization": json.loads('{"a":' * 40 + "1" + "}" * 40)},
-    "size-float": lambda cfg: _text(cfg, "hidden_size", 64.5),
+    "size-float": lambda cfg: _text(cfg, "hidden_size" if "num_layers" not in cfg else "attention_head_dim", 64.5),
 }
 
 
@@ -235,13 +247,14 @@ def _text(cfg: dict, key: str, value) -> dict:
 
 def _text_layers(cfg: dict, delta: int) -> dict:
     t = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    return _text(cfg, "num_hidden_layers", t["num_hidden_layers"] + delta)
+    key = "num_layers" if "num_layers" in t else "num_hidden_layers"  # NOTE: a diffusers DiT's
+    return _text(cfg, key, t[key] + delta)
 
 
 # NOTE: keys a family's model does not read (Qwen3-MoE's dense intermediate_size with every layer MoE; MLA's
 # head_dim / num_key_value_heads): any value of theirs describes the same weights
 _UNUSED = {("qwen3_moe", "intermediate_size"), ("kimi_k2", "head_dim"), ("kimi_k2", "num_key_value_heads")}
-_FAMILIES = ("llama", "qwen3_moe", "kimi_k2", "qwen2_5_vl", "llava")
+_FAMILIES = ("llama", "qwen3_moe", "kimi_k2", "qwen2_5_vl", "llava", "dit")
 
 
 def _cases(cfg: dict, family: str) -> list[tuple[str, object]]:
@@ -323,3 +336,15 @@ def test_tampered_layout_files_are_one_line_errors(tmp_path, checkpoints, capsys
         if rc != 2 or not err.startswith("error: ") or err.count("\n") != 1:
             failures.append(f"{name}: rc {rc}: {err[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_validate_refuses_model_hf_and_checkpoint_load_that_disagree_with_their_weights(tmp_path, checkpoints,
+                                                                                        capsys):
+    recipe = Path(__file__).resolve().parents[4] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"
+    bad = lying(checkpoints("llama"), tmp_path / "bad", setter("intermediate_size", 96))
+    for args in ([f"model.hf={bad}", "model.preset=null", f"checkpoint.load={bad}"],
+                 [f"checkpoint.load={bad}"]):
+        capsys.readouterr()
+        assert main(["validate", str(recipe), "data.format=synthetic", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "intermediate_size 96" in err and "does not match the weights" in err, err

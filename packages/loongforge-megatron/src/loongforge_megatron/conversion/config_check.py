@@ -118,12 +118,23 @@ def check_weights(where: str | Path, hf_config: dict[str, Any], *, family: Any, 
                               f"({describe(want) or 'constant'}) gives {as_shape(want)}")
 
 
+def check_hf_checkpoint(hf_dir: str | Path) -> None:
+    """An HF checkpoint directory's config.json against its weights' headers (``checkpoint.load``, checked at
+    validate: before any process builds a model)."""
+    from loongforge.checkpoint import SafetensorsReader
+
+    from loongforge_megatron.conversion.engine import AliasedReader
+    from loongforge_megatron.models.registry import get_family, read_hf_config
+
+    cfg = read_hf_config(hf_dir)
+    family = get_family(hf_config=cfg)
+    check_hf_dir(hf_dir, cfg, family=family, reader=AliasedReader(SafetensorsReader(hf_dir), family.hf_alias))
+
+
 def check_hf_dir(hf_dir: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
                  mtp_layers: int | None = None) -> None:
     """:func:`check_weights` of an HF directory's config.json against its safetensors headers (pp / tp 1 layout:
     shapes are the HF tensors' own, whatever the run's parallel layout)."""
-    from loongforge_megatron.conversion.layout import MegatronLayout
-
     where = Path(hf_dir) / "config.json"
     layout = layout_of(where, hf_config, family=family, reader=reader, mtp_layers=mtp_layers)
     check_weights(where, hf_config, family=family, reader=reader, layout=layout)
