@@ -175,9 +175,8 @@ def test_a_mismatch_names_key_value_and_shape(tmp_path, checkpoints):
 
 
 def test_integer_weights_are_refused_at_load(tmp_path, checkpoints, capsys):
-    from safetensors.torch import load_file, save_file
-
     from loongforge_megatron.conversion import shard_state_dict_for_rank
+    from safetensors.torch import load_file, save_file
 
     src = checkpoints("llama")
     bad = tmp_path / "i32"
