@@ -147,7 +147,7 @@ class MegatronBackend(Backend):
                 raise CheckpointError(f"--{split[0].replace('_', '-')} applies to --to megatron; with --to hf the "
                                       f"source's {LAYOUT_FILE} says how it was split")
             megatron_to_hf(src, dst, force=force)
-        elif (Path(src) / "config.json").is_file():
+        elif (Path(src) / "config.json").exists():  # NOTE: a FIFO or folder there is refused naming it
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:
             reshard(src, dst, etp=etp, force=force, **layout)

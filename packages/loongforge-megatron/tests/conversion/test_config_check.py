@@ -347,3 +347,16 @@ def test_validate_refuses_model_hf_and_checkpoint_load_that_disagree_with_their_
         assert main(["validate", str(recipe), "data.format=synthetic", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "intermediate_size 96" in err and "does not match the weights" in err, err
+
+
+def test_a_config_json_that_is_no_regular_file_is_one_line(tmp_path, checkpoints, capsys):
+    import os
+
+    for kind in ("fifo", "directory"):
+        bad = lying(checkpoints("llama"), tmp_path / kind, lambda c: "{}")
+        (bad / "config.json").unlink()
+        os.mkfifo(bad / "config.json") if kind == "fifo" else (bad / "config.json").mkdir()
+        capsys.readouterr()
+        assert main(["convert", str(bad), str(tmp_path / f"{kind}-out"), "--to", "megatron"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "config.json" in err, err
