@@ -135,7 +135,12 @@ def check_hf_dir(hf_dir: str | Path, hf_config: dict[str, Any], *, family: Any, 
                  mtp_layers: int | None = None) -> None:
     """:func:`check_weights` of an HF directory's config.json against its safetensors headers (pp / tp 1 layout:
     shapes are the HF tensors' own, whatever the run's parallel layout)."""
-    where = Path(hf_dir) / "config.json"
+    check_config(Path(hf_dir) / "config.json", hf_config, family=family, reader=reader, mtp_layers=mtp_layers)
+
+
+def check_config(where: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
+                 mtp_layers: int | None = None) -> None:
+    """:func:`check_weights` of ``hf_config`` (named ``where`` in errors) against ``reader``'s tensors."""
     layout = layout_of(where, hf_config, family=family, reader=reader, mtp_layers=mtp_layers)
     check_weights(where, hf_config, family=family, reader=reader, layout=layout)
 

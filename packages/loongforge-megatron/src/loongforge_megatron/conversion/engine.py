@@ -390,6 +390,11 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
     family = get_family(layout.family)
     extra = {k: t.to(dtype) for k, t in family.hf_extra(layout.hf_config).items()}
     specs.update({k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
+    from loongforge_megatron.conversion.config_check import SpecReader, check_config
+
+    # NOTE: the layout's own config must describe the shards too (a tampered layout file, a lying model config)
+    check_config(f"the {layout.family} layout's hf_config", layout.hf_config, family=family, reader=SpecReader(specs),
+                 mtp_layers=layout.mtp_layers)
     writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force,
                                       stem=family.hf_weights)
     try:

@@ -143,8 +143,7 @@ class MegatronLayout:
             layout = cls(**data)
             get_family(layout.family)
             layout.num_layers, layout.num_experts  # noqa: B018 - fail here, with the file named
-            text = Sizes(layout.text_config, where=path, prefix="hf_config.")
-            text["vocab_size"], text["hidden_size"]  # noqa: B018
+            text = layout.text_config
             layout.name_map()
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
@@ -152,6 +151,7 @@ class MegatronLayout:
             raise CheckpointError(f"{path}: key 'hf_config.{exc.args[0]}' is missing") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as exc:
             raise CheckpointError(f"{path}: a value has the wrong kind ({str(exc).splitlines()[0][:120]})") from None
+        Sizes(text, where=path, prefix="hf_config.")["vocab_size"]  # NOTE: a DiT's is its class count
         return layout
 
 
