@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loongforge.backend import Backend, Job
-from loongforge.errors import RecipeError
+from loongforge.errors import CheckpointError, RecipeError
 from pydantic import ValidationError
 
 from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig
@@ -68,6 +68,14 @@ class MegatronBackend(Backend):
         self._check_compile(recipe)
         self._check_fp8(recipe)
         spec.check(recipe, plan, arch)
+        load = recipe.checkpoint.load
+        if load and (Path(load) / "config.json").is_file():
+            from loongforge_megatron.conversion.config_check import check_hf_checkpoint
+
+            try:
+                check_hf_checkpoint(load)
+            except CheckpointError as exc:
+                raise RecipeError(str(exc), key="checkpoint.load") from None
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:
         """The recipe with ``model``'s architecture keys set to what the preset / HF config (and the recipe's own
@@ -153,7 +161,7 @@ class MegatronBackend(Backend):
                 raise CheckpointError(f"--{split[0].replace('_', '-')} applies to --to megatron; with --to hf the "
                                       f"source's {LAYOUT_FILE} says how it was split")
             megatron_to_hf(src, dst, force=force)
-        elif (Path(src) / "config.json").is_file():
+        elif (Path(src) / "config.json").exists():  # NOTE: a FIFO or folder there is refused naming it
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:
             reshard(src, dst, etp=etp, force=force, **layout)

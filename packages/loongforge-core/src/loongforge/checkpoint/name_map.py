@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from loongforge.checkpoint.mapping import SINGLE, Expert, Rule
 from loongforge.errors import CheckpointError, ParallelPlanError
@@ -25,7 +26,9 @@ class Entry:
     ``stage`` places wildcard-free entries ("first", "last", or "last_tied": only when pp > 1; "mtp_copy": on the
     last stage when it is not the first and there are MTP layers); "mtp" entries are per MTP depth; ``layers`` restricts a layer entry to some
     global layer indices (e.g. DeepSeek's dense-then-MoE layers); ``export`` False skips the entry on HF export
-    (tied output weights that duplicate the embedding).
+    (tied output weights that duplicate the embedding). ``shape``: the HF tensor's shape as a function of the
+    (size-tracking) HF config, one shape or role -> shape; a backend compares it with the files' headers so that a
+    config.json that disagrees with its weights is refused before anything is built.
     """
 
     megatron: str
@@ -34,6 +37,7 @@ class Entry:
     stage: str = "layer"
     layers: Callable[[int], bool] | None = None
     export: bool = True
+    shape: Callable[[Any], Any] | None = None
 
     def hf_patterns(self) -> dict[str, str]:
         return {SINGLE: self.hf} if isinstance(self.hf, str) else dict(self.hf)
@@ -61,6 +65,7 @@ class Param:
     rule: Rule
     where: Placement
     export: bool = True
+    shape: Callable[[Any], Any] | None = None  # the entry's HF shape (see Entry)
 
 
 def _fill(pattern: str, values: list[int]) -> str:
@@ -126,7 +131,7 @@ class NameMap:
         first, last = Placement(0, 0, None), Placement(pp - 1, vpp - 1, None)
         for e in self.entries:
             if e.stage == "first":
-                yield Param(e.megatron, e.hf_patterns(), e.rule, first, e.export)
+                yield Param(e.megatron, e.hf_patterns(), e.rule, first, e.export, e.shape)
         slots = [("layer", layer, *layout.locate(layer)) for layer in range(num_layers)]
         slots += [("mtp", num_layers + d, last.pp_rank, last.vpp_rank, d) for d in range(mtp_layers)]
         for stage, layer, pp_rank, vpp_rank, local in slots:
@@ -136,7 +141,7 @@ class NameMap:
                 if not e.is_expert:
                     hf = {r: _fill(p, [layer]) for r, p in e.hf_patterns().items()}
                     where = Placement(pp_rank, vpp_rank, None)
-                    yield Param(_fill(e.megatron, [local]), hf, e.rule, where, e.export)
+                    yield Param(_fill(e.megatron, [local]), hf, e.rule, where, e.export, e.shape)
                     continue
                 rule: Expert = e.rule  # type: ignore[assignment]
                 for expert in range(num_experts):
@@ -145,16 +150,16 @@ class NameMap:
                     hf_index = [layer] if rule.fused else [layer, expert]
                     hf = {r: _fill(p, hf_index) for r, p in e.hf_patterns().items()}
                     where = Placement(pp_rank, vpp_rank, ep_rank)
-                    yield Param(_fill(e.megatron, [local, local_e]), hf, rule.for_expert(expert), where, e.export)
+                    yield Param(_fill(e.megatron, [local, local_e]), hf, rule.for_expert(expert), where, e.export, e.shape)
         for e in self.entries:
             # NOTE: "mtp_copy": megatron's MTP block embeds the shifted tokens itself, with its own copy of the
             # embedding when the decoder's first stage is elsewhere
             if e.stage == "mtp_copy" and mtp_layers and last != first:
-                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export)
+                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export, e.shape)
             # NOTE: "last_tied" is a tied output layer: megatron keeps a copy only when the head is on
             # another stage than the embedding.
             if e.stage == "last" or (e.stage == "last_tied" and last != first):
-                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export)
+                yield Param(e.megatron, e.hf_patterns(), e.rule, last, e.export, e.shape)
 
     def for_rank(
         self, *, num_layers: int, num_experts: int = 0, pp: int = 1, vpp: int = 1, ep: int = 1,

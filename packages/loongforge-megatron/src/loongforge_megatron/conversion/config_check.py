@@ -1,42 +1,168 @@
-"""An HF directory's config.json must describe its weights: every tensor's shape is compared with the shape
-transformers derives from the config (the model built on the meta device, so nothing is allocated)."""
+"""An HF directory's config.json must describe its weights: every mapped tensor's shape in the safetensors headers
+is compared with the shape its name-map entry derives from the config (``Entry.shape``), before anything is read
+or built; mapped weights must be floating point. One mechanism for every family: the family's name map says what
+each HF tensor's shape is as a function of the config, this module compares and names the key that disagrees."""
 
 from __future__ import annotations
 
-import contextlib
-import io
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.sizes import Size, Sizes, as_shape, describe
 
-def config_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of the HF model config.json describes ({} when transformers cannot build it)."""
-    import torch
-    import transformers as tf
+# config keys that count repeated things (layers, experts): each must be a non-negative integer no larger than the
+# number of tensors the files hold, so a layer count of 10**9 is refused before a name map walks that many layers
+_COUNT_KEYS = ("num_hidden_layers", "num_layers", "depth", "n_routed_experts", "num_experts", "num_local_experts",
+               "num_nextn_predict_layers")
+_MAX_DEPTH = 16  # nesting of the config's objects (text_config / vision_config / rope_parameters ...)
 
-    cfg = dict(hf_config)
-    model_type = cfg.pop("model_type", None)
+
+class ShapeReader(Protocol):
+    """What the check reads: tensor names, shapes and dtypes (a safetensors reader, or the specs of an export)."""
+
+    def keys(self) -> Iterable[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+
+
+class SpecReader:
+    """A :class:`ShapeReader` over ``{name: (dtype, shape)}`` (the tensors an export is about to write)."""
+
+    def __init__(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+        self._specs = specs
+
+    def keys(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._specs
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._specs[name][1])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._specs[name][0]
+
+
+def check_config_tree(cfg: Any, *, where: str | Path, limit: int | None) -> None:
+    """Structure every family relies on: nested objects at most ``_MAX_DEPTH`` deep, counts (layers, experts)
+    non-negative integers no larger than ``limit`` (the number of tensors in the files; None: depth only)."""
+    def walk(node: Any, path: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise CheckpointError(f"{where}: key '{path}' nests objects more than {_MAX_DEPTH} deep")
+        if isinstance(node, list):
+            for i, v in enumerate(node[:4096]):
+                walk(v, f"{path}[{i}]", depth + 1)
+            return
+        if not isinstance(node, dict):
+            return
+        for k, v in node.items():
+            key = f"{path}.{k}" if path else str(k)
+            if limit is not None and k in _COUNT_KEYS and v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+                    raise CheckpointError(f"{where}: key '{key}' must be an integer from 0 to {limit} (the number "
+                                          f"of tensors in the weights), got {v!r:.40}")
+            walk(v, key, depth + 1)
+
+    walk(cfg, "", 0)
+
+
+def _expected(shape: Any, roles: Iterable[str]) -> dict[str, list[tuple[Size | int, ...]]]:
+    """role -> alternatives of one Entry.shape result (a tuple, a list of alternative tuples, or role -> either)."""
+    def alts(s: Any) -> list[tuple]:
+        return [tuple(a) for a in s] if isinstance(s, list) else [tuple(s)]
+
+    if isinstance(shape, dict):
+        return {r: alts(shape[r]) for r in roles if r in shape}
+    return {r: alts(shape) for r in roles}
+
+
+def check_weights(where: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
+                  layout: Any) -> None:
+    """Raise CheckpointError naming the config key, its value and the tensor shape it disagrees with, or a mapped
+    tensor stored with a non-float dtype. ``layout``: a MegatronLayout of ``hf_config`` (its parameters are walked
+    once; shapes are computed once per name-map entry)."""
+    sizes = Sizes(hf_config, where=where)
+    extra = getattr(family, "config_checks", None)
+    if extra is not None:
+        extra(sizes)
+    names = set(reader.keys())
+    cache: dict[int, dict[str, list[tuple]]] = {}
+    seen: set[str] = set()
+    mismatches: list[tuple[str, tuple[int, ...], tuple]] = []
+    for p in layout.params():
+        for role, name in p.hf.items():
+            if name in seen or name not in names:
+                continue
+            seen.add(name)
+            dtype = reader.dtype(name)
+            if not dtype.is_floating_point:
+                raise CheckpointError(f"{where}: tensor '{name}' is stored as {str(dtype).removeprefix('torch.')}; "
+                                      "the model's weights are floating point (a float / bfloat16 checkpoint is "
+                                      "needed)")
+            if p.shape is None:
+                continue
+            if id(p.shape) not in cache:
+                cache[id(p.shape)] = _expected(p.shape(sizes), p.hf)
+            alts = cache[id(p.shape)].get(role)
+            have = tuple(reader.shape(name))
+            if alts and all(as_shape(a) != have for a in alts):
+                mismatches.append((name, have, alts[0]))
+    if mismatches:
+        name, have, want = min(mismatches)
+        raise CheckpointError(f"{where} does not match the weights: tensor '{name}' has shape {have} but the config "
+                              f"({describe(want) or 'constant'}) gives {as_shape(want)}")
+
+
+def check_hf_checkpoint(hf_dir: str | Path) -> None:
+    """An HF checkpoint directory's config.json against its weights' headers (``checkpoint.load``, checked at
+    validate: before any process builds a model)."""
+    from loongforge.checkpoint import SafetensorsReader
+
+    from loongforge_megatron.conversion.engine import AliasedReader
+    from loongforge_megatron.models.registry import get_family, read_hf_config
+
+    cfg = read_hf_config(hf_dir)
+    family = get_family(hf_config=cfg)
+    check_hf_dir(hf_dir, cfg, family=family, reader=AliasedReader(SafetensorsReader(hf_dir), family.hf_alias))
+
+
+def check_hf_dir(hf_dir: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
+                 mtp_layers: int | None = None) -> None:
+    """:func:`check_weights` of an HF directory's config.json against its safetensors headers (pp / tp 1 layout:
+    shapes are the HF tensors' own, whatever the run's parallel layout)."""
+    check_config(Path(hf_dir) / "config.json", hf_config, family=family, reader=reader, mtp_layers=mtp_layers)
+
+
+def check_config(where: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
+                 mtp_layers: int | None = None) -> None:
+    """:func:`check_weights` of ``hf_config`` (named ``where`` in errors) against ``reader``'s tensors."""
+    layout = layout_of(where, hf_config, family=family, reader=reader, mtp_layers=mtp_layers)
+    check_weights(where, hf_config, family=family, reader=reader, layout=layout)
+
+
+def layout_of(where: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,
+              mtp_layers: int | None = None) -> Any:
+    """The one-rank layout of ``hf_config`` after :func:`check_config_tree`; a config the family's name map cannot
+    read (a key missing or of the wrong type) is one line naming the file."""
+    from loongforge_megatron.conversion.layout import MegatronLayout
+
+    names = list(reader.keys())
+    check_config_tree(hf_config, where=where, limit=len(names))
     try:
-        config = tf.AutoConfig.for_model(model_type, **cfg)
-        auto = tf.AutoModelForImageTextToText if model_type == "llava" else tf.AutoModelForCausalLM
-        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-            model = auto.from_config(config)
-    except Exception:  # noqa: BLE001 - a family transformers does not know here: nothing to compare with
-        return {}
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_config_matches_weights(hf_dir: str | Path, hf_config: dict[str, Any], reader: Any) -> None:
-    """Raise CheckpointError naming the first tensor whose shape in the weights differs from config.json's."""
-    expected = config_shapes(hf_config)
-    names = [n for n in reader.keys() if n in expected]
-    for name in sorted(names):
-        have, want = tuple(reader.shape(name)), expected[name]
-        if have != want:
-            sizes = ", ".join(f"{k} {hf_config[k]}" for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                                "num_key_value_heads", "vocab_size", "head_dim")
-                              if k in hf_config)
-            raise CheckpointError(f"{Path(hf_dir) / 'config.json'} does not match the weights: tensor '{name}' has "
-                                  f"shape {have} but the config ({sizes}) gives {want}")
+        mtp = family.mtp_layers_in(hf_config, names) if mtp_layers is None else mtp_layers
+        layout = MegatronLayout(family.name, hf_config, mtp_layers=mtp)
+        layout.num_layers, layout.num_experts  # noqa: B018 - read here so a bad value fails with the file named
+        layout.name_map()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: key {exc} is missing") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError) as exc:
+        raise CheckpointError(f"{where}: a key has a value of the wrong kind for family '{family.name}' "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
+    return layout

@@ -14,7 +14,7 @@ from pathlib import Path
 from loongforge.checkpoint.atomic import fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
-from loongforge_megatron.conversion.config_check import check_config_matches_weights
+from loongforge_megatron.conversion.config_check import check_hf_dir
 from loongforge_megatron.conversion.engine import HFSource, file_source, key_of, to_hf_dir, to_megatron_files
 from loongforge_megatron.conversion.layout import ASSETS_DIR, MegatronLayout
 from loongforge_megatron.models.base import copy_assets
@@ -52,13 +52,13 @@ def hf_to_megatron(
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
     source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
+    check_hf_dir(hf_dir, hf_config, family=fam, reader=source.reader)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers, mtp_layers=fam.mtp_layers_in(hf_config, source.reader.keys()),
     )
     source.check_names(key_of(p) for p in layout.params())
-    check_config_matches_weights(hf_dir, hf_config, source.reader)
     staging = _staging(out_dir, force)
     try:
         to_megatron_files(source, layout, staging)

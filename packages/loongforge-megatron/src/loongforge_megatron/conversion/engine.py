@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
@@ -359,6 +360,23 @@ def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str 
         f.close()
 
 
+def check_export_config(staging: Path, specs: dict[str, Spec], *, family: Any) -> None:
+    """An export never writes a config.json that disagrees with the tensors beside it: the written config is read
+    back and checked against the tensors' specs (named as the export will name them)."""
+    from loongforge_megatron.conversion.config_check import SpecReader, check_hf_dir
+    from loongforge_megatron.models.registry import complete, load_config_json
+
+    path = staging / "config.json"
+    if not path.is_file():
+        return
+    cfg = complete(family, load_config_json(path), path)
+    try:
+        check_hf_dir(staging, cfg, family=family, reader=SpecReader(specs))
+    except CheckpointError as exc:
+        raise CheckpointError(f"the exported {str(exc).replace(str(path), 'config.json', 1)}; nothing was written") \
+            from None
+
+
 def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes: int, force: bool,
               assets: Callable[[Path], None] | None = None) -> None:
     """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded), plus the
@@ -372,6 +390,11 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
     family = get_family(layout.family)
     extra = {k: t.to(dtype) for k, t in family.hf_extra(layout.hf_config).items()}
     specs.update({k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
+    from loongforge_megatron.conversion.config_check import SpecReader, check_config
+
+    # NOTE: the layout's own config must describe the shards too (a tampered layout file, a lying model config)
+    check_config(f"the {layout.family} layout's hf_config", layout.hf_config, family=family, reader=SpecReader(specs),
+                 mtp_layers=layout.mtp_layers)
     writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force,
                                       stem=family.hf_weights)
     try:
@@ -384,6 +407,7 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
             writer.add(k, t)
         if assets is not None:
             assets(writer.staging_dir)
+        check_export_config(writer.staging_dir, specs, family=family)
     except BaseException:
         writer.abort()
         raise

@@ -17,6 +17,7 @@ from typing import Any
 from loongforge.checkpoint import Expert, NameMap, Param, padded_vocab_size
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.sizes import Sizes
 from loongforge_megatron.models.registry import get_family
 
 LAYOUT_FILE = "loongforge_layout.json"
@@ -125,12 +126,64 @@ class MegatronLayout:
 
     @classmethod
     def load(cls, root: str | os.PathLike) -> MegatronLayout:
+        """The layout a checkpoint was written with; a tampered or foreign file is one CheckpointError naming it
+        (and the key)."""
+        from loongforge_megatron.models.registry import load_config_json
+
         path = Path(root) / LAYOUT_FILE
         if not path.is_file():
             raise CheckpointError(f"{root}: not a LoongForge megatron checkpoint (no {LAYOUT_FILE})")
-        data = json.loads(path.read_text())
+        data = load_config_json(path)
         if data.pop("format", None) != FORMAT:
             raise CheckpointError(f"{path}: unknown format (expected '{FORMAT}')")
         data.pop("padded_vocab_size", None)
         data.pop("megatron_config", None)  # NOTE: written by earlier versions; the family's spec derives it
-        return cls(**data)
+        _check_fields(path, data)
+        try:
+            layout = cls(**data)
+            get_family(layout.family)
+            layout.num_layers, layout.num_experts  # noqa: B018 - fail here, with the file named
+            text = layout.text_config
+            layout.name_map()
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        except KeyError as exc:
+            raise CheckpointError(f"{path}: key 'hf_config.{exc.args[0]}' is missing") from None
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            raise CheckpointError(f"{path}: a value has the wrong kind ({str(exc).splitlines()[0][:120]})") from None
+        Sizes(text, where=path, prefix="hf_config.")["vocab_size"]  # NOTE: a DiT's is its class count
+        return layout
+
+
+_INT_FIELDS = ("tp", "pp", "vpp", "ep", "make_vocab_size_divisible_by", "mtp_layers")
+_OPTIONAL_INT_FIELDS = ("etp", "first_stage_layers", "last_stage_layers")
+
+
+def _check_fields(path: Path, data: dict[str, Any]) -> None:
+    """The layout file's keys and their types (the rank files must exist for the sizes given)."""
+    known = {f for f in MegatronLayout.__dataclass_fields__}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CheckpointError(f"{path}: unknown key '{unknown[0]}' (allowed: format, {', '.join(sorted(known))})")
+    for key in ("family", "hf_config"):
+        if key not in data:
+            raise CheckpointError(f"{path}: key '{key}' is missing")
+    if not isinstance(data["family"], str):
+        raise CheckpointError(f"{path}: key 'family' must be a string")
+    if not isinstance(data["hf_config"], dict):
+        raise CheckpointError(f"{path}: key 'hf_config' must be an object")
+    for key in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        v = data.get(key)
+        if v is None and (key in _OPTIONAL_INT_FIELDS or key not in data):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 4096:
+            raise CheckpointError(f"{path}: key '{key}' must be an integer from 0 to 4096, got {v!r:.40}")
+    whole = data.get("whole", [])
+    if not isinstance(whole, list) or not all(isinstance(w, str) for w in whole):
+        raise CheckpointError(f"{path}: key 'whole' must be a list of strings")
+    data["whole"] = tuple(whole)
+    layers = data["hf_config"]
+    from loongforge_megatron.conversion.config_check import check_config_tree
+
+    # NOTE: counts bounded by the tensors a rank file can name (no header read yet): far above any real model
+    check_config_tree(layers, where=f"{path} (hf_config)", limit=2**16)

@@ -11,6 +11,7 @@ import torch
 from loongforge.checkpoint import Param, check_shapes
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.config_check import check_hf_dir
 from loongforge_megatron.conversion.convert import copy_assets, read_hf_config
 from loongforge_megatron.conversion.engine import (
     HFSource,
@@ -41,6 +42,8 @@ def shard_state_dict_for_rank(
     """
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
+    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
+    check_hf_dir(hf_dir, hf_config, family=fam, reader=source.reader)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp_size, pp=pp_size, vpp=vpp_size, ep=ep_size, etp=etp_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, first_stage_layers=first_stage_layers,
@@ -48,7 +51,6 @@ def shard_state_dict_for_rank(
     )
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size and 0 <= ep_rank < ep_size and 0 <= vpp_rank < vpp_size):
         raise CheckpointError(f"rank (tp={tp_rank}, pp={pp_rank}, ep={ep_rank}, vpp={vpp_rank}) is outside the layout")
-    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
     params = list(layout.params())
     source.check_names(key_of(p) for p in params)
     me: Rank = (tp_rank, pp_rank, ep_rank, vpp_rank)

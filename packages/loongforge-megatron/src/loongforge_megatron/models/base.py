@@ -64,6 +64,11 @@ class HFCheckpoint:
         """The config.json an HF export writes for a source config."""
         return cfg
 
+    def config_checks(self, sizes: Any) -> None:
+        """config.json values no tensor shape shows (``sizes``: the config as
+        :class:`~loongforge_megatron.conversion.sizes.Sizes`); raise CheckpointError naming the key. The shapes
+        themselves are the name map's ``Entry.shape``."""
+
     def adaptations(self, *, arch: Any, accelerator: Any) -> list:
         """Patches of megatron-core the model needs for the run (none: megatron's layers as they are)."""
         return []

@@ -6,7 +6,6 @@ third-party package adds a family by declaring an entry point. Specs load lazily
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,18 +59,45 @@ def get_family(name: str | None = None, *, hf_config: HFConfig | None = None) ->
         raise CheckpointError(f"unknown model family '{name}'; known: {', '.join(families.keys())}") from None
 
 
+def load_config_json(path: Path) -> dict[str, Any]:
+    """A ``config.json`` as a dict: a file that is not a bounded JSON object (a regular file, size and nesting
+    bounded, a string ``model_type``) is one CheckpointError naming it."""
+    from loongforge.checkpoint.json_file import read_json_object
+
+    from loongforge_megatron.conversion.config_check import check_config_tree
+
+    cfg = read_json_object(path)
+    check_config_tree(cfg, where=path, limit=None)
+    model_type = cfg.get("model_type", cfg.get("_class_name"))
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{path}: key 'model_type' must be a string, got {type(model_type).__name__}")
+    return cfg
+
+
+def complete(spec: ModelSpec, cfg: HFConfig, path: Path) -> HFConfig:
+    """``spec.complete_hf_config(cfg)``; a config whose nested parts are not what the family reads (a
+    ``vision_config`` that is a string) is one CheckpointError naming the file."""
+    for key in ("text_config", "vision_config", "rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise CheckpointError(f"{path}: key '{key}' must be an object, got {type(cfg[key]).__name__}")
+    try:
+        return spec.complete_hf_config(cfg)
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a model config (nested too deep)") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' config classes validate with errors of their own
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: not a valid {spec.name} config ({first})") from None
+
+
 def read_hf_config(hf_dir: str | Path) -> HFConfig:
     """An HF directory's ``config.json``, completed with its family's defaults."""
     path = Path(hf_dir) / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return get_family(hf_config=cfg).complete_hf_config(cfg)
+    cfg = load_config_json(path)
+    return complete(get_family(hf_config=cfg), cfg, path)
 
 
 def arch_from_hf(hf_dir: str | Path) -> Any:
@@ -82,7 +108,10 @@ def arch_from_hf(hf_dir: str | Path) -> Any:
             raise RecipeError(f"'{hf_dir}' is a diffusers pipeline; give its transformer folder "
                               f"'{Path(hf_dir) / 'transformer'}'", key="model.hf")
         raise RecipeError(f"no config.json in HF model directory '{hf_dir}'", key="model.hf")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = load_config_json(path)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc), key="model.hf") from None
     try:
         spec = get_family(hf_config=cfg)
     except CheckpointError:
@@ -90,7 +119,32 @@ def arch_from_hf(hf_dir: str | Path) -> Any:
         known = ", ".join(sorted(t for s in all_specs().values() for t in s.model_types))
         raise RecipeError(f"model_type '{model_type}' in {path} is not supported; supported: {known}",
                           key="model.hf") from None
-    return spec.arch_from_hf(spec.complete_hf_config(cfg), path=path)
+    try:
+        full = complete(spec, cfg, path)
+        _check_weights(Path(hf_dir), full, spec)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc), key="model.hf") from None
+    try:
+        return spec.arch_from_hf(full, path=path)
+    except KeyError as exc:
+        raise RecipeError(f"{path}: key {exc} is missing", key="model.hf") from None
+    except (TypeError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+        first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise RecipeError(f"{path}: a key has a value of the wrong kind ({first})", key="model.hf") from None
+
+
+def _check_weights(hf_dir: Path, cfg: HFConfig, spec: ModelSpec) -> None:
+    """The config against its weights' headers when the directory holds weights (a config-only directory
+    describes a model to train from scratch): refused before anything is built."""
+    if not any(hf_dir.glob("*.safetensors")):
+        return
+    from loongforge.checkpoint import SafetensorsReader
+
+    from loongforge_megatron.conversion.config_check import check_hf_dir
+    from loongforge_megatron.conversion.engine import AliasedReader
+
+    reader = AliasedReader(SafetensorsReader(hf_dir), spec.hf_alias)
+    check_hf_dir(hf_dir, cfg, family=spec, reader=reader)
 
 
 def spec_of(arch: Any) -> ModelSpec:

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from loongforge.checkpoint import ColumnParallel, Copies, Entry, GatedMLP, NameMap, Replicated, RowParallel
-from loongforge.errors import RecipeError
+from loongforge.errors import CheckpointError, RecipeError
 
+from loongforge_megatron.conversion.sizes import Size, Sizes
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.family import GPTFamily
 from loongforge_megatron.models.gpt.names import (
@@ -42,23 +43,34 @@ def is_moe_layer(h: HFConfig, layer: int) -> bool:
     return h["n_routed_experts"] > 0 and layer >= h.get("first_k_dense_replace", 0) and layer % freq == 0
 
 
+def _q_head(c: Sizes) -> Size:
+    return c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+
+
 def mla_attention(h: HFConfig) -> list[Entry]:
     """MLA projections: all column-parallel in the local spec (down projections are gathered after the matmul)."""
     a = "self_attention."
+    heads = "num_attention_heads"
     out = []
     if h.get("q_lora_rank") is None:
-        out.append(column(a + "linear_q_proj.weight", "self_attn.q_proj.weight"))
+        out.append(column(a + "linear_q_proj.weight", "self_attn.q_proj.weight",
+                          shape=lambda c: (c[heads] * _q_head(c), c["hidden_size"])))
     else:
         out += [
-            column(a + "linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-            replicated(a + "q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-            column(a + "linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+            column(a + "linear_q_down_proj.weight", "self_attn.q_a_proj.weight",
+                   shape=lambda c: (c["q_lora_rank"], c["hidden_size"])),
+            replicated(a + "q_layernorm.weight", "self_attn.q_a_layernorm.weight", shape=lambda c: (c["q_lora_rank"],)),
+            column(a + "linear_q_up_proj.weight", "self_attn.q_b_proj.weight",
+                   shape=lambda c: (c[heads] * _q_head(c), c["q_lora_rank"])),
         ]
     out += [
-        column(a + "linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-        replicated(a + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-        column(a + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-        Entry(L + a + "linear_proj.weight", H + "self_attn.o_proj.weight", RowParallel()),
+        column(a + "linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+               shape=lambda c: (c["kv_lora_rank"] + c["qk_rope_head_dim"], c["hidden_size"])),
+        replicated(a + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight", shape=lambda c: (c["kv_lora_rank"],)),
+        column(a + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight",
+               shape=lambda c: (c[heads] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+        Entry(L + a + "linear_proj.weight", H + "self_attn.o_proj.weight", RowParallel(),
+              shape=lambda c: (c["hidden_size"], c[heads] * c["v_head_dim"])),
     ]
     return out
 
@@ -79,7 +91,8 @@ def with_mtp(h: HFConfig, first: list[Entry], layer: list[Entry], last: list[Ent
 
     def copies(e: Entry, hf_in_mtp: str, **kw) -> Entry:
         names = {"0": e.hf, **{str(1 + k): f"model.layers.{n + k}.{hf_in_mtp}" for k in range(depths)}}
-        return Entry(e.megatron, names, Copies(e.rule, 1 + depths), **{"stage": e.stage, "export": e.export, **kw})
+        return Entry(e.megatron, names, Copies(e.rule, 1 + depths),
+                     **{"stage": e.stage, "export": e.export, "shape": e.shape, **kw})
 
     emb = first[0]
     out = [copies(emb, "embed_tokens.weight")]
@@ -87,16 +100,25 @@ def with_mtp(h: HFConfig, first: list[Entry], layer: list[Entry], last: list[Ent
     out.append(copies(emb, "embed_tokens.weight", stage="mtp_copy", export=False))
     m = "mtp.layers.*."
     out += layer + [
-        Entry(m + "enorm.weight", H + "enorm.weight", Replicated(), stage="mtp"),
-        Entry(m + "hnorm.weight", H + "hnorm.weight", Replicated(), stage="mtp"),
-        Entry(m + "eh_proj.weight", H + "eh_proj.weight", ColumnParallel(), stage="mtp"),
-        Entry(m + "final_layernorm.weight", H + "shared_head.norm.weight", Replicated(), stage="mtp"),
+        Entry(m + "enorm.weight", H + "enorm.weight", Replicated(), stage="mtp", shape=_hidden),
+        Entry(m + "hnorm.weight", H + "hnorm.weight", Replicated(), stage="mtp", shape=_hidden),
+        Entry(m + "eh_proj.weight", H + "eh_proj.weight", ColumnParallel(), stage="mtp",
+              shape=lambda c: (c["hidden_size"], 2 * c["hidden_size"])),
+        Entry(m + "final_layernorm.weight", H + "shared_head.norm.weight", Replicated(), stage="mtp", shape=_hidden),
     ]
     out += [Entry(e.megatron.replace(L, m + "mtp_model_layer.", 1), e.hf, e.rule, stage="mtp", layers=e.layers,
-                  export=e.export) for e in layer]
+                  export=e.export, shape=e.shape) for e in layer]
     for e in last:
         out.append(copies(e, "shared_head.head.weight") if e.megatron == "output_layer.weight" else e)
     return out
+
+
+def _hidden(c: Sizes) -> tuple:
+    return (c["hidden_size"],)
+
+
+def _shared_ffn(c: Sizes) -> Size:
+    return c["moe_intermediate_size"] * c.get("n_shared_experts", 1)
 
 
 def mlp(h: HFConfig) -> list[Entry]:
@@ -114,8 +136,9 @@ def mlp(h: HFConfig) -> list[Entry]:
         s = "mlp.shared_experts."
         shared = [
             Entry(L + s + "linear_fc1.weight", {"gate": H + s + "gate_proj.weight", "up": H + s + "up_proj.weight"},
-                  GatedMLP(), layers=moe),
-            Entry(L + s + "linear_fc2.weight", H + s + "down_proj.weight", RowParallel(), layers=moe),
+                  GatedMLP(), layers=moe, shape=lambda c: (_shared_ffn(c), c["hidden_size"])),
+            Entry(L + s + "linear_fc2.weight", H + s + "down_proj.weight", RowParallel(), layers=moe,
+                  shape=lambda c: (c["hidden_size"], _shared_ffn(c))),
         ]
     experts = routed_experts(h["n_routed_experts"], layers=moe, router_bias="e_score_correction_bias")
     return dense_mlp(layers=dense) + experts + shared
@@ -127,9 +150,16 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
 
 
 def mtp_layers_in(h: HFConfig, names: list[str]) -> int:
-    """MTP layers present in a checkpoint: the layers after num_hidden_layers that have an ``eh_proj``."""
+    """MTP layers present in a checkpoint: the layers after num_hidden_layers that have an ``eh_proj``. A layer
+    after num_hidden_layers without one is a decoder layer the config does not count (refused: ignored as an MTP
+    layer it would silently drop from the model)."""
     n = h["num_hidden_layers"]
+    layers = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
     found = {int(m.group(1)) for name in names if (m := _LAYER.match(name)) and name.endswith(".eh_proj.weight")}
+    stray = sorted(i for i in layers if i >= n and i not in found)
+    if stray:
+        raise CheckpointError(f"num_hidden_layers {n} does not match the weights: they hold decoder layer {stray[0]} "
+                              f"(layers 0..{max(layers)}; multi-token-prediction layers have an eh_proj)")
     return len([i for i in found if i >= n])
 
 

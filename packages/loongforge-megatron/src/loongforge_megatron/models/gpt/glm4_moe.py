@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loongforge.checkpoint import NameMap
-from loongforge.errors import RecipeError
+from loongforge.errors import CheckpointError, RecipeError
 
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.deepseek_v3 import DeepSeekMoEFamily, mlp, with_mtp
@@ -77,6 +77,21 @@ class Glm4Moe(DeepSeekMoEFamily):
                    routed_scaling_factor=arch.moe_routed_scaling or 1.0, n_group=arch.moe_num_groups or 1,
                    topk_group=arch.moe_group_topk or 1, num_nextn_predict_layers=arch.mtp_num_layers)
         return cfg
+
+    def config_checks(self, sizes: Any) -> None:
+        """``partial_rotary_factor`` rotates a whole, even number of each head's dims (no tensor shape shows it)."""
+        cfg = {k: sizes.raw(k) for k in ("partial_rotary_factor", "rope_parameters")}
+        factor = cfg["partial_rotary_factor"]
+        if factor is None and isinstance(cfg["rope_parameters"], dict):
+            factor = cfg["rope_parameters"].get("partial_rotary_factor")
+        head = sizes.get("head_dim") or sizes["hidden_size"] // sizes["num_attention_heads"]
+        if factor is None:
+            return
+        ok = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1
+        dims = factor * head.value if ok else 0
+        if not ok or dims != int(dims) or int(dims) % 2:
+            raise CheckpointError(f"{sizes.where}: key 'partial_rotary_factor' must be in (0, 1] and rotate an even "
+                                  f"number of the head's {head.value} dims ({head.keys}), got {factor!r:.40}")
 
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
         first, last = ends(cfg, divisible_by=divisible_by)

@@ -11,12 +11,14 @@ writes ``vision_tower.*`` without ``vision_model.``, which ``hf_alias`` maps. Pi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from loongforge.checkpoint import ColumnParallel, Entry, FusedQKV, NameMap, Replicated, Reshaped, RowParallel
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.sizes import Sizes
 from loongforge_megatron.models.gpt.names import HFConfig, dense_mlp, ends, gqa_attention, norms
 
 V = "vision_tower.vision_model."
@@ -48,18 +50,58 @@ def vision_layers_used(h: HFConfig) -> int:
     return used
 
 
+def _clip(name: str) -> Callable[[Sizes], tuple]:
+    """A CLIP tower / projector tensor's HF shape from ``vision_config`` / ``text_config``."""
+    def shape(c: Sizes) -> tuple:
+        v = c.sub("vision_config")
+        h, leaf = v["hidden_size"], name.rsplit(".", 1)[-1]
+        if name == "patch":
+            return (h, v.get("num_channels", 3), v["patch_size"], v["patch_size"])
+        if name == "positions":
+            side = v["image_size"] // v["patch_size"]
+            return (side * side + 1, h)
+        if name.startswith("projector."):
+            t = c.sub("text_config")["hidden_size"]
+            return ((t, h if "linear_1" in name else t) if leaf == "weight" else (t,))
+        if name.startswith("fc1."):
+            return (v["intermediate_size"], h) if leaf == "weight" else (v["intermediate_size"],)
+        if name.startswith("fc2."):
+            return (h, v["intermediate_size"]) if leaf == "weight" else (h,)
+        if name.startswith("square."):
+            return (h, h) if leaf == "weight" else (h,)
+        return (h,)
+
+    return shape
+
+
+_CLIP = {k: _clip(k) for k in ("patch", "positions", "vector", "square.weight", "square.bias", "fc1.weight", "fc1.bias",
+                               "fc2.weight", "fc2.bias", "projector.linear_1.weight", "projector.linear_2.weight",
+                               "projector.bias")}
+
+
+def _clip_kind(hf: str) -> str:
+    leaf = hf.rsplit(".", 1)[-1]
+    if "_proj." in hf:
+        return f"square.{leaf}"
+    if ".fc1." in hf or ".fc2." in hf:
+        return hf.split(".")[-2] + "." + leaf
+    return "vector"
+
+
 def _vision(h: HFConfig) -> list[Entry]:
     v = h["vision_config"]
     heads, hidden = v["num_attention_heads"], v["hidden_size"]
     qkv = FusedQKV(num_heads=heads, num_query_groups=heads, head_dim=hidden // heads)
     out = [
-        Entry("vision_model.conv1.weight", V + "embeddings.patch_embedding.weight", Replicated(), stage="first"),
+        Entry("vision_model.conv1.weight", V + "embeddings.patch_embedding.weight", Replicated(), stage="first",
+              shape=_CLIP["patch"]),
         Entry("vision_model.class_token", V + "embeddings.class_embedding",
-              Reshaped(shape=(1, 1, hidden), hf_shape=(hidden,)), stage="first"),
+              Reshaped(shape=(1, 1, hidden), hf_shape=(hidden,)), stage="first", shape=_CLIP["vector"]),
         Entry("vision_model.position_embeddings.weight", V + "embeddings.position_embedding.weight", Replicated(),
-              stage="first"),
-        Entry("vision_model.ln_pre.weight", V + "pre_layrnorm.weight", Replicated(), stage="first"),
-        Entry("vision_model.ln_pre.bias", V + "pre_layrnorm.bias", Replicated(), stage="first"),
+              stage="first", shape=_CLIP["positions"]),
+        Entry("vision_model.ln_pre.weight", V + "pre_layrnorm.weight", Replicated(), stage="first",
+              shape=_CLIP["vector"]),
+        Entry("vision_model.ln_pre.bias", V + "pre_layrnorm.bias", Replicated(), stage="first", shape=_CLIP["vector"]),
     ]
     for i in range(vision_layers_used(h)):
         m, hf = f"vision_model.decoder.layers.{i}.", f"{V}encoder.layers.{i}."
@@ -79,13 +121,16 @@ def _vision(h: HFConfig) -> list[Entry]:
         ]
         for meg, names, rule in rules:
             hf_names = hf + names if isinstance(names, str) else {r: hf + n for r, n in names.items()}
-            out.append(Entry(m + meg, hf_names, rule, stage="first"))
+            one = names if isinstance(names, str) else next(iter(names.values()))
+            out.append(Entry(m + meg, hf_names, rule, stage="first", shape=_CLIP[_clip_kind(hf + one)]))
     p, q = "vision_projection.encoder.", "multi_modal_projector."
     out += [
-        Entry(p + "linear_fc1.weight", q + "linear_1.weight", ColumnParallel(), stage="first"),
-        Entry(p + "linear_fc1.bias", q + "linear_1.bias", ColumnParallel(), stage="first"),
-        Entry(p + "linear_fc2.weight", q + "linear_2.weight", RowParallel(), stage="first"),
-        Entry(p + "linear_fc2.bias", q + "linear_2.bias", Replicated(), stage="first"),
+        Entry(p + "linear_fc1.weight", q + "linear_1.weight", ColumnParallel(), stage="first",
+              shape=_CLIP["projector.linear_1.weight"]),
+        Entry(p + "linear_fc1.bias", q + "linear_1.bias", ColumnParallel(), stage="first", shape=_CLIP["projector.bias"]),
+        Entry(p + "linear_fc2.weight", q + "linear_2.weight", RowParallel(), stage="first",
+              shape=_CLIP["projector.linear_2.weight"]),
+        Entry(p + "linear_fc2.bias", q + "linear_2.bias", Replicated(), stage="first", shape=_CLIP["projector.bias"]),
     ]
     return out
 
@@ -95,7 +140,9 @@ def _language(entry: Entry) -> Entry:
     ``language_model.lm_head``)."""
     pats = {r: "language_model." + n for r, n in entry.hf_patterns().items()}
     hf = pats[next(iter(pats))] if isinstance(entry.hf, str) else pats
-    return replace(entry, megatron="language_model." + entry.megatron, hf=hf)
+    inner = entry.shape
+    shape = None if inner is None else (lambda c: inner(c.sub("text_config")))
+    return replace(entry, megatron="language_model." + entry.megatron, hf=hf, shape=shape)
 
 
 def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
@@ -107,6 +154,15 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
     first, last = ends(t, divisible_by=divisible_by)
     language = first + norms() + gqa_attention(t) + dense_mlp() + last
     return NameMap(_vision(h) + [_language(e) for e in language])
+
+
+def config_checks(c: Sizes) -> None:
+    """What no tensor shape shows: the image token is in the vocabulary."""
+    vocab = c.sub("text_config")["vocab_size"].value
+    v = c.raw("image_token_index")
+    if type(v) is not int or not 0 <= v < vocab:
+        raise CheckpointError(f"{c.where}: key 'image_token_index' must be a token id below text_config.vocab_size "
+                              f"{vocab}, got {v!r:.40}")
 
 
 def ignore_hf(h: HFConfig, name: str) -> bool:

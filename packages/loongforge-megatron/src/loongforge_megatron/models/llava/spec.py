@@ -117,6 +117,10 @@ class Llava(HFCheckpoint):
     def hf_extra(self, cfg: HFConfig) -> dict:
         return names.hf_extra(cfg)
 
+    def config_checks(self, sizes: Any) -> None:
+        """config.json's values no tensor shape shows (the image token id)."""
+        names.config_checks(sizes)
+
     def export_config(self, cfg: HFConfig) -> HFConfig:
         return names.export_config(cfg)
 

@@ -12,12 +12,14 @@ whose experts are fused 3-D tensors).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from loongforge.checkpoint import ColumnParallel, Entry, NameMap, Replicated, RowParallel
 from loongforge.checkpoint.mapping import Rule
 from loongforge.errors import CheckpointError
 
+from loongforge_megatron.conversion.sizes import Sizes
 from loongforge_megatron.models.gpt.names import HFConfig, decoder
 
 V = "visual."
@@ -69,6 +71,90 @@ def _rule(name: str) -> Rule:
     return _SAME
 
 
+def _tower_shape(name: str) -> Callable[[Sizes], tuple]:
+    """A tower tensor's HF shape from ``vision_config`` (Qwen2.5-VL's and Qwen3-VL's towers: the merger's input is
+    spatial_merge_size**2 patches; Qwen3-VL's deepstack mergers normalise after that shuffle)."""
+    leaf = name.rsplit(".", 1)[-1]
+    part = name.split(".")[-2]
+
+    def shape(c: Sizes) -> tuple:
+        v = c.sub("vision_config")
+        h, merged = v["hidden_size"], v["hidden_size"] * v["spatial_merge_size"] * v["spatial_merge_size"]
+        if name.startswith("patch_embed."):
+            if leaf == "bias":
+                return (h,)
+            size = v["patch_size"]
+            return (h, v.get("in_channels") or v.get("in_chans", 3), v["temporal_patch_size"], size, size)
+        if name == "pos_embed.weight":
+            return (v["num_position_embeddings"], h)
+        if name.startswith(("merger.", "deepstack_merger_list.")):
+            out = v["out_hidden_size"]
+            if part in ("ln_q", "norm"):
+                return (merged if name.startswith("deepstack") else h,)
+            if part in ("0", "linear_fc1"):
+                return (merged, merged) if leaf == "weight" else (merged,)
+            return (out, merged) if leaf == "weight" else (out,)
+        # blocks.{i}.*
+        ffn = v["intermediate_size"]
+        if part in ("norm1", "norm2"):
+            return (h,)
+        if part == "qkv":
+            return (3 * h, h) if leaf == "weight" else (3 * h,)
+        if part in ("gate_proj", "up_proj", "linear_fc1"):
+            return (ffn, h) if leaf == "weight" else (ffn,)
+        if part in ("down_proj", "linear_fc2"):
+            return (h, ffn) if leaf == "weight" else (h,)
+        return (h, h) if leaf == "weight" else (h,)  # attn.proj
+
+    return shape
+
+
+def _tower_key(name: str) -> str:
+    """The name without its block index (one shape function per kind of tower tensor)."""
+    parts = name.split(".")
+    return ".".join(parts[2:]) if parts[0] == "blocks" else name
+
+
+def _tower_entries(names: list[str], hf_prefix: str) -> list[Entry]:
+    shapes: dict[str, Callable[[Sizes], tuple]] = {}
+    out = []
+    for n in names:
+        key = _tower_key(n)
+        if key not in shapes:
+            shapes[key] = _tower_shape(key)
+        out.append(Entry("vision." + n, hf_prefix + n, _rule(n), stage="first", shape=shapes[key]))
+    return out
+
+
+def _in_text_config(entry: Entry) -> Entry:
+    """A language-model entry whose HF shape reads ``text_config``."""
+    if entry.shape is None:
+        return entry
+    inner = entry.shape
+    return replace(entry, shape=lambda c: inner(c.sub("text_config")))
+
+
+def config_checks(c: Sizes) -> None:
+    """What no tensor shape shows: the rotary sections cover the head's half dims; special tokens are in the
+    vocabulary."""
+    t = c.sub("text_config")
+    params = t.raw("rope_parameters") or t.raw("rope_scaling") or {}
+    section = params.get("mrope_section") if isinstance(params, dict) else None
+    head = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    if not isinstance(section, list) or not section or not all(type(s) is int and s > 0 for s in section):
+        raise CheckpointError(f"{c.where}: key 'text_config.rope_parameters.mrope_section' must be a list of positive "
+                              f"integers (the rotary sections for time, height, width), got {section!r:.40}")
+    if sum(section) != head.value // 2:
+        raise CheckpointError(f"{c.where}: key 'text_config.rope_parameters.mrope_section' {section} sums to "
+                              f"{sum(section)}, not half the head dim ({head.keys}: {head.value // 2})")
+    vocab = t["vocab_size"].value
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        v = c.raw(key)
+        if v is not None and (type(v) is not int or not 0 <= v < vocab):
+            raise CheckpointError(f"{c.where}: key '{key}' must be a token id below text_config.vocab_size {vocab}, "
+                                  f"got {v!r:.40}")
+
+
 def _vision(h: HFConfig) -> list[Entry]:
     v = h["vision_config"]
     names = ["patch_embed.proj.weight", "merger.ln_q.weight", "merger.mlp.0.weight", "merger.mlp.0.bias",
@@ -76,13 +162,13 @@ def _vision(h: HFConfig) -> list[Entry]:
     per_block = ["norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
                  "attn.proj.bias"] + [f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias")]
     names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
-    return [Entry("vision." + n, V + n, _rule(n), stage="first") for n in names]
+    return _tower_entries(names, V)
 
 
 def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
     t = text_config(h)
     lm = decoder(t, divisible_by=divisible_by, qkv_bias=True)
-    return NameMap(_vision(h) + lm.entries)
+    return NameMap(_vision(h) + [_in_text_config(e) for e in lm.entries])
 
 
 def _vision_3(h: HFConfig) -> list[Entry]:
@@ -93,7 +179,7 @@ def _vision_3(h: HFConfig) -> list[Entry]:
     per_block = [f"{n}.{w}" for n in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
                  for w in ("weight", "bias")]
     names += [f"blocks.{i}.{n}" for i in range(v["depth"]) for n in per_block]
-    return [Entry("vision." + n, "model.visual." + n, _rule(n), stage="first") for n in names]
+    return _tower_entries(names, "model.visual.")
 
 
 def _language(entry: Entry) -> Entry:
@@ -113,7 +199,7 @@ def name_map_3(h: HFConfig, *, divisible_by: int = 128, moe: bool = False) -> Na
     t = text_config(h)
     lm = (qwen3_moe.name_map(t, divisible_by=divisible_by, fused=True) if moe else
           decoder(t, divisible_by=divisible_by, qk_norm=True, qkv_bias=bool(t.get("attention_bias"))))
-    return NameMap(_vision_3(h) + [_language(e) for e in lm.entries])
+    return NameMap(_vision_3(h) + [_in_text_config(_language(e)) for e in lm.entries])
 
 
 def hf_alias(name: str) -> str:

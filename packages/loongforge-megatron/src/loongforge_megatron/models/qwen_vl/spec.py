@@ -146,6 +146,10 @@ class QwenVL(HFCheckpoint):
     def hf_alias(self, name: str) -> str:
         return names.hf_alias(name)
 
+    def config_checks(self, sizes: Any) -> None:
+        """config.json's values no tensor shape shows (rotary sections, special token ids)."""
+        names.config_checks(sizes)
+
     # NOTE: the tower has linears of the language model's names (Qwen2.5-VL's gate / up / down_proj)
     peft_module_paths = True
 
