@@ -66,6 +66,10 @@ class MegatronBackend(Backend):
                 key="train.global_batch_size",
             )
         self._check_compile(recipe)
+        if recipe.train.fp8 is not None and recipe.train.fp8.policy:
+            from loongforge_megatron.fp8_policy import load_policy
+
+            load_policy(recipe.train.fp8.policy)
         spec.check(recipe, plan, arch)
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:

@@ -170,9 +170,9 @@ class DataConfig(Section):
     train_tokenizer: TokenizerTraining | None = None
     split: str = Field("98,2,0", pattern=r"^\d+(\.\d+)?,\d+(\.\d+)?,\d+(\.\d+)?$", description="train,valid,test weights")
     sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
-    num_workers: int = Field(0, ge=0, description="worker processes that make the next steps' micro-batches while "
-                             "the model trains (0: made in the step; worth it where a sample costs, e.g. a VLM's "
-                             "image preprocessing)")
+    num_workers: int = Field(0, ge=0, le=64, description="worker processes that make the next steps' micro-batches "
+                             "while the model trains (0: made in the step; worth it where a sample costs, e.g. a "
+                             "VLM's image preprocessing; at most 64)")
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
                        "conversations: a micro-batch's records back to back in one row (no padding, no attention "
                        "across records)")
