@@ -258,7 +258,11 @@ class BatchSchedule:
 
     def close(self) -> None:
         """Stop the prefetching workers (if any)."""
-        self._ahead, self._next = None, None
+        ahead, self._ahead, self._next = self._ahead, None, None
+        # NOTE: now, not when the iterator is collected: after a worker's error a traceback may still hold it
+        shutdown = getattr(ahead, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def host_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Step ``step``'s micro-batches of this rank, on the host."""
