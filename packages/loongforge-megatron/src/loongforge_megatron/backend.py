@@ -70,6 +70,9 @@ class MegatronBackend(Backend):
             from loongforge_megatron.fp8_policy import load_policy
 
             load_policy(recipe.train.fp8.policy)
+        from loongforge_megatron.freeze import check_freeze
+
+        check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage)
         spec.check(recipe, plan, arch)
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:

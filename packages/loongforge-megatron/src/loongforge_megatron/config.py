@@ -189,6 +189,8 @@ class DataConfig(Section):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
+        if "pack" in self.model_fields_set and self.format not in ("sft", "conversations"):
+            raise ValueError(f"data.pack applies to formats sft and conversations, not '{self.format}'")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
             raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self

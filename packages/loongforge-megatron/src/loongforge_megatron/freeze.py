@@ -23,6 +23,21 @@ def check_names(entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) ->
                               "name pattern such as 'decoder.layers.0.*'", key="train.freeze")
 
 
+def check_freeze(entries: list[str], *, groups: Mapping[str, tuple[str, ...]], stage: str) -> None:
+    """What ``freeze`` would refuse, known before the model exists (``validate``): a name that is not a group of
+    this model (``[vision]`` on a language model), and a freeze that leaves nothing to train (every group of the
+    model, or a pattern of only ``*``)."""
+    check_names(entries, groups=groups)
+    if not entries or stage == "lora":  # NOTE: LoRA trains its adapters whatever the base keeps
+        return
+    frozen = [p for e in entries if e in groups for p in groups[e]]
+    every = set(groups) and all(p.startswith(tuple(frozen)) for g in groups.values() for p in g)
+    if every or any(e and set(e) == {"*"} for e in entries):
+        some = f"some of its groups ({', '.join(groups)}) or " if groups else ""
+        raise RecipeError(f"train.freeze {entries} freezes the whole model: nothing would train (freeze {some}"
+                          "parameter-name patterns such as 'decoder.layers.0.*')", key="train.freeze")
+
+
 def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
     """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here."""
     check_names(entries, groups=groups)
