@@ -176,6 +176,11 @@ class DataConfig(Section):
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
                        "conversations: a micro-batch's records back to back in one row (no padding, no attention "
                        "across records)")
+    max_image_pixels: int = Field(2**26, ge=1, le=2**28, description="conversations: the largest image or video frame "
+                                  "read (width x height, from its header, before it is decoded); default 2^26 "
+                                  "(8192 x 8192)")
+    skip_unsupervised: bool = Field(False, description="conversations: skip (and count) records without an "
+                                    "assistant turn instead of refusing them")
     image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
                                    "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
@@ -191,6 +196,9 @@ class DataConfig(Section):
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         if "pack" in self.model_fields_set and self.format not in ("sft", "conversations"):
             raise ValueError(f"data.pack applies to formats sft and conversations, not '{self.format}'")
+        for key in ("max_image_pixels", "skip_unsupervised"):
+            if key in self.model_fields_set and self.format != "conversations":
+                raise ValueError(f"data.{key} applies to format conversations, not '{self.format}'")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
             raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self

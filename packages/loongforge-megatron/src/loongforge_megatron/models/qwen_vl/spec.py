@@ -217,7 +217,9 @@ class QwenVL(HFCheckpoint):
             plan = runtime.plan
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
                                   pack=recipe.data.pack, fill=plan.pp > 1,
-                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1))
+                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1),
+                                  max_image_pixels=recipe.data.max_image_pixels,
+                                  skip_unsupervised=recipe.data.skip_unsupervised)
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
