@@ -225,7 +225,10 @@ def open_image(path: Path, *, where: str, what: str, max_pixels: int) -> Any:
             return im.convert("RGB")
     except RecipeError:
         raise
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+    except Image.DecompressionBombError as exc:  # NOTE: PIL's own bound, checked when it opens the file
+        raise _bad(where, f"{what} '{path}' is more than data.max_image_pixels {max_pixels:,} allow "
+                   f"({str(exc).split(',')[0]})") from None
+    except (OSError, ValueError, SyntaxError) as exc:
         # NOTE: PIL's UnidentifiedImageError and truncated files (OSError), its bomb check, bad headers
         detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise _bad(where, f"{what} '{path}' is unreadable ({detail})") from None
