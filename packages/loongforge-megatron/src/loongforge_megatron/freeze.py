@@ -42,14 +42,36 @@ def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping
     """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here."""
     check_names(entries, groups=groups)
     frozen, total = 0, 0
+    hits = [0] * len(entries)
     for chunk in chunks:
         for name, p in unwrap(chunk).named_parameters():
             total += 1
-            hit = any(name.startswith(groups[e]) if e in groups else fnmatch.fnmatchcase(name, e) for e in entries)
-            if hit and p.requires_grad:
+            found = [name.startswith(groups[e]) if e in groups else fnmatch.fnmatchcase(name, e) for e in entries]
+            hits = [h + f for h, f in zip(hits, found, strict=True)]
+            if any(found) and p.requires_grad:
                 p.requires_grad_(False)
                 frozen += 1
+    unmatched = [e for e, h in zip(entries, _on_all_ranks(hits, chunks), strict=True) if not h]
+    if unmatched:
+        raise RecipeError(f"train.freeze {unmatched} match(es) no parameter of the model (groups: "
+                          f"{', '.join(groups) or 'none'}; patterns match names such as 'decoder.layers.0.*')",
+                          key="train.freeze")
     if entries and not any(p.requires_grad for c in chunks for p in c.parameters()):
         raise RecipeError(f"train.freeze {entries} leaves nothing to train on this rank's {total} parameters",
                           key="train.freeze")
     return frozen
+
+
+def _on_all_ranks(hits: list[int], chunks: list[torch.nn.Module]) -> list[int]:
+    """Each entry's matches summed over every rank (a pattern may match only another pipeline stage's layers).
+
+    NOTE: every rank freezes the same entries at the same point of the build, so every rank takes part and all
+    reach the same verdict."""
+    import torch.distributed as dist
+
+    if not hits or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return hits
+    device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+    t = torch.tensor(hits, dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -188,8 +188,9 @@ def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int, num_v
     if data.format == "sft":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         cp = recipe.parallel.cp
-        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack,
-                              pad_to=2 * cp if cp > 1 and data.pack else 1)
+        pack = data.pack is not False  # NOTE: unset is on
+        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=pack,
+                              pad_to=2 * cp if cp > 1 and pack else 1)
         print(f"[data] SFT: {len(ds.tokens)} samples in {len(ds)} rows of {data.seq_length} tokens, "
               f"packing efficiency {100 * ds.efficiency:.1f}%", file=sys.stderr)
         return ds, None

@@ -42,6 +42,7 @@ from loongforge.errors import RecipeError
 
 from loongforge_megatron.data.epochs import ShuffledEpochs
 from loongforge_megatron.models.qwen_vl.records import (
+    MAX_IMAGE_PIXELS,
     Video,
     _bad,
     media_path,
@@ -141,7 +142,7 @@ class Conversations(VisionBatches):
     one every epoch, a function of the sample index (resume is exact)."""
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
-                 fill: bool = False, multiple_of: int = 1, max_image_pixels: int = 2**26,
+                 fill: bool = False, multiple_of: int = 1, max_image_pixels: int = MAX_IMAGE_PIXELS,
                  skip_unsupervised: bool = False):
         self.file = Path(path)
         self.records = read_records(path)

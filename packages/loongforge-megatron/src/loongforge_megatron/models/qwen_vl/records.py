@@ -28,6 +28,7 @@ MAX_TURNS = 256  # messages of one record
 MAX_MEDIA = 1024  # images and video frames of one record
 MAX_TEXT = 1_000_000  # characters of one record's messages
 MAX_IMAGE_BYTES = 256 * 2**20  # one image / frame file
+MAX_IMAGE_PIXELS = 2**26  # data.max_image_pixels' default: 8192 x 8192
 MAX_ASPECT = 200  # NOTE: Qwen-VL's smart_resize refuses a longer side over 200 x the shorter
 
 
