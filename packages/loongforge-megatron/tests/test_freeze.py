@@ -35,3 +35,13 @@ def test_unknown_group_is_refused_at_validate():
     with pytest.raises(RecipeError, match="'projector' is not a module group"):
         check_freeze(["projector"], groups=GROUPS, stage="sft")
     check_freeze(["vision"], groups=GROUPS, stage="sft")
+
+
+def test_pattern_outside_the_models_modules_is_refused_at_validate():
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]
+    for entry in ("decoder.layers.1.*", "vision.*", "decoder.layers.0.mlp.experts.*"):
+        with pytest.raises(RecipeError, match="matches no parameter of this model"):
+            check_freeze([entry], groups={}, stage="sft", names=names)
+    # NOTE: only the module path is checked: a leaf the name map spells otherwise is left to the build
+    for entry in ("decoder.layers.0.*", "decoder.layers.0.mlp.weight1", "decoder.layers.1*", "embedding.*"):
+        check_freeze([entry], groups={}, stage="sft", names=names)

@@ -364,10 +364,11 @@ RECIPE_VALUES = (
     + [(LLM, o, o.partition("=")[0]) for o in (
         "data.num_workers=1000000", "data.num_workers=-1", "train.eval_steps=1000000000", "train.eval_steps=0",
         "train.freeze=[vision]", "train.freeze=[projector]", "train.freeze=['*']", "train.freeze=['**']",
+        "train.freeze=['decoder.layers.9.*']", "train.freeze=['vision.*']", "train.freeze=['encoder.layers.?.*']",
         "data.pack=true", "data.pack=false", "data.max_image_pixels=100", "data.skip_unsupervised=true")]
     + [(VLM, o, o.partition("=")[0]) for o in (
         "train.freeze=[vision,language]", "train.freeze=[vision,projector,language]", "train.freeze=[visoin]",
-        "train.freeze=['*']", "data.max_image_pixels=0", "data.max_image_pixels=true",
+        "train.freeze=['*']", "train.freeze=['language_model.*']", "data.max_image_pixels=0", "data.max_image_pixels=true",
         "data.max_image_pixels=1000000000000")]
 )
 

@@ -70,9 +70,11 @@ class MegatronBackend(Backend):
             from loongforge_megatron.fp8_policy import load_policy
 
             load_policy(recipe.train.fp8.policy)
-        from loongforge_megatron.freeze import check_freeze
+        from loongforge_megatron.freeze import check_freeze, parameter_names
 
-        check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage)
+        if recipe.train.freeze:
+            check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage,
+                         names=parameter_names(spec, arch))
         spec.check(recipe, plan, arch)
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:

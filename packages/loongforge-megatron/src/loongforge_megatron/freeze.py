@@ -6,7 +6,9 @@ they get no gradient buffer, no optimizer state and stay bit-identical (megatron
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from loongforge.errors import RecipeError
@@ -23,13 +25,25 @@ def check_names(entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) ->
                               "name pattern such as 'decoder.layers.0.*'", key="train.freeze")
 
 
-def check_freeze(entries: list[str], *, groups: Mapping[str, tuple[str, ...]], stage: str) -> None:
+def check_freeze(entries: list[str], *, groups: Mapping[str, tuple[str, ...]], stage: str,
+                 names: list[str] | None = None) -> None:
     """What ``freeze`` would refuse, known before the model exists (``validate``): a name that is not a group of
-    this model (``[vision]`` on a language model), and a freeze that leaves nothing to train (every group of the
-    model, or a pattern of only ``*``)."""
+    this model (``[vision]`` on a language model), a pattern outside every module the model has (``names``: its
+    parameter names as its HF name map lists them, when known), and a freeze that leaves nothing to train (every
+    group of the model, or a pattern of only ``*``)."""
     check_names(entries, groups=groups)
     if not entries or stage == "lora":  # NOTE: LoRA trains its adapters whatever the base keeps
         return
+    for e in entries:
+        if e in groups or names is None:
+            continue
+        # NOTE: only the pattern's module path before its first wildcard is checked (``decoder.layers.9.`` of a
+        # 4-layer model): the name map's leaf names may differ from the layers' own (grouped experts, te's fused
+        # norms); the build checks the whole pattern against the model's parameters
+        head = re.split(r"[*?\[]", e, maxsplit=1)[0].rpartition(".")[0]
+        if head and not any(n.startswith(head + ".") for n in names):
+            raise RecipeError(f"'{e}' matches no parameter of this model (no module '{head}'; its modules: "
+                              f"{', '.join(sorted({n.split('.')[0] for n in names}))})", key="train.freeze")
     frozen = [p for e in entries if e in groups for p in groups[e]]
     every = set(groups) and all(p.startswith(tuple(frozen)) for g in groups.values() for p in g)
     if every or any(e and set(e) == {"*"} for e in entries):
@@ -75,3 +89,16 @@ def _on_all_ranks(hits: list[int], chunks: list[torch.nn.Module]) -> list[int]:
     t = torch.tensor(hits, dtype=torch.long, device=device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def parameter_names(spec: Any, arch: Any) -> list[str] | None:
+    """The model's parameter names as its HF name map lists them (one pipeline stage), or None where the family
+    has no such map."""
+    try:
+        cfg = spec.hf_config(arch, torch_dtype="float32")
+        layers = spec.name_map(cfg, divisible_by=128).expand(
+            num_layers=arch.num_layers, num_experts=getattr(arch, "num_experts", None) or 0,
+            mtp_layers=getattr(arch, "mtp_num_layers", None) or 0)
+        return [p.megatron for p in layers]
+    except Exception:  # noqa: BLE001 - NOTE: a best-effort check at validate; the build checks exactly
+        return None
