@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import loongforge
+import pytest
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"
 OVER = ["train.steps=5", "train.global_batch_size=4", "train.micro_batch_size=2", "logging.tensorboard=false",
@@ -43,6 +44,7 @@ def _both(*, rank, world, run_dir):
                                                                              run_dir=run_dir / "ahead")
 
 
+@pytest.mark.slow  # NOTE: a rank, two short jobs and their spawned workers: about a minute on two cores
 def test_sigkilled_data_worker_costs_one_step_made_in_process(tmp_path, ranks):
     (here, _, _), (ahead, before, after) = ranks(_both, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run")[0]
     assert ahead == here, (ahead, here)
