@@ -96,7 +96,7 @@ def test_gemm_shapes_follow_the_tp_split():
 
 def test_policy_file_errors_name_the_key(tmp_path):
     from loongforge.errors import RecipeError
-    from loongforge_megatron.spec.fp8 import load_policy
+    from loongforge_megatron.fp8_policy import load_policy
 
     with pytest.raises(RecipeError, match="train.fp8.policy.*does not exist"):
         load_policy(tmp_path / "missing.json")

@@ -67,6 +67,11 @@ class MegatronBackend(Backend):
             )
         self._check_compile(recipe)
         self._check_fp8(recipe)
+        from loongforge_megatron.freeze import check_freeze, parameter_names
+
+        if recipe.train.freeze:
+            check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage,
+                         names=parameter_names(spec, arch))
         spec.check(recipe, plan, arch)
         load = recipe.checkpoint.load
         if load and (Path(load) / "config.json").is_file():
@@ -124,6 +129,10 @@ class MegatronBackend(Backend):
         if t.compile:
             raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "
                               "from an autograd function); use one of them", key="train.fp8")
+        if t.fp8.policy:
+            from loongforge_megatron.fp8_policy import load_policy
+
+            load_policy(t.fp8.policy)
 
     def build(self, recipe: Recipe, runtime: Runtime) -> Job:
         import warnings

@@ -170,12 +170,17 @@ class DataConfig(Section):
     train_tokenizer: TokenizerTraining | None = None
     split: str = Field("98,2,0", pattern=r"^\d+(\.\d+)?,\d+(\.\d+)?,\d+(\.\d+)?$", description="train,valid,test weights")
     sft_style: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
-    num_workers: int = Field(0, ge=0, description="worker processes that make the next steps' micro-batches while "
-                             "the model trains (0: made in the step; worth it where a sample costs, e.g. a VLM's "
-                             "image preprocessing)")
-    pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
-                       "conversations: a micro-batch's records back to back in one row (no padding, no attention "
-                       "across records)")
+    num_workers: int = Field(0, ge=0, le=64, description="worker processes that make the next steps' micro-batches "
+                             "while the model trains (0: made in the step; worth it where a sample costs, e.g. a "
+                             "VLM's image preprocessing; at most 64)")
+    pack: bool | None = Field(None, description="(default true) sft: pack samples into seq_length rows without "
+                              "cross-sample attention; conversations: a micro-batch's records back to back in one "
+                              "row (no padding, no attention across records)")
+    max_image_pixels: int | None = Field(None, ge=1, le=2**28, description="conversations: the largest image or "
+                                         "video frame read (width x height, from its header, before it is "
+                                         "decoded); default 2^26 (8192 x 8192)")
+    skip_unsupervised: bool | None = Field(None, description="conversations: skip (and count) records without an "
+                                    "assistant turn instead of refusing them")
     image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
                                    "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
@@ -189,6 +194,11 @@ class DataConfig(Section):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
+        if self.pack is not None and self.format not in ("sft", "conversations"):
+            raise ValueError(f"data.pack applies to formats sft and conversations, not '{self.format}'")
+        for key in ("max_image_pixels", "skip_unsupervised"):
+            if getattr(self, key) is not None and self.format != "conversations":
+                raise ValueError(f"data.{key} applies to format conversations, not '{self.format}'")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
             raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self

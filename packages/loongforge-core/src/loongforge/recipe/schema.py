@@ -33,6 +33,29 @@ class Section(BaseModel):
     # error naming the key, not a run that goes NaN at its first step.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``steps: true`` is an error, not one step.
+
+        NOTE: pydantic's lax mode reads a bool as 1 / 0 for an int or float field; YAML's ``true`` / ``yes`` then
+        silently becomes a count."""
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _scalar_types(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        return value
+
+
+def _scalar_types(annotation: Any) -> set[Any]:
+    """The plain types a field's annotation admits at its top level (through ``X | None`` unions)."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {t for arg in typing.get_args(annotation) for t in _scalar_types(arg)}
+    return {annotation}
+
 
 class ComponentParallel(Section):
     """Per-component override of the global layout (e.g. ``parallel.components.vision``)."""
@@ -146,7 +169,8 @@ class TrainConfig(Section):
     )
     seed: int = Field(1234, ge=0)
     eval_interval: int | None = Field(None, ge=1)
-    eval_steps: int = Field(1, ge=1)
+    eval_steps: int = Field(1, ge=1, le=10_000, description="batches (episodes for a policy) per evaluation; at "
+                            "most 10000")
     lora: LoraConfig | None = None
     freeze: list[str] = Field(default_factory=list, description="parameters kept as they are (no gradient, no "
                               "optimizer state): module groups of the model (a VLM's vision, projector, language) or "

@@ -9,7 +9,9 @@ comparable across layouts and resume is exact (the data position is the step).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -186,8 +188,9 @@ def build_dataset(recipe, *, tokenizer, vocab_size: int, num_samples: int, num_v
     if data.format == "sft":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         cp = recipe.parallel.cp
-        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=data.pack,
-                              pad_to=2 * cp if cp > 1 and data.pack else 1)
+        pack = data.pack is not False  # NOTE: unset is on
+        ds = PackedSFTDataset(data.path, seq_length=data.seq_length, pad_id=pad, pack=pack,
+                              pad_to=2 * cp if cp > 1 and pack else 1)
         print(f"[data] SFT: {len(ds.tokens)} samples in {len(ds)} rows of {data.seq_length} tokens, "
               f"packing efficiency {100 * ds.efficiency:.1f}%", file=sys.stderr)
         return ds, None
@@ -240,7 +243,7 @@ class BatchSchedule:
             end = max(self.steps or 0, step + 1)
             loader = DataLoader(_Steps(self), batch_size=None, sampler=range(step, end), num_workers=self.workers,
                                 prefetch_factor=2, multiprocessing_context="spawn", persistent_workers=False)
-            self._ahead = iter(loader)
+            self._ahead = _without_sigchld_raise(loader)
         try:
             batches = next(self._ahead)
         except StopIteration:  # NOTE: past the planned steps (a run extended on resume): the next call restarts
@@ -256,7 +259,11 @@ class BatchSchedule:
 
     def close(self) -> None:
         """Stop the prefetching workers (if any)."""
-        self._ahead, self._next = None, None
+        ahead, self._ahead, self._next = self._ahead, None, None
+        # NOTE: now, not when the iterator is collected: after a worker's error a traceback may still hold it
+        shutdown = getattr(ahead, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def host_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Step ``step``'s micro-batches of this rank, on the host."""
@@ -282,6 +289,23 @@ class BatchSchedule:
                     batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
             out.append(finish(batch) if finish is not None else batch)
         return out
+
+
+def _without_sigchld_raise(loader):
+    """``iter(loader)`` with the process's SIGCHLD handler as it was before.
+
+    NOTE: torch's DataLoader installs a SIGCHLD handler that raises ``RuntimeError: DataLoader worker (pid ...) is
+    killed`` in the main thread wherever it is when a worker dies (inside the model's step, a checkpoint save),
+    which no caller can catch. Without it the iterator still notices a dead worker itself, in ``next()`` (it polls
+    its workers while waiting for a batch), where :meth:`BatchSchedule._prefetched` makes that step in-process.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGCHLD"):
+        return iter(loader)
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        return iter(loader)
+    finally:
+        signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
 
 
 class _Steps(torch.utils.data.Dataset):

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,20 +177,6 @@ def _grouped_expert_flags(mod: Any, recipe: str, grouped: Any, policy: dict[str,
     return tuple(flags) if any(any(f) for f in flags) else None
 
 
-def load_policy(path: str | Path) -> dict[str, Any]:
-    from loongforge.errors import RecipeError
-
-    try:
-        data = json.loads(Path(path).read_text())
-        data["gemms"]
-    except FileNotFoundError:
-        raise RecipeError(f"'{path}' does not exist (write it with: loongforge fp8 profile RECIPE)",
-                          key="train.fp8.policy") from None
-    except (ValueError, KeyError, TypeError):
-        raise RecipeError(f"'{path}' is not a policy file of 'loongforge fp8 profile'", key="train.fp8.policy") from None
-    return data
-
-
 def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, kernels: Fp8Kernels, tokens: int,
               notes: list[str] | None = None) -> tuple[int, int]:
     """Swap the decoder's TP linears of ``chunks`` to FP8 per ``fp8`` (a ``train.fp8`` section) and switch grouped
@@ -202,6 +186,8 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, kernels: Fp8Kernels, t
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     linear = kernels.linear
+    from loongforge_megatron.fp8_policy import load_policy
+
     policy = load_policy(fp8.policy)["gemms"] if fp8.policy else None
     from loongforge_megatron.spec.grouped_experts import GroupedMLP
 

@@ -58,6 +58,8 @@ class Llava(HFCheckpoint):
     """``LlavaForConditionalGeneration`` <-> megatron's ``LLaVAModel``."""
 
     name = "llava"
+    # train.freeze's module groups
+    groups = {"vision": ("vision_model.",), "projector": ("vision_projection.",), "language": ("language_model.",)}
     model_types = ("llava",)
     presets = PRESETS
     kind = "a language model"
@@ -208,9 +210,8 @@ class Llava(HFCheckpoint):
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
             whole_vision=bool(whole))
-        groups = {"vision": ("vision_model.",), "projector": ("vision_projection.",), "language": ("language_model.",)}
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
-                     groups=groups)
+                     groups=self.groups)
 
 
 def _check_components(recipe: Any, plan: Any) -> None:

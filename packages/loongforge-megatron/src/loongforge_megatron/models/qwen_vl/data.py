@@ -32,9 +32,8 @@ Records (image and frame paths relative to the records file, inside its folder):
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,22 @@ import torch
 from loongforge.errors import RecipeError
 
 from loongforge_megatron.data.epochs import ShuffledEpochs
+from loongforge_megatron.models.qwen_vl.records import (
+    MAX_IMAGE_PIXELS,
+    Video,
+    _bad,
+    media_path,
+    open_image,
+    read_records,
+    supervised,
+    to_messages,
+)
 from loongforge_megatron.models.qwen_vl.rope import mrope_positions
 
 CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 # NOTE: read on the host by the model (the tower's positions and windows, which token takes which embedding): the
 # micro-batch leaves them there when it moves to the device, so no step reads anything back from the device
 HOST_KEYS = ("image_grid_thw", "video_grid_thw", "vision_index")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Qwen2-VL's chat template (the hub's chat_template.json), for a checkpoint directory that has none.
 QWEN_VL_CHAT_TEMPLATE = (
@@ -113,138 +121,6 @@ class VisionBatches:
         return with_vision_index(batch, image_token=self.image_token, video_token=self.video_token, merge=self.merge)
 
 
-def _bad(where: str, what: str) -> RecipeError:
-    return RecipeError(f"{where}: {what}", key="data.path")
-
-
-def read_records(path: str | Path) -> list[Any]:
-    """The records of a JSON list or JSONL file (RecipeError naming the file and line otherwise)."""
-    file = Path(path)
-    if not file.is_file():
-        raise RecipeError(f"'{path}' is not a file of conversation records (JSON list or JSONL)", key="data.path")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise RecipeError(f"{path}: not UTF-8 text; expected a JSON list or JSONL of records", key="data.path") from None
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RecipeError(f"{path}: invalid JSON ({exc})", key="data.path") from None
-    else:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise RecipeError(f"{path}: line {n}: invalid JSON ({exc})", key="data.path") from None
-    if not isinstance(records, list) or not records:
-        raise RecipeError(f"{path}: no records (expected a JSON list or one JSON object per line)", key="data.path")
-    return records
-
-
-@dataclass
-class Video:
-    """A record's video: its (already sampled) frame files and the rate they were sampled at (None: the default)."""
-
-    frames: list[str]
-    fps: float | None = None
-
-
-def _video(ref: Any, where: str, what: str) -> Video:
-    if isinstance(ref, dict):
-        fps = ref.get("fps")
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
-            raise _bad(where, f"{what}: 'fps' must be a positive number (got {fps!r})")
-        ref, fps = ref.get("frames"), None if fps is None else float(fps)
-    else:
-        fps = None
-    if not isinstance(ref, list) or not ref or not all(isinstance(f, str) for f in ref):
-        raise _bad(where, f"{what}: a video is a non-empty list of frame files, or {{\"frames\": [...], \"fps\": N}}")
-    return Video(frames=list(ref), fps=fps)
-
-
-def to_messages(rec: Any, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
-    """(processor-style messages: content lists of ``{"type": "image"}`` / ``{"type": "video"}`` / ``{"type":
-    "text", ...}``, the image references and the videos, each in order) of a ShareGPT or OpenAI record."""
-    if not isinstance(rec, dict):
-        raise _bad(where, "is not a JSON object")
-    if "messages" in rec:
-        return _openai(rec["messages"], where)
-    if "conversations" in rec:
-        return _sharegpt(rec, where)
-    raise _bad(where, "has neither 'messages' (OpenAI style) nor 'conversations' (ShareGPT style)")
-
-
-def _sharegpt(rec: dict, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
-    images = rec.get("images", [rec["image"]] if "image" in rec else [])
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        raise _bad(where, "'images' must be a list of image paths")
-    videos = rec.get("videos", [rec["video"]] if "video" in rec else [])
-    if not isinstance(videos, list):
-        raise _bad(where, "'videos' must be a list of videos (each a list of frame files)")
-    videos = [_video(v, where, f"video {k + 1}") for k, v in enumerate(videos)]
-    messages, used = [], {"image": 0, "video": 0}
-    turns = rec["conversations"]
-    if not isinstance(turns, list) or not turns:
-        raise _bad(where, "'conversations' must be a non-empty list of {from, value} turns")
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("from") not in _ROLES or not isinstance(turn.get("value"), str):
-            raise _bad(where, f"turn {i + 1} needs 'from' (one of {', '.join(_ROLES)}) and a string 'value'")
-        content: list[dict[str, Any]] = []
-        for piece in re.split(r"(<image>|<video>)", turn["value"]):
-            if piece in ("<image>", "<video>"):
-                kind = piece[1:-1]
-                content.append({"type": kind})
-                used[kind] += 1
-            elif piece:
-                content.append({"type": "text", "text": piece})
-        messages.append({"role": _ROLES[turn["from"]], "content": content})
-    if used["image"] != len(images):
-        raise _bad(where, f"has {used['image']} '<image>' placeholders but {len(images)} images")
-    if used["video"] != len(videos):
-        raise _bad(where, f"has {used['video']} '<video>' placeholders but {len(videos)} videos")
-    return messages, images, videos
-
-
-def _openai(turns: Any, where: str) -> tuple[list[dict[str, Any]], list[str], list[Video]]:
-    if not isinstance(turns, list) or not turns:
-        raise _bad(where, "'messages' must be a non-empty list of {role, content} messages")
-    messages, images, videos = [], [], []
-    for i, m in enumerate(turns):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES or "content" not in m:
-            raise _bad(where, f"message {i + 1} needs 'role' (one of {', '.join(_ROLES)}) and 'content'")
-        content = m["content"]
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise _bad(where, f"message {i + 1}: 'content' must be a string or a list of parts")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image", "image_url"):
-                ref = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
-                ref = ref.get("url") if isinstance(ref, dict) else ref
-                if not isinstance(ref, str):
-                    raise _bad(where, f"message {i + 1}: an image part without a path ('image' or 'image_url')")
-                images.append(ref)
-                parts.append({"type": "image"})
-            elif kind == "video":
-                ref = part.get("video", part.get("frames"))
-                if isinstance(ref, list) and part.get("fps") is not None:
-                    ref = {"frames": ref, "fps": part["fps"]}
-                videos.append(_video(ref, where, f"message {i + 1}: video part"))
-                parts.append({"type": "video"})
-            else:
-                raise _bad(where, f"message {i + 1}: content part {str(part)[:80]} is neither text, an image nor a "
-                           "video")
-        messages.append({"role": _ROLES[m["role"]], "content": parts})
-    return messages, images, videos
-
-
 def load_processor(model_dir: str | Path | None):
     """The checkpoint directory's ``AutoProcessor`` (its tokenizer, image processor and chat template)."""
     from transformers import AutoProcessor
@@ -266,9 +142,22 @@ class Conversations(VisionBatches):
     one every epoch, a function of the sample index (resume is exact)."""
 
     def __init__(self, path: str, *, processor: Any, arch: Any, seq_length: int, seed: int, pack: bool = False,
-                 fill: bool = False, multiple_of: int = 1):
+                 fill: bool = False, multiple_of: int = 1, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                 skip_unsupervised: bool = False):
         self.file = Path(path)
         self.records = read_records(path)
+        self.max_image_pixels = max_image_pixels
+        if skip_unsupervised:
+            # NOTE: the records are checked here, not as they are read: a bad one fails before the first step
+            keep = [r for n, r in enumerate(self.records)
+                    if supervised(to_messages(r, f"{self.file}: record {n + 1}")[0])]
+            if not keep:
+                raise RecipeError(f"{self.file}: none of its {len(self.records)} records has an assistant turn to "
+                                  "train on", key="data.path")
+            if len(keep) < len(self.records):
+                print(f"[data] {self.file}: {len(self.records) - len(keep)} of {len(self.records)} records have no "
+                      "assistant turn and are skipped (data.skip_unsupervised)", file=sys.stderr)
+            self.records = keep
         self.processor, self.tok = processor, processor.tokenizer
         v = arch.vision
         self.image_token, self.merge = v["image_token_id"], v["vision_config"].get("spatial_merge_size", 2)
@@ -322,24 +211,10 @@ class Conversations(VisionBatches):
         return text, spans
 
     def _load(self, refs: list[str], where: str, what: str = "image") -> list[Any]:
-        """The RGB images of ``refs`` (paths inside the records' folder)."""
-        from PIL import Image
-
+        """The RGB images of ``refs`` (paths inside the records' folder; :func:`records.media_path`)."""
         root = self.file.parent
-        pil = []
-        for ref in refs:
-            if not ref or Path(ref).is_absolute() or ".." in Path(ref).parts:
-                raise _bad(where, f"{what} '{ref[:200]}' is not a path inside the records' folder {root} (relative "
-                           "paths only, no '..')")
-            path = root / ref
-            if not path.is_file():
-                raise _bad(where, f"{what} '{path}' not found")
-            try:
-                with Image.open(path) as im:
-                    pil.append(im.convert("RGB"))
-            except (OSError, ValueError) as exc:  # NOTE: PIL's UnidentifiedImageError and truncated files
-                raise _bad(where, f"{what} '{path}' is unreadable ({str(exc).splitlines()[0][:120]})") from None
-        return pil
+        return [open_image(media_path(root, ref, where=where, what=what), where=where, what=what,
+                           max_pixels=self.max_image_pixels) for ref in refs]
 
     def _images(self, refs: list[str], where: str) -> dict[str, torch.Tensor]:
         pil = self._load(refs, where)
@@ -363,6 +238,9 @@ class Conversations(VisionBatches):
                        "(video_preprocessor_config.json)")
         clips, meta = [], []
         for k, video in enumerate(videos):
+            if len(video.frames) < vp.temporal_patch_size:
+                raise _bad(where, f"video {k + 1} has {len(video.frames)} frame(s); the model takes at least its "
+                           f"temporal patch, {vp.temporal_patch_size} frames")
             frames = self._load(video.frames, where, what=f"video {k + 1} frame")
             if len({f.size for f in frames}) > 1:
                 raise _bad(where, f"video {k + 1}: frames of different sizes {sorted({f.size for f in frames})}")
@@ -384,6 +262,9 @@ class Conversations(VisionBatches):
         """Record ``n`` (0-based): token ids, 0/1 label mask, pixel values and grids (not cut or padded)."""
         where = f"{self.file}: record {n + 1}"
         messages, refs, videos = to_messages(self.records[n], where)
+        if not supervised(messages):
+            raise _bad(where, "has no assistant turn, so nothing to train on (set data.skip_unsupervised true to "
+                       "skip such records)")
         text, spans = self._render(messages, where)
         images = self._images(refs, where)
         clips, video_texts, seconds = self._videos(videos, where)

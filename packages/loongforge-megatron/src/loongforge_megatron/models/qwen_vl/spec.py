@@ -208,6 +208,7 @@ class QwenVL(HFCheckpoint):
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: QwenVLArch, runtime: Any, device: Any) -> Data:
         from loongforge_megatron.models.qwen_vl.data import Conversations, SyntheticImageText, load_processor
+        from loongforge_megatron.models.qwen_vl.records import MAX_IMAGE_PIXELS
 
         seq, seed = recipe.data.seq_length, recipe.train.seed
         if recipe.data.format == "conversations":
@@ -220,8 +221,10 @@ class QwenVL(HFCheckpoint):
             # tokens into tp slices
             plan = runtime.plan
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
-                                  pack=recipe.data.pack, fill=plan.pp > 1,
-                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1))
+                                  pack=recipe.data.pack is not False, fill=plan.pp > 1,
+                                  multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1),
+                                  max_image_pixels=recipe.data.max_image_pixels or MAX_IMAGE_PIXELS,
+                                  skip_unsupervised=bool(recipe.data.skip_unsupervised))
             return Data(train=train, seq_length=seq, tokenizer=processor.tokenizer, assets=tokenizer_assets(recipe))
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
