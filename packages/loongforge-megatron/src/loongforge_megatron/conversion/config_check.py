@@ -123,7 +123,7 @@ def check_hf_checkpoint(hf_dir: str | Path) -> None:
     validate: before any process builds a model)."""
     from loongforge.checkpoint import SafetensorsReader
 
-    from loongforge_megatron.conversion.engine import AliasedReader
+    from loongforge_megatron.conversion.aliased_reader import AliasedReader
     from loongforge_megatron.models.registry import get_family, read_hf_config
 
     cfg = read_hf_config(hf_dir)

@@ -140,8 +140,8 @@ def _check_weights(hf_dir: Path, cfg: HFConfig, spec: ModelSpec) -> None:
         return
     from loongforge.checkpoint import SafetensorsReader
 
+    from loongforge_megatron.conversion.aliased_reader import AliasedReader
     from loongforge_megatron.conversion.config_check import check_hf_dir
-    from loongforge_megatron.conversion.engine import AliasedReader
 
     reader = AliasedReader(SafetensorsReader(hf_dir), spec.hf_alias)
     check_hf_dir(hf_dir, cfg, family=spec, reader=reader)
