@@ -54,3 +54,24 @@ class NonFiniteError(LoongForgeError):
 
 class AdaptationError(LoongForgeError):
     """A device adaptation no longer matches the library it patches (e.g. after an upgrade)."""
+
+
+class MissingDependencyError(LoongForgeError):
+    """An optional dependency is not installed; the one line names the package extra that brings it."""
+
+    def __init__(self, module: str, *, extra: str, what: str):
+        self.module, self.extra = module, extra
+        super().__init__(f"{what} needs the Python module '{module}', which is not installed: install the extra "
+                         f"{extra} (from a LoongForge checkout: uv pip install './packages/{extra}')")
+
+
+def require_module(module: str, *, extra: str, what: str) -> None:
+    """Raise :class:`MissingDependencyError` unless ``module`` can be imported (checked without importing it)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # NOTE: a parent package that is itself missing
+        found = False
+    if not found:
+        raise MissingDependencyError(module, extra=extra, what=what)

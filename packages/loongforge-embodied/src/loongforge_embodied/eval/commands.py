@@ -20,8 +20,8 @@ def register_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a trained policy over the OpenPI websocket protocol")
     p.add_argument("source", help="a run directory, an exported policy directory, or a recipe (with --policy)")
     p.add_argument("overrides", nargs="*", default=[], help="a.b.c=value overrides of a recipe")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="0.0.0.0", help="address the server listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the server listens on")
     _policy_args(p)
     p.set_defaults(handler=_serve)
 
@@ -30,7 +30,7 @@ def register_eval(subparsers) -> None:
     p = subparsers.add_parser("eval", help="closed-loop evaluation of a policy in a simulator")
     p.add_argument("source", help="a run directory / exported policy, or a recipe (its model.load, or --policy)")
     p.add_argument("overrides", nargs="*", default=[], help="a.b.c=value overrides of a recipe")
-    p.add_argument("--episodes", type=int, default=50)
+    p.add_argument("--episodes", type=int, default=50, help="episodes to run")
     p.add_argument("--workers", type=int, default=2, help="environment worker processes")
     p.add_argument("--seed", type=int, default=None, help="episode i runs with seed SEED + i (default 100000, held "
                    "out from the recorded episodes; --policy replay: the recorded data.record.seed)")
@@ -43,7 +43,16 @@ def register_eval(subparsers) -> None:
     p.set_defaults(handler=_eval)
 
 
+def require_eval_extra(command: str) -> None:
+    """``serve`` / ``eval`` speak OpenPI's websocket protocol: one line naming the ``[eval]`` extra without it."""
+    from loongforge.errors import require_module
+
+    for module in ("websockets", "msgpack", "openpi_client"):
+        require_module(module, extra="loongforge-embodied[eval]", what=f"loongforge {command}")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    require_eval_extra("serve")
     from loongforge_embodied.eval.launch import build_policy
     from loongforge_embodied.eval.server import PolicyServer
 
@@ -61,6 +70,8 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from loongforge_embodied.eval.launch import run_eval
+
+    require_eval_extra("eval")
 
     summary, path = run_eval(args)
     lo, hi = summary["success_ci95"]

@@ -4,11 +4,10 @@ and the adaLN-Zero model with its DDPM objective."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 from typing import Any
 
-from loongforge.errors import RecipeError
+from loongforge.errors import RecipeError, require_module
 
 from loongforge_megatron.models.base import HFCheckpoint
 from loongforge_megatron.models.dit import names
@@ -78,8 +77,7 @@ class DiT(HFCheckpoint):
             raise RecipeError("DiT models use no fused kernels (SDPA attention only); leave kernels.provider auto",
                               key="kernels.provider")
         one_layout(recipe)
-        if importlib.util.find_spec("diffusers") is None:
-            raise RecipeError("DiT models need diffusers: pip install 'loongforge-megatron[diffusion]'", key="model")
+        require_module("diffusers", extra="loongforge-megatron[diffusion]", what="DiT models (model.family dit)")
         for key, value in (("parallel.pp", plan.pp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
             if value != 1:
                 raise RecipeError(f"DiT models train with tensor and data parallelism only (got {value})", key=key)
@@ -145,7 +143,7 @@ class DiT(HFCheckpoint):
             def assets(staging: Path) -> None:
                 (staging / "classes.json").write_text(class_labels_json(classes))
 
-        return Data(train=latents, seq_length=arch.num_patches, samples_per_s=True, assets=assets, encoder=encoder)
+        return Data(train=latents, seq_length=arch.num_patches, sample_unit="images", assets=assets, encoder=encoder)
 
     def model(self, *, recipe: Any, arch: DiTArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
