@@ -4,10 +4,11 @@ and the adaLN-Zero model with its DDPM objective."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 from typing import Any
 
-from loongforge.errors import RecipeError, require_module
+from loongforge.errors import RecipeError
 
 from loongforge_megatron.models.base import HFCheckpoint
 from loongforge_megatron.models.dit import names
@@ -77,7 +78,8 @@ class DiT(HFCheckpoint):
             raise RecipeError("DiT models use no fused kernels (SDPA attention only); leave kernels.provider auto",
                               key="kernels.provider")
         one_layout(recipe)
-        require_module("diffusers", extra="loongforge-megatron[diffusion]", what="DiT models (model.family dit)")
+        if importlib.util.find_spec("diffusers") is None:
+            raise RecipeError("DiT models need diffusers: pip install 'loongforge-megatron[diffusion]'", key="model")
         for key, value in (("parallel.pp", plan.pp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
             if value != 1:
                 raise RecipeError(f"DiT models train with tensor and data parallelism only (got {value})", key=key)
