@@ -519,3 +519,15 @@ def test_compile_mode_needs_compile(capsys):
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs",
                  "parallel.strategy=fsdp2", "--world-size", "2"]) == 0
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]) == 0
+
+
+def test_export_note_says_how_lerobot_loads_a_shrunken_model():
+    """LeRobot's own ``from_pretrained`` builds only the real sizes: a tiny export says how to load it."""
+    import dataclasses
+
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import PRESETS
+    from loongforge_embodied.policies.lerobot_pi05.export import LEROBOT_TOKENIZER, serving_note
+
+    tiny = serving_note(PRESETS["tiny"])
+    assert "smaller than LeRobot's pi05" in tiny and "shrunk_sizes(arch_from_dir(DIR))" in tiny
+    assert serving_note(dataclasses.replace(PRESETS["pi05"], tokenizer=LEROBOT_TOKENIZER)) == ""
