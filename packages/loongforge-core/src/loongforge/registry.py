@@ -34,7 +34,8 @@ KNOWN_PROVIDERS = {
 
 def install_hint(package: str) -> str:
     """How to install one of the workspace's packages (not on PyPI yet: from a LoongForge checkout)."""
-    return f"uv pip install ./packages/{package} (from a LoongForge checkout; `uv sync` installs the whole workspace)"
+    return (f"pip install ./packages/{package} (from a LoongForge checkout; into its uv environment: "
+            f"uv pip install ./packages/{package}, or `uv sync` for the whole workspace)")
 
 
 @dataclass
