@@ -6,6 +6,7 @@ Versions are pinned to this environment's, so uv takes every wheel (torch includ
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -48,3 +49,12 @@ def test_embodied_installs_alone_and_trains(tmp_path):
     assert "loongforge-embodied[eval]" in ev.stderr and "Traceback" not in ev.stderr
     needs = run([cli, "validate", REPO / "recipes" / "quickstart" / "llama_stdlib.yaml"])
     assert needs.returncode == 2 and "uv pip install ./packages/loongforge-megatron" in needs.stderr, needs.stderr
+
+    # the command the message names installs the extra, and eval then runs an episode
+    install = ev.stderr.split("from a LoongForge checkout: ")[1].rstrip(")\n").replace(
+        "uv pip install", f"{uv} pip install --python {py} -c {tmp_path / 'pins.txt'}", 1)
+    inst = subprocess.run(["bash", "-c", install], cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert inst.returncode == 0, inst.stderr[-2000:]
+    ev = run([cli, "eval", RECIPE, "--policy", "random", "--episodes", "1", "--workers", "1", "--videos", "0",
+              "--output", tmp_path / "eval"])
+    assert ev.returncode == 0 and re.search(r"success [01]/1 ", ev.stdout), ev.stderr[-2000:]

@@ -36,7 +36,7 @@ def version_text() -> str:
 
     from loongforge import __version__, registry
 
-    dists = sorted({e.distribution for reg in registry.REGISTRIES.values() for e in reg._scan().values()}
+    dists = sorted(set().union(*(reg.distributions() for reg in registry.REGISTRIES.values()))
                    - {"loongforge-core", "<unknown>"})
     parts = []
     for name in [*dists, "torch"]:

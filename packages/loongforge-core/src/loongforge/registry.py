@@ -90,6 +90,10 @@ class Registry:
             out.append(entry)
         return out
 
+    def distributions(self) -> set[str]:
+        """The distributions that registered entries here (nothing is imported)."""
+        return {e.distribution for e in self._scan().values()}
+
     def duplicates(self) -> dict[str, list[str]]:
         self._scan()
         return dict(self._duplicates)

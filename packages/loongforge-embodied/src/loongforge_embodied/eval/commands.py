@@ -43,12 +43,17 @@ def register_eval(subparsers) -> None:
     p.set_defaults(handler=_eval)
 
 
+# NOTE: openpi-client declares numpy<2, LeRobot numpy>=2 (the client runs on numpy 2): outside the uv workspace
+# (which overrides the pin) the extra installs only with LeRobot's numpy range as an override.
+EVAL_INSTALL = "uv pip install --override <(echo 'numpy>=2,<2.3') './packages/loongforge-embodied[eval]'"
+
+
 def require_eval_extra(command: str) -> None:
     """``serve`` / ``eval`` speak OpenPI's websocket protocol: one line naming the ``[eval]`` extra without it."""
     from loongforge.errors import require_module
 
     for module in ("websockets", "msgpack", "openpi_client"):
-        require_module(module, extra="loongforge-embodied[eval]", what=f"loongforge {command}")
+        require_module(module, extra="loongforge-embodied[eval]", what=f"loongforge {command}", install=EVAL_INSTALL)
 
 
 def _serve(args: argparse.Namespace) -> int:
