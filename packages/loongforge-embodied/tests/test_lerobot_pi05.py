@@ -519,3 +519,44 @@ def test_compile_mode_needs_compile(capsys):
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs",
                  "parallel.strategy=fsdp2", "--world-size", "2"]) == 0
     assert main(["validate", tiny, "train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]) == 0
+
+
+def test_export_note_says_how_lerobot_loads_a_shrunken_model():
+    """LeRobot's own ``from_pretrained`` builds only the real sizes: a tiny export says how to load it."""
+    import dataclasses
+
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import PRESETS
+    from loongforge_embodied.policies.lerobot_pi05.export import LEROBOT_TOKENIZER, serving_note
+
+    tiny = serving_note(PRESETS["tiny"])
+    assert "smaller than LeRobot's pi05" in tiny and "shrunk_sizes(arch_from_dir(DIR))" in tiny
+    assert serving_note(dataclasses.replace(PRESETS["pi05"], tokenizer=LEROBOT_TOKENIZER)) == ""
+
+
+def test_real_size_export_loads_into_lerobots_own_policy():
+    """At LeRobot's real size (meta device, no weights): every tensor the export writes goes through LeRobot's own
+    loading path (its key fixes, the ``model.`` prefix, ``load_state_dict``) with no missing / unexpected key and no
+    size mismatch. Values are compared tensor by tensor at tiny size (``test_recipe_trains_through_cli...``)."""
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from loongforge_embodied.policies import siglip_names
+    from loongforge_embodied.policies.lerobot_pi05.build import pi05_config
+    from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import PRESETS
+    from loongforge_embodied.policies.lerobot_pi05.export import EMBED, LM_HEAD, STATS_PREFIX
+    from loongforge_embodied.policies.lerobot_pi05.modeling_lerobot_pi05 import LeRobotPI05Model
+
+    arch = PRESETS["pi05"]
+    config = pi05_config(arch)
+    config.device = "meta"  # NOTE: PI05Policy moves its model to config.device
+    with torch.device("meta"):
+        ours = LeRobotPI05Model(arch)
+        policy = PI05Policy(config)
+    # what write_pretrained writes (its layout steps, on meta tensors)
+    written = siglip_names.to_layout({k: v for k, v in ours.state_dict().items() if not k.startswith(STATS_PREFIX)},
+                                     nested=True)
+    written[LM_HEAD] = written[EMBED]
+    assert siglip_names.is_nested(written)
+    fixed = policy._fix_pytorch_state_dict_keys(written, policy.config)
+    remapped = {k if k.startswith("model.") else f"model.{k}": v for k, v in fixed.items()}
+    result = policy.load_state_dict(remapped, strict=False, assign=True)  # NOTE: a size mismatch raises here
+    assert not result.missing_keys and not result.unexpected_keys, (result.missing_keys[:5], result.unexpected_keys[:5])
+    assert sum(v.numel() for v in policy.state_dict().values()) > 4e9

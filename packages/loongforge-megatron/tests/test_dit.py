@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import loongforge
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -353,6 +354,18 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path, ranks):
     latents = (posterior.mean + posterior.std * torch.cat([b["vae_noise"] for b in batches])) * vae.config.scaling_factor
     ref = diffusers_loss(DiTTransformer2DModel.from_pretrained(hf_dir).eval(), batches, latents)
     assert loss == pytest.approx(ref, rel=RTOL)
+
+    # the export is a DiTTransformer2DModel folder (no model_index.json): a DiTPipeline is assembled from it, the
+    # run's VAE and DiT's DDPM schedule, as docs/design/dit_on_megatron.md shows, and samples by class name
+    from diffusers import DDIMScheduler, DiTPipeline
+
+    pipe = DiTPipeline(transformer=DiTTransformer2DModel.from_pretrained(tmp_path / "exported"), vae=vae,
+                       scheduler=DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear"),
+                       id2label=json.loads((tmp_path / "exported" / "classes.json").read_text())["id2label"])
+    assert not (tmp_path / "exported" / "model_index.json").exists()
+    image = pipe(class_labels=pipe.get_label_ids([names[1]]), num_inference_steps=2, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
 
 
 @pytest.mark.parametrize(("overrides", "key", "fragment"), [

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,25 @@ def _check_output_dir(out: Path) -> None:
         raise LoongForgeError(f"--output '{out}' is not writable; give a run directory that can be written")
 
 
+def previous_run_step(recipe: Recipe, out: Path) -> int | None:
+    """The step ``out``'s latest checkpoint holds when this recipe would resume from it (None: a fresh start).
+    A checkpoint past ``train.steps`` is refused with one line: the run would do nothing, or go backwards."""
+    if recipe.checkpoint.resume != "auto":
+        return None
+    from loongforge.checkpoint.atomic import checkpoint_step, latest_checkpoint
+    from loongforge.errors import CheckpointError
+
+    try:
+        step = checkpoint_step(latest_checkpoint(out / "checkpoints") or "")
+    except CheckpointError:
+        return None  # NOTE: the backend's resume reports a broken checkpoint directory with its own message
+    if step is not None and step > recipe.train.steps:
+        raise RecipeError(f"{step:,} steps are done in {out / 'checkpoints'}, more than train.steps ({recipe.train.steps:,}):"
+                          f" raise train.steps above {step:,} to train further, or use another --output",
+                          key="train.steps")
+    return step
+
+
 def write_run_recipe(recipe: Recipe, output_dir: str | Path, *, name: str = "recipe.yaml") -> Path:
     """Write the fully resolved recipe to ``OUTPUT/recipe.yaml`` (atomically)."""
     out = Path(output_dir)
@@ -116,10 +136,12 @@ def train(
     overrides: Sequence[str] = (),
     launch_config: LaunchConfig | None = None,
     source: str | Path | None = None,
+    rerun: bool = False,
 ) -> dict[str, Any]:
     """Train a recipe (object or path). One process runs here; more go through the elastic launcher. The result
     holds ``output_dir``; without one given, ``runs/<recipe file stem>-<time>`` (``source``: the file a Recipe
-    object was loaded from)."""
+    object was loaded from). An ``output_dir`` whose checkpoint already holds ``train.steps`` is a finished run:
+    it is reported and left as it is (result ``finished: True``) unless ``rerun`` (resume, save, export again)."""
     path = source
     if not isinstance(recipe, Recipe):
         path = recipe
@@ -131,6 +153,11 @@ def train(
     world = config.nproc * config.min_nodes
     validate_for(recipe, world_size=world, file=path)
     # NOTE: a default run directory is claimed (created) only once the launch and the recipe are known to be good
+    done = previous_run_step(recipe, Path(output_dir)) if output_dir else None
+    if done is not None and done == recipe.train.steps and not rerun:
+        print(f"{output_dir}: this run already finished (its checkpoint holds all {done:,} train.steps); nothing "
+              "to do. Raise train.steps to train further, or pass --rerun to save and export again", file=sys.stderr)
+        return {"output_dir": str(output_dir), "finished": True}
     out = Path(output_dir) if output_dir else default_output_dir(path)
     _check_output_dir(out)
     if config.single_process or str(config.nnodes) == "1":

@@ -64,3 +64,26 @@ class PeerFailedError(LoongForgeError):
 
 class AdaptationError(LoongForgeError):
     """A device adaptation no longer matches the library it patches (e.g. after an upgrade)."""
+
+
+class MissingDependencyError(LoongForgeError):
+    """An optional dependency is not installed; the one line names the package extra that brings it."""
+
+    def __init__(self, module: str, *, extra: str, what: str, install: str | None = None):
+        self.module, self.extra = module, extra
+        install = install or f"uv pip install './packages/{extra}'"
+        super().__init__(f"{what} needs the Python module '{module}', which is not installed: install the extra "
+                         f"{extra} (from a LoongForge checkout: {install})")
+
+
+def require_module(module: str, *, extra: str, what: str, install: str | None = None) -> None:
+    """Raise :class:`MissingDependencyError` unless ``module`` can be imported (checked without importing it);
+    ``install``: the command to show when it is not the plain ``uv pip install './packages/EXTRA'``."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # NOTE: a parent package that is itself missing
+        found = False
+    if not found:
+        raise MissingDependencyError(module, extra=extra, what=what, install=install)

@@ -2,6 +2,10 @@
 
 ``metrics.jsonl`` holds one JSON object per logged step with at least ``step`` and ``loss`` — tools and tests
 rely on this contract. It is strict JSON: a NaN / inf value is written as ``null``.
+
+Rates (``*_per_s``: tokens, images, samples; and ``mfu``) are averaged over the steps since the previous logged
+step, weighted by their ``step_time``: one step's ``tokens / dt`` swings with every hiccup, the interval's does not.
+The ETA is the wall time per step over that interval times the steps left.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ def _fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def is_rate(key: str) -> bool:
+    """Metrics averaged over the logging interval (weighted by step time): throughputs and MFU."""
+    return key.endswith("_per_s") or key == "mfu"
 
 
 def is_logged_step(step: int, interval: int, total_steps: int | None) -> bool:
@@ -70,8 +79,9 @@ class MetricsLogger:
         self.total_steps = total_steps
         self._jsonl = None
         self._tb = None
-        self._start: float | None = None
-        self._start_step = 0
+        self._last: tuple[float, int] | None = None  # (wall time, step) of the previous logged step
+        self._window: dict[str, float] = {}  # rate key -> sum of rate * step_time since the previous logged step
+        self._window_time = 0.0
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,12 +110,19 @@ class MetricsLogger:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if self._start is None:
-            self._start, self._start_step = now, step - 1
         record = {"step": step, **{k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}}
+        dt = record.get("step_time")
+        if isinstance(dt, float) and math.isfinite(dt) and dt > 0 and any(is_rate(k) for k in record):
+            self._window_time += dt
+            for key, value in record.items():
+                if is_rate(key) and isinstance(value, float) and math.isfinite(value):
+                    self._window[key] = self._window.get(key, 0.0) + value * dt
         evaluation = "val_loss" in record or any(k.startswith("eval/") for k in record)
         if not self.should_log(step) and not evaluation:  # evaluations are always recorded
             return
+        if self._window_time > 0:
+            record.update({k: v / self._window_time for k, v in self._window.items() if k in record})
+        self._window, self._window_time = {}, 0.0
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
         if self._tb is not None:
@@ -115,6 +132,7 @@ class MetricsLogger:
                     self._tb.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, step)
         if self.console:
             self.info(self._progress_line(step, record, now))
+        self._last = (now, step)
 
     def _progress_line(self, step: int, m: dict[str, Any], now: float) -> str:
         total = self.total_steps
@@ -127,19 +145,33 @@ class MetricsLogger:
             parts.append(f"lr {m['lr']:.2e}")
         if "grad_norm" in m and isinstance(m["grad_norm"], float) and math.isfinite(m["grad_norm"]):
             parts.append(f"gnorm {m['grad_norm']:.3f}")
+        units = [k for k in m if k.endswith("_per_s") and k != "tokens_per_s" and isinstance(m[k], float)]
+        for key in units:  # NOTE: the model's own unit (images, samples) first, then tokens
+            parts.append(f"{_fmt_rate(m[key])} {key[:-len('_per_s')]}/s")
         if "tokens_per_s" in m:
             parts.append(f"{_fmt_rate(m['tokens_per_s'])} tok/s")
-        if "samples_per_s" in m:
-            parts.append(f"{_fmt_rate(m['samples_per_s'])} samples/s")
         if "packing_efficiency" in m:
             parts.append(f"packed {100 * m['packing_efficiency']:.0f}%")
         if m.get("mfu"):
             parts.append(f"MFU {100 * m['mfu']:.1f}%")
-        done = step - self._start_step
-        if total and done > 0 and self._start is not None:
-            eta = (now - self._start) / done * (total - step)
+        eta = self._eta(step, m, now)
+        if eta is not None:
             parts.append(f"ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
+
+    def _eta(self, step: int, m: dict[str, Any], now: float) -> float | None:
+        """Seconds left: the wall time per step since the previous logged step (at the first logged step, which
+        has no previous one: its own ``step_time``) times the steps left; None when unknown or done."""
+        total = self.total_steps
+        if not total or step >= total:
+            return None
+        if self._last is not None and step > self._last[1]:
+            per_step = (now - self._last[0]) / (step - self._last[1])
+        else:
+            per_step = m.get("step_time")
+            if not isinstance(per_step, float) or not math.isfinite(per_step) or per_step <= 0:
+                return None
+        return per_step * (total - step)
 
     def close(self) -> None:
         if self._jsonl is not None:

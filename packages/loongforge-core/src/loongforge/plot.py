@@ -16,7 +16,9 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
     records = read_metrics(run_dir)
     steps = [r["step"] for r in records]
-    rate_key = next((k for k in ("tokens_per_s", "samples_per_s") if any(k in r for r in records)), None)
+    # NOTE: the model's own unit (images, samples) when it reports one, else tokens
+    keys = sorted({k for r in records for k in r if k.endswith("_per_s")}, key=lambda k: (k == "tokens_per_s", k))
+    rate_key = keys[0] if keys else None
     fig, axes = plt.subplots(1, 2 if rate_key else 1, figsize=(11 if rate_key else 6, 4), squeeze=False)
     ax = axes[0][0]
     ax.plot(steps, [r.get("loss", float("nan")) for r in records], color="tab:blue")

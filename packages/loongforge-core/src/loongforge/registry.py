@@ -34,7 +34,8 @@ KNOWN_PROVIDERS = {
 
 def install_hint(package: str) -> str:
     """How to install one of the workspace's packages (not on PyPI yet: from a LoongForge checkout)."""
-    return f"pip install ./packages/{package} (from a LoongForge checkout; `uv sync` installs the whole workspace)"
+    return (f"pip install ./packages/{package} (from a LoongForge checkout; into its uv environment: "
+            f"uv pip install ./packages/{package}, or `uv sync` for the whole workspace)")
 
 
 @dataclass
@@ -88,6 +89,10 @@ class Registry:
             self._load(entry)
             out.append(entry)
         return out
+
+    def distributions(self) -> set[str]:
+        """The distributions that registered entries here (nothing is imported)."""
+        return {e.distribution for e in self._scan().values()}
 
     def duplicates(self) -> dict[str, list[str]]:
         self._scan()

@@ -24,19 +24,8 @@ from typing import Any
 import torch
 
 
-def register(subparsers: Any) -> None:
-    """Add ``fp8`` (with its ``profile`` subcommand) to loongforge's CLI (entry point ``loongforge.commands``)."""
-    p = subparsers.add_parser("fp8", help="FP8 training tools (megatron backend)")
-    sub = p.add_subparsers(dest="fp8_command", metavar="SUBCOMMAND")
-    pp = sub.add_parser("profile", help="time the model's GEMMs in bf16 and FP8; write a train.fp8.policy file")
-    pp.add_argument("recipe")
-    pp.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
-    pp.add_argument("--output", "-o", default=None, help="policy file (default: fp8_policy_<recipe name>.json)")
-    pp.add_argument("--reps", type=int, default=20, help="timed repetitions per GEMM")
-    p.set_defaults(handler=_cmd_fp8)
-
-
-def _cmd_fp8(args: argparse.Namespace) -> int:
+def run_profile(args: argparse.Namespace) -> int:
+    """``loongforge fp8 profile``'s handler (registered by :mod:`loongforge_megatron.commands`)."""
     from loongforge.errors import RecipeError
     from loongforge.recipe import load_recipe
     from loongforge.recipe.schema import Fp8Config

@@ -232,6 +232,14 @@ def latest_checkpoint(
     return None
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The optimizer step of a checkpoint named ``step_<N>`` (every backend's resume checkpoints), else None."""
+    name = Path(path).name
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
 def require_complete(path: str | os.PathLike) -> Path:
     """Raise CheckpointError unless ``path`` is a finished checkpoint directory."""
     path = Path(path)

@@ -45,7 +45,7 @@ def register_eval(subparsers) -> None:
     p = subparsers.add_parser("eval", help="closed-loop evaluation of a policy in a simulator")
     p.add_argument("source", help="a run directory / exported policy, or a recipe (its model.load, or --policy)")
     p.add_argument("overrides", nargs="*", default=[], help="a.b.c=value overrides of a recipe")
-    p.add_argument("--episodes", type=int, default=50)
+    p.add_argument("--episodes", type=int, default=50, help="episodes to run")
     p.add_argument("--workers", type=int, default=2, help="environment worker processes")
     p.add_argument("--seed", type=int, default=None, help="episode i runs with seed SEED + i (default 100000, held "
                    "out from the recorded episodes; --policy replay: the recorded data.record.seed)")
@@ -60,7 +60,21 @@ def register_eval(subparsers) -> None:
     p.set_defaults(handler=_eval)
 
 
+# NOTE: openpi-client declares numpy<2, LeRobot numpy>=2 (the client runs on numpy 2): outside the uv workspace
+# (which overrides the pin) the extra installs only with LeRobot's numpy range as an override.
+EVAL_INSTALL = "uv pip install --override <(echo 'numpy>=2,<2.3') './packages/loongforge-embodied[eval]'"
+
+
+def require_eval_extra(command: str) -> None:
+    """``serve`` / ``eval`` speak OpenPI's websocket protocol: one line naming the ``[eval]`` extra without it."""
+    from loongforge.errors import require_module
+
+    for module in ("websockets", "msgpack", "openpi_client"):
+        require_module(module, extra="loongforge-embodied[eval]", what=f"loongforge {command}", install=EVAL_INSTALL)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    require_eval_extra("serve")
     from loongforge_embodied.eval.launch import build_policy, check_listen
     from loongforge_embodied.eval.server import PolicyServer
 
@@ -82,6 +96,8 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from loongforge_embodied.eval.launch import run_eval
+
+    require_eval_extra("eval")
 
     summary, path = run_eval(args)
     lo, hi = summary["success_ci95"]

@@ -183,7 +183,7 @@ def _check_fields(path: Path, data: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: key 'whole' must be a list of strings")
     data["whole"] = tuple(whole)
     layers = data["hf_config"]
-    from loongforge_megatron.conversion.config_check import check_config_tree
+    from loongforge_megatron.conversion.config_tree import check_config_tree
 
     # NOTE: counts bounded by the tensors a rank file can name (no header read yet): far above any real model
     check_config_tree(layers, where=f"{path} (hf_config)", limit=2**16)

@@ -64,7 +64,7 @@ def load_config_json(path: Path) -> dict[str, Any]:
     bounded, a string ``model_type``) is one CheckpointError naming it."""
     from loongforge.checkpoint.json_file import read_json_object
 
-    from loongforge_megatron.conversion.config_check import check_config_tree
+    from loongforge_megatron.conversion.config_tree import check_config_tree
 
     cfg = read_json_object(path)
     check_config_tree(cfg, where=path, limit=None)

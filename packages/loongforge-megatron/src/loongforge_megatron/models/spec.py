@@ -33,7 +33,7 @@ class Data:
     valid: Any = None
     seq_length: int = 0
     tokenizer: Any = None
-    samples_per_s: bool = False  # report samples (images) per second too
+    sample_unit: str | None = None  # what one sample is (a DiT's "images"): <unit>_per_s is reported besides tokens
     assets: Callable[[Path], None] | None = None  # writes tokenizer / label files into an export's directory
     encoder: Any = None  # what turns a batch's raw inputs into the model's (a DiT's VAE), for the forward step
 

@@ -27,6 +27,14 @@ ENVS: dict[str, str] = {
 }
 
 
+# What our simulators import, and the extra that brings it: checked before any worker starts.
+REQUIRES: dict[str, tuple[str, str]] = {
+    "aloha": ("gym_aloha", "loongforge-embodied[aloha]"),
+    "aloha_insertion": ("gym_aloha", "loongforge-embodied[aloha]"),
+    "metaworld": ("metaworld", "loongforge-embodied[metaworld]"),
+}
+
+
 def env_targets() -> dict[str, str]:
     """Every registered adapter: ours and those of installed distributions (name → ``module:Class``)."""
     from loongforge.errors import PluginError
@@ -51,6 +59,11 @@ def resolve_env(name: str) -> str:
 
         raise LoongForgeError(f"unknown --env '{name}'; registered: {', '.join(sorted(targets))} (more through the "
                               f"entry-point group {GROUP})")
+    if name in REQUIRES and targets[name] == ENVS.get(name):
+        from loongforge.errors import require_module
+
+        module, extra = REQUIRES[name]
+        require_module(module, extra=extra, what=f"--env {name}")
     return targets[name]
 
 

@@ -59,12 +59,19 @@ def write_pretrained(out_dir: Path, *, arch: LeRobotPI05Arch, weights: dict[str,
 
 
 def serving_note(arch: LeRobotPI05Arch) -> str:
-    """What LeRobot's pi05 processor does differently from our training prompts, if anything ("" if nothing)."""
-    if arch.tokenizer == LEROBOT_TOKENIZER:
-        return ""
-    used = f"the tokenizer {arch.tokenizer}" if arch.tokenizer else "Gemma byte-fallback tokens (model.arch.tokenizer unset)"
-    return (f"trained on prompts in {used}; LeRobot's pi05 processor tokenizes with {LEROBOT_TOKENIZER}, so serve "
-            "the export with the same tokens, or train with model.arch.tokenizer set to it")
+    """What a user of the export must know before LeRobot loads or serves it ("" if nothing): a shrunken model
+    (LeRobot's ``PI05Policy.from_pretrained`` builds only the real sizes and would report size mismatches and keep
+    random weights), and prompts tokenized differently from LeRobot's pi05 processor."""
+    notes = []
+    if arch.shrunk:
+        notes.append("the model is smaller than LeRobot's pi05 (gemma_2b + gemma_300m + So400m), which is all "
+                     "PI05Policy.from_pretrained builds: load it with `with shrunk_sizes(arch_from_dir(DIR)): "
+                     "PI05Policy.from_pretrained(DIR)` (from loongforge_embodied.policies.lerobot_pi05.build / .export)")
+    if arch.tokenizer != LEROBOT_TOKENIZER:
+        used = f"the tokenizer {arch.tokenizer}" if arch.tokenizer else "Gemma byte-fallback tokens (model.arch.tokenizer unset)"
+        notes.append(f"trained on prompts in {used}; LeRobot's pi05 processor tokenizes with {LEROBOT_TOKENIZER}, "
+                     "so serve the export with the same tokens, or train with model.arch.tokenizer set to it")
+    return "; ".join(notes)
 
 
 def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:

@@ -145,7 +145,7 @@ class DiT(HFCheckpoint):
             def assets(staging: Path) -> None:
                 (staging / "classes.json").write_text(class_labels_json(classes))
 
-        return Data(train=latents, seq_length=arch.num_patches, samples_per_s=True, assets=assets, encoder=encoder)
+        return Data(train=latents, seq_length=arch.num_patches, sample_unit="images", assets=assets, encoder=encoder)
 
     def model(self, *, recipe: Any, arch: DiTArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
