@@ -152,7 +152,7 @@ def main() -> None:
         return child(args)
 
     import torch
-    from loongforge_megatron.models.registry import arch_from_hf
+    from loongforge_megatron.models.hf_arch import arch_from_hf
 
     mbs = dict(kv.split("=") for kv in args.mbs.split(","))
     work = Path(tempfile.mkdtemp())

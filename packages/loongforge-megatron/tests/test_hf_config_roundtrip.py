@@ -19,7 +19,8 @@ def _config_dir(out: Path, cls, **over) -> Path:
 def test_qwen_sliding_window_survives_the_export(tmp_path, cls_name):
     """Qwen applies its window only with use_sliding_window, and only from layer max_window_layers on; the export
     wrote neither, so the exported model (HF defaults: no window) attended differently from the one read in."""
-    from loongforge_megatron.models.registry import arch_from_hf, hf_config
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.registry import hf_config
 
     cls = getattr(transformers, cls_name)
     src = _config_dir(tmp_path / "src", cls, sliding_window=32, use_sliding_window=True, max_window_layers=2)

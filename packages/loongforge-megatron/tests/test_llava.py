@@ -276,7 +276,7 @@ def test_bf16_trains_and_hub_configs_are_completed(tmp_path):
     (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
     from loongforge_megatron.conversion.convert import read_hf_config
     from loongforge_megatron.conversion.layout import MegatronLayout
-    from loongforge_megatron.models.registry import arch_from_hf
+    from loongforge_megatron.models.hf_arch import arch_from_hf
 
     arch = arch_from_hf(tmp_path / "hub")
     assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.vocab_size) == (32, 4096, 32, 32064)

@@ -108,7 +108,8 @@ def test_gpt_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, referen
     """YaRN on llama / qwen (e.g. Qwen3's long-context setting) goes to megatron's GPT ``yarn`` embedding with the
     cos/sin factor: over 32 tokens with an original context of 16 the first-step loss equals transformers' with
     YaRN, which differs from the unscaled model's; the export writes the scaling back."""
-    from loongforge_megatron.models.registry import arch_from_hf, hf_config
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.registry import hf_config
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     # NOTE: larger weights make attention (and so the positions) matter to the loss; llama's default init barely does
@@ -127,7 +128,8 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
     """DeepSeek-V3's YaRN (frequencies, and mscale on the softmax scale) goes to megatron's MLA: the first-step loss
     equals transformers' with YaRN, which differs from the unscaled model's (so plain RoPE would fail here), and
     the export writes the scaling back."""
-    from loongforge_megatron.models.registry import arch_from_hf, hf_config
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.registry import hf_config
 
     hf = tiny_hf("deepseek_v3", tmp_path / "ds", rope_scaling=YARN)
     plain = tiny_hf("deepseek_v3", tmp_path / "plain")
@@ -192,7 +194,8 @@ def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path, capsys):
     attention; at or below the window it validates (the window masks nothing there), and the HF export writes a
     Mistral again (LlamaForCausalLM would attend past the window). Qwen's sliding_window counts only with
     use_sliding_window."""
-    from loongforge_megatron.models.registry import arch_from_hf, hf_config
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.registry import hf_config
 
     llama = ["validate", str(TINY / "llama_tiny.yaml"), "model.preset=null"]
     mistral = _hf_config_dir(tmp_path / "mistral", "mistral", sliding_window=32)

@@ -376,8 +376,8 @@ def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
 @pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)  # NOTE: both families read records alike
 def test_bad_records_are_one_line_errors_naming_record_and_file(tmp_path, hf_dir):
     from loongforge.errors import RecipeError
+    from loongforge_megatron.models.hf_arch import arch_from_hf
     from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
-    from loongforge_megatron.models.registry import arch_from_hf
 
     good = make_records(tmp_path)
     (tmp_path / "broken.png").write_bytes(b"not a png")
@@ -459,8 +459,8 @@ def test_micro_batches_made_ahead_by_a_worker_are_the_steps_own(tmp_path, hf_dir
     losses are those of batches made in the step. A bad record read by the worker fails as its own one-line error."""
     from loongforge.errors import RecipeError
     from loongforge_megatron.data.datasets import BatchSchedule
+    from loongforge_megatron.models.hf_arch import arch_from_hf
     from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
-    from loongforge_megatron.models.registry import arch_from_hf
 
     records = make_records(tmp_path / "data")
     over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=3")

@@ -105,7 +105,9 @@ class ModelConfig(Section):
     def resolve(self) -> tuple[Any, Any]:
         """(spec, architecture) from the HF config / preset / family with the recipe's overrides."""
         if self.hf:
-            found = registry.arch_from_hf(self.hf)
+            from loongforge_megatron.models.hf_arch import arch_from_hf
+
+            found = arch_from_hf(self.hf)
             spec, base = registry.spec_of(found), found.model_dump()
         elif self.preset:
             spec, base = registry.presets()[self.preset]

@@ -139,7 +139,7 @@ DISAGREE = [
 def test_a_config_that_disagrees_with_the_weights_is_refused_at_load_and_in_convert(
         tmp_path, checkpoints, capsys, family, key, value, named):
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.models.registry import arch_from_hf
+    from loongforge_megatron.models.hf_arch import arch_from_hf
 
     bad = lying(checkpoints(family), tmp_path / "bad", setter(key, value))
     # online load (each rank's shards) and model.hf (the recipe's architecture): before anything is built
@@ -157,7 +157,7 @@ def test_a_config_that_disagrees_with_the_weights_is_refused_at_load_and_in_conv
 
 
 def test_the_unchanged_checkpoints_pass(tmp_path, checkpoints):
-    from loongforge_megatron.models.registry import arch_from_hf
+    from loongforge_megatron.models.hf_arch import arch_from_hf
 
     for family in ("kimi_k2", "glm4_moe", *VLMS, "dit"):
         assert arch_from_hf(checkpoints(family)) is not None
