@@ -45,7 +45,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
     import yaml
 
     if not one_pass_loss:  # A/B row: the per-token loss whose backward recomputes the logits (the pre-mask path)
-        from loongforge_megatron.spec import output
+        from loongforge_megatron.layers import output
 
         output._takes_token_weights = lambda fn: False
 

@@ -193,7 +193,7 @@ def profile(shapes: dict[str, tuple[int, int, int]], *, recipe: str, grad_dtype:
     the module docstring)."""
     from loongforge_kernels.fp8_linear import Fp8Recipe
 
-    from loongforge_megatron.spec.fp8 import gemm_key, grouped_gemm_key
+    from loongforge_megatron.layers.fp8 import gemm_key, grouped_gemm_key
 
     r = Fp8Recipe(recipe, grad_dtype)
     gemms: dict[str, Any] = {}

@@ -86,7 +86,7 @@ class MegatronJob(Job):
             if self.runtime.is_main:
                 self.log.info(f"[megatron] train.freeze {t.freeze}: {n} parameters frozen")
         if t.fp8 is not None:
-            from loongforge_megatron.spec.fp8 import apply_fp8
+            from loongforge_megatron.layers.fp8 import apply_fp8
 
             tokens = t.micro_batch_size * self.seq_length // plan.cp
             notes: list[str] = []

@@ -127,7 +127,7 @@ def check_lm(recipe: Any, plan: Any, arch: Arch) -> None:
         raise RecipeError(f"parallel.etp {plan.etp} with tp {plan.tp} has no HF layout for {' or '.join(hf_weights)}: "
                           "use etp 1 or etp = tp", key="parallel.etp")
     if recipe.train.fp8 is not None and recipe.train.fp8.policy:
-        from loongforge_megatron.spec.fp8 import load_policy
+        from loongforge_megatron.layers.fp8 import load_policy
 
         load_policy(recipe.train.fp8.policy)  # a missing or foreign file names train.fp8.policy
     te_needs = te_incompatible(recipe)
@@ -213,7 +213,7 @@ def grouped_experts(recipe: Any, arch: Arch, plan: Any, *, accelerator: Any, con
                     precision: str) -> bool:
     """``kernels.moe_grouped_gemm``; unset: grouped on the loongforge spec when grouped_mm runs the expert
     shapes in this precision on this device, and the stage is not LoRA (its adapters wrap per-expert linears)."""
-    from loongforge_megatron.spec.grouped_experts import grouped_mm_supported
+    from loongforge_megatron.layers.grouped_experts import grouped_mm_supported
 
     want = recipe.kernels.moe_grouped_gemm
     if not arch.is_moe or want is False:
@@ -280,7 +280,7 @@ def layer_spec(config: Any, arch: Arch, *, spec_name: str, provider: str, accele
         grouped = kw.pop("moe_grouped_gemm", False)
         spec = engine.layer_spec(spec_name, **kw)
         if grouped and arch.num_experts:
-            from loongforge_megatron.spec.grouped_experts import with_grouped_experts
+            from loongforge_megatron.layers.grouped_experts import with_grouped_experts
 
             spec = with_grouped_experts(spec)
         return spec
@@ -293,7 +293,7 @@ def layer_spec(config: Any, arch: Arch, *, spec_name: str, provider: str, accele
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from loongforge_megatron.spec import KernelRMSNorm, loongforge_layer_spec, prepare_config
+    from loongforge_megatron.layers import KernelRMSNorm, loongforge_layer_spec, prepare_config
 
     prepare_config(config)
     moe = loongforge_layer_spec(provider=provider, accelerator=accelerator, **kw)
@@ -444,7 +444,7 @@ class GPTFamily(HFCheckpoint):
         seeded_init(chunks, config=config, seed=recipe.train.seed)
         forward_step = None
         if spec_name == "loongforge":
-            from loongforge_megatron.spec.output import forward_step_with_fused_loss
+            from loongforge_megatron.layers.output import forward_step_with_fused_loss
 
             forward_step = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=accelerator)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step)

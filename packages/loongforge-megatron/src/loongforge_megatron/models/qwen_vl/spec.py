@@ -250,7 +250,7 @@ class QwenVL(HFCheckpoint):
         whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
-            from loongforge_megatron.spec.output import fused_output_processor
+            from loongforge_megatron.layers.output import fused_output_processor
 
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))

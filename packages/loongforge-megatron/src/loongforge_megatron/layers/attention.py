@@ -139,7 +139,7 @@ class SDPAttention(torch.nn.Module):
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, *, causal: bool) -> Tensor:
         """THD attention (``[t, h, d]``, megatron squeezes the batch of 1) over ``params``' samples -> ``[t, h*dv]``."""
         from loongforge_megatron.engine.packing import bounds_of
-        from loongforge_megatron.spec.varlen import varlen_attention
+        from loongforge_megatron.layers.varlen import varlen_attention
 
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention takes packed sequences in the thd format, got qkv_format "

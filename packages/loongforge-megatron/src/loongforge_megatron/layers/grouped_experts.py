@@ -151,7 +151,7 @@ class GroupedMLP(_megatron_module()):
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 
-    # NOTE: set by ``train.fp8`` (spec/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2
+    # NOTE: set by ``train.fp8`` (layers/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2
     fp8_gemms: tuple[tuple[bool, bool, bool], tuple[bool, bool, bool]] | None = None
 
     def _grouped(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: int) -> torch.Tensor:
@@ -229,7 +229,7 @@ def with_grouped_experts(layer_spec: Any) -> Any:
 
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from loongforge_megatron.engine.layer_spec import get_submodules, set_submodules
+    from loongforge_megatron.layers.megatron_layers import get_submodules, set_submodules
 
     mlp = layer_spec.submodules.mlp
     moe = get_submodules(mlp)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from loongforge_megatron.spec.modules import kernel
+from loongforge_megatron.layers.modules import kernel
 
 
 class KernelRoPESelfAttention(SelfAttention):
