@@ -116,7 +116,7 @@ class DiT(HFCheckpoint):
             raise RecipeError("model.vae encodes the images of data.path; synthetic latents (no data.path) need none",
                               key="model.vae")
         if data.image_size is not None:
-            from loongforge_megatron.data.latents import VAE_DOWNSAMPLING as f
+            from loongforge_megatron.models.dit.data import VAE_DOWNSAMPLING as f
 
             if data.image_size % (f * arch.patch_size):
                 raise RecipeError(f"{data.image_size} is not divisible by {f} (VAE) x {arch.patch_size} (patch) = "
@@ -131,7 +131,7 @@ class DiT(HFCheckpoint):
         """Latents first, so a bad image folder or VAE fails before the model is built. An image folder's class
         names (sorted sub-folders = labels 0..n-1) go to OUTPUT/classes.json and into every export, so samples can
         be asked for by name (DiTPipeline's id2label)."""
-        from loongforge_megatron.data.latents import build_latents
+        from loongforge_megatron.models.dit.data import build_latents
 
         latents, encoder = build_latents(recipe, arch=arch, device=device)
         classes = getattr(latents, "classes", None)

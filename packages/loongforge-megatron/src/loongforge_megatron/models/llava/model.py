@@ -140,7 +140,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                                     linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
     # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
     alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
-    from loongforge_megatron.engine.llava_adaptation import clip_builder
+    from loongforge_megatron.models.llava.clip import clip_builder
 
     clip_builder()  # NOTE: LLaVAModel builds its CLIP tower through the run's llava-clip-torch-norms adaptation
     model = LLaVAModel(
@@ -191,7 +191,7 @@ def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, pr
     vision1.vision_model_type = vision.vision_model_type
     groups = copy.copy(model.pg_collection)
     groups.tp = alone
-    from loongforge_megatron.engine.llava_adaptation import clip_builder
+    from loongforge_megatron.models.llava.clip import clip_builder
 
     # NOTE: llava_model's CLIPViTModel as the run's llava-clip-torch-norms adaptation has it (WrappedTorchNorm)
     model.vision_model = clip_builder()(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,

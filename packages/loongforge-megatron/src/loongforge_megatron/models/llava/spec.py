@@ -122,8 +122,8 @@ class Llava(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def adaptations(self, *, arch: LlavaArch, accelerator: Any) -> list:
-        """LLaVAModel's CLIP tower built with WrappedTorchNorm (and CPU position ids on the CPU): ``engine.llava_adaptation``."""
-        from loongforge_megatron.engine.llava_adaptation import clip_adaptations
+        """LLaVAModel's CLIP tower built with WrappedTorchNorm (and CPU position ids on the CPU): ``models/llava/clip.py``."""
+        from loongforge_megatron.models.llava.clip import clip_adaptations
 
         return clip_adaptations(cpu=accelerator.device_type == "cpu")
 
