@@ -66,7 +66,7 @@ def run_ours(args, compiled: bool = False, grad_accum_fusion: bool = False) -> d
                   "compile": compiled},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
-        "kernels": {"spec": "loongforge", "grad_accum_fusion": grad_accum_fusion},
+        "kernels": {"layers": "loongforge", "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5, "console": False},
     }
     tmp = Path(tempfile.mkdtemp())

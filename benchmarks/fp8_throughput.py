@@ -53,7 +53,7 @@ def _recipe(args, fp8: dict | None) -> dict:
     return {"backend": "megatron", "model": {"preset": args.preset, "num_layers": args.layers},
             "data": {"format": "synthetic", "seq_length": args.seq}, "train": train,
             "checkpoint": {"save_at_end": False}, "accelerator": "cuda",
-            "kernels": {"spec": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
+            "kernels": {"layers": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
             "logging": {"tensorboard": False, "interval": 5}}
 
 

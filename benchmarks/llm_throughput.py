@@ -58,7 +58,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": "cuda",
-        "kernels": {"spec": spec, "grad_accum_fusion": grad_accum_fusion},
+        "kernels": {"layers": spec, "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())

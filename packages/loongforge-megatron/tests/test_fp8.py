@@ -60,7 +60,7 @@ def test_fp8_output_layer_under_the_fused_loss_is_refused(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "r.yaml")]) == 2
     err = capsys.readouterr().err
     assert "key 'train.fp8.output_layer'" in err and "fused linear cross-entropy" in err and err.count("\n") == 1
-    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.spec=local"]) == 0
+    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.layers=local"]) == 0
 
 
 def test_fp8_profile_command_is_registered_and_needs_a_gpu(tmp_path):

@@ -14,7 +14,7 @@ LLM = RECIPES / "llm" / "tiny" / "llama_tiny.yaml"
 
 @pytest.mark.parametrize(("recipe", "overrides", "fragment"), [
     (LLM, ["kernels.provider=tilelang"], "provider 'tilelang' has no rms_norm, swiglu, rope"),
-    (LLM, ["kernels.provider=torch", "kernels.spec=local"], "kernels.spec 'local' uses none"),
+    (LLM, ["kernels.provider=torch", "kernels.layers=local"], "kernels.layers 'local' uses none"),
     (RECIPES / "diffusion" / "dit_tiny.yaml", ["kernels.provider=triton"], "DiT models use no fused kernels"),
 ])
 def test_unusable_providers_are_refused(recipe, overrides, fragment, capsys):

@@ -10,7 +10,9 @@ from loongforge.backend import Backend, Job
 from loongforge.errors import RecipeError
 from pydantic import ValidationError
 
-from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig
+from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig, data_formats, spec_for
+from loongforge_megatron.models import registry
+from loongforge_megatron.models.spec import PARALLEL_DIMS
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -19,6 +21,44 @@ if TYPE_CHECKING:
 
 def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
     return "No CUDA runtime is found" not in record.getMessage()
+
+
+def _check_format(fmt: Any) -> None:
+    formats = data_formats()
+    if fmt not in formats:
+        import difflib
+
+        close = difflib.get_close_matches(str(fmt), formats, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise RecipeError(f"unknown format '{fmt}'; {hint}the installed model kinds train on {', '.join(formats)}",
+                          key="data.format")
+
+
+def check_supports(recipe: Recipe, plan: Any, spec: Any) -> None:
+    """What the model kind's :class:`~loongforge_megatron.models.spec.Supports` declares, checked the same way for
+    every kind: the stage, the data format, the parallel dimensions and the layer set."""
+    can, models = spec.supports, spec.supports.models
+    if recipe.train.stage not in can.stages:
+        raise RecipeError(f"{models} support train.stage {' / '.join(can.stages)} (got '{recipe.train.stage}')",
+                          key="train.stage")
+    fmt = recipe.data.format
+    if fmt not in can.data_formats:
+        others = sorted({s.supports.models for s in registry.all_specs().values() if fmt in s.supports.data_formats})
+        which = f": that one is for {' and '.join(others)}" if others else ""
+        raise RecipeError(f"{models} train on data.format {' or '.join(can.data_formats)} (got '{fmt}'{which})",
+                          key="data.format")
+    used = {"tp": plan.tp > 1, "sp": plan.sp, "cp": plan.cp > 1, "pp": plan.pp > 1, "vpp": plan.vpp > 1,
+            "ep": plan.ep > 1, "etp": recipe.parallel.etp not in (None, 1, plan.tp),
+            "components": bool(recipe.parallel.components)}
+    for dim, on in used.items():
+        if on and dim not in can.parallel:
+            allowed = ", ".join(PARALLEL_DIMS[d] for d in can.parallel if d in PARALLEL_DIMS)
+            got = "true" if dim == "sp" else "set" if dim == "components" else getattr(plan, dim)
+            raise RecipeError(f"{models} train with {allowed + ' and ' if allowed else ''}data parallelism only "
+                              f"(got {got})", key=f"parallel.{dim}")
+    if recipe.kernels.layers not in can.layers:
+        raise RecipeError(f"{models} build on kernels.layers {', '.join(can.layers)}, not {recipe.kernels.layers}",
+                          key="kernels.layers")
 
 
 class MegatronBackend(Backend):
@@ -32,20 +72,44 @@ class MegatronBackend(Backend):
     kernels_schema = MegatronKernelsConfig
 
     @classmethod
+    def section_schema(cls, section: str, *, raw: dict[str, Any], recipe: Recipe) -> type | None:
+        """``model`` / ``data``: the section of the recipe's model kind (its spec's ``model_section`` /
+        ``data_section``: the shared keys plus its own). A key only another kind declares is refused naming it."""
+        if section not in ("model", "data"):
+            return getattr(cls, f"{section}_schema", None)
+        spec = spec_for(raw) if section == "model" else spec_for(recipe.model.model_dump(exclude_none=True))
+        if spec is None:
+            return getattr(cls, f"{section}_schema")
+        schema = getattr(spec, f"{section}_section")
+        if section == "data":
+            _check_format(raw.get("format", schema.model_fields["format"].default))
+        for key in raw:
+            if key in schema.model_fields:
+                continue
+            owners = sorted({s.supports.models for s in registry.all_specs().values()
+                             if key in getattr(s, f"{section}_section").model_fields})
+            if owners:
+                raise RecipeError(f"a key of {' and '.join(owners)}, not of {spec.supports.models} ({spec.name}): "
+                                  "remove it", key=f"{section}.{key}")
+        return schema
+
+    @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
         stage, data = recipe.train.stage, recipe.data
-        if stage == "sft" and data.format not in ("sft", "conversations"):
-            raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (or a VLM's 'conversations'; got "
-                              f"'{data.format}')", key="data.format")
+        sft = spec_for(recipe.model.model_dump(exclude_none=True))
+        sft = sft.supports.sft_formats if sft is not None else ("sft",)
+        if stage == "sft" and data.format not in sft:
+            want = " or ".join(f"'{f}'" for f in sft) or "none: this model has no SFT stage"
+            raise RecipeError(f"train.stage 'sft' needs data.format {want} (got '{data.format}')", key="data.format")
         if stage == "cpt" and not recipe.checkpoint.load:
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
         if "peft" in recipe.checkpoint.save_format and stage != "lora":
             raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
-        if recipe.parallel.cp > 1 and recipe.kernels.spec == "local":
-            raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
-                              "refuses cp > 1)", key="kernels.spec")
+        if recipe.parallel.cp > 1 and recipe.kernels.layers == "local":
+            raise RecipeError("context parallelism needs the loongforge or te layers (megatron's local attention "
+                              "refuses cp > 1)", key="kernels.layers")
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         plan = recipe.parallel.plan(world_size)
@@ -66,19 +130,20 @@ class MegatronBackend(Backend):
                 key="train.global_batch_size",
             )
         self._check_compile(recipe)
+        check_supports(recipe, plan, spec)
         spec.check(recipe, plan, arch)
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:
         """The recipe with ``model``'s architecture keys set to what the preset / HF config (and the recipe's own
-        overrides) give; keys that do not apply to this model (MoE keys of a dense one, DiT keys of an LM) are left
-        out, not shown null. The result validates back into the same architecture."""
+        overrides) give; keys that do not apply to this model (MoE keys of a dense one) are left out, not shown
+        null. The result validates back into the same architecture."""
         from loongforge_megatron.config import arch_keys
 
         data = recipe.to_dict()
         arch, model = recipe.model.arch(), data["model"]
         fields = type(arch).model_fields
         derived = arch.derived() if hasattr(arch, "derived") else {}
-        for key in arch_keys():
+        for key in arch_keys(type(recipe.model)):
             value = getattr(arch, key) if key in fields else None
             value = derived.get(key) if value is None else value
             if value is None or ((key == "num_experts" or key.startswith("moe_")) and not arch.is_moe):

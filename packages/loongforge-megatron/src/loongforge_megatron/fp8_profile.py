@@ -73,7 +73,7 @@ def _cmd_fp8(args: argparse.Namespace) -> int:
 
 def gemm_shapes(arch: Any, *, tp: int, tokens: int, output_layer: bool = False) -> dict[str, tuple[int, int, int]]:
     """name -> (M, N, K) of each distinct decoder linear on one TP rank (dense GQA attention and MLPs)."""
-    from loongforge_megatron.models.gpt.family import padded_vocab
+    from loongforge_megatron.models.lm import padded_vocab
 
     h, hd = arch.hidden_size, arch.head_dim or arch.hidden_size // arch.num_attention_heads
     shapes: dict[str, tuple[int, int, int]] = {}

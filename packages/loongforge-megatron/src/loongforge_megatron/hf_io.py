@@ -18,7 +18,7 @@ import torch.distributed as dist
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.engine.model import unwrap
-from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
+from loongforge_megatron.models.lm import VOCAB_DIVISIBLE_BY
 
 
 def _ranks():

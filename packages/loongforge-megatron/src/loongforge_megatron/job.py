@@ -179,8 +179,8 @@ class MegatronJob(Job):
         reason = fp8_unavailable_reason(fp8.recipe, self.acc.device())
         if reason:
             raise RecipeError(f"train.fp8 recipe {fp8.recipe}: {reason}", key="train.fp8")
-        if self.recipe.kernels.spec == "te":
-            raise RecipeError("train.fp8 runs on the loongforge or local spec (kernels.spec te has TransformerEngine's "
+        if self.recipe.kernels.layers == "te":
+            raise RecipeError("train.fp8 runs on the loongforge or local spec (kernels.layers te has TransformerEngine's "
                               "own FP8, not wired here)", key="train.fp8")
         if self.recipe.train.compile:
             raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "

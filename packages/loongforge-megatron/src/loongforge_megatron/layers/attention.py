@@ -96,7 +96,7 @@ class SDPAttention(torch.nn.Module):
         from megatron.core.transformer.enums import AttnMaskType
 
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by SDPAttention (use kernels.spec: local or te)")
+            raise ValueError("attention_bias is not supported by SDPAttention (use kernels.layers: local or te)")
         mask_type = attn_mask_type or self.attn_mask_type
         if packed_seq_params is not None:
             if attention_mask is not None:
