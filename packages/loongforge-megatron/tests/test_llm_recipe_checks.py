@@ -25,7 +25,7 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny"
                              "parallel.sp=true", "parallel.ep=2", "parallel.etp=2", "checkpoint.save_format=[dist,hf]",
                              "--world-size", "4"], "parallel.etp", "parallel.etp 2 with tp 4 has no HF layout"),
     ("llama_tiny.yaml", ["parallel.cp=2", "kernels.layers=local", "--world-size", "2"], "kernels.layers",
-     "context parallelism needs the loongforge or te spec"),
+     "context parallelism needs the loongforge or te layers"),
     ("llama_tiny.yaml", ["kernels.layers=te", "checkpoint.save_format=[dist,hf]"], "kernels.layers",
      "kernels.layers te cannot be used with an HF / PEFT export"),
 ])

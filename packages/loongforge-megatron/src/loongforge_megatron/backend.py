@@ -86,11 +86,11 @@ class MegatronBackend(Backend):
         for key in raw:
             if key in schema.model_fields:
                 continue
-            owners = sorted({s.supports.models for s in registry.all_specs().values()
-                             if key in getattr(s, f"{section}_section").model_fields})
+            owners = sorted(s.name for s in registry.all_specs().values()
+                            if key in getattr(s, f"{section}_section").model_fields)
             if owners:
-                raise RecipeError(f"a key of {' and '.join(owners)}, not of {spec.supports.models} ({spec.name}): "
-                                  "remove it", key=f"{section}.{key}")
+                raise RecipeError(f"a key of the {', '.join(owners)} model famil{'ies' if len(owners) > 1 else 'y'}, "
+                                  f"not of {spec.name}: remove it", key=f"{section}.{key}")
         return schema
 
     @classmethod
