@@ -63,8 +63,7 @@ def check_supports(recipe: Recipe, plan: Any, spec: Any) -> None:
 
 class MegatronBackend(Backend):
     """Pretrain / CPT / SFT / LoRA with megatron-core's models / layers, schedules, DDP and optimizer, of every model
-    family registered under ``loongforge.megatron.models`` (decoder-only LMs, LLaVA VLMs and class-conditional
-    DiTs ship with the backend)."""
+    family registered under ``loongforge.megatron.models`` (the backend ships its own through the same group)."""
 
     name = "megatron"
     model_schema = ModelConfig
@@ -163,7 +162,7 @@ class MegatronBackend(Backend):
                               key="train.compile_mode")
         if t.compile and recipe.kernels.grad_accum_fusion:
             # NOTE: megatron's linear backward adds into weight.main_grad, a tensor outside the compiled graph: dynamo
-            # breaks the graph at every linear (DiT-XL/2 on an H200 ran 0.60x of train.compile alone)
+            # breaks the graph at every linear (a 28-layer diffusion transformer on an H200 ran 0.60x of train.compile alone)
             raise RecipeError("kernels.grad_accum_fusion cannot be used with train.compile: megatron's linear backward "
                               "writes the fp32 main_grad outside the compiled graph, which breaks it at every linear "
                               "(0.60x measured); use one of them", key="kernels.grad_accum_fusion")

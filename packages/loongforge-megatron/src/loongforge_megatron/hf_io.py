@@ -174,7 +174,7 @@ def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, 
               whole: tuple[str, ...] = (), ema: Any = None, assets: Callable[[Path], None] | None = None,
               log: Any = None) -> Path | None:
     """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer
-    (a DiT: a diffusers DiTTransformer2DModel folder, config.json + diffusion_pytorch_model.safetensors).
+    (a diffusers model's folder: config.json + diffusion_pytorch_model.safetensors).
 
     Streams: rank 0 walks the HF tensors in order and every other rank sends each shard it owns point-to-point
     the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All

@@ -63,7 +63,7 @@ class MegatronJob(Job):
         self.precision = self.acc.resolve_precision(t.precision)
         if t.fp8 is not None:
             self._check_fp8()
-        # the data first: a bad data path or VAE fails before the model is built
+        # the data first: a bad data path or image encoder fails before the model is built
         self.data = spec.data(recipe=recipe, arch=arch, runtime=self.runtime, device=self.device)
         self.seq_length = self.data.seq_length
         built = spec.model(recipe=recipe, arch=arch, plan=plan, accelerator=self.acc, device=self.device,

@@ -20,7 +20,7 @@ def config_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     model_type = cfg.pop("model_type", None)
     try:
         config = tf.AutoConfig.for_model(model_type, **cfg)
-        auto = tf.AutoModelForImageTextToText if model_type == "llava" else tf.AutoModelForCausalLM
+        auto = tf.AutoModelForCausalLM if type(config) in tf.MODEL_FOR_CAUSAL_LM_MAPPING else tf.AutoModelForImageTextToText
         with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
             model = auto.from_config(config)
     except Exception:  # noqa: BLE001 - a family transformers does not know here: nothing to compare with

@@ -27,7 +27,7 @@ HFConfig = dict[str, Any]
 @dataclass
 class Data:
     """What a spec's data step gives the job: the datasets (index -> sample dict), what one sample is made of
-    (``seq_length``: tokens, or a DiT's latent patches) and what an HF export writes beside the weights."""
+    (``seq_length``: tokens, or an image model's latent patches) and what an HF export writes beside the weights."""
 
     train: Any
     valid: Any = None
@@ -35,7 +35,7 @@ class Data:
     tokenizer: Any = None
     samples_per_s: bool = False  # report samples (images) per second too
     assets: Callable[[Path], None] | None = None  # writes tokenizer / label files into an export's directory
-    encoder: Any = None  # what turns a batch's raw inputs into the model's (a DiT's VAE), for the forward step
+    encoder: Any = None  # what turns a batch's raw inputs into the model's (an image model's autoencoder), for the forward step
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Supports:
     """What a model kind trains, checked once by the backend's ``validate`` before the kind's own checks: train
     stages, ``data.format`` values (those of SFT among them), the parallel dimensions it may set (above 1, or on;
     data parallelism always), and the ``kernels.layers`` sets it builds on. ``models`` names the kind in messages
-    ("DiT models train with ...")."""
+    ("language models train with ...")."""
 
     models: str = "language models"
     stages: tuple[str, ...] = ("pretrain", "cpt", "sft", "lora")
@@ -88,7 +88,7 @@ class ModelSpec(Protocol):
     """One model family. ``models.base.HFCheckpoint`` gives the HF-checkpoint hooks their usual defaults."""
 
     name: str  # the family: recipe ``model.family``, the registry key
-    kind: str  # what it is, for messages ("a language model", "a DiT")
+    kind: str  # what it is, for messages ("a language model")
     model_types: tuple[str, ...]  # HF ``model_type`` (diffusers ``_class_name``) values this family reads
     presets: Mapping[str, Mapping[str, Any]]  # named sizes (recipe ``model.preset``)
     hf_weights: str  # weight files' stem an export writes (model / diffusion_pytorch_model)
