@@ -12,14 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
 from loongforge.checkpoint import Entry, FusedQKV, GatedMLP, NameMap, RowParallel
 from loongforge.checkpoint.mapping import SINGLE, Rule
 from loongforge.errors import RecipeError
 from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.gpt.family import GPTFamily
 from loongforge_megatron.models.gpt.names import H, L, ends, head_dim, norms, num_query_groups
+from pydantic import Field
 
 PRESETS = {
     "phi3-mini": dict(family="phi3", num_layers=32, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=32,
