@@ -53,9 +53,9 @@ def check_supports(recipe: Recipe, plan: Any, spec: Any) -> None:
     for dim, on in used.items():
         if on and dim not in can.parallel:
             allowed = ", ".join(PARALLEL_DIMS[d] for d in can.parallel if d in PARALLEL_DIMS)
-            got = "true" if dim == "sp" else "set" if dim == "components" else getattr(plan, dim)
+            got = "" if dim in ("sp", "components") else f" {getattr(plan, dim)}"
             raise RecipeError(f"{models} train with {allowed + ' and ' if allowed else ''}data parallelism only "
-                              f"(got {got})", key=f"parallel.{dim}")
+                              f"(got {PARALLEL_DIMS[dim]} parallelism{got})", key=f"parallel.{dim}")
     if recipe.kernels.layers not in can.layers:
         raise RecipeError(f"{models} build on kernels.layers {', '.join(can.layers)}, not {recipe.kernels.layers}",
                           key="kernels.layers")

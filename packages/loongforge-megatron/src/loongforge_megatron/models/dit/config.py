@@ -28,7 +28,7 @@ class DiTDataConfig(DataConfig):
     """``data`` of a DiT: format ``latents``: synthetic latents without ``path``; with it an image folder, one
     sub-folder per class, encoded by ``model.vae``."""
 
-    formats_without_path: ClassVar[tuple[str, ...]] = ("latents",)
+    formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic", "latents")
 
     format: str = Field("latents", description="latents")
     image_size: int | None = Field(None, ge=8, description="image side in pixels (default: 8 x model.sample_size)")
