@@ -94,18 +94,34 @@ def test_an_installed_family_is_listed_and_trains_with_hf_in_and_out(venv, tmp_p
     assert _run([py, "-c", CHECK, str(hf_in), str(run / "hf")]).strip().endswith("ok")
 
 
+# run in the venv: validate --show of the family's recipe, then the recipes that must be refused, in one process
+OWN_KEY = """
+import contextlib, io, json, sys
+from loongforge.cli import main
+recipe, llama = sys.argv[1:3]
+out = {}
+for name, args in (("show", [recipe, "--show"]), ("zero", [recipe, "model.sliding_window=0"]),
+                   ("longer", [recipe, "data.seq_length=128"]), ("llama", [llama, "model.sliding_window=64"])):
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        rc = main(["validate", *args])
+    out[name] = [rc, o.getvalue(), e.getvalue()]
+print(json.dumps(out))
+"""
+
+
 def test_a_family_declares_its_own_recipe_key(venv):
     """``model.sliding_window`` is a key of the phi3 family's own ``model`` section: its recipe validates and shows
     it, a wrong value is refused naming the key's path, and another family's recipe refuses the key naming phi3."""
     py = str(venv / "bin" / "python")
     recipe = _run([py, "-c", "import loongforge_phi3; print(loongforge_phi3.RECIPE)"]).strip()
-    shown = yaml.safe_load(_run([py, "-m", "loongforge", "validate", recipe, "--show"]))
-    assert shown["model"]["family"] == "phi3" and shown["model"]["sliding_window"] == 64
     llama = EXAMPLE.parents[1] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"
-    for args, words in (([recipe, "model.sliding_window=0"], "greater than or equal to 1"),
-                        ([recipe, "data.seq_length=128"], "sliding_window 64"),
-                        ([str(llama), "model.sliding_window=64"], "phi3 model family")):
-        proc = _run([py, "-m", "loongforge", "validate", *args], ok=False)
-        key = "data.seq_length" if "seq_length" in args[1] else "model.sliding_window"
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert f"key '{key}'" in proc.stderr and words in proc.stderr, proc.stderr
+    got = json.loads(_run([py, "-c", OWN_KEY, recipe, str(llama)]).strip().splitlines()[-1])
+    rc, shown, _ = got.pop("show")
+    assert rc == 0 and yaml.safe_load(shown)["model"]["sliding_window"] == 64
+    assert yaml.safe_load(shown)["model"]["family"] == "phi3"
+    for name, key, words in (("zero", "model.sliding_window", "greater than or equal to 1"),
+                             ("longer", "data.seq_length", "sliding_window 64"),
+                             ("llama", "model.sliding_window", "phi3 model family")):
+        rc, _, err = got[name]
+        assert rc == 2 and err.count("\n") == 1 and f"key '{key}'" in err and words in err, (name, err)

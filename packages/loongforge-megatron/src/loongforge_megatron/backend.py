@@ -25,12 +25,22 @@ def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
 
 def _check_format(fmt: Any) -> None:
     formats = data_formats()
-    if fmt not in formats:
+    if isinstance(fmt, str) and fmt not in formats:  # NOTE: not a string: the section's validation names the type
         import difflib
 
         close = difflib.get_close_matches(str(fmt), formats, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise RecipeError(f"unknown format '{fmt}'; {hint}the installed model kinds train on {', '.join(formats)}",
+                          key="data.format")
+
+
+def check_format(spec: Any, fmt: str) -> None:
+    """``data.format`` must be one the model kind trains on (the kinds that do are named)."""
+    can = spec.supports
+    if fmt not in can.data_formats:
+        others = sorted({s.supports.models for s in registry.all_specs().values() if fmt in s.supports.data_formats})
+        which = f": that one is for {' and '.join(others)}" if others else ""
+        raise RecipeError(f"{can.models} train on data.format {' or '.join(can.data_formats)} (got '{fmt}'{which})",
                           key="data.format")
 
 
@@ -41,12 +51,7 @@ def check_supports(recipe: Recipe, plan: Any, spec: Any) -> None:
     if recipe.train.stage not in can.stages:
         raise RecipeError(f"{models} support train.stage {' / '.join(can.stages)} (got '{recipe.train.stage}')",
                           key="train.stage")
-    fmt = recipe.data.format
-    if fmt not in can.data_formats:
-        others = sorted({s.supports.models for s in registry.all_specs().values() if fmt in s.supports.data_formats})
-        which = f": that one is for {' and '.join(others)}" if others else ""
-        raise RecipeError(f"{models} train on data.format {' or '.join(can.data_formats)} (got '{fmt}'{which})",
-                          key="data.format")
+    check_format(spec, recipe.data.format)
     used = {"tp": plan.tp > 1, "sp": plan.sp, "cp": plan.cp > 1, "pp": plan.pp > 1, "vpp": plan.vpp > 1,
             "ep": plan.ep > 1, "etp": recipe.parallel.etp not in (None, 1, plan.tp),
             "components": bool(recipe.parallel.components)}
@@ -77,11 +82,16 @@ class MegatronBackend(Backend):
         if section not in ("model", "data"):
             return getattr(cls, f"{section}_schema", None)
         spec = spec_for(raw) if section == "model" else spec_for(recipe.model.model_dump(exclude_none=True))
+        if spec is None and section == "model" and isinstance(raw.get("hf"), str) and not raw.get("family"):
+            registry.arch_from_hf(raw["hf"])  # NOTE: says why the HF directory names no family (model.hf)
         if spec is None:
             return getattr(cls, f"{section}_schema")
         schema = getattr(spec, f"{section}_section")
         if section == "data":
-            _check_format(raw.get("format", schema.model_fields["format"].default))
+            fmt = raw.get("format", schema.model_fields["format"].default)
+            _check_format(fmt)
+            if isinstance(fmt, str):
+                check_format(spec, fmt)
         for key in raw:
             if key in schema.model_fields:
                 continue
