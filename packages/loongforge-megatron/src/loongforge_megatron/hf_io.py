@@ -284,9 +284,9 @@ def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any
         read = _receiver(mine, holdings)
         source = MegatronSource(layout, read=read, spec=holdings.spec)
         tensors = _peft_tensors(source, read, layout, lora_names,
-                                peft_name=getattr(spec, "peft_name", lambda n: n))
+                                peft_name=spec.peft_name)
         modules = sorted({k.split(".")[-3] for k in tensors})
-        if getattr(spec, "peft_module_paths", False):
+        if spec.peft_module_paths:
             # NOTE: PEFT would adapt the model's other linears of the same names too
             modules = sorted({k[len("base_model.model."): k.rindex(".lora_")] for k in tensors})
         config = {

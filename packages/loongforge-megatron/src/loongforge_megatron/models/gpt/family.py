@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def _mtp_families() -> list[Any]:
     from loongforge_megatron.models import registry
 
-    return [s for s in registry.all_specs().values() if getattr(s, "mtp", False)]
+    return [s for s in registry.all_specs().values() if s.mtp]
 
 
 class GPTFamily(HFCheckpoint):
