@@ -111,8 +111,8 @@ def _profile(step, args) -> str:
 def run_diffusers(args, compiled: bool) -> dict:
     import torch
     from diffusers import DDPMScheduler, DiTTransformer2DModel
-    from loongforge_megatron.models.dit.data import SyntheticLatents
     from loongforge_megatron.models.dit.arch import arch_from_diffusers
+    from loongforge_megatron.models.dit.data import SyntheticLatents
     from loongforge_megatron.models.dit.model import variational_bound
 
     device = torch.device(args.device)
