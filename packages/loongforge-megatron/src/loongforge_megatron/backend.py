@@ -81,9 +81,8 @@ class MegatronBackend(Backend):
         ``data_section``: the shared keys plus its own). A key only another kind declares is refused naming it."""
         if section not in ("model", "data"):
             return getattr(cls, f"{section}_schema", None)
-        spec = spec_for(raw) if section == "model" else spec_for(recipe.model.model_dump(exclude_none=True))
-        if spec is None and section == "model" and isinstance(raw.get("hf"), str) and not raw.get("family"):
-            registry.arch_from_hf(raw["hf"])  # NOTE: says why the HF directory names no family (model.hf)
+        raw_model = raw if section == "model" else recipe.model.model_dump(exclude_none=True)
+        spec = spec_for(raw_model, explain=section == "model")
         if spec is None:
             return getattr(cls, f"{section}_schema")
         schema = getattr(spec, f"{section}_section")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from loongforge.errors import RecipeError
 from loongforge.recipe.schema import KernelsConfig, Section
 from pydantic import Field, model_validator
 
@@ -24,9 +25,19 @@ def arch_keys(schema: type[ModelConfig] | None = None) -> list[str]:
     return [f for f in schema.model_fields if f not in _NOT_ARCH and f not in schema.not_arch]
 
 
-def spec_for(model: dict[str, Any]) -> Any:
+def spec_for(model: dict[str, Any], *, explain: bool = False) -> Any:
     """The spec a raw ``model`` section names (its family, preset or HF directory; llama with explicit sizes), or
-    None when it names none that loads (the section's own validation then says why)."""
+    None when it names none that loads (the section's own validation then says why; ``explain``: an HF directory
+    that names no family is a RecipeError naming model.hf here)."""
+    if explain and isinstance(model.get("hf"), str) and not model.get("family") and not model.get("preset"):
+        try:
+            registry.get_family(hf_config=json.loads((Path(model["hf"]) / "config.json").read_text()))
+        except Exception:  # noqa: BLE001 - whatever it is, arch_from_hf says it naming model.hf
+            try:
+                registry.arch_from_hf(model["hf"])
+            except ValueError as exc:
+                raise RecipeError(f"{model['hf']}/config.json: not valid JSON ({str(exc)[:100]})",
+                                  key="model.hf") from None
     try:
         if model.get("family"):
             return registry.get(model["family"])
