@@ -97,8 +97,9 @@ def test_an_installed_family_is_listed_and_trains_with_hf_in_and_out(venv, tmp_p
 # run in the venv: validate --show of the family's recipe, then the recipes that must be refused, in one process
 OWN_KEY = """
 import contextlib, io, json, sys
+import loongforge_phi3
 from loongforge.cli import main
-recipe, llama = sys.argv[1:3]
+recipe, llama = str(loongforge_phi3.RECIPE), sys.argv[1]
 out = {}
 for name, args in (("show", [recipe, "--show"]), ("zero", [recipe, "model.sliding_window=0"]),
                    ("longer", [recipe, "data.seq_length=128"]), ("llama", [llama, "model.sliding_window=64"])):
@@ -114,9 +115,8 @@ def test_a_family_declares_its_own_recipe_key(venv):
     """``model.sliding_window`` is a key of the phi3 family's own ``model`` section: its recipe validates and shows
     it, a wrong value is refused naming the key's path, and another family's recipe refuses the key naming phi3."""
     py = str(venv / "bin" / "python")
-    recipe = _run([py, "-c", "import loongforge_phi3; print(loongforge_phi3.RECIPE)"]).strip()
     llama = EXAMPLE.parents[1] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"
-    got = json.loads(_run([py, "-c", OWN_KEY, recipe, str(llama)]).strip().splitlines()[-1])
+    got = json.loads(_run([py, "-c", OWN_KEY, str(llama)]).strip().splitlines()[-1])
     rc, shown, _ = got.pop("show")
     assert rc == 0 and yaml.safe_load(shown)["model"]["sliding_window"] == 64
     assert yaml.safe_load(shown)["model"]["family"] == "phi3"
