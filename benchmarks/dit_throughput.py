@@ -66,7 +66,7 @@ def run_ours(args, compiled: bool = False, grad_accum_fusion: bool = False) -> d
                   "compile": compiled},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
-        "kernels": {"spec": "loongforge", "grad_accum_fusion": grad_accum_fusion},
+        "kernels": {"layers": "loongforge", "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5, "console": False},
     }
     tmp = Path(tempfile.mkdtemp())
@@ -111,8 +111,8 @@ def _profile(step, args) -> str:
 def run_diffusers(args, compiled: bool) -> dict:
     import torch
     from diffusers import DDPMScheduler, DiTTransformer2DModel
-    from loongforge_megatron.data.latents import SyntheticLatents
     from loongforge_megatron.models.dit.arch import arch_from_diffusers
+    from loongforge_megatron.models.dit.data import SyntheticLatents
     from loongforge_megatron.models.dit.model import variational_bound
 
     device = torch.device(args.device)

@@ -53,7 +53,7 @@ def _recipe(args, fp8: dict | None) -> dict:
     return {"backend": "megatron", "model": {"preset": args.preset, "num_layers": args.layers},
             "data": {"format": "synthetic", "seq_length": args.seq}, "train": train,
             "checkpoint": {"save_at_end": False}, "accelerator": "cuda",
-            "kernels": {"spec": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
+            "kernels": {"layers": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
             "logging": {"tensorboard": False, "interval": 5}}
 
 
@@ -141,8 +141,8 @@ def run_ours(args, fp8: str | None) -> dict:
         losses.append(m["loss"])
         times.append(m["step_time"])
     peak = torch.cuda.max_memory_allocated()
-    from loongforge_megatron.spec.fp8 import Fp8ParallelLinear
-    from loongforge_megatron.spec.grouped_experts import GroupedMLP
+    from loongforge_megatron.layers.fp8 import Fp8ParallelLinear
+    from loongforge_megatron.layers.grouped_experts import GroupedMLP
 
     mods = [m for c in job.chunks for m in c.modules()]
     out = {"losses": losses, "times": times, "peak_gib": peak / 2**30,

@@ -45,7 +45,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
     import yaml
 
     if not one_pass_loss:  # A/B row: the per-token loss whose backward recomputes the logits (the pre-mask path)
-        from loongforge_megatron.spec import output
+        from loongforge_megatron.layers import output
 
         output._takes_token_weights = lambda fn: False
 
@@ -58,7 +58,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": "cuda",
-        "kernels": {"spec": spec, "grad_accum_fusion": grad_accum_fusion},
+        "kernels": {"layers": spec, "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())

@@ -130,7 +130,7 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
                   "seed": 1},
         "checkpoint": {"load": args.hf_dir, "save_at_end": False},
         "accelerator": args.device,
-        "kernels": {"spec": "loongforge", "moe_grouped_gemm": grouped, "moe_router_fusion": router_fusion},
+        "kernels": {"layers": "loongforge", "moe_grouped_gemm": grouped, "moe_router_fusion": router_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())

@@ -153,7 +153,7 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = Fal
     import yaml
 
     if plain_ce:  # A/B row: the output layer's logits + megatron's cross-entropy instead of the fused linear CE
-        from loongforge_megatron.spec import output
+        from loongforge_megatron.layers import output
 
         def plain(*, hidden_states, output_layer, output_weight, labels, compute_language_model_loss, **_):
             logits, _ = output_layer(hidden_states, weight=output_weight)

@@ -131,10 +131,10 @@ def test_embodied_fp8_runs_the_plugins_linear():
 
 
 def test_megatron_fp8_runs_the_plugins_linear():
-    """The megatron TP linear's FP8 path (``spec.fp8``) calls the plugin's forward / backward, weight grad into
+    """The megatron TP linear's FP8 path (``layers.fp8``) calls the plugin's forward / backward, weight grad into
     ``main_grad`` included."""
     pytest.importorskip("loongforge_megatron")
-    from loongforge_megatron.spec.fp8 import Fp8Kernels, _Fp8TPLinear
+    from loongforge_megatron.layers.fp8 import Fp8Kernels, _Fp8TPLinear
 
     acc = Fp8Device()
     kernels = Fp8Kernels.select(Fp8Config(recipe="tensorwise"), provider="auto", device_type="cpu", accelerator=acc)

@@ -40,7 +40,7 @@ def test_every_shipped_op_has_one_record_per_provider():
 
 
 def _megatron(op: str, provider: str):
-    from loongforge_megatron.spec.modules import kernel
+    from loongforge_megatron.layers.modules import kernel
 
     return kernel(op, provider=load_recipe(LLM, [f"kernels.provider={provider}"]).kernels.provider, device_type="cpu")
 

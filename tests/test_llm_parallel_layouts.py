@@ -53,7 +53,7 @@ def train(family: str, overrides: list[str], out: Path, nproc: int, hf_dir: Path
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     recipe = "qwen3_moe_tiny.yaml" if family == "qwen3_moe" else "llama_tiny.yaml"
     cmd = [sys.executable, "-m", "loongforge", "train", str(RECIPES / recipe), "--output", str(out), "--nproc", str(nproc),
-           "accelerator=cpu", "kernels.spec=loongforge", f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}",
+           "accelerator=cpu", "kernels.layers=loongforge", f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}",
            "train.stage=cpt", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

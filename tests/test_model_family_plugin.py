@@ -5,6 +5,7 @@ transformers saved, exporting an HF directory that transformers loads with every
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron-phi3"
 
@@ -41,11 +43,14 @@ print("ok")
 """
 
 
-def _run(cmd: list[str], **kw) -> str:
+def _run(cmd: list[str], *, ok: bool = True, **kw) -> subprocess.CompletedProcess | str:
+    """``cmd``'s stdout, asserting it succeeded (``ok=False``: the finished process, whatever it returned)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PIP_NO_INDEX": "1",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, **kw)
+    if not ok:
+        return proc
     assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
     return proc.stdout
 
@@ -84,4 +89,39 @@ def test_an_installed_family_is_listed_and_trains_with_hf_in_and_out(venv, tmp_p
     _run([py, "-m", "loongforge", "train", recipe, "--output", str(run), "model.preset=null", f"model.hf={hf_in}",
           f"checkpoint.load={hf_in}", "train.stage=cpt", "train.steps=2", "logging.console=false"])
     assert (run / "hf" / "config.json").is_file()
+    # NOTE: the recipe's model.sliding_window (the family's own key) overrides the HF config's, into the export
+    assert json.loads((run / "hf" / "config.json").read_text())["sliding_window"] == 64
     assert _run([py, "-c", CHECK, str(hf_in), str(run / "hf")]).strip().endswith("ok")
+
+
+# run in the venv: validate --show of the family's recipe, then the recipes that must be refused, in one process
+OWN_KEY = """
+import contextlib, io, json, sys
+import loongforge_phi3
+from loongforge.cli import main
+recipe, llama = str(loongforge_phi3.RECIPE), sys.argv[1]
+out = {}
+for name, args in (("show", [recipe, "--show"]), ("zero", [recipe, "model.sliding_window=0"]),
+                   ("longer", [recipe, "data.seq_length=128"]), ("llama", [llama, "model.sliding_window=64"])):
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        rc = main(["validate", *args])
+    out[name] = [rc, o.getvalue(), e.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_a_family_declares_its_own_recipe_key(venv):
+    """``model.sliding_window`` is a key of the phi3 family's own ``model`` section: its recipe validates and shows
+    it, a wrong value is refused naming the key's path, and another family's recipe refuses the key naming phi3."""
+    py = str(venv / "bin" / "python")
+    llama = EXAMPLE.parents[1] / "recipes" / "llm" / "tiny" / "llama_tiny.yaml"
+    got = json.loads(_run([py, "-c", OWN_KEY, str(llama)]).strip().splitlines()[-1])
+    rc, shown, _ = got.pop("show")
+    assert rc == 0 and yaml.safe_load(shown)["model"]["sliding_window"] == 64
+    assert yaml.safe_load(shown)["model"]["family"] == "phi3"
+    for name, key, words in (("zero", "model.sliding_window", "greater than or equal to 1"),
+                             ("longer", "data.seq_length", "sliding_window 64"),
+                             ("llama", "model.sliding_window", "phi3 model family")):
+        rc, _, err = got[name]
+        assert rc == 2 and err.count("\n") == 1 and f"key '{key}'" in err and words in err, (name, err)

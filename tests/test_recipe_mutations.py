@@ -105,7 +105,7 @@ def test_keys_a_backend_does_not_use_are_refused(recipe, override, capsys):
 @pytest.mark.parametrize(("recipe", "override"), [
     ("llm/tiny/llama_tiny.yaml", "parallel.shard_size=2"),
     ("llm/tiny/llama_tiny.yaml", "parallel.strategy=auto"),
-    ("embodied/tiny_vla_synthetic.yaml", "kernels.spec=te"),
+    ("embodied/tiny_vla_synthetic.yaml", "kernels.layers=te"),
     ("embodied/tiny_vla_synthetic.yaml", "kernels.grad_accum_fusion=true"),
 ])
 def test_another_backends_keys_are_unknown_keys(recipe, override, capsys):

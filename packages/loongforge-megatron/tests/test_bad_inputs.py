@@ -100,14 +100,15 @@ def test_validate_refuses_untrainable_values(tmp_path, capsys):
         assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
 
 
-@pytest.mark.parametrize("recipe, words", [("llm/tiny/llama_tiny.yaml", "a language model's data has no images"),
-                                           ("vlm/llava_tiny.yaml", "LLaVA's images are its vision tower's size (32 px")])
+@pytest.mark.parametrize("recipe, words", [("llm/tiny/llama_tiny.yaml", "model families, not of llama"),
+                                           ("vlm/llava_tiny.yaml", "model families, not of llava")])
 def test_image_size_where_no_data_reads_it_is_refused(recipe, words, capsys):
-    """``data.image_size`` on a model whose data ignores it is an error, not a silently unused key."""
+    """``data.image_size`` on a model whose data ignores it is an error, not a silently unused key: it is a key of
+    other model kinds' data sections only, and the error names them."""
     path = Path(__file__).parents[3] / "recipes" / recipe
     assert main(["validate", str(path), "accelerator=cpu", "data.format=synthetic", "data.image_size=64"]) == 2
     err = capsys.readouterr().err
-    assert "key 'data.image_size'" in err and words in err and err.count("\n") == 1, err
+    assert "key 'data.image_size'" in err and words in err and "dit" in err and err.count("\n") == 1, err
 
 
 def _prepared(tmp_path, tok) -> tuple[loongforge.Recipe, Path]:

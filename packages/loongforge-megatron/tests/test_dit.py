@@ -373,7 +373,7 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path, ranks):
     (["parallel.tp=2", "parallel.sp=true"], "parallel.sp", "sequence parallelism"),
     (["train.stage=lora"], "train.stage", "pretrain / cpt"),
     (["train.eval_interval=5"], "train.eval_interval", "no validation pass"),
-    (["kernels.spec=te"], "kernels.spec", "not te"),
+    (["kernels.layers=te"], "kernels.layers", "not te"),
     (["data={format: synthetic}"], "data.format", "DiT models train on data.format latents"),
     (["data.seq_length=64"], "data.seq_length", "latent patches"),
     (["model.vocab_size=100"], "model", "not a setting of a DiT"),

@@ -60,10 +60,10 @@ def test_fp8_output_layer_under_the_fused_loss_is_refused(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "r.yaml")]) == 2
     err = capsys.readouterr().err
     assert "key 'train.fp8.output_layer'" in err and "fused linear cross-entropy" in err and err.count("\n") == 1
-    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.spec=local"]) == 0
+    assert main(["validate", str(tmp_path / "r.yaml"), "kernels.layers=local"]) == 0
 
 
-@pytest.mark.parametrize(("override", "fragment"), [("kernels.spec=te", "kernels.spec te"),
+@pytest.mark.parametrize(("override", "fragment"), [("kernels.layers=te", "kernels.layers te"),
                                                     ("train.compile=true", "train.compile")])
 def test_fp8_conflicts_are_refused_at_validate(tmp_path, capsys, override, fragment):
     """What the FP8 linears cannot run with is refused by ``loongforge validate``, not first after launch."""
@@ -110,8 +110,8 @@ def test_policy_file_errors_name_the_key(tmp_path):
 def _swap_body(policy: str | None) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
-    from loongforge_megatron.engine.layer_spec import row_parallel_linear
-    from loongforge_megatron.spec.fp8 import Fp8Kernels, Fp8ParallelLinear, apply_fp8
+    from loongforge_megatron.layers.fp8 import Fp8Kernels, Fp8ParallelLinear, apply_fp8
+    from loongforge_megatron.layers.megatron_layers import row_parallel_linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
 
@@ -144,7 +144,7 @@ def test_apply_fp8_swaps_decoder_linears(in_world, tmp_path):
 
 
 def test_apply_fp8_follows_the_policy(in_world, tmp_path):
-    from loongforge_megatron.spec.fp8 import gemm_key
+    from loongforge_megatron.layers.fp8 import gemm_key
 
     faster = {"fp8_faster": True}
     slower = {"fp8_faster": False}
@@ -162,8 +162,8 @@ def _grouped_body(cases: list[tuple[str | None, str, bool]]) -> list[dict]:
 def _grouped_case(policy: str | None, recipe: str, experts: bool) -> dict:
     import torch
     from loongforge.recipe.schema import Fp8Config
-    from loongforge_megatron.spec.fp8 import Fp8Kernels, apply_fp8
-    from loongforge_megatron.spec.grouped_experts import GroupedMLP
+    from loongforge_megatron.layers.fp8 import Fp8Kernels, apply_fp8
+    from loongforge_megatron.layers.grouped_experts import GroupedMLP
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
@@ -187,7 +187,7 @@ def _grouped_case(policy: str | None, recipe: str, experts: bool) -> dict:
 def test_apply_fp8_picks_fp8_grouped_experts(in_world, tmp_path):
     """train.fp8.experts switches grouped MoE experts to FP8 grouped GEMMs; the policy (keyed by experts, routed rows =
     tokens x top-k, N, K) picks per GEMM; blockwise keeps them bf16 and says why."""
-    from loongforge_megatron.spec.fp8 import grouped_gemm_key
+    from loongforge_megatron.layers.fp8 import grouped_gemm_key
 
     faster, slower = {"fp8_faster": True}, {"fp8_faster": False}
     policy = {"gemms": {grouped_gemm_key(4, 32, 64, 64): {"fwd": faster, "dgrad": slower, "wgrad": faster}}}
@@ -221,7 +221,7 @@ def test_fp8_weight_grad_goes_into_main_grad(monkeypatch):
     import torch
     from loongforge.kernels import select_op
     from loongforge_kernels import fp8_linear as fl
-    from loongforge_megatron.spec.fp8 import _Fp8TPLinear
+    from loongforge_megatron.layers.fp8 import _Fp8TPLinear
 
     def emulated(a, sa, b, sb, out_dtype, fast_accum, out=None):
         y = ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)

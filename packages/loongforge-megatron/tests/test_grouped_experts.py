@@ -18,7 +18,7 @@ LOSS_RTOL = 1e-5
 
 
 def test_grouped_linear_matches_per_expert_matmuls():
-    from loongforge_megatron.spec.grouped_experts import grouped_linear
+    from loongforge_megatron.layers.grouped_experts import grouped_linear
 
     g = torch.Generator().manual_seed(0)
     counts = [3, 0, 5, 1, 0, 7, 2]  # 7 experts (not a power of two), two without tokens
@@ -161,7 +161,7 @@ def test_grouped_experts_hf_roundtrip_is_bit_exact(tmp_path, tiny_hf, ranks):
 
 def _random_init_experts(*, grouped: bool):
     """The expert tensors of a random-init MoE layer built by megatron (CPU init), by state-dict name."""
-    from loongforge_megatron.spec.grouped_experts import with_grouped_experts
+    from loongforge_megatron.layers.grouped_experts import with_grouped_experts
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -189,7 +189,7 @@ def test_grouped_random_init_equals_sequential_mlp(tmp_path, in_world):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_linear_bf16_cuda_matches_per_expert_matmuls():
-    from loongforge_megatron.spec.grouped_experts import grouped_linear
+    from loongforge_megatron.layers.grouped_experts import grouped_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     counts = [300, 0, 517, 1, 0, 77, 1024]

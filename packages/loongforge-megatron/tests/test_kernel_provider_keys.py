@@ -14,7 +14,7 @@ LLM = RECIPES / "llm" / "tiny" / "llama_tiny.yaml"
 
 @pytest.mark.parametrize(("recipe", "overrides", "fragment"), [
     (LLM, ["kernels.provider=tilelang"], "provider 'tilelang' has no rms_norm, swiglu, rope"),
-    (LLM, ["kernels.provider=torch", "kernels.spec=local"], "kernels.spec 'local' uses none"),
+    (LLM, ["kernels.provider=torch", "kernels.layers=local"], "kernels.layers 'local' uses none"),
     (RECIPES / "diffusion" / "dit_tiny.yaml", ["kernels.provider=triton"], "DiT models use no fused kernels"),
 ])
 def test_unusable_providers_are_refused(recipe, overrides, fragment, capsys):
@@ -26,3 +26,18 @@ def test_unusable_providers_are_refused(recipe, overrides, fragment, capsys):
 @pytest.mark.parametrize("provider", ["auto", "torch", "triton"])
 def test_full_providers_are_accepted(provider, capsys):
     assert main(["validate", str(LLM), f"kernels.provider={provider}"]) == 0, capsys.readouterr().err
+
+
+def test_the_old_kernels_spec_name_is_read_with_a_notice(monkeypatch, capsys):
+    """``kernels.spec`` (the old name of ``kernels.layers``) still selects the layers, with a one-line notice; giving
+    both names is refused naming the section."""
+    import loongforge
+    from loongforge_megatron import config
+
+    monkeypatch.setattr(config, "_SPEC_NOTICE_SHOWN", False)
+    assert loongforge.load_recipe(LLM, ["kernels.spec=local"]).kernels.layers == "local"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kernels.spec is renamed kernels.layers" in err, err
+    assert main(["validate", str(LLM), "kernels.spec=local", "kernels.layers=local"]) == 2
+    err = capsys.readouterr().err
+    assert "key 'kernels'" in err and "give only kernels.layers" in err and err.count("\n") == 1, err

@@ -97,7 +97,7 @@ def test_cpt_first_step_loss_equals_transformers(tmp_path, spec, ranks):
     """Both layer specs: ours (SDPA attention for CLIP and the LM, kernel RMSNorm / SwiGLU / RoPE; what auto picks)
     and megatron's local one."""
     hf_dir = save_llava(tmp_path / "hf")
-    batches, ours = first_step(ranks, tmp_path, cpt_overrides(hf_dir, f"kernels.spec={spec}"))
+    batches, ours = first_step(ranks, tmp_path, cpt_overrides(hf_dir, f"kernels.layers={spec}"))
     ref = hf_loss(hf_dir, hf_batch(batches))
     assert ours == pytest.approx(ref, rel=1e-5), (ours, ref)
 
@@ -183,7 +183,7 @@ def test_unsupported_layouts_are_refused(capsys):
     for override, key in (("parallel.cp=2", "parallel.cp"), ("parallel.sp=true", "parallel.sp"),
                           ("parallel.components={vision: {tp: 1, pp: 2}}", "parallel.components.vision.pp"),
                           ("parallel.components={audio: {tp: 1}}", "parallel.components.audio"),
-                          ("train.stage=lora", "train.stage"), ("kernels.spec=te", "kernels.spec")):
+                          ("train.stage=lora", "train.stage"), ("kernels.layers=te", "kernels.layers")):
         assert main(["validate", str(RECIPE), override, "parallel.tp=2" if "sp" in override else "train.seed=1",
                      "--world-size", "2"]) == 2
         err = capsys.readouterr().err

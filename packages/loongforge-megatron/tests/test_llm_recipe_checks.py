@@ -24,10 +24,10 @@ TINY = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny"
     ("qwen3_moe_tiny.yaml", ["model.num_attention_heads=8", "model.num_query_groups=4", "parallel.tp=4",
                              "parallel.sp=true", "parallel.ep=2", "parallel.etp=2", "checkpoint.save_format=[dist,hf]",
                              "--world-size", "4"], "parallel.etp", "parallel.etp 2 with tp 4 has no HF layout"),
-    ("llama_tiny.yaml", ["parallel.cp=2", "kernels.spec=local", "--world-size", "2"], "kernels.spec",
-     "context parallelism needs the loongforge or te spec"),
-    ("llama_tiny.yaml", ["kernels.spec=te", "checkpoint.save_format=[dist,hf]"], "kernels.spec",
-     "kernels.spec te cannot be used with an HF / PEFT export"),
+    ("llama_tiny.yaml", ["parallel.cp=2", "kernels.layers=local", "--world-size", "2"], "kernels.layers",
+     "context parallelism needs the loongforge or te layers"),
+    ("llama_tiny.yaml", ["kernels.layers=te", "checkpoint.save_format=[dist,hf]"], "kernels.layers",
+     "kernels.layers te cannot be used with an HF / PEFT export"),
 ])
 def test_refused_at_validate(capsys, recipe, args, key, message):
     assert main(["validate", str(TINY / recipe), *args]) == 2
@@ -142,22 +142,22 @@ def test_deepseek_yarn_trains_transformers_first_step_loss(tmp_path, tiny_hf, re
 
 
 def test_auto_spec_keeps_our_layer_names_where_hf_weights_or_packed_sft_need_them(monkeypatch):
-    """``kernels.spec: auto`` picks TransformerEngine only when it is installed and the recipe neither loads nor
+    """``kernels.layers: auto`` picks TransformerEngine only when it is installed and the recipe neither loads nor
     exports HF weights nor packs SFT sequences (TE is not installable here: its import is faked)."""
     import sys
     import types
 
-    from loongforge_megatron.models.gpt.family import kernel_spec
+    from loongforge_megatron.layers.selection import layer_set
 
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
     for over, spec in ((["checkpoint.save_format=[dist]"], "te"), (["checkpoint.save_format=[dist,hf]"], "loongforge"),
                        (["checkpoint.load=/some/hf"], "loongforge")):
-        recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.spec=auto", *over])
-        assert kernel_spec(recipe) == spec, over
+        recipe = loongforge.load_recipe(TINY / "llama_tiny.yaml", ["kernels.layers=auto", *over])
+        assert layer_set(recipe) == spec, over
 
 
 def test_te_spec_without_transformer_engine_is_one_line(tmp_path, capsys):
-    """``kernels.spec te`` validates anywhere (a recipe for a TE machine, checked on a laptop); training where
+    """``kernels.layers te`` validates anywhere (a recipe for a TE machine, checked on a laptop); training where
     TransformerEngine is missing stops with one line naming the key (it was an internal TypeError)."""
     import importlib.util
 
@@ -168,13 +168,13 @@ def test_te_spec_without_transformer_engine_is_one_line(tmp_path, capsys):
     import sys
 
     recipe = str(TINY / "llama_tiny.yaml")
-    assert main(["validate", recipe, "kernels.spec=te"]) == 0
+    assert main(["validate", recipe, "kernels.layers=te"]) == 0
     # NOTE: a subprocess: the job gets as far as megatron's process groups, which stay out of pytest's process
-    proc = subprocess.run([sys.executable, "-m", "loongforge", "train", recipe, "kernels.spec=te", "accelerator=cpu",
+    proc = subprocess.run([sys.executable, "-m", "loongforge", "train", recipe, "kernels.layers=te", "accelerator=cpu",
                            "--output", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     err = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and "key 'kernels.spec'" in err and "needs TransformerEngine" in err, proc.stderr
+    assert proc.returncode == 2 and "key 'kernels.layers'" in err and "needs TransformerEngine" in err, proc.stderr
 
 
 def _hf_config_dir(out: Path, family: str, **over) -> Path:

@@ -605,7 +605,7 @@ def _packed_and_padded_on_gpu(*, rank, world, overrides, run_dir):
     import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
     from loongforge_megatron.engine import step
-    from loongforge_megatron.spec.attention import SDPAttention
+    from loongforge_megatron.layers.attention import SDPAttention
 
     calls, lm, sdpa = [], [], []
     real_varlen, real_sdpa, real_forward = varlen.varlen_attn, F.scaled_dot_product_attention, SDPAttention.forward

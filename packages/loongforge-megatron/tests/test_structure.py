@@ -129,3 +129,45 @@ def test_the_family_list_exists_once():
         from loongforge_megatron.models.spec import ModelSpec
 
         assert isinstance(spec, ModelSpec), key
+
+
+# Each model kind's own words: its name, its data format and recipe keys, its building blocks. None of them may
+# appear (in code, strings or comments) outside the kind's folder: adding or removing a kind edits one folder.
+# A word with a capital letter matches in that case only, as a whole word ("CLIP", not gradient clipping's _CLIP);
+# others in any case, also as a part of an identifier (``is_dit``).
+# NOTE: words other kinds share are not listed: "diffusers" (a checkpoint format), "image_size" / "patch_size" (HF
+# vision configs), "conversations" (ShareGPT's SFT record field, data/sft.py), "mrope" (megatron's multimodal RoPE).
+KIND_WORDS = {
+    "dit": ("dit", "latents", "vae", "class_dropout", "sample_size", "learn_sigma", "adaln"),
+    "llava": ("llava", "CLIP"),
+    "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
+}
+
+
+def _hits(word: str, text: str) -> list[int]:
+    import re
+
+    exact = word != word.lower()  # NOTE: an identifier part counts (``is_dit``), except for a capitalised word
+    edge = "A-Za-z0-9_" if exact else "A-Za-z0-9"
+    pattern = re.compile(rf"(?<![{edge}]){re.escape(word)}(?![{edge}])", 0 if exact else re.IGNORECASE)
+    return [i + 1 for i, line in enumerate(text.splitlines()) if pattern.search(line)]
+
+
+def test_the_word_reader_sees_words():
+    assert _hits("dit", "a DiT's latents\nedit it\nis_dit") == [1, 3]
+    assert _hits("CLIP", "LLaVA's CLIP tower\ngrad clip\n_CLIP = 1") == [1]
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_WORDS))
+def test_no_kind_is_named_outside_its_folder(kind):
+    """A kind's name, data format and recipe keys live in ``models/<kind>/`` only (the entry points in the
+    pyproject name its spec)."""
+    folder = PKG / "models" / kind
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        if folder in path.parents:
+            continue
+        text = path.read_text()
+        for word in KIND_WORDS[kind]:
+            found += [f"{path.relative_to(PKG)}:{n}: {word}" for n in _hits(word, text)]
+    assert not found, f"{kind}'s words outside models/{kind}/:\n" + "\n".join(found)

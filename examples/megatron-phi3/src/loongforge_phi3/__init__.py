@@ -15,8 +15,10 @@ from typing import Any
 from loongforge.checkpoint import Entry, FusedQKV, GatedMLP, NameMap, RowParallel
 from loongforge.checkpoint.mapping import SINGLE, Rule
 from loongforge.errors import RecipeError
+from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.gpt.family import GPTFamily
 from loongforge_megatron.models.gpt.names import H, L, ends, head_dim, norms, num_query_groups
+from pydantic import Field
 
 PRESETS = {
     "phi3-mini": dict(family="phi3", num_layers=32, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=32,
@@ -68,6 +70,13 @@ class ConcatenatedGateUp(Rule):
         return {SINGLE: torch.cat([parts["gate"], parts["up"]], dim=0)}
 
 
+class Phi3ModelConfig(ModelConfig):
+    """The recipe's ``model`` section of a Phi-3: the shared keys plus the family's own."""
+
+    sliding_window: int | None = Field(None, ge=1, description="Phi-3: the attention window in tokens (phi3-mini: "
+                                       "2047); data.seq_length may not exceed it")
+
+
 class Phi3(GPTFamily):
     """``Phi3ForCausalLM`` (transformers' own model) <-> megatron's GPTModel."""
 
@@ -75,6 +84,7 @@ class Phi3(GPTFamily):
     model_types = ("phi3",)
     presets = PRESETS
     hf_architecture = "Phi3ForCausalLM"
+    model_section = Phi3ModelConfig  # NOTE: model.sliding_window, an architecture key of this family only
 
     def read_hf(self, cfg: dict, fields: dict[str, Any], *, path: Path) -> dict[str, Any]:
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:

@@ -47,6 +47,13 @@ class Backend(ABC):
     #: that sets one to anything but its default is refused rather than silently ignored.
     unused_keys: ClassVar[dict[str, str]] = {}
 
+    @classmethod
+    def section_schema(cls, section: str, *, raw: dict[str, Any], recipe: Recipe) -> type[BaseModel] | None:
+        """The schema that validates ``section`` of ``recipe`` (default: ``<section>_schema``). A backend whose
+        model kinds declare their own keys picks it from ``raw`` or from the sections validated before (``model``
+        before ``data``); it may raise ``RecipeError`` naming a key that belongs to another kind."""
+        return getattr(cls, f"{section}_schema", None)
+
     @classmethod  # noqa: B027 - optional override
     def check_recipe(cls, recipe: Recipe) -> None:
         """Cross-section checks that need no process group (raise ``RecipeError``)."""

@@ -10,7 +10,9 @@ from loongforge.backend import Backend, Job
 from loongforge.errors import CheckpointError, RecipeError
 from pydantic import ValidationError
 
-from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig
+from loongforge_megatron.config import DataConfig, MegatronKernelsConfig, ModelConfig, data_formats, spec_for
+from loongforge_megatron.models import registry
+from loongforge_megatron.models.spec import PARALLEL_DIMS
 
 if TYPE_CHECKING:
     from loongforge.recipe.schema import Recipe
@@ -21,10 +23,52 @@ def _not_no_cuda_notice(record: logging.LogRecord) -> bool:
     return "No CUDA runtime is found" not in record.getMessage()
 
 
+def _check_format(fmt: Any) -> None:
+    formats = data_formats()
+    if isinstance(fmt, str) and fmt not in formats:  # NOTE: not a string: the section's validation names the type
+        import difflib
+
+        close = difflib.get_close_matches(str(fmt), formats, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise RecipeError(f"unknown format '{fmt}'; {hint}the installed model kinds train on {', '.join(formats)}",
+                          key="data.format")
+
+
+def check_format(spec: Any, fmt: str) -> None:
+    """``data.format`` must be one the model kind trains on (the kinds that do are named)."""
+    can = spec.supports
+    if fmt not in can.data_formats:
+        others = sorted({s.supports.models for s in registry.all_specs().values() if fmt in s.supports.data_formats})
+        which = f": that one is for {' and '.join(others)}" if others else ""
+        raise RecipeError(f"{can.models} train on data.format {' or '.join(can.data_formats)} (got '{fmt}'{which})",
+                          key="data.format")
+
+
+def check_supports(recipe: Recipe, plan: Any, spec: Any) -> None:
+    """What the model kind's :class:`~loongforge_megatron.models.spec.Supports` declares, checked the same way for
+    every kind: the stage, the data format, the parallel dimensions and the layer set."""
+    can, models = spec.supports, spec.supports.models
+    if recipe.train.stage not in can.stages:
+        raise RecipeError(f"{models} support train.stage {' / '.join(can.stages)} (got '{recipe.train.stage}')",
+                          key="train.stage")
+    check_format(spec, recipe.data.format)
+    used = {"tp": plan.tp > 1, "sp": plan.sp, "cp": plan.cp > 1, "pp": plan.pp > 1, "vpp": plan.vpp > 1,
+            "ep": plan.ep > 1, "etp": recipe.parallel.etp not in (None, 1, plan.tp),
+            "components": bool(recipe.parallel.components)}
+    for dim, on in used.items():
+        if on and dim not in can.parallel:
+            allowed = ", ".join(PARALLEL_DIMS[d] for d in can.parallel if d in PARALLEL_DIMS)
+            got = "" if dim in ("sp", "components") else f" {getattr(plan, dim)}"
+            raise RecipeError(f"{models} train with {allowed + ' and ' if allowed else ''}data parallelism only "
+                              f"(got {PARALLEL_DIMS[dim]} parallelism{got})", key=f"parallel.{dim}")
+    if recipe.kernels.layers not in can.layers:
+        raise RecipeError(f"{models} build on kernels.layers {', '.join(can.layers)}, not {recipe.kernels.layers}",
+                          key="kernels.layers")
+
+
 class MegatronBackend(Backend):
     """Pretrain / CPT / SFT / LoRA with megatron-core's models / layers, schedules, DDP and optimizer, of every model
-    family registered under ``loongforge.megatron.models`` (decoder-only LMs, LLaVA VLMs and class-conditional
-    DiTs ship with the backend)."""
+    family registered under ``loongforge.megatron.models`` (the backend ships its own through the same group)."""
 
     name = "megatron"
     model_schema = ModelConfig
@@ -32,20 +76,48 @@ class MegatronBackend(Backend):
     kernels_schema = MegatronKernelsConfig
 
     @classmethod
+    def section_schema(cls, section: str, *, raw: dict[str, Any], recipe: Recipe) -> type | None:
+        """``model`` / ``data``: the section of the recipe's model kind (its spec's ``model_section`` /
+        ``data_section``: the shared keys plus its own). A key only another kind declares is refused naming it."""
+        if section not in ("model", "data"):
+            return getattr(cls, f"{section}_schema", None)
+        raw_model = raw if section == "model" else recipe.model.model_dump(exclude_none=True)
+        spec = spec_for(raw_model, explain=section == "model")
+        if spec is None:
+            return getattr(cls, f"{section}_schema")
+        schema = getattr(spec, f"{section}_section")
+        if section == "data":
+            fmt = raw.get("format", schema.model_fields["format"].default)
+            _check_format(fmt)
+            if isinstance(fmt, str):
+                check_format(spec, fmt)
+        for key in raw:
+            if key in schema.model_fields:
+                continue
+            owners = sorted(s.name for s in registry.all_specs().values()
+                            if key in getattr(s, f"{section}_section").model_fields)
+            if owners:
+                raise RecipeError(f"a key of the {', '.join(owners)} model famil{'ies' if len(owners) > 1 else 'y'}, "
+                                  f"not of {spec.name}: remove it", key=f"{section}.{key}")
+        return schema
+
+    @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
         stage, data = recipe.train.stage, recipe.data
-        if stage == "sft" and data.format not in ("sft", "conversations"):
-            raise RecipeError(f"train.stage 'sft' needs data.format 'sft' (or a VLM's 'conversations'; got "
-                              f"'{data.format}')", key="data.format")
+        sft = spec_for(recipe.model.model_dump(exclude_none=True))
+        sft = sft.supports.sft_formats if sft is not None else ("sft",)
+        if stage == "sft" and data.format not in sft:
+            want = " or ".join(f"'{f}'" for f in sft) or "none: this model has no SFT stage"
+            raise RecipeError(f"train.stage 'sft' needs data.format {want} (got '{data.format}')", key="data.format")
         if stage == "cpt" and not recipe.checkpoint.load:
             raise RecipeError("train.stage 'cpt' continues from a checkpoint: set checkpoint.load (HF dir)", key="checkpoint.load")
         if "peft" in recipe.checkpoint.save_format and stage != "lora":
             raise RecipeError(f"save_format 'peft' exports LoRA adapters; train.stage is '{stage}'", key="checkpoint.save_format")
         if recipe.train.eval_interval and data.format == "sft":
             raise RecipeError("SFT data has no validation split yet; remove train.eval_interval", key="train.eval_interval")
-        if recipe.parallel.cp > 1 and recipe.kernels.spec == "local":
-            raise RecipeError("context parallelism needs the loongforge or te spec (megatron's local attention "
-                              "refuses cp > 1)", key="kernels.spec")
+        if recipe.parallel.cp > 1 and recipe.kernels.layers == "local":
+            raise RecipeError("context parallelism needs the loongforge or te layers (megatron's local attention "
+                              "refuses cp > 1)", key="kernels.layers")
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         plan = recipe.parallel.plan(world_size)
@@ -72,6 +144,7 @@ class MegatronBackend(Backend):
         if recipe.train.freeze:
             check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage,
                          names=parameter_names(spec, arch))
+        check_supports(recipe, plan, spec)
         spec.check(recipe, plan, arch)
         load = recipe.checkpoint.load
         if load and (Path(load) / "config.json").is_file():
@@ -84,15 +157,15 @@ class MegatronBackend(Backend):
 
     def resolved(self, recipe: Recipe) -> dict[str, Any]:
         """The recipe with ``model``'s architecture keys set to what the preset / HF config (and the recipe's own
-        overrides) give; keys that do not apply to this model (MoE keys of a dense one, DiT keys of an LM) are left
-        out, not shown null. The result validates back into the same architecture."""
+        overrides) give; keys that do not apply to this model (MoE keys of a dense one) are left out, not shown
+        null. The result validates back into the same architecture."""
         from loongforge_megatron.config import arch_keys
 
         data = recipe.to_dict()
         arch, model = recipe.model.arch(), data["model"]
         fields = type(arch).model_fields
         derived = arch.derived() if hasattr(arch, "derived") else {}
-        for key in arch_keys():
+        for key in arch_keys(type(recipe.model)):
             value = getattr(arch, key) if key in fields else None
             value = derived.get(key) if value is None else value
             if value is None or ((key == "num_experts" or key.startswith("moe_")) and not arch.is_moe):
@@ -112,7 +185,7 @@ class MegatronBackend(Backend):
                               key="train.compile_mode")
         if t.compile and recipe.kernels.grad_accum_fusion:
             # NOTE: megatron's linear backward adds into weight.main_grad, a tensor outside the compiled graph: dynamo
-            # breaks the graph at every linear (DiT-XL/2 on an H200 ran 0.60x of train.compile alone)
+            # breaks the graph at every linear (a 28-layer diffusion transformer on an H200 ran 0.60x of train.compile alone)
             raise RecipeError("kernels.grad_accum_fusion cannot be used with train.compile: megatron's linear backward "
                               "writes the fp32 main_grad outside the compiled graph, which breaks it at every linear "
                               "(0.60x measured); use one of them", key="kernels.grad_accum_fusion")
@@ -123,8 +196,8 @@ class MegatronBackend(Backend):
         t = recipe.train
         if t.fp8 is None:
             return
-        if recipe.kernels.spec == "te":
-            raise RecipeError("train.fp8 runs on kernels.spec loongforge or local (kernels.spec te has "
+        if recipe.kernels.layers == "te":
+            raise RecipeError("train.fp8 runs on kernels.layers loongforge or local (kernels.layers te has "
                               "TransformerEngine's own FP8, not wired here); use one of them", key="train.fp8")
         if t.compile:
             raise RecipeError("train.fp8 cannot be used with train.compile yet (the FP8 linears launch Triton kernels "

@@ -1,37 +1,71 @@
-"""The megatron backend's recipe sections: ``model`` and ``data``."""
+"""The megatron backend's recipe sections: ``model`` and ``data``, with the keys every model kind shares. A kind
+adds its own by subclassing them (its spec's ``model_section`` / ``data_section``); the recipe's family picks."""
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+import json
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
+from loongforge.errors import RecipeError
 from loongforge.recipe.schema import KernelsConfig, Section
 from pydantic import Field, model_validator
 
 from loongforge_megatron.models import registry
 
-_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "vae", "init_on_cpu")
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "init_on_cpu")
 
 
-def arch_keys() -> list[str]:
-    """The ``model`` keys that set the architecture (over the preset / HF config)."""
-    return [f for f in ModelConfig.model_fields if f not in _NOT_ARCH]
+def arch_keys(schema: type[ModelConfig] | None = None) -> list[str]:
+    """The ``model`` keys that set the architecture (over the preset / HF config); ``schema``: a kind's section
+    (default: the keys every kind shares)."""
+    schema = schema or ModelConfig
+    return [f for f in schema.model_fields if f not in _NOT_ARCH and f not in schema.not_arch]
+
+
+def spec_for(model: dict[str, Any], *, explain: bool = False) -> Any:
+    """The spec a raw ``model`` section names (its family, preset or HF directory; llama with explicit sizes), or
+    None when it names none that loads (the section's own validation then says why; ``explain``: an HF directory
+    that names no family is a RecipeError naming model.hf here)."""
+    if explain and isinstance(model.get("hf"), str) and not model.get("family") and not model.get("preset"):
+        try:
+            registry.get_family(hf_config=json.loads((Path(model["hf"]) / "config.json").read_text()))
+        except Exception:  # noqa: BLE001 - whatever it is, arch_from_hf says it naming model.hf
+            try:
+                registry.arch_from_hf(model["hf"])
+            except ValueError as exc:
+                raise RecipeError(f"{model['hf']}/config.json: not valid JSON ({str(exc)[:100]})",
+                                  key="model.hf") from None
+    try:
+        if model.get("family"):
+            return registry.get(model["family"])
+        if model.get("preset"):
+            return registry.presets()[model["preset"]][0]
+        if model.get("hf"):
+            cfg = json.loads((Path(model["hf"]) / "config.json").read_text())
+            return registry.get_family(hf_config=cfg)
+        return registry.get("llama")
+    except Exception:  # NOTE: any failure here is reported by validating the section, naming the key
+        return None
 
 
 class ModelConfig(Section):
-    """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json; for a DiT a
-    diffusers ``DiTTransformer2DModel`` folder), or explicit sizes. Any architecture field given here overrides the
-    preset / HF value."""
+    """The model: a named ``preset``, an HF directory (``hf``: architecture from its config.json, or a diffusers
+    model folder), or explicit sizes. Any architecture field given here overrides the preset / HF value."""
+
+    not_arch: ClassVar[tuple[str, ...]] = ()  # a kind's own keys that are not architecture fields
 
     family: str | None = Field(None, description="model family (default llama with explicit sizes); `loongforge "
                                "plugins` lists them under loongforge.megatron.models")
     preset: str | None = None
     hf: str | None = Field(None, description="HF model directory; its config.json gives the architecture")
     tokenizer: str | None = Field(None, description="HF tokenizer dir (default: data.tokenizer, then model.hf)")
-    vae: str | None = Field(None, description="DiT: diffusers AutoencoderKL directory that encodes data.path's images")
     init_on_cpu: bool = Field(False, description="megatron's use_cpu_initialization for a random init on a GPU: each "
                               "tensor-parallel weight is drawn whole on the CPU and split, so the init does not "
-                              "depend on the TP size (slower start; always on with accelerator cpu and for DiT)")
+                              "depend on the TP size (slower start; always on with accelerator cpu and for models "
+                              "that draw every weight whole)")
     # architecture overrides (all optional)
     num_layers: int | None = Field(None, ge=1)
     hidden_size: int | None = Field(None, ge=1)
@@ -66,12 +100,6 @@ class ModelConfig(Section):
                                        "trained after the decoder, loaded from / exported to the HF layers after "
                                        "num_hidden_layers")
     mtp_loss_weight: float | None = Field(None, gt=0, description="weight of the MTP loss (default 0.1)")
-    # DiT architecture overrides (with num_layers, hidden_size, num_attention_heads, norm_eps)
-    patch_size: int | None = Field(None, ge=1)
-    sample_size: int | None = Field(None, ge=1, description="DiT: latent side (image side / 8)")
-    in_channels: int | None = Field(None, ge=1, description="DiT: latent channels")
-    learn_sigma: bool | None = Field(None, description="DiT: also predict the variance (out_channels = 2 x in)")
-    num_classes: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -117,7 +145,7 @@ class ModelConfig(Section):
             if self.family != base.get("family", spec.name) and self.family != spec.name:
                 spec = registry.get(self.family)
             base["family"] = self.family
-        given = {f: getattr(self, f) for f in arch_keys() if getattr(self, f) is not None}
+        given = {f: getattr(self, f) for f in arch_keys(type(self)) if getattr(self, f) is not None}
         fields = spec.arch_type.model_fields
         wrong = [f for f in given if f not in fields]
         if wrong:
@@ -127,8 +155,7 @@ class ModelConfig(Section):
         return registry.spec_of(arch), arch
 
     def arch(self) -> Any:
-        """Resolve preset / HF config / explicit sizes into the family's architecture (an ``Arch``, a DiT's
-        ``DiTArch``, ...)."""
+        """Resolve preset / HF config / explicit sizes into the family's typed architecture."""
         return self.resolve()[1]
 
     def spec(self) -> Any:
@@ -156,15 +183,24 @@ class BlendItem(Section):
     weight: float = Field(1.0, gt=0)
 
 
-class DataConfig(Section):
-    """Training data. ``format``: pretrain (megatron indexed datasets), sft (chat JSONL, packed), synthetic, llava
-    (image-text conversations for a LLaVA model: ``path`` is their JSON / JSONL file), conversations (a Qwen-VL
-    model's image-text messages, ShareGPT or OpenAI style: ``path`` is their JSON / JSONL file), latents (a DiT's:
-    synthetic latents without ``path``; with it an image folder, one sub-folder per class, encoded by
-    ``model.vae``)."""
+def data_formats() -> dict[str, list[str]]:
+    """Every ``data.format`` an installed model kind trains on -> the families that train on it."""
+    out: dict[str, list[str]] = {}
+    for spec in registry.all_specs().values():
+        for fmt in spec.supports.data_formats:
+            out.setdefault(fmt, []).append(spec.name)
+    return out
 
-    format: Literal["pretrain", "sft", "synthetic", "llava", "conversations", "latents"] = "pretrain"
-    path: str | None = Field(None, description="prepared data directory (what data prepare writes)")
+
+class DataConfig(Section):
+    """Training data. ``format``: one a model kind trains on (its spec's ``supports``): pretrain (megatron indexed
+    datasets), sft (chat JSONL, packed), synthetic, and each kind's own (``loongforge validate`` names them)."""
+
+    formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)  # formats that need no data.path
+
+    format: str = Field("pretrain", description="pretrain | sft | synthetic | a model kind's own format")
+    path: str | None = Field(None, description="prepared data directory (what data prepare writes), or a kind's "
+                             "records file / image folder")
     blend: list[BlendItem] = Field(default_factory=list, description="weighted dataset prefixes (default: PATH/train)")
     seq_length: int = Field(1024, ge=8)
     tokenizer: str | None = Field(None, description="HF tokenizer dir (default: PATH/tokenizer or model.hf)")
@@ -176,31 +212,15 @@ class DataConfig(Section):
                              "while the model trains (0: made in the step; worth it where a sample costs, e.g. a "
                              "VLM's image preprocessing; at most 64)")
     pack: bool | None = Field(None, description="(default true) sft: pack samples into seq_length rows without "
-                              "cross-sample attention; conversations: a micro-batch's records back to back in one "
+                              "cross-sample attention; a VLM's records: a micro-batch's records back to back in one "
                               "row (no padding, no attention across records)")
-    max_image_pixels: int | None = Field(None, ge=1, le=2**28, description="conversations: the largest image or "
-                                         "video frame read (width x height, from its header, before it is "
-                                         "decoded); default 2^26 (8192 x 8192)")
-    skip_unsupervised: bool | None = Field(None, description="conversations: skip (and count) records without an "
-                                    "assistant turn instead of refusing them")
-    image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
-                                   "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
-    class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
-                                        "by the null class, for classifier-free guidance (default 0.1)")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.format != "latents":
-            for key in ("image_size", "class_dropout"):
-                if getattr(self, key) is not None and not (key == "image_size" and self.format == "synthetic"):
-                    raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
-        if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
+        if self.format not in self.formats_without_path and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         if self.pack is not None and self.format not in ("sft", "conversations"):
             raise ValueError(f"data.pack applies to formats sft and conversations, not '{self.format}'")
-        for key in ("max_image_pixels", "skip_unsupervised"):
-            if getattr(self, key) is not None and self.format != "conversations":
-                raise ValueError(f"data.{key} applies to format conversations, not '{self.format}'")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
             raise ValueError(f"data.split '{self.split}' leaves no training documents (its first, train weight is 0)")
         return self
@@ -209,15 +229,33 @@ class DataConfig(Section):
 class MegatronKernelsConfig(KernelsConfig):
     """The recipe's ``kernels`` section with the megatron backend's own keys."""
 
-    spec: Literal["auto", "loongforge", "te", "local"] = Field(
-        "auto", description="the layer spec (auto: loongforge unless TransformerEngine is installed)")
+    layers: Literal["auto", "loongforge", "te", "local"] = Field(
+        "auto", description="the layer set: loongforge (SDPA attention + fused kernels of kernels.provider), te "
+        "(TransformerEngine's), local (megatron-core's own); auto: loongforge unless TransformerEngine is installed")
     grad_accum_fusion: bool = Field(False, description="add weight gradients into the fp32 main_grad inside "
                                     "the weight-gradient GEMM (gradient_accumulation_fusion; Apex's kernel when "
                                     "installed, else torch.addmm with out_dtype)")
     moe_grouped_gemm: bool | None = Field(None, description="MoE: all local experts' fc1 / fc2 in one "
                                           "torch grouped_mm each (true) or one expert after another (false, "
-                                          "megatron's SequentialMLP); unset: grouped on the loongforge spec where "
+                                          "megatron's SequentialMLP); unset: grouped on the loongforge layers where "
                                           "grouped_mm runs (bf16 CUDA, CPU) and not for LoRA")
-    moe_router_fusion: bool = Field(True, description="MoE, loongforge spec: the router's top-k (score "
+    moe_router_fusion: bool = Field(True, description="MoE, loongforge layers: the router's top-k (score "
                                     "function, expert bias, group-limited selection, scaling) in one fused kernel "
                                     "of kernels.provider (false: megatron's torch routing)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_spec(cls, data: Any) -> Any:
+        """``kernels.spec`` is the old name of ``kernels.layers``: still read, with a one-line notice."""
+        if not isinstance(data, dict) or "spec" not in data:
+            return data
+        if "layers" in data:
+            raise ValueError("kernels.spec is the old name of kernels.layers; give only kernels.layers")
+        global _SPEC_NOTICE_SHOWN
+        if not _SPEC_NOTICE_SHOWN:
+            _SPEC_NOTICE_SHOWN = True
+            print("notice: kernels.spec is renamed kernels.layers; the old name still works for now", file=sys.stderr)
+        return {("layers" if k == "spec" else k): v for k, v in data.items()}
+
+
+_SPEC_NOTICE_SHOWN = False  # NOTE: the notice once per process (a recipe is validated more than once)

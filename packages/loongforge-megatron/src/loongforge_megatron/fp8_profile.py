@@ -37,7 +37,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise RecipeError(f"loongforge fp8 profile is for the megatron backend (the recipe's is {recipe.backend})",
                           key="backend")
     fp8 = recipe.train.fp8 or Fp8Config()
-    from loongforge_megatron.spec.fp8 import Fp8Kernels
+    from loongforge_megatron.layers.fp8 import Fp8Kernels
 
     kernels = Fp8Kernels.select(fp8, provider=recipe.kernels.provider, device_type="cuda")
     reason = kernels.linear.unavailable_reason()
@@ -65,7 +65,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def gemm_shapes(arch: Any, *, tp: int, tokens: int, output_layer: bool = False) -> dict[str, tuple[int, int, int]]:
     """name -> (M, N, K) of each distinct decoder linear on one TP rank (dense GQA attention and MLPs)."""
-    from loongforge_megatron.models.gpt.family import padded_vocab
+    from loongforge_megatron.models.lm import padded_vocab
 
     h, hd = arch.hidden_size, arch.head_dim or arch.hidden_size // arch.num_attention_heads
     shapes: dict[str, tuple[int, int, int]] = {}
@@ -146,8 +146,8 @@ def _time_shape(linear: Any, m: int, n: int, k: int, *, reps: int) -> dict[str, 
 def profile(shapes: dict[str, tuple[int, int, int]], *, kernels: Any, reps: int = 20,
             expert_shapes: dict[str, tuple[int, int, int, int]] | None = None) -> dict[str, Any]:
     """Time fwd / dgrad / wgrad of every shape (and grouped expert shape) in bf16 and FP8 (``kernels``: the
-    ``spec.fp8.Fp8Kernels`` of the recipe); the policy dict (see the module docstring)."""
-    from loongforge_megatron.spec.fp8 import gemm_key, grouped_gemm_key
+    ``layers.fp8.Fp8Kernels`` of the recipe); the policy dict (see the module docstring)."""
+    from loongforge_megatron.layers.fp8 import gemm_key, grouped_gemm_key
 
     gemms: dict[str, Any] = {}
     for name, (m, n, k) in shapes.items():

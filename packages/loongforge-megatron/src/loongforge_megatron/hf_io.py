@@ -18,7 +18,7 @@ import torch.distributed as dist
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.engine.model import unwrap
-from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
+from loongforge_megatron.models.lm import VOCAB_DIVISIBLE_BY
 
 
 def _ranks():
@@ -174,7 +174,7 @@ def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, 
               whole: tuple[str, ...] = (), ema: Any = None, assets: Callable[[Path], None] | None = None,
               log: Any = None) -> Path | None:
     """Write the model (LoRA merged) as an HF directory on rank 0: config.json, safetensors + index, tokenizer
-    (a DiT: a diffusers DiTTransformer2DModel folder, config.json + diffusion_pytorch_model.safetensors).
+    (a diffusers model's folder: config.json + diffusion_pytorch_model.safetensors).
 
     Streams: rank 0 walks the HF tensors in order and every other rank sends each shard it owns point-to-point
     the moment the writer needs it, so rank 0 holds one tensor group at a time (plus its own shards). All
@@ -284,9 +284,9 @@ def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any
         read = _receiver(mine, holdings)
         source = MegatronSource(layout, read=read, spec=holdings.spec)
         tensors = _peft_tensors(source, read, layout, lora_names,
-                                peft_name=getattr(spec, "peft_name", lambda n: n))
+                                peft_name=spec.peft_name)
         modules = sorted({k.split(".")[-3] for k in tensors})
-        if getattr(spec, "peft_module_paths", False):
+        if spec.peft_module_paths:
             # NOTE: PEFT would adapt the model's other linears of the same names too
             modules = sorted({k[len("base_model.model."): k.rindex(".lora_")] for k in tensors})
         config = {

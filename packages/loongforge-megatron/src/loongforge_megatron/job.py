@@ -63,7 +63,7 @@ class MegatronJob(Job):
         self.device = self.acc.device()
         self.precision = self.acc.resolve_precision(t.precision)
         self.fp8_kernels = self._fp8_kernels() if t.fp8 is not None else None
-        # the data first: a bad data path or VAE fails before the model is built
+        # the data first: a bad data path or image encoder fails before the model is built
         self.data = spec.data(recipe=recipe, arch=arch, runtime=self.runtime, device=self.device)
         self.seq_length = self.data.seq_length
         built = spec.model(recipe=recipe, arch=arch, plan=plan, accelerator=self.acc, device=self.device,
@@ -86,7 +86,7 @@ class MegatronJob(Job):
             if self.runtime.is_main:
                 self.log.info(f"[megatron] train.freeze {t.freeze}: {n} parameters frozen")
         if t.fp8 is not None:
-            from loongforge_megatron.spec.fp8 import apply_fp8
+            from loongforge_megatron.layers.fp8 import apply_fp8
 
             tokens = t.micro_batch_size * self.seq_length // plan.cp
             notes: list[str] = []
@@ -173,8 +173,8 @@ class MegatronJob(Job):
     def _fp8_kernels(self):
         """``train.fp8``'s ops from the kernel registry, refused before anything is built where they cannot run
         (the registry's FP8 GEMMs: CUDA, compute capability >= 8.9, blockwise on Hopper). The recipe conflicts
-        (``kernels.spec te``, ``train.compile``) are refused at validate."""
-        from loongforge_megatron.spec.fp8 import Fp8Kernels
+        (``kernels.layers te``, ``train.compile``) are refused at validate."""
+        from loongforge_megatron.layers.fp8 import Fp8Kernels
 
         fp8 = self.recipe.train.fp8
         kernels = Fp8Kernels.select(fp8, provider=self.recipe.kernels.provider, device_type=self.acc.device_type,

@@ -82,7 +82,7 @@ def _train_export(*, rank, world, recipe_path, run_dir, export_dir):
 def test_export_tp2_pp2_equals_trained_weights(tmp_path, tiny_hf, recipe, ranks):
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.lm import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("llama", tmp_path / "hf", vocab_size=ODD_VOCAB)
     path = recipe(tmp_path / "r.yaml", hf, steps=2, parallel={"tp": 2, "pp": 2}, resume="never", save_at_end=False)
@@ -125,7 +125,7 @@ def test_export_ep2_moe_takes_experts_from_every_expert_rank(tmp_path, tiny_hf, 
     """EP=2 (dp=2): ep rank 1 lives on dp rank 1, so export must not read only data-parallel rank 0."""
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.lm import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("qwen3_moe", tmp_path / "hf")
     path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"ep": 2}, resume="never", save_at_end=False)
@@ -151,7 +151,7 @@ def test_export_etp1_under_tp2_ep2_moe(tmp_path, tiny_hf, recipe, ranks):
     tensors back, bitwise."""
     import transformers as tf
     from loongforge_megatron.conversion import shard_state_dict_for_rank
-    from loongforge_megatron.models.gpt.family import VOCAB_DIVISIBLE_BY
+    from loongforge_megatron.models.lm import VOCAB_DIVISIBLE_BY
 
     hf = tiny_hf("qwen3_moe", tmp_path / "hf")
     path = recipe(tmp_path / "r.yaml", hf, steps=1, parallel={"tp": 2, "sp": True, "ep": 2, "etp": 1},

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from loongforge_megatron.engine.batch import cp_slice
-from loongforge_megatron.engine.layer_spec import TorchNorm, local_layer_spec
 from loongforge_megatron.engine.weights import tp_shard
+from loongforge_megatron.layers.megatron_layers import TorchNorm, local_layer_spec
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

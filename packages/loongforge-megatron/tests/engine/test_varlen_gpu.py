@@ -28,8 +28,8 @@ def _cuda_run(*, rank: int, world: int) -> dict[str, Any]:
     from loongforge_megatron.engine.model import build_chunks
     from loongforge_megatron.engine.packing import packed_seq_params
     from loongforge_megatron.engine.weights import seeded_init
-    from loongforge_megatron.spec import loongforge_layer_spec, prepare_config
-    from loongforge_megatron.spec.varlen import segment_attention, varlen_attention
+    from loongforge_megatron.layers import loongforge_layer_spec, prepare_config
+    from loongforge_megatron.layers.varlen import segment_attention, varlen_attention
 
     from .test_parallel_layouts import transformer_config
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from loongforge_megatron.engine.packing import check_cu_seqlens, collate, cp_indices, packed_seq_params
-from loongforge_megatron.spec.varlen import varlen_attention
+from loongforge_megatron.layers.varlen import varlen_attention
 
 LENGTHS = (12, 20, 8, 24)  # four samples packed into 64 tokens; every length a multiple of 2 * cp = 4
 VOCAB = 128
@@ -87,7 +87,7 @@ def _packed_gpt(*, rank: int, world: int) -> dict[str, Any]:
     from loongforge_megatron.engine.model import build_chunks
     from loongforge_megatron.engine.step import model_inputs
     from loongforge_megatron.engine.weights import seeded_init
-    from loongforge_megatron.spec import loongforge_layer_spec, prepare_config
+    from loongforge_megatron.layers import loongforge_layer_spec, prepare_config
 
     from .test_parallel_layouts import transformer_config
 

@@ -321,12 +321,18 @@ def dump_recipe(recipe: Recipe, *, data: dict[str, Any] | None = None) -> str:
 
 def _validate_backend_section(recipe: Recipe, backend_cls: Any, section: str, raw: Any, *, file: Any) -> None:
     """Replace ``recipe.<section>`` by the backend's own schema for it (``<section>_schema``), when it has one."""
-    schema = getattr(backend_cls, f"{section}_schema", None)
-    if schema is None:
-        return
     raw = raw or {}
     if not isinstance(raw, dict):
+        if getattr(backend_cls, f"{section}_schema", None) is None:
+            return
         raise RecipeError(f"must be a mapping (got {type(raw).__name__})", key=section, file=file)
+    pick = getattr(backend_cls, "section_schema", None)
+    try:
+        schema = pick(section, raw=raw, recipe=recipe) if pick else getattr(backend_cls, f"{section}_schema", None)
+    except RecipeError as exc:
+        raise RecipeError(exc.message, key=exc.key, file=exc.file or file) from None
+    if schema is None:
+        return
     try:
         setattr(recipe, section, schema.model_validate(raw))
     except ValidationError as exc:

@@ -230,7 +230,7 @@ class BatchSchedule:
                      for k, v in batch.items()}
             for key, dtype in (("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
                                ("loss_mask", torch.float)):
-                if key in batch:  # NOTE: a DiT's samples (data/latents.py) have labels but no tokens
+                if key in batch:  # NOTE: an image model's samples have labels but no tokens
                     batch[key] = batch[key].to(dtype)
             out.append(batch)
         return out

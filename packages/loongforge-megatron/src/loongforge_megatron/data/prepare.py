@@ -67,11 +67,10 @@ def tokenizer_dir(recipe) -> Path | None:
 def prepare(recipe, *, force: bool = False) -> Path:
     """Build the prepared data directory of ``recipe`` (no-op when already complete, unless ``force``)."""
     data = recipe.data
-    if data.format in ("synthetic", "llava", "conversations", "latents"):
-        what = {"synthetic": "synthetic data", "llava": "data.format llava (its records file is read as is)",
-                "conversations": "data.format conversations (its records file is read as is)",
-                "latents": "data.format latents (images are encoded while training)"}[data.format]
-        raise RecipeError(f"{what} needs no preparation", key="data.format")
+    if data.format not in ("pretrain", "sft"):
+        # NOTE: synthetic data is made while training; a model kind's own format (records, images) is read as is
+        raise RecipeError(f"data.format {data.format} needs no preparation (prepare writes pretrain / sft data)",
+                          key="data.format")
     if not data.path:
         raise RecipeError("data prepare writes into data.path; set it", key="data.path")
     out = Path(data.path)

@@ -28,7 +28,7 @@ def adaptations_for(device_type: str) -> list[Adaptation]:
 def adapted(accelerator, *, grad_accum_fusion: bool = False, model: Sequence[Adaptation] = ()) -> AdaptationSet:
     """An :class:`AdaptationSet` for ``accelerator``: use as ``with adapted(acc): ...`` around a run.
     ``grad_accum_fusion``: also the stand-in for Apex's fused weight-gradient accumulation where Apex is absent;
-    ``model``: the adaptations the run's model needs (e.g. LLaVA's CLIP norms), applied after the device's."""
+    ``model``: the adaptations the run's model needs (e.g. a vision tower's norms), applied after the device's."""
     extra = list(accelerator.adaptations("megatron"))
     if grad_accum_fusion:
         from loongforge_megatron.device_adapters.grad_accum import adaptation

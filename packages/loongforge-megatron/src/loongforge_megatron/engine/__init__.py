@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from loongforge_megatron.engine.batch import cp_slice
 from loongforge_megatron.engine.eval import evaluate
-from loongforge_megatron.engine.layer_spec import TorchNorm, layer_spec, local_layer_spec
 from loongforge_megatron.engine.model import build_chunks, build_model, wrap_ddp
 from loongforge_megatron.engine.optimizer import build_optimizer, build_scheduler
 from loongforge_megatron.engine.parallel_state import destroy, initialize
 from loongforge_megatron.engine.step import forward_step, train_step
+from loongforge_megatron.layers.megatron_layers import TorchNorm, layer_spec, local_layer_spec
 
 __all__ = [
     "TorchNorm",

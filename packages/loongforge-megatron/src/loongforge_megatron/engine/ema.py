@@ -1,4 +1,4 @@
-"""Exponential moving average of the trained weights (``train.ema_decay``), as DiT and many diffusion and VLA
+"""Exponential moving average of the trained weights (``train.ema_decay``), as many diffusion and VLA
 recipes report their results with.
 
 Each rank keeps fp32 copies of the parameters it holds (its tensor / pipeline / expert shards; data-parallel

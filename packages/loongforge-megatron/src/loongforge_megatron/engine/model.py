@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from loongforge_megatron.engine.layer_spec import TorchNorm
+from loongforge_megatron.layers.megatron_layers import TorchNorm
 
 
 def _not_deprecation_notice(record: logging.LogRecord) -> bool:

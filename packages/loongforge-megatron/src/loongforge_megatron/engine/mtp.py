@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loongforge_megatron.engine.layer_spec import get_submodules
+from loongforge_megatron.layers.megatron_layers import get_submodules
 
 
 def _callable_norm(norm: Any) -> Any:

@@ -2,8 +2,8 @@
 ``cu_seqlens``, attended without any cross-sample attention and without an ``[s, s]`` mask.
 
 The carrier is megatron-core's :class:`~megatron.core.packed_seq_params.PackedSeqParams` (``qkv_format="thd"``),
-so GPTModel, its RoPE (positions restart at every sample) and our attention (``spec/attention.py`` →
-``spec/varlen.py``: ``varlen_attn`` on CUDA, an exact per-sample fallback elsewhere) all read the same value.
+so GPTModel, its RoPE (positions restart at every sample) and our attention (``layers/attention.py`` →
+``layers/varlen.py``: ``varlen_attn`` on CUDA, an exact per-sample fallback elsewhere) all read the same value.
 
 How a model uses it:
 

@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from loongforge_megatron.models.spec import HFConfig
+from loongforge_megatron.config import DataConfig, ModelConfig
+from loongforge_megatron.models.spec import HFConfig, Supports
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
@@ -23,9 +24,14 @@ def copy_assets(src: Path, dst: Path) -> None:
 
 
 class HFCheckpoint:
-    """A transformers checkpoint with ``model.safetensors``, no experts, nothing to ignore but rotary buffers."""
+    """A transformers checkpoint with ``model.safetensors``, no experts, nothing to ignore but rotary buffers; the
+    recipe's ``model`` / ``data`` keys every kind shares, and a language model's :class:`Supports`."""
 
     hf_weights = "model"
+    model_section: type = ModelConfig
+    data_section: type = DataConfig
+    supports = Supports()
+    mtp = False  # has an HF layout for multi-token-prediction layers (DeepSeek-V3's)
 
     def complete_hf_config(self, cfg: HFConfig) -> HFConfig:
         return cfg

@@ -106,5 +106,5 @@ def spec_of(arch: Any) -> ModelSpec:
 
 
 def hf_config(arch: Any, *, torch_dtype: str = "float32") -> HFConfig:
-    """An HF ``config.json`` dict for ``arch`` (what an HF export writes; diffusers' for a DiT)."""
+    """An HF ``config.json`` dict for ``arch`` (what an HF export writes; diffusers' for a diffusers model)."""
     return spec_of(arch).hf_config(arch, torch_dtype=torch_dtype)

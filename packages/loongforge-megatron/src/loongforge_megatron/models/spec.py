@@ -27,7 +27,7 @@ HFConfig = dict[str, Any]
 @dataclass
 class Data:
     """What a spec's data step gives the job: the datasets (index -> sample dict), what one sample is made of
-    (``seq_length``: tokens, or a DiT's latent patches) and what an HF export writes beside the weights."""
+    (``seq_length``: tokens, or an image model's latent patches) and what an HF export writes beside the weights."""
 
     train: Any
     valid: Any = None
@@ -35,7 +35,7 @@ class Data:
     tokenizer: Any = None
     sample_unit: str | None = None  # what one sample is (a DiT's "images"): <unit>_per_s is reported besides tokens
     assets: Callable[[Path], None] | None = None  # writes tokenizer / label files into an export's directory
-    encoder: Any = None  # what turns a batch's raw inputs into the model's (a DiT's VAE), for the forward step
+    encoder: Any = None  # what turns a batch's raw inputs into the model's (an image model's autoencoder), for the forward step
 
 
 @dataclass
@@ -51,14 +51,58 @@ class Model:
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
 
 
+PARALLEL_DIMS = {"tp": "tensor", "sp": "sequence", "cp": "context", "pp": "pipeline", "vpp": "interleaved pipeline",
+                 "ep": "expert", "etp": "expert tensor", "components": "per-component"}
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What a model kind trains, checked once by the backend's ``validate`` before the kind's own checks: train
+    stages, ``data.format`` values (those of SFT among them), the parallel dimensions it may set (above 1, or on;
+    data parallelism always), and the ``kernels.layers`` sets it builds on. ``models`` names the kind in messages
+    ("language models train with ...")."""
+
+    models: str = "language models"
+    stages: tuple[str, ...] = ("pretrain", "cpt", "sft", "lora")
+    data_formats: tuple[str, ...] = ("pretrain", "sft", "synthetic")
+    sft_formats: tuple[str, ...] = ("sft",)
+    parallel: tuple[str, ...] = ("tp", "sp", "cp", "pp", "vpp", "ep", "etp")
+    layers: tuple[str, ...] = ("auto", "loongforge", "local", "te")
+
+
+@runtime_checkable
+class Architecture(Protocol):
+    """What the backend reads of a spec's typed architecture (the rest is the spec's own)."""
+
+    family: str
+    spec_name: str  # the registry key of the spec that trains it (its family, or the model kind holding it)
+    num_layers: int
+    num_attention_heads: int
+    kv_heads: int
+    num_experts: int | None
+    is_moe: bool
+
+
 @runtime_checkable
 class ModelSpec(Protocol):
     """One model family. ``models.base.HFCheckpoint`` gives the HF-checkpoint hooks their usual defaults."""
 
     name: str  # the family: recipe ``model.family``, the registry key
+    kind: str  # what it is, for messages ("a language model")
     model_types: tuple[str, ...]  # HF ``model_type`` (diffusers ``_class_name``) values this family reads
     presets: Mapping[str, Mapping[str, Any]]  # named sizes (recipe ``model.preset``)
     hf_weights: str  # weight files' stem an export writes (model / diffusion_pytorch_model)
+    arch_type: type  # the typed architecture (:class:`Architecture`) a recipe's ``model`` keys resolve into
+    # NOTE: the recipe sections are subclasses of ``config.ModelConfig`` / ``config.DataConfig`` with the kind's own
+    # keys; the backend validates ``model`` / ``data`` with the recipe's family's
+    model_section: type
+    data_section: type
+    supports: Supports
+    mtp: bool  # has an HF layout for multi-token-prediction layers
+    peft_module_paths: bool  # PEFT target_modules are module paths, not last names (a VLM's tower has the same names)
+
+    def peft_name(self, name: str) -> str:
+        """A checkpoint's tensor name -> the module path of transformers' model, which PEFT adapters name."""
 
     # architecture
     def arch(self, fields: Mapping[str, Any]) -> Any:

@@ -36,9 +36,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
-from loongforge_megatron.engine.layer_spec import row_parallel_linear
 from loongforge_megatron.engine.step import _to_device
-from loongforge_megatron.spec.attention import SDPAttention
+from loongforge_megatron.layers.attention import SDPAttention
+from loongforge_megatron.layers.megatron_layers import row_parallel_linear
 
 LOSS_KEY = "diffusion loss"
 TIMESTEP_CHANNELS = 256  # sinusoidal features fed to the timestep MLP (DiT's frequency_embedding_size)

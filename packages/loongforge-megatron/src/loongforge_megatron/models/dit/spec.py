@@ -19,7 +19,8 @@ from loongforge_megatron.models.dit.arch import (
     arch_from_diffusers,
     diffusers_config,
 )
-from loongforge_megatron.models.spec import Data, HFConfig, Model
+from loongforge_megatron.models.dit.config import DiTDataConfig, DiTModelConfig
+from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DiT-XL/2 as facebook/DiT-XL-2-256
@@ -44,6 +45,10 @@ class DiT(HFCheckpoint):
     hf_weights = "diffusion_pytorch_model"
     kind = "a DiT"
     arch_type = DiTArch
+    model_section = DiTModelConfig
+    data_section = DiTDataConfig
+    supports = Supports(models="DiT models", stages=("pretrain", "cpt"), data_formats=("latents",), sft_formats=(),
+                        parallel=("tp",), layers=("auto", "loongforge", "local"))
 
     # ---------------------------------------------------------------- architecture
     def arch(self, fields: Any) -> DiTArch:
@@ -72,36 +77,20 @@ class DiT(HFCheckpoint):
     def check(self, recipe: Any, plan: Any, arch: DiTArch) -> None:
         """What the DiT path supports: TP / DP / distributed optimizer (+ recompute), pretrain or CPT on latents
         (synthetic, or an image folder encoded by model.vae), resumable checkpoints and diffusers export."""
-        from loongforge_megatron.models.gpt.family import one_layout
-
         if recipe.kernels.provider != "auto":
             raise RecipeError("DiT models use no fused kernels (SDPA attention only); leave kernels.provider auto",
                               key="kernels.provider")
-        one_layout(recipe)
         if importlib.util.find_spec("diffusers") is None:
             raise RecipeError("DiT models need diffusers: pip install 'loongforge-megatron[diffusion]'", key="model")
-        for key, value in (("parallel.pp", plan.pp), ("parallel.cp", plan.cp), ("parallel.ep", plan.ep)):
-            if value != 1:
-                raise RecipeError(f"DiT models train with tensor and data parallelism only (got {value})", key=key)
-        if plan.sp:
-            raise RecipeError("DiT models do not support sequence parallelism yet", key="parallel.sp")
         for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
             if n % plan.tp:
                 raise RecipeError(f"DiT {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
         t, data, model = recipe.train, recipe.data, recipe.model
-        if t.stage not in ("pretrain", "cpt"):
-            raise RecipeError(f"DiT models support train.stage pretrain / cpt (got '{t.stage}')", key="train.stage")
         if t.eval_interval:
             raise RecipeError("DiT models have no validation pass yet; remove train.eval_interval",
                               key="train.eval_interval")
         if "peft" in recipe.checkpoint.save_format:
             raise RecipeError("DiT models have no LoRA adapters to export", key="checkpoint.save_format")
-        if recipe.kernels.spec == "te":
-            raise RecipeError("DiT models use the loongforge (SDPA) or local attention spec, not te",
-                              key="kernels.spec")
-        if data.format != "latents":
-            raise RecipeError(f"DiT models train on data.format latents (synthetic without data.path, an image "
-                              f"folder with it; got '{data.format}')", key="data.format")
         if model.tokenizer:
             raise RecipeError("DiT models have no tokenizer", key="model.tokenizer")
         defaults = type(data).model_fields
@@ -116,7 +105,7 @@ class DiT(HFCheckpoint):
             raise RecipeError("model.vae encodes the images of data.path; synthetic latents (no data.path) need none",
                               key="model.vae")
         if data.image_size is not None:
-            from loongforge_megatron.data.latents import VAE_DOWNSAMPLING as f
+            from loongforge_megatron.models.dit.data import VAE_DOWNSAMPLING as f
 
             if data.image_size % (f * arch.patch_size):
                 raise RecipeError(f"{data.image_size} is not divisible by {f} (VAE) x {arch.patch_size} (patch) = "
@@ -131,7 +120,7 @@ class DiT(HFCheckpoint):
         """Latents first, so a bad image folder or VAE fails before the model is built. An image folder's class
         names (sorted sub-folders = labels 0..n-1) go to OUTPUT/classes.json and into every export, so samples can
         be asked for by name (DiTPipeline's id2label)."""
-        from loongforge_megatron.data.latents import build_latents
+        from loongforge_megatron.models.dit.data import build_latents
 
         latents, encoder = build_latents(recipe, arch=arch, device=device)
         classes = getattr(latents, "classes", None)
@@ -153,7 +142,7 @@ class DiT(HFCheckpoint):
 
         config = dit.transformer_config(arch, plan=plan, precision=precision,
                                         grad_accum_fusion=recipe.kernels.grad_accum_fusion)
-        spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
         chunks = dit.build_dit(config=config, arch=arch, device=device,
                                attention="local" if spec_name == "local" else "sdpa",
                                compile_mode=recipe.train.compile_mode if recipe.train.compile else None)

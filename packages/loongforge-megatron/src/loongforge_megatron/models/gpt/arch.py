@@ -106,10 +106,6 @@ class Arch(BaseModel):
         return {"num_query_groups": self.kv_heads, "head_dim": None if self.is_mla else self.kv_channels}
 
     @property
-    def is_dit(self) -> bool:
-        return False
-
-    @property
     def spec_name(self) -> str:
         """The registry key of the spec that trains this architecture."""
         return self.family

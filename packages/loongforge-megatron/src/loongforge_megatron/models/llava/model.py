@@ -92,8 +92,8 @@ def layer_specs(spec: str, *, provider: str = "auto", accelerator: Any = None) -
         return get_gpt_layer_local_spec(normalization="RMSNorm"), vit
     if spec != "loongforge":
         raise ValueError(f"LLaVA layer spec {spec!r}; allowed: local, loongforge")
-    from loongforge_megatron.engine.layer_spec import with_own_group_row_linears
-    from loongforge_megatron.spec import SDPAttention, loongforge_layer_spec
+    from loongforge_megatron.layers import SDPAttention, loongforge_layer_spec
+    from loongforge_megatron.layers.megatron_layers import with_own_group_row_linears
 
     attn = vit.submodules.self_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=SDPAttention))
@@ -122,14 +122,14 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    from loongforge_megatron.engine.layer_spec import row_parallel_linear
     from loongforge_megatron.engine.model import _not_deprecation_notice
+    from loongforge_megatron.layers.megatron_layers import row_parallel_linear
 
     # NOTE: megatron's per-build notices ("LLaVA is work in progress", "GPTModel IS DEPRECATED"): console noise.
     logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_not_work_in_progress)
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_deprecation_notice)
     if spec == "loongforge":
-        from loongforge_megatron.spec import prepare_config
+        from loongforge_megatron.layers import prepare_config
 
         prepare_config(language)
     language_spec, vision_spec = layer_specs(spec, provider=provider, accelerator=accelerator)
@@ -140,7 +140,7 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
                                     linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
     # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
     alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
-    from loongforge_megatron.engine.llava_adaptation import clip_builder
+    from loongforge_megatron.models.llava.clip import clip_builder
 
     clip_builder()  # NOTE: LLaVAModel builds its CLIP tower through the run's llava-clip-torch-norms adaptation
     model = LLaVAModel(
@@ -191,7 +191,7 @@ def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, pr
     vision1.vision_model_type = vision.vision_model_type
     groups = copy.copy(model.pg_collection)
     groups.tp = alone
-    from loongforge_megatron.engine.llava_adaptation import clip_builder
+    from loongforge_megatron.models.llava.clip import clip_builder
 
     # NOTE: llava_model's CLIPViTModel as the run's llava-clip-torch-norms adaptation has it (WrappedTorchNorm)
     model.vision_model = clip_builder()(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,

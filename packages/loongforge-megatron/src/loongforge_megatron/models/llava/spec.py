@@ -13,21 +13,13 @@ from typing import Any
 
 from loongforge.errors import RecipeError
 
+from loongforge_megatron.layers.selection import check_provider
 from loongforge_megatron.models.base import HFCheckpoint
 from loongforge_megatron.models.gpt import llama
 from loongforge_megatron.models.gpt.arch import Arch
-from loongforge_megatron.models.gpt.family import (
-    check_lm,
-    check_provider,
-    no_compile,
-    no_dit_keys,
-    no_image_size,
-    padded_vocab,
-    tokenizer_assets,
-    tokenizer_for,
-)
 from loongforge_megatron.models.llava import names
-from loongforge_megatron.models.spec import Data, HFConfig, Model
+from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, tokenizer_assets, tokenizer_for
+from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llava-1.5-7b": dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, vocab_size=32064, max_position_embeddings=4096,
@@ -64,6 +56,8 @@ class Llava(HFCheckpoint):
     presets = PRESETS
     kind = "a language model"
     arch_type = LlavaArch
+    supports = Supports(models="LLaVA models", stages=("pretrain", "cpt"), data_formats=("synthetic", "llava"),
+                        sft_formats=(), parallel=("tp", "pp", "components"), layers=("auto", "loongforge", "local"))
 
     # ---------------------------------------------------------------- architecture
     def arch(self, fields: Any) -> LlavaArch:
@@ -128,40 +122,24 @@ class Llava(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def adaptations(self, *, arch: LlavaArch, accelerator: Any) -> list:
-        """LLaVAModel's CLIP tower built with WrappedTorchNorm (and CPU position ids on the CPU): ``engine.llava_adaptation``."""
-        from loongforge_megatron.engine.llava_adaptation import clip_adaptations
+        """LLaVAModel's CLIP tower built with WrappedTorchNorm (and CPU position ids on the CPU): ``models/llava/clip.py``."""
+        from loongforge_megatron.models.llava.clip import clip_adaptations
 
         return clip_adaptations(cpu=accelerator.device_type == "cpu")
 
     def check(self, recipe: Any, plan: Any, arch: LlavaArch) -> None:
         """What the first VLM path supports: TP / PP / DP / distributed optimizer, pretrain or CPT on image-text
         data, resumable checkpoints and HF export; the vision tower may be kept whole (``components.vision``)."""
-        from loongforge_megatron.models.llava.model import image_seq_length, image_size
+        from loongforge_megatron.models.llava.model import image_seq_length
 
         check_provider(recipe)
         no_compile(recipe)
         _check_components(recipe, plan)
-        no_dit_keys(recipe)
-        no_image_size(recipe, f"LLaVA's images are its vision tower's size ({image_size(arch)[0]} px, the checkpoint's "
-                              "vision_config.image_size)")
-        for key, value, allowed in (("parallel.vpp", plan.vpp, 1), ("parallel.cp", plan.cp, 1), ("parallel.ep", plan.ep, 1)):
-            if value != allowed:
-                raise RecipeError(f"LLaVA models train with tensor, pipeline and data parallelism only (got {value})",
-                                  key=key)
         if plan.sp:
             raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
-        if recipe.train.stage not in ("pretrain", "cpt"):
-            raise RecipeError(f"LLaVA models support train.stage pretrain / cpt (got '{recipe.train.stage}'; "
-                              "data.format llava already trains on the assistant turns only)", key="train.stage")
         if recipe.train.eval_interval:
             raise RecipeError("LLaVA models have no validation pass yet; remove train.eval_interval",
                               key="train.eval_interval")
-        if recipe.data.format not in ("synthetic", "llava"):
-            raise RecipeError(f"LLaVA models train on data.format llava (image-text conversations) or synthetic "
-                              f"(got '{recipe.data.format}')", key="data.format")
-        if recipe.kernels.spec not in ("auto", "loongforge", "local"):
-            raise RecipeError(f"LLaVA models use the loongforge (SDPA + fused kernels) or megatron's local layer specs "
-                              f"(got '{recipe.kernels.spec}')", key="kernels.spec")
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
         heads = arch.vision["vision_config"]["num_attention_heads"]
@@ -178,7 +156,7 @@ class Llava(HFCheckpoint):
     def data(self, *, recipe: Any, arch: LlavaArch, runtime: Any, device: Any) -> Data:
         from loongforge_megatron.models.llava.model import ImageTextConversations, SyntheticImageText
 
-        tokenizer = tokenizer_for(recipe, runtime)
+        tokenizer = tokenizer_for(recipe, runtime, prepare=recipe.data.format != "llava")  # NOTE: records as is
         if tokenizer is not None and len(tokenizer) > arch.vocab_size:
             raise RecipeError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}",
                               key="model.vocab_size")
@@ -200,7 +178,7 @@ class Llava(HFCheckpoint):
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused at validate) mean ours.
-        spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
         whole = VISION_PREFIXES if plan.component("vision").tp == 1 and plan.tp > 1 else ()
         chunks = build_llava(
             language=config, arch=arch, vocab_size=padded_vocab(arch.vocab_size, plan.tp),

@@ -190,7 +190,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ``pixel_values_videos``, ``video_grid_thw``); a packed
     micro-batch (``[1, t]``, ``packed_seq_params``) as :func:`~loongforge_megatron.engine.step.model_inputs` gives it.
     ``output_processor``: GPTModel's output hook, given the loss mask (the loongforge spec's fused linear
-    cross-entropy, :func:`~loongforge_megatron.spec.output.fused_output_processor`); None: the output layer's
+    cross-entropy, :func:`~loongforge_megatron.layers.output.fused_output_processor`); None: the output layer's
     logits and megatron's cross-entropy."""
     from loongforge_megatron.engine.model import unwrap
 

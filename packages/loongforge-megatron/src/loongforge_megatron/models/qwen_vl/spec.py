@@ -14,19 +14,14 @@ from typing import Any
 
 from loongforge.errors import RecipeError
 
+from loongforge_megatron.layers.selection import check_provider
 from loongforge_megatron.models.base import HFCheckpoint
 from loongforge_megatron.models.gpt import qwen2, qwen3, qwen3_moe
 from loongforge_megatron.models.gpt.arch import Arch
-from loongforge_megatron.models.gpt.family import (
-    check_lm,
-    check_provider,
-    no_compile,
-    no_dit_keys,
-    padded_vocab,
-    tokenizer_assets,
-)
+from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, tokenizer_assets
 from loongforge_megatron.models.qwen_vl import names
-from loongforge_megatron.models.spec import Data, HFConfig, Model
+from loongforge_megatron.models.qwen_vl.config import QwenVLDataConfig
+from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
 _TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
 _VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -95,6 +90,10 @@ class QwenVL(HFCheckpoint):
     presets = PRESETS
     kind = "a vision-language model"
     arch_type = QwenVLArch
+    data_section = QwenVLDataConfig
+    supports = Supports(models="Qwen-VL models", data_formats=("synthetic", "conversations"),
+                        sft_formats=("conversations",), parallel=("tp", "sp", "cp", "pp", "ep", "etp", "components"),
+                        layers=("auto", "loongforge", "local"))
     hf_architecture = "Qwen2_5_VLForConditionalGeneration"
     lm = qwen2.SPEC
     lm_family = "qwen2"
@@ -163,7 +162,6 @@ class QwenVL(HFCheckpoint):
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
-        no_dit_keys(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
         for name, comp in (recipe.parallel.components or {}).items():
             if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}, {"tp": plan.tp}):
@@ -177,22 +175,12 @@ class QwenVL(HFCheckpoint):
                     raise RecipeError(f"the vision tower's {key} {n} does not split over tp {plan.tp}; keep it whole "
                                       "(parallel.components.vision.tp 1)", key="parallel.components.vision.tp")
         # NOTE: expert parallelism splits a MoE language model's experts (Qwen3-VL-MoE); the tower is replicated over ep
-        for key, value in (("parallel.vpp", plan.vpp), *((("parallel.ep", plan.ep),) if not arch.is_moe else ())):
-            if value != 1:
-                raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
-                                  f"language models) expert parallelism (got {value})", key=key)
-        if recipe.train.stage not in ("pretrain", "cpt", "sft", "lora"):
-            raise RecipeError(f"Qwen-VL models support train.stage pretrain / cpt / sft / lora (adapters on the "
-                              f"language model; got '{recipe.train.stage}')", key="train.stage")
+        if plan.ep != 1 and not arch.is_moe:
+            raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
+                              f"language models) expert parallelism (got {plan.ep})", key="parallel.ep")
         if recipe.train.eval_interval:
             raise RecipeError("Qwen-VL models have no validation pass yet; remove train.eval_interval",
                               key="train.eval_interval")
-        if recipe.data.format not in ("synthetic", "conversations"):
-            raise RecipeError(f"Qwen-VL models train on data.format conversations (image-text messages) or "
-                              f"synthetic (got '{recipe.data.format}')", key="data.format")
-        if recipe.kernels.spec not in ("auto", "loongforge", "local"):
-            raise RecipeError(f"Qwen-VL models run on the loongforge layer spec or megatron's local one (kernels.spec "
-                              f"auto, loongforge or local; got '{recipe.kernels.spec}')", key="kernels.spec")
         check_provider(recipe)  # NOTE: an explicit provider serves every op of the loongforge spec, fused CE too
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("Qwen-VL with rope scaling is not supported", key="model")
@@ -232,7 +220,7 @@ class QwenVL(HFCheckpoint):
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.engine.weights import seeded_init
-        from loongforge_megatron.models.gpt.family import layer_spec, moe_kernels
+        from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
 
@@ -243,11 +231,11 @@ class QwenVL(HFCheckpoint):
         config.mrope_section = list(arch.vision["mrope_section"])
         # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
         # megatron's local one needs a [t, t] mask for them
-        spec_name = "local" if recipe.kernels.spec == "local" else "loongforge"
+        spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
         # NOTE: a MoE language model gets the GPT families' expert kernels (grouped experts, permute dispatch)
         moe = moe_kernels(recipe, arch, plan, accelerator=accelerator, config=config, spec_name=spec_name,
                           precision=precision) if arch.is_moe else None
-        spec = layer_spec(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
+        spec = decoder_layers(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
                           accelerator=accelerator, moe=moe)
         tower_tp = vision_tp(recipe, plan)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
@@ -257,7 +245,7 @@ class QwenVL(HFCheckpoint):
         whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
-            from loongforge_megatron.spec.output import fused_output_processor
+            from loongforge_megatron.layers.output import fused_output_processor
 
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))

@@ -7,7 +7,7 @@ within windows of merged patches and a few (``fullatt_block_indexes``) over the 
 Parameter names are transformers' (``Qwen2_5_VisionTransformerPretrainedModel``), so the HF name map is a prefix.
 Every image is attended on its own: the blocks see all images of a micro-batch back to back with their boundaries
 (``cu_seqlens``), and :func:`block_attention` is the one place attention runs: ``varlen_attn`` (flash, no mask) on
-CUDA in bf16, one SDPA per block elsewhere (``spec/varlen.py``).
+CUDA in bf16, one SDPA per block elsewhere (``layers/varlen.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params) -
     """Bidirectional attention within each block of ``params`` (:func:`blocks`) of ``q, k, v`` ``[t, heads, dim]``
     -> ``[t, heads, dim]``; no attention across blocks (images, or windows of one image)."""
     from loongforge_megatron.engine.packing import bounds_of
-    from loongforge_megatron.spec.varlen import varlen_attention
+    from loongforge_megatron.layers.varlen import varlen_attention
 
     bounds = bounds_of(params)
     return varlen_attention(q, k, v, cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_k=params.cu_seqlens_kv,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from loongforge_megatron.engine.layer_spec import get_submodules, set_submodules
-from loongforge_megatron.spec.attention import SDPAttention
-from loongforge_megatron.spec.modules import KernelRMSNorm, KernelSwiGLU
+from loongforge_megatron.layers.attention import SDPAttention
+from loongforge_megatron.layers.megatron_layers import get_submodules, set_submodules
+from loongforge_megatron.layers.modules import KernelRMSNorm, KernelSwiGLU
 
 __all__ = ["KernelRMSNorm", "KernelSwiGLU", "SDPAttention", "loongforge_layer_spec", "prepare_config"]
 
@@ -21,7 +21,7 @@ def prepare_config(config: Any) -> Any:
 
 
 def _replace_norms(sub: Any, norm: Any) -> Any:
-    from loongforge_megatron.engine.layer_spec import TorchNorm
+    from loongforge_megatron.layers.megatron_layers import TorchNorm
 
     changes = {}
     for f in dataclasses.fields(sub):
@@ -55,13 +55,13 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from loongforge_megatron.engine.layer_spec import local_layer_spec, with_own_group_row_linears
-    from loongforge_megatron.spec.rope import KernelRoPESelfAttention
+    from loongforge_megatron.layers.megatron_layers import local_layer_spec, with_own_group_row_linears
+    from loongforge_megatron.layers.rope import KernelRoPESelfAttention
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                             multi_latent_attention=multi_latent_attention)
     if moe_grouped_gemm and num_experts:
-        from loongforge_megatron.spec.grouped_experts import with_grouped_experts
+        from loongforge_megatron.layers.grouped_experts import with_grouped_experts
 
         spec = with_grouped_experts(spec)
     params = {"provider": provider, "accelerator": accelerator}
@@ -78,11 +78,11 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
                               mlp=_with_activation(sub.mlp, act))
     spec = with_own_group_row_linears(dataclasses.replace(spec, submodules=sub))
     if moe_router_fusion:
-        from loongforge_megatron.spec.fused_router import with_fused_router
+        from loongforge_megatron.layers.fused_router import with_fused_router
 
         spec = with_fused_router(spec, provider=provider, accelerator=accelerator)
     if moe_permute_dispatch:
-        from loongforge_megatron.spec.permute_dispatch import with_permute_dispatch
+        from loongforge_megatron.layers.permute_dispatch import with_permute_dispatch
 
         spec = with_permute_dispatch(spec, provider=provider, accelerator=accelerator)
     return spec

@@ -96,7 +96,7 @@ class SDPAttention(torch.nn.Module):
         from megatron.core.transformer.enums import AttnMaskType
 
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by SDPAttention (use kernels.spec: local or te)")
+            raise ValueError("attention_bias is not supported by SDPAttention (use kernels.layers: local or te)")
         mask_type = attn_mask_type or self.attn_mask_type
         if packed_seq_params is not None:
             if attention_mask is not None:
@@ -139,7 +139,7 @@ class SDPAttention(torch.nn.Module):
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, *, causal: bool) -> Tensor:
         """THD attention (``[t, h, d]``, megatron squeezes the batch of 1) over ``params``' samples -> ``[t, h*dv]``."""
         from loongforge_megatron.engine.packing import bounds_of
-        from loongforge_megatron.spec.varlen import varlen_attention
+        from loongforge_megatron.layers.varlen import varlen_attention
 
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention takes packed sequences in the thd format, got qkv_format "

@@ -151,7 +151,7 @@ class GroupedMLP(_megatron_module()):
             return self.config.activation_func(gate) * up
         return self.config.activation_func(h)
 
-    # NOTE: set by ``train.fp8`` (spec/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2, and
+    # NOTE: set by ``train.fp8`` (layers/fp8.py ``apply_fp8``): the (fwd, dgrad, wgrad) FP8 flags of fc1 and fc2, and
     # the kernel registry's ``fp8_grouped_linear`` op that runs them
     fp8_gemms: tuple[tuple[bool, bool, bool], tuple[bool, bool, bool]] | None = None
     fp8_grouped: Any = None
@@ -231,7 +231,7 @@ def with_grouped_experts(layer_spec: Any) -> Any:
 
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from loongforge_megatron.engine.layer_spec import get_submodules, set_submodules
+    from loongforge_megatron.layers.megatron_layers import get_submodules, set_submodules
 
     mlp = layer_spec.submodules.mlp
     moe = get_submodules(mlp)

@@ -100,7 +100,7 @@ def local_layer_spec(
     multi_latent_attention: bool = False,
     normalization: str = "RMSNorm",
 ):
-    """megatron-core's local GPT layer spec (``SequentialMLP`` experts: ``spec.grouped_experts`` swaps in grouped
+    """megatron-core's local GPT layer spec (``SequentialMLP`` experts: ``layers.grouped_experts`` swaps in grouped
     GEMMs), with :class:`TorchNorm` norms."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -55,7 +55,7 @@ def _config(**over):
 
 def _pair(config, acc):
     """(ours from the loongforge spec, megatron's SelfAttention with the same submodules and weights)."""
-    from loongforge_megatron.spec import loongforge_layer_spec
+    from loongforge_megatron.layers import loongforge_layer_spec
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.spec_utils import build_module
 
@@ -78,8 +78,8 @@ def _fwd_bwd(attn, x, freqs):
 
 
 def test_spec_uses_kernel_rope_except_mla():
-    from loongforge_megatron.spec import loongforge_layer_spec
-    from loongforge_megatron.spec.rope import KernelRoPESelfAttention
+    from loongforge_megatron.layers import loongforge_layer_spec
+    from loongforge_megatron.layers.rope import KernelRoPESelfAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     attn = loongforge_layer_spec(provider="torch").submodules.self_attention
@@ -107,7 +107,7 @@ def _spec_rope_matches_megatron(*, rotary_percent):
 
 
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5], ids=["full", "partial"])
-def test_spec_rope_matches_megatron(in_world, tmp_path, rotary_percent):
+def test_layers_rope_matches_megatron(in_world, tmp_path, rotary_percent):
     in_world(_spec_rope_matches_megatron, out=tmp_path, rotary_percent=rotary_percent)
 
 
@@ -166,8 +166,8 @@ def test_thd_rotation_matches_megatron(in_world, tmp_path, packed_freqs):
 def _spec_row_linears_pass_their_group(*, num_experts):
     import warnings
 
-    from loongforge_megatron.engine.layer_spec import row_parallel_linear
-    from loongforge_megatron.spec import loongforge_layer_spec, prepare_config
+    from loongforge_megatron.layers import loongforge_layer_spec, prepare_config
+    from loongforge_megatron.layers.megatron_layers import row_parallel_linear
     from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.transformer.spec_utils import build_module
 

@@ -10,7 +10,7 @@ Where the kernel does not apply, megatron's own path runs unchanged (see :meth:`
 interleaved rope, a YaRN mscale != 1, inference / flash decode, fused single-QKV rope, positional calls, and
 packed THD under context parallelism. MLA (DeepSeek) keeps megatron's ``MLASelfAttention``. On the CPU the
 registry serves the plain-torch reference; with no kernel provider installed, megatron's path runs. Multimodal
-RoPE (``config.mrope_section``: Qwen-VL) has a frequency row per token, this rank's tokens under context
+RoPE (``config.mrope_section``: a VLM's) has a frequency row per token, this rank's tokens under context
 parallelism, which megatron's packed path would re-slice: it rotates here always, by megatron's own function where
 no kernel is installed.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from loongforge_megatron.spec.modules import kernel
+from loongforge_megatron.layers.modules import kernel
 
 
 class KernelRoPESelfAttention(SelfAttention):

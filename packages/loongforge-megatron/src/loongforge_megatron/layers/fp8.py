@@ -189,7 +189,7 @@ def apply_fp8(chunks: list[torch.nn.Module], fp8: Any, *, kernels: Fp8Kernels, t
     from loongforge_megatron.fp8_policy import load_policy
 
     policy = load_policy(fp8.policy)["gemms"] if fp8.policy else None
-    from loongforge_megatron.spec.grouped_experts import GroupedMLP
+    from loongforge_megatron.layers.grouped_experts import GroupedMLP
 
     notes = notes if notes is not None else []
     n_fp8 = n_all = 0

@@ -45,7 +45,7 @@ class PermuteDispatcher(_MoETokenDispatcher):
         self._permute = self._unpermute = None
 
     def _kernels(self, device_type: str) -> None:
-        from loongforge_megatron.spec.modules import kernel
+        from loongforge_megatron.layers.modules import kernel
 
         kw = dict(provider=self.provider, device_type=device_type, accelerator=self.accelerator)
         self._permute, self._unpermute = kernel("moe_permute", **kw), kernel("moe_unpermute", **kw)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loongforge_megatron.spec.modules import kernel
+from loongforge_megatron.layers.modules import kernel
 
 
 def _takes_token_weights(fn: Any) -> bool:

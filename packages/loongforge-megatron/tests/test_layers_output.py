@@ -35,7 +35,7 @@ def _loss_and_grads(processor, *, context, scale: float = 0.37):
 
 def _masked_sum_in_one_pass_equals_per_token_path(*, monkeypatch):
     import loongforge_kernels.cross_entropy as ce
-    from loongforge_megatron.spec.output import fused_output_processor
+    from loongforge_megatron.layers.output import fused_output_processor
 
     calls = []
     real = ce._run_chunks
@@ -58,7 +58,7 @@ def test_masked_sum_in_one_pass_equals_per_token_path(in_world, tmp_path, monkey
 
 def _op_without_token_weights_keeps_the_per_token_path(*, monkeypatch):
     from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
-    from loongforge_megatron.spec import output
+    from loongforge_megatron.layers import output
 
     def plugin_op(hidden, weight, labels, ignore_index=-100, reduction="mean", *, process_group=None,
                   reduce_grad_input=True):
@@ -82,7 +82,7 @@ def test_op_without_token_weights_keeps_the_per_token_path(in_world, tmp_path, m
 def _eval_under_no_grad(*, context, monkeypatch):
     import loongforge_kernels.cross_entropy as ce
     from loongforge_megatron.engine.step import loss_func
-    from loongforge_megatron.spec.output import fused_output_processor
+    from loongforge_megatron.layers.output import fused_output_processor
 
     calls = []
     real = ce._chunk_grads
@@ -111,7 +111,7 @@ def test_eval_under_no_grad(in_world, tmp_path, context, monkeypatch):
 
 def _unhashable_plugin_op_and_a_one_element_sum(*, monkeypatch):
     from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
-    from loongforge_megatron.spec import output
+    from loongforge_megatron.layers import output
 
     class PluginOp:
         __hash__ = None  # an eq-dataclass-like object

@@ -64,5 +64,5 @@ def clip_builder() -> Callable[..., Any]:
     built = llava_model.CLIPViTModel
     if not getattr(built, MARK, False):
         raise RuntimeError(f"building LLaVA needs the '{NAME}' adaptation: apply "
-                           "loongforge_megatron.engine.llava_adaptation.clip_adaptations(...) for the run")
+                           "loongforge_megatron.models.llava.clip.clip_adaptations(...) for the run")
     return built

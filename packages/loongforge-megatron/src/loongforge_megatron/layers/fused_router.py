@@ -30,7 +30,7 @@ class FusedTopKRouter(_topk_router()):
     def _fused_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dense probs [T, E], routing map [T, E]) as megatron's ``topk_routing_with_score_function``."""
         if self._topk is None:
-            from loongforge_megatron.spec.modules import kernel
+            from loongforge_megatron.layers.modules import kernel
 
             self._topk = kernel("moe_router_topk", provider=self.provider, device_type=logits.device.type,
                                 accelerator=self.accelerator)
@@ -81,7 +81,7 @@ def with_fused_router(layer_spec: Any, *, provider: str = "auto", accelerator: A
 
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from loongforge_megatron.engine.layer_spec import get_submodules, set_submodules
+    from loongforge_megatron.layers.megatron_layers import get_submodules, set_submodules
 
     mlp = layer_spec.submodules.mlp
     moe = get_submodules(mlp)
