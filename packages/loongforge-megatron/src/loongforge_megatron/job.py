@@ -244,7 +244,7 @@ class MegatronJob(Job):
         if real:  # SFT: this rank's sample tokens / the capacity of its micro-batches (the rest is padding)
             capacity = len(batches) * self.recipe.train.micro_batch_size * self.seq_length
             metrics["packing_efficiency"] = sum(real) / capacity
-        if self.data.sample_unit:  # e.g. a DiT's images (its tokens are latent patches)
+        if self.data.sample_unit:  # e.g. an image model's images (its tokens are latent patches)
             metrics[f"{self.data.sample_unit}_per_s"] = self.recipe.train.global_batch_size / dt
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]

@@ -151,7 +151,7 @@ class MegatronLayout:
             raise CheckpointError(f"{path}: key 'hf_config.{exc.args[0]}' is missing") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as exc:
             raise CheckpointError(f"{path}: a value has the wrong kind ({str(exc).splitlines()[0][:120]})") from None
-        Sizes(text, where=path, prefix="hf_config.")["vocab_size"]  # NOTE: a DiT's is its class count
+        Sizes(text, where=path, prefix="hf_config.")["vocab_size"]  # NOTE: an image model's is its class count
         return layout
 
 

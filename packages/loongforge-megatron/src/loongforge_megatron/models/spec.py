@@ -33,7 +33,7 @@ class Data:
     valid: Any = None
     seq_length: int = 0
     tokenizer: Any = None
-    sample_unit: str | None = None  # what one sample is (a DiT's "images"): <unit>_per_s is reported besides tokens
+    sample_unit: str | None = None  # what one sample is (an image model's "images"): <unit>_per_s is reported besides tokens
     assets: Callable[[Path], None] | None = None  # writes tokenizer / label files into an export's directory
     encoder: Any = None  # what turns a batch's raw inputs into the model's (an image model's autoencoder), for the forward step
 
