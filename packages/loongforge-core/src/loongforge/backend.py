@@ -47,6 +47,15 @@ class Backend(ABC):
     #: that sets one to anything but its default is refused rather than silently ignored.
     unused_keys: ClassVar[dict[str, str]] = {}
 
+    @classmethod
+    def recipe_schemas(cls) -> dict[str, type[BaseModel]]:
+        """The schema classes of this backend's recipe keys, by title (its first word is the recipe section), for
+        ``docs/recipes.md``. Default: the four class attributes above; a backend whose sections depend on the model
+        kind adds one entry per kind (e.g. ``"model (dit)"``)."""
+        out = {"model": cls.model_schema, "data": cls.data_schema, "parallel": cls.parallel_schema,
+               "kernels": cls.kernels_schema}
+        return {k: v for k, v in out.items() if v is not None}
+
     @classmethod  # noqa: B027 - optional override
     def check_recipe(cls, recipe: Recipe) -> None:
         """Cross-section checks that need no process group (raise ``RecipeError``)."""
