@@ -42,7 +42,8 @@ def add_args(p: argparse.ArgumentParser, *, variants: dict[str, Variant], defaul
     p.add_argument("--variants", default=default, help="comma-separated, of " + ", ".join(variants))
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the median")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per variant (child process)")
+    p.add_argument("--timeout", default="900", help="seconds per variant (child process): N, or NAME=N,... "
+                   "(300 for a variant not named)")
     p.add_argument("--out", default=None, help="also write this run's report (markdown) here")
     p.add_argument("--results", default=None, help=f"folder of the results tables (default {RESULTS})")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 2 steps, variants in this process")
@@ -142,6 +143,7 @@ class Bench:
     unit: str  # what ``items`` counts, per second: "tokens/s", "images/s", "samples/s"
     pairs: list[tuple[str, str]] = field(default_factory=list)  # (ours, peer): loss agreement + ratio
     columns: dict[str, Callable[[dict], str]] = field(default_factory=dict)  # extra columns of the report
+    notes: Callable[[dict[str, dict]], list[str]] | None = None  # lines after the table (what the columns can't say)
 
     def main(self, args: argparse.Namespace, *, setup: str, device: str,
              prepare: Callable[[argparse.Namespace, Path], None] | None = None) -> dict[str, dict]:
@@ -185,10 +187,12 @@ class Bench:
     def _child(self, name: str, args: argparse.Namespace) -> dict:
         js = Path(args.work) / f"{name}.json"
         cmd = [sys.executable, self.script, *args.argv, "--variant", name, "--json", str(js), "--work", args.work]
+        spec = str(args.timeout)
+        timeout = float(dict(kv.split("=") for kv in spec.split(",")).get(name, 300)) if "=" in spec else float(spec)
         try:
-            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.timeout)
+            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {args.timeout} s"}
+            return {"error": f"timed out after {timeout:.0f} s"}
         return json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed)"}
 
     @staticmethod
@@ -217,6 +221,8 @@ class Bench:
                  f"{PEAK_BF16 / 1e12:.0f} TFLOP/s dense bf16.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += [f"| {name} | " + " | ".join(self._cells(r)) + " |" for name, r in rows.items()]
+        if self.notes is not None:
+            lines += ["", *self.notes(rows)]
         agree, ratios = [], []
         for ours, peer in self.pairs:
             a, b = rows.get(ours, {}), rows.get(peer, {})
