@@ -1,0 +1,60 @@
+"""Every benchmark script's CPU smoke mode (``--smoke``: tiny shapes, 2 steps, variants in this process), so none
+rots: each run must produce its report, a row per variant in its results table, and agreeing losses where ours and
+the peer train the same model on the same data."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def load():
+    """Import a benchmark script as a module; ``harness`` (which they import by name) first."""
+    saved = sys.modules.get("harness")
+
+    def _load(name: str, *, as_name: str | None = None):
+        as_name = as_name or f"benchmarks_{name}"
+        spec = importlib.util.spec_from_file_location(as_name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[as_name] = module  # NOTE: dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+        return module
+
+    _load("harness", as_name="harness")
+    yield _load
+    if saved is None:
+        sys.modules.pop("harness", None)
+    else:
+        sys.modules["harness"] = saved
+
+
+def _table_rows(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("| 20")]
+
+
+@pytest.mark.parametrize(("script", "ours", "peer", "tol"), [
+    ("llm_throughput", "loongforge", "hf_eager", 1e-4),
+    ("moe_throughput", "loongforge", "hf_grouped_mm", 1e-3),
+    ("dit_throughput", "loongforge", "diffusers_eager", 1e-3),
+    ("vlm_throughput", "loongforge", "hf_eager", 1e-2),
+])
+def test_training_benchmark_smoke(load, tmp_path, script, ours, peer, tol):
+    harness = sys.modules["harness"]
+    rows = load(script).main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    assert set(rows) == {ours, peer}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0
+    assert harness.loss_diff(rows[ours]["losses"], rows[peer]["losses"]) < tol
+    report = (tmp_path / "report.md").read_text()
+    assert report.rstrip().splitlines()[-1].startswith(f"{ours} / {peer}: ")  # the ratio prints last
+    table = _table_rows(tmp_path / f"{script}.md")
+    assert [line.split(" | ")[3] for line in table] == [ours, peer]  # date | hardware | setup | variant
+    assert "CPU" in table[0].split(" | ")[1]
