@@ -238,17 +238,24 @@ class Bench:
 
     def append(self, folder: Path, rows: dict[str, dict], *, setup: str, hardware: str) -> Path:
         """Add this run's rows to ``folder/<name>.md`` (made with its header on first use)."""
-        path = folder / f"{self.name}.md"
-        folder.mkdir(parents=True, exist_ok=True)
-        head = ["date", "hardware", "setup", "variant", self.unit, "MFU", "peak GiB", "loss first → last", *self.columns]
-        if not path.is_file():
-            path.write_text(f"# {self.name}\n\nOne row per variant per run (`benchmarks/{Path(self.script).name}`); "
-                            "newest last.\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n")
-        date = time.strftime("%Y-%m-%d")
-        with path.open("a") as f:
-            for name, r in rows.items():
-                f.write(f"| {date} | {hardware} | {setup} | {name} | " + " | ".join(self._cells(r)) + " |\n")
-        return path
+        head = ["setup", "variant", self.unit, "MFU", "peak GiB", "loss first → last", *self.columns]
+        cells = [[setup, name, *self._cells(r)] for name, r in rows.items()]
+        return append_rows(folder / f"{self.name}.md", script=self.script, head=head, rows=cells, hardware=hardware)
+
+
+def append_rows(path: Path, *, script: str, head: list[str], rows: list[list[str]], hardware: str) -> Path:
+    """Append ``rows`` to the results table at ``path``, each after today's date and ``hardware`` (the file and its
+    header are made on first use): re-runs add rows, so a table holds a benchmark's history."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():
+        cols = ["date", "hardware", *head]
+        path.write_text(f"# {path.stem}\n\nOne row per result per run of `benchmarks/{Path(script).name}`; newest last."
+                        "\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    date = time.strftime("%Y-%m-%d")
+    with path.open("a") as f:
+        for row in rows:
+            f.write(f"| {date} | {hardware} | " + " | ".join(str(c).replace("|", "/") for c in row) + " |\n")
+    return path
 
 
 def _write(path: str, text: str) -> None:

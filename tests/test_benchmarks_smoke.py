@@ -58,3 +58,18 @@ def test_training_benchmark_smoke(load, tmp_path, script, ours, peer, tol):
     table = _table_rows(tmp_path / f"{script}.md")
     assert [line.split(" | ")[3] for line in table] == [ours, peer]  # date | hardware | setup | variant
     assert "CPU" in table[0].split(" | ")[1]
+
+
+def test_kernels_benchmark_smoke(tmp_path):
+    """The kernel benchmark re-runs itself under Triton's interpreter on CPU, so it runs as a process here."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(BENCH / "kernels_bench.py"), "--smoke", "--results", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=BENCH)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split(" | ") for line in _table_rows(tmp_path / "kernels_bench.md")]
+    assert {(r[2], r[4]) for r in rows} == {("rope", "loongforge"), ("rope", "eager")}
+    assert not any("failed" in r[5] for r in rows)
+    assert "| rope |" in out.stdout.rsplit("## Ratios", 1)[1]  # the ratios print last
