@@ -146,8 +146,10 @@ class Bench:
     notes: Callable[[dict[str, dict]], list[str]] | None = None  # lines after the table (what the columns can't say)
 
     def main(self, args: argparse.Namespace, *, setup: str, device: str,
-             prepare: Callable[[argparse.Namespace, Path], None] | None = None) -> dict[str, dict]:
-        """Run (or, in a child, be) the variants; print the report, ratios last; append the results rows."""
+             prepare: Callable[[argparse.Namespace, Path], None] | None = None,
+             run_all: Callable[[argparse.Namespace, list[str]], dict[str, dict]] | None = None) -> dict[str, dict]:
+        """Run (or, in a child, be) the variants; print the report, ratios last; append the results rows.
+        ``run_all(args, names)``, if given, runs the variants its own way (e.g. side by side) and returns results."""
         if args.variant:  # a child process: one variant, its result as JSON
             Path(args.json).write_text(json.dumps(self._call(args.variant, args)))
             return {}
@@ -159,10 +161,12 @@ class Bench:
             prepare(args, Path(args.work))
         hw = hardware(device)
         rows: dict[str, dict] = {}
-        for name in args.variants.split(","):
+        names = args.variants.split(",")
+        done = run_all(args, names) if run_all is not None else {}
+        for name in names:
             t0 = time.time()
-            res = self._call(name, args) if args.in_process else self._child(name, args)
-            res["wall_s"] = time.time() - t0
+            res = done.get(name) or (self._call(name, args) if args.in_process else self._child(name, args))
+            res.setdefault("wall_s", time.time() - t0)
             rows[name] = self._summarise(res, args.warmup)
             print(name, {k: v for k, v in rows[name].items() if k not in ("losses", "times", "profile")}, flush=True)
             if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
@@ -184,16 +188,25 @@ class Bench:
             traceback.print_exc()
             return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
 
-    def _child(self, name: str, args: argparse.Namespace) -> dict:
+    def child_command(self, name: str, args: argparse.Namespace) -> list[str]:
+        """The command that runs variant ``name`` in its own process; it writes ``<work>/<name>.json``."""
         js = Path(args.work) / f"{name}.json"
-        cmd = [sys.executable, self.script, *args.argv, "--variant", name, "--json", str(js), "--work", args.work]
+        return [sys.executable, self.script, *args.argv, "--variant", name, "--json", str(js), "--work", args.work]
+
+    @staticmethod
+    def child_result(name: str, args: argparse.Namespace) -> dict:
+        js = Path(args.work) / f"{name}.json"
+        return json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed or timed out)"}
+
+    def _child(self, name: str, args: argparse.Namespace) -> dict:
+        cmd = self.child_command(name, args)
         spec = str(args.timeout)
         timeout = float(dict(kv.split("=") for kv in spec.split(",")).get(name, 300)) if "=" in spec else float(spec)
         try:
             subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
-        return json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed)"}
+        return self.child_result(name, args)
 
     @staticmethod
     def _summarise(res: dict, warmup: int) -> dict:

@@ -44,6 +44,7 @@ def _table_rows(path: Path) -> list[str]:
     ("moe_throughput", "loongforge", "hf_grouped_mm", 1e-3),
     ("dit_throughput", "loongforge", "diffusers_eager", 1e-3),
     ("vlm_throughput", "loongforge", "hf_eager", 1e-2),
+    ("fp8_throughput", "ours_bf16", "hf_eager_bf16", None),  # NOTE: the HF peer draws its own init and tokens
 ])
 def test_training_benchmark_smoke(load, tmp_path, script, ours, peer, tol):
     harness = sys.modules["harness"]
@@ -52,7 +53,8 @@ def test_training_benchmark_smoke(load, tmp_path, script, ours, peer, tol):
     for r in rows.values():
         assert "error" not in r, r
         assert len(r["losses"]) == 2 and r["rate"] > 0
-    assert harness.loss_diff(rows[ours]["losses"], rows[peer]["losses"]) < tol
+    if tol is not None:
+        assert harness.loss_diff(rows[ours]["losses"], rows[peer]["losses"]) < tol
     report = (tmp_path / "report.md").read_text()
     assert report.rstrip().splitlines()[-1].startswith(f"{ours} / {peer}: ")  # the ratio prints last
     table = _table_rows(tmp_path / f"{script}.md")
