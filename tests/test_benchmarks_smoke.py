@@ -75,3 +75,10 @@ def test_kernels_benchmark_smoke(tmp_path):
     assert {(r[2], r[4]) for r in rows} == {("rope", "loongforge"), ("rope", "eager")}
     assert not any("failed" in r[5] for r in rows)
     assert "| rope |" in out.stdout.rsplit("## Ratios", 1)[1]  # the ratios print last
+
+
+def test_vla_benchmark_smoke(load, tmp_path):
+    res = load("vla_throughput").main(["--smoke", "--results", str(tmp_path)])
+    assert res["ours"]["samples_per_s"] > 0 and res["ours"]["policy"] == "tiny_vla"
+    rows = [line.split(" | ") for line in _table_rows(tmp_path / "vla_throughput.md")]
+    assert [r[3] for r in rows] == ["ours"] and "CPU" in rows[0][1]
