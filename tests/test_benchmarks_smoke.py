@@ -82,3 +82,10 @@ def test_vla_benchmark_smoke(load, tmp_path):
     assert res["ours"]["samples_per_s"] > 0 and res["ours"]["policy"] == "tiny_vla"
     rows = [line.split(" | ") for line in _table_rows(tmp_path / "vla_throughput.md")]
     assert [r[3] for r in rows] == ["ours"] and "CPU" in rows[0][1]
+
+
+def test_checkpoint_convert_memory_smoke(load, tmp_path):
+    rows = load("checkpoint_convert_memory").main(["--smoke", "--results", str(tmp_path)])
+    assert [r["direction"] for r in rows] == ["hf_to_megatron", "megatron_to_hf"]
+    table = [line.split(" | ") for line in _table_rows(tmp_path / "checkpoint_convert_memory.md")]
+    assert [r[3] for r in table] == ["hf_to_megatron", "megatron_to_hf"]
