@@ -89,3 +89,10 @@ def test_checkpoint_convert_memory_smoke(load, tmp_path):
     assert [r["direction"] for r in rows] == ["hf_to_megatron", "megatron_to_hf"]
     table = [line.split(" | ") for line in _table_rows(tmp_path / "checkpoint_convert_memory.md")]
     assert [r[3] for r in table] == ["hf_to_megatron", "megatron_to_hf"]
+
+
+def test_fp8_allgather_codec_smoke(load, tmp_path):
+    c = load("fp8_allgather").main(["--smoke", "--results", str(tmp_path)])
+    assert c["bit_identical"] is True  # the backend's codec equals the kernels package's reference, byte for byte
+    table = [line.split(" | ") for line in _table_rows(tmp_path / "fp8_allgather.md")]
+    assert [r[3] for r in table] == ["encode", "decode"]
