@@ -95,6 +95,8 @@ class DataConfig(Section):
     eval_workers: int = Field(1, ge=1, description="environment worker processes for those episodes")
     eval_seed: int = Field(100_000, ge=0, description="episode i of every evaluation uses seed eval_seed + i "
                            "(away from data.record.seed's episodes)")
+    eval_request_timeout: float = Field(120.0, gt=0, le=86_400, allow_inf_nan=False, description="seconds an "
+                                        "evaluation worker waits for each reply of the policy server")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

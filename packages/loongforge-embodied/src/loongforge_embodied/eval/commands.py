@@ -6,6 +6,19 @@ Imports here stay light (argparse only): every ``loongforge`` invocation builds 
 from __future__ import annotations
 
 import argparse
+import sys
+
+DEFAULT_TIMEOUT_S = 120.0  # NOTE: eval/client.py's default, repeated here so the parser imports nothing
+
+
+def _one_line_errors(p: argparse.ArgumentParser) -> None:
+    """argparse's errors (``--port abc``) as one ``error:`` line and exit code 2, like every other user error."""
+
+    def error(message: str):
+        print(f"error: {p.prog}: {message} (see {p.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    p.error = error
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -14,14 +27,16 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default=None, help="environment (default: the recipe's data.record.env, else pusht)")
     p.add_argument("--device", default=None, help="torch device of a trained policy (default: cuda if available)")
     p.add_argument("--max-batch", type=int, default=16, help="requests batched into one forward at most")
+    _one_line_errors(p)
 
 
 def register_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a trained policy over the OpenPI websocket protocol")
     p.add_argument("source", help="a run directory, an exported policy directory, or a recipe (with --policy)")
     p.add_argument("overrides", nargs="*", default=[], help="a.b.c=value overrides of a recipe")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
     _policy_args(p)
     p.set_defaults(handler=_serve)
 
@@ -39,19 +54,25 @@ def register_eval(subparsers) -> None:
     p.add_argument("--videos", type=int, default=4, help="mp4s of the first N episodes")
     p.add_argument("--output", "-o", default=None, help="directory for summary.json (default: RUN/eval)")
     p.add_argument("--server", default=None, help="ws://HOST:PORT of a running `loongforge serve` instead")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds to wait for each reply of the policy server (default {DEFAULT_TIMEOUT_S:g})")
     _policy_args(p)
     p.set_defaults(handler=_eval)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from loongforge_embodied.eval.launch import build_policy
+    from loongforge_embodied.eval.launch import build_policy, check_listen
     from loongforge_embodied.eval.server import PolicyServer
 
+    check_listen(host=args.host, port=args.port, max_batch=args.max_batch)
     policy, _env, _, _ = build_policy(args.source, args.overrides, policy=args.policy, env=args.env, device=args.device)
     server = PolicyServer(policy, host=args.host, port=args.port, max_batch=args.max_batch)
-    print(f"serving {policy.name} on ws://{args.host}:{args.port} (reads: {', '.join(policy.spec)})", flush=True)
+
+    def ready() -> None:
+        print(f"serving {policy.name} on ws://{args.host}:{server.port} (reads: {', '.join(policy.spec)})", flush=True)
+
     try:
-        server.serve_forever()
+        server.serve_forever(on_ready=ready)
     except KeyboardInterrupt:
         pass
     return 0

@@ -38,6 +38,7 @@ def evaluate_job(job: EmbodiedJob) -> dict[str, float]:
             with PolicyServer(policy, port=0) as server:
                 s = evaluate(address=server.address, env=env, episodes=r.train.eval_steps, workers=d.eval_workers,
                              seed=d.eval_seed, max_steps=d.eval_max_steps, out_dir=out, videos=1,
+                             request_timeout_s=d.eval_request_timeout,
                              label=f"{r.model.policy} step {job.step_index}")
         finally:
             shutil.rmtree(export_dir, ignore_errors=True)  # NOTE: the summary stays; the weights are the run's

@@ -17,6 +17,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from loongforge_embodied.eval.client import DEFAULT_TIMEOUT_S, PolicyClient
 from loongforge_embodied.eval.rollout import EpisodeResult, worker_main
 from loongforge_embodied.eval.wilson import wilson_interval
 
@@ -35,18 +36,18 @@ def _exit_text(code: int | None) -> str:
 def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: int = 0, max_steps: int | None = None,
              replan: int | None = None, out_dir: str | Path | None = None, videos: int = 0,
              on_episode_start: Callable[[int, int], None] | None = None, label: str | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the episodes against the server at ``address``; write ``out_dir/summary.json`` (+ videos, plot)."""
+             progress: Callable[[str], None] | None = None,
+             request_timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Run the episodes against the server at ``address``; write ``out_dir/summary.json`` (+ videos, plot).
+    ``request_timeout_s`` bounds each wait for the server (a reply, the connect)."""
     from loongforge_embodied.eval.envs import load_env, resolve_env
 
-    if episodes < 1 or workers < 1:
-        from loongforge.errors import LoongForgeError
-
-        raise LoongForgeError(f"--episodes and --workers must be at least 1 (got {episodes}, {workers})")
+    check_counts(episodes=episodes, workers=workers, max_steps=max_steps, replan=replan, videos=videos,
+                 request_timeout_s=request_timeout_s)
     target = resolve_env(env)
     cls = load_env(target)
     max_steps = max_steps or cls.max_steps
-    metadata = server_metadata(address)
+    metadata = server_metadata(address, timeout_s=request_timeout_s)
     provided = set(getattr(cls, "observation_keys", ()) or ())
     missing = [k for k in metadata["features"] if provided and k not in provided]
     if missing:
@@ -68,7 +69,8 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(child,), daemon=True, name="loongforge-eval-worker",
                            kwargs={"address": address, "env_target": target, "max_steps": max_steps,
-                                   "replan": replan, "videos_dir": videos_dir, "video_limit": videos})
+                                   "replan": replan, "videos_dir": videos_dir, "video_limit": videos,
+                                   "timeout_s": request_timeout_s})
         proc.start()
         child.close()
         live[parent] = {"proc": proc, "episode": None}
@@ -137,19 +139,25 @@ def evaluate(*, address: str, env: str, episodes: int, workers: int = 1, seed: i
     return summary
 
 
-def server_metadata(address: str) -> dict[str, Any]:
-    """The metadata a policy server sends on connect (what its requests must hold)."""
-    import websockets.exceptions
-    import websockets.sync.client
-    from openpi_client import msgpack_numpy
+def check_counts(*, episodes: int, workers: int, max_steps: int | None, replan: int | None, videos: int,
+                 request_timeout_s: float) -> None:
+    """The evaluation's counts as the command line names them; anything out of range is one line."""
+    from loongforge.errors import LoongForgeError
 
-    try:
-        with websockets.sync.client.connect(address, compression=None, max_size=None, open_timeout=30) as ws:
-            return msgpack_numpy.unpackb(ws.recv(timeout=30))
-    except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-        from loongforge.errors import LoongForgeError
+    for flag, value, least in (("--episodes", episodes, 1), ("--workers", workers, 1), ("--max-steps", max_steps, 1),
+                               ("--replan", replan, 1), ("--videos", videos, 0)):
+        if value is not None and (type(value) is not int or value < least):
+            raise LoongForgeError(f"{flag} must be an integer of at least {least} (got {value})")
+    if workers > 256:
+        raise LoongForgeError(f"--workers {workers}: at most 256 environment worker processes")
+    if type(request_timeout_s) not in (int, float) or not 0 < request_timeout_s <= 86_400:
+        raise LoongForgeError(f"--request-timeout must be a number of seconds in (0, 86400] (got {request_timeout_s})")
 
-        raise LoongForgeError(f"no policy server at {address} ({type(exc).__name__}: {exc})") from None
+
+def server_metadata(address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """The metadata a policy server sends on connect (what its requests must hold), checked."""
+    with PolicyClient(address, timeout_s=timeout_s) as client:
+        return client.metadata
 
 
 def summarize(results: list[EpisodeResult], *, env: str, policy: str | None, seed: int, max_steps: int, workers: int,

@@ -1,4 +1,4 @@
-"""One worker process of an evaluation: an environment, an ``openpi-client`` connection, episodes on request.
+"""One worker process of an evaluation: an environment, a policy-server connection, episodes on request.
 
 The parent (``evaluate.py``) spawns each worker as a fresh interpreter and talks to it over a pipe: the worker
 says ``ready``, receives ``(episode, seed)``, answers ``start`` and then ``done`` with the episode's result.
@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from loongforge_embodied.eval.client import DEFAULT_TIMEOUT_S, PolicyClient
+from loongforge_embodied.eval.protocol import ProtocolError
 
 
 @dataclass
@@ -54,9 +55,8 @@ def run_episode(adapter, client, metadata: dict[str, Any], *, episode: int, seed
     n_exec = int(metadata.get("n_action_steps") or 0)
     done = False
     while not done and res.length < max_steps:
-        actions = np.asarray(client.infer(request_from(obs, metadata))["actions"], dtype=np.float32)
-        if actions.ndim != 2 or len(actions) == 0:
-            raise ValueError(f"the policy answered actions of shape {actions.shape}; expected (T, action_dim)")
+        # NOTE: the client checked the reply: (T, action_dim) float32, finite
+        actions = client.infer(request_from(obs, metadata))["actions"]
         n = len(actions) if n_exec <= 0 else min(n_exec, len(actions))
         if replan:
             n = min(n, replan)
@@ -81,10 +81,8 @@ def run_episode(adapter, client, metadata: dict[str, Any], *, episode: int, seed
 
 
 def worker_main(conn, *, address: str, env_target: str, max_steps: int, replan: int | None, videos_dir: str | None,
-                video_limit: int) -> None:
+                video_limit: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Entry point of a spawned worker: serve episodes over ``conn`` until told ``None``."""
-    from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
     from loongforge_embodied.eval.envs import load_env
 
     client = None
@@ -98,8 +96,8 @@ def worker_main(conn, *, address: str, env_target: str, max_steps: int, replan: 
         conn.send(("start", episode, os.getpid()))
         try:
             if client is None:
-                client = WebsocketClientPolicy(host=address)
-            metadata = client.get_server_metadata()
+                client = PolicyClient(address, timeout_s=timeout_s)
+            metadata = client.metadata
             if adapter is None:
                 cls = load_env(env_target)
                 img = next((f["shape"][0] for f in metadata["features"].values() if len(f["shape"]) == 3), None)
@@ -108,9 +106,13 @@ def worker_main(conn, *, address: str, env_target: str, max_steps: int, replan: 
             result = run_episode(adapter, client, metadata, episode=episode, seed=seed, max_steps=max_steps,
                                  replan=replan, video_path=video, fps=adapter.fps)
         except Exception as exc:
-            result = EpisodeResult(episode, seed, error=f"{type(exc).__name__}: {exc}".strip()[:2000])
-            if "ConnectionClosed" in type(exc).__name__ or isinstance(exc, OSError):
+            text = str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
+            result = EpisodeResult(episode, seed, error=(text.strip().splitlines() or [""])[0][:2000])
+            if client is not None and (isinstance(exc, ProtocolError | OSError)):
+                client.close()
                 client = None  # NOTE: reconnect for the next episode
         conn.send(("done", result.to_dict()))
+    if client is not None:
+        client.close()
     if adapter is not None:
         adapter.close()

@@ -4,7 +4,6 @@ the export carries."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,9 @@ def policy_dir(path: str | Path) -> Path:
 
 def run_task(path: str | Path) -> str | None:
     """The task string a run trained with (its recipe's ``data.task``), where the run directory says."""
-    recipe = Path(path) / "recipe.yaml"
-    if not recipe.is_file():
-        return None
-    import yaml
+    from loongforge_embodied.eval.run_folder import run_data
 
-    data = (yaml.safe_load(recipe.read_text()) or {}).get("data") or {}
-    return data.get("task")
+    return run_data(path).get("task")
 
 
 class TrainedPolicy:
@@ -82,22 +77,28 @@ class TrainedPolicy:
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", n_action_steps: int | None = None) -> TrainedPolicy:
         """From a run directory or an exported policy directory."""
+        from loongforge.checkpoint.json_file import read_json_object
         from loongforge.errors import LoongForgeError
 
         from loongforge_embodied.policies import get_policy
 
         export = policy_dir(path)
-        cfg = json.loads((export / "config.json").read_text())
-        policy = EXPORT_TYPES.get(cfg.get("type"))
+        config = export / "config.json"
+        cfg = read_json_object(config)
+        policy = EXPORT_TYPES.get(cfg.get("type")) if isinstance(cfg.get("type"), str) else None
         if policy is None:
-            raise LoongForgeError(f"'{export}/config.json' has type {cfg.get('type')!r}; servable: "
+            raise LoongForgeError(f"{config}: key 'type' is {str(cfg.get('type'))[:60]!r}; servable: "
                                   f"{', '.join(EXPORT_TYPES)}")
-        model = get_policy(policy).export.load_model(export)
-        cameras = cfg.get("camera_keys") or [k for k, f in cfg.get("input_features", {}).items()
-                                             if f.get("type") == "VISUAL"]
+        features = cfg.get("input_features", {})
+        if not isinstance(features, dict) or not all(isinstance(k, str) and isinstance(f, dict)
+                                                     for k, f in features.items()):
+            raise LoongForgeError(f"{config}: key 'input_features' must map feature names to objects")
+        cameras = cfg.get("camera_keys") or [k for k, f in features.items() if f.get("type") == "VISUAL"]
+        if not isinstance(cameras, list) or not all(isinstance(c, str) and c for c in cameras):
+            raise LoongForgeError(f"{config}: key 'camera_keys' must be a list of feature names")
         task = run_task(path) or run_task(export.parent)
-        state_key = next((k for k, f in cfg.get("input_features", {}).items() if f.get("type") == "STATE"),
-                         "observation.state")
+        state_key = next((k for k, f in features.items() if f.get("type") == "STATE"), "observation.state")
+        model = get_policy(policy).export.load_model(export)
         return cls(model, policy=policy, cameras=cameras, task=task, device=device, n_action_steps=n_action_steps,
                    label=f"{policy}:{export}", state_key=state_key)
 

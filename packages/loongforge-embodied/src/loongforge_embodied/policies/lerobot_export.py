@@ -8,7 +8,6 @@ lerobot_pi05, which writes LeRobot's own pi05 layout. LeRobot is imported only t
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     from loongforge_embodied.policies.arch import ArchMixin
 
 PREFIX = "model."  # an ArchPolicyMixin policy holds the network as ``self.model``
+MAX_SIZE = 2**24  # any one size or count of an exported architecture
 
 
 @contextlib.contextmanager
@@ -64,11 +64,38 @@ def write_pretrained(out_dir: str | Path, *, config_class: type, arch: ArchMixin
 
 
 def load_model(path: str | Path, *, arch_class: type[ArchMixin], model_class: type[torch.nn.Module]):
-    """Our own loader (no LeRobot import): the bare ``model_class`` of an exported directory, strictly."""
+    """Our own loader (no LeRobot import): the bare ``model_class`` of an exported directory, strictly.
+
+    ``config.json``'s sizes are checked (types, ranges) and the model they describe is compared, tensor by
+    tensor, with ``model.safetensors``'s header before anything is allocated: a config that disagrees with the
+    weights, or a truncated file, is one line naming it."""
+    import torch
+    from loongforge.checkpoint import check_shapes
+    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.checkpoint.safetensors_io import read_header
+    from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
     path = Path(path)
-    model = model_class(arch_class.from_dict(json.loads((path / "config.json").read_text())))
-    sd = {k[len(PREFIX):]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(PREFIX)}
+    config, weights = path / "config.json", path / "model.safetensors"
+    cfg = read_json_object(config)
+    header = {k[len(PREFIX):]: tuple(v["shape"]) for k, v in read_header(weights).items() if k.startswith(PREFIX)}
+    try:
+        arch = arch_class().with_overrides(**{f.name: cfg[f.name] for f in arch_class.size_fields() if f.name in cfg})
+        # NOTE: every layer holds a tensor: more layers than the file has tensors is a lie, and building them
+        # (even on the meta device) would take as long as the lie is large
+        for name, value in arch.to_dict().items():
+            if type(value) is int and (value > MAX_SIZE or ("layers" in name and value > len(header))):
+                raise ValueError(f"key '{name}' is {value}, more than {str(weights.name)} can hold "
+                                 f"({len(header)} tensors)" if value <= MAX_SIZE else f"key '{name}' is {value}, "
+                                 f"more than any size allowed ({MAX_SIZE})")
+        with torch.device("meta"):  # NOTE: shapes only; nothing is allocated for a config that lies
+            expected = {k: tuple(v.shape) for k, v in model_class(arch).state_dict().items()}
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise CheckpointError(f"{config}: {(str(exc).splitlines() or [''])[0][:300]}") from None
+    check_shapes(expected, siglip_names.match(header, expected.keys()),
+                 where=f"{weights} (against {config.name})")
+    model = model_class(arch)
+    sd = {k[len(PREFIX):]: v for k, v in load_file(str(weights)).items() if k.startswith(PREFIX)}
     model.load_state_dict(siglip_names.match(sd, model.state_dict().keys()), strict=True)
     return model

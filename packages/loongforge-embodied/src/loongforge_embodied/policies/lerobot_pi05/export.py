@@ -69,11 +69,28 @@ def serving_note(arch: LeRobotPI05Arch) -> str:
 
 def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:
     """Our arch of an exported dir, or of a LeRobot pi05 checkpoint (its ``config.json`` alone)."""
+    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.errors import CheckpointError
+
     path = Path(path)
     sidecar = path / SIDECAR
-    if sidecar.is_file():
-        return LeRobotPI05Arch(**json.loads(sidecar.read_text())["arch"])
-    cfg = json.loads((path / "config.json").read_text())
+    if sidecar.exists():
+        arch = read_json_object(sidecar).get("arch")
+        try:
+            if not isinstance(arch, dict):
+                raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
+            return LeRobotPI05Arch(**arch)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
+    cfg = read_json_object(path / "config.json")
+    try:
+        return _arch_from_config(cfg)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'}: not a pi05 config LeRobot writes ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0][:200]})") from None
+
+
+def _arch_from_config(cfg: dict[str, Any]) -> LeRobotPI05Arch:
     feats = cfg.get("input_features", {})
     cams = [k for k, f in feats.items() if f.get("type") == "VISUAL"]
     state = feats.get("observation.state", {}).get("shape", [cfg.get("max_state_dim", 32)])
@@ -94,22 +111,35 @@ def load_model(path: str | Path):
     """The bare :class:`LeRobotPI05Model` from our export or from a local LeRobot pi05 checkpoint dir (keys
     fixed the way ``PI05Policy.from_pretrained`` fixes them; missing statistics keep their defaults)."""
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
     from loongforge_embodied.policies.lerobot_pi05.modeling_lerobot_pi05 import LeRobotPI05Model
 
     path = Path(path)
-    model = LeRobotPI05Model(arch_from_dir(path))
+    arch = arch_from_dir(path)
+    read_header(path / "model.safetensors")  # NOTE: a truncated or garbled file is one line naming it
+    model = LeRobotPI05Model(arch)
     sd = PI05Policy._fix_pytorch_state_dict_keys(model, load_file(str(path / "model.safetensors")), model.config)
     sd = {k if k.startswith("model.") else f"model.{k}": v for k, v in sd.items()}
     sd = siglip_names.match(sd, model.state_dict().keys())
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as exc:  # NOTE: size mismatches: the config disagrees with the weights
+        lines = [x.strip() for x in str(exc).splitlines() if "size mismatch" in x]
+        raise CheckpointError(f"{path}: config.json does not match model.safetensors "
+                              f"({(lines or [str(exc)])[0][:300]})") from None
     missing = [k for k in missing if not k.startswith(STATS_PREFIX)]
     if missing or unexpected:
         raise CheckpointError(f"{path}: does not match the lerobot_pi05 model (missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]})")
     sidecar = path / SIDECAR
-    if sidecar.is_file():
-        model.set_stats(json.loads(sidecar.read_text())["stats"])
+    if sidecar.exists():
+        from loongforge.checkpoint.json_file import read_json_object
+
+        try:
+            model.set_stats(read_json_object(sidecar)["stats"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{sidecar}: key 'stats': {(str(exc).splitlines() or [''])[0][:200]}") from None
     return model
