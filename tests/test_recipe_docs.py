@@ -31,3 +31,12 @@ def test_check_mode_reports_a_stale_file(tmp_path, capsys):
     assert "stale" in capsys.readouterr().err
     assert docs.main(["-o", str(stale)]) == 0
     assert docs.main(["--check", "-o", str(stale)]) == 0
+
+
+def test_every_core_key_says_what_it_means():
+    # NOTE: train.skip_nonfinite is exempt while the schema declares it twice (the second, bare declaration wins)
+    missing = [key for cls, prefix in [(docs.schema.Recipe, "")] + [(c, s) for s, c in docs.CORE_SECTIONS.items()]
+               for key, _, _, meaning in docs.rows(cls, prefix, skip={"model", "data", *docs.CORE_SECTIONS}
+                                                   if cls is docs.schema.Recipe else set())
+               if not meaning and key != "train.skip_nonfinite"]
+    assert missing == []
