@@ -89,7 +89,7 @@ case $name in
       --warmup 5 --out "$out/dit_throughput.md"
     ;;
   vla)
-    gpu_tests 150 packages/loongforge-embodied/tests/test_gpu_compile.py
+    gpu_tests 290 packages/loongforge-embodied/tests/test_gpu_compile.py
     step vla_step 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
     if [[ -n ${VLA_DATA:-} ]]; then
       step vla_e2e_lerobot 150 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
