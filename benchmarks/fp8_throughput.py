@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     setup = (f"{args.preset}, {args.layers} layers, seq {args.seq}, mbs {args.mbs}, {args.data} tokens"
              + (", grad_accum_fusion" if args.grad_accum_fusion else "") + (", side by side" if args.concurrent else ""))
-    BENCH.notes = notes(args)
+    BENCH.notes, BENCH.ratios = notes(args), not args.concurrent
     rows = BENCH.main(args, setup=setup, device=args.device, prepare=prepare,
                       run_all=run_side_by_side if args.concurrent and not args.in_process else None)
     if args.out and not args.variant:  # every step's loss, per variant

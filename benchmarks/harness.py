@@ -144,6 +144,7 @@ class Bench:
     pairs: list[tuple[str, str]] = field(default_factory=list)  # (ours, peer): loss agreement + ratio
     columns: dict[str, Callable[[dict], str]] = field(default_factory=dict)  # extra columns of the report
     notes: Callable[[dict[str, dict]], list[str]] | None = None  # lines after the table (what the columns can't say)
+    ratios: bool = True  # False where the rates are not comparable (variants that ran side by side)
 
     def main(self, args: argparse.Namespace, *, setup: str, device: str,
              prepare: Callable[[argparse.Namespace, Path], None] | None = None,
@@ -242,7 +243,7 @@ class Bench:
             if a.get("losses") and b.get("losses") and a.get("items") == b.get("items"):
                 agree.append(f"Loss of {ours} vs {peer}: max relative difference {loss_diff(a['losses'], b['losses']):.2e} "
                              f"over {min(len(a['losses']), len(b['losses']))} steps.")
-            if "rate" in a and "rate" in b:
+            if self.ratios and "rate" in a and "rate" in b:
                 ratios.append(f"{ours} / {peer}: {a['rate'] / b['rate']:.2f}x")
         for name, r in rows.items():
             if r.get("profile"):
