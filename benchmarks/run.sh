@@ -63,8 +63,8 @@ case $name in
     ;;
   fp8)
     gpu_tests 90 packages/loongforge-kernels/tests/test_gpu_fp8.py
-    step fp8_throughput 300 python3 benchmarks/fp8_throughput.py --preset llama3.2-1b --layers 16 --seq 8192 \
-      --steps 20 --variants ours_bf16,ours_fp8_tensorwise,ours_fp8_rowwise,torchao_tensorwise \
+    step fp8_throughput 480 python3 benchmarks/fp8_throughput.py --preset llama3.2-1b --layers 16 --seq 8192 \
+      --steps 20 --variants ours_bf16,ours_fp8_tensorwise,ours_fp8_rowwise,torchao_tensorwise --timeout 115 \
       --out "$out/fp8_throughput.md"
     if (( gpus >= 2 )); then
       export NCCL_NVLS_ENABLE=0  # NVLink multicast off
