@@ -2,7 +2,7 @@
 eager and + ``torch.compile`` (ours also with ``train.compile``, and with ``kernels.grad_accum_fusion``), same model, weights, data, objective and optimizer, on one device.
 
     python benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20          # one GPU
-    python benchmarks/dit_throughput.py --preset dit-tiny --batch 8 --steps 4 --device cpu    # smoke test
+    python benchmarks/dit_throughput.py --smoke       # CPU, dit-tiny, 2 steps: checks the script itself
 
 Every variant runs in its own process and starts from the same random-init diffusers checkpoint (weights
 perturbed so no adaLN gate is zero). Data: our synthetic latents (labels with 10% classifier-free-guidance
@@ -10,31 +10,27 @@ dropout, timesteps and noise drawn per sample). Objective for both: DiT's hybrid
 L_vlb for the learned variance (``models.dit.model.variational_bound``, the same function on both sides). AdamW
 (lr 1e-4, no weight decay, betas 0.9 / 0.999), grad clip 1.0, bf16 autocast on the peer and bf16 params with fp32
 master weights on ours (GPU; fp32 on CPU). Median images/s after warm-up, MFU (6·N + 12·L·H·T FLOPs per patch
-token, against 989 TFLOP/s dense bf16), peak memory and the losses; ratios last.
+token, against 989 TFLOP/s dense bf16), peak memory and the losses; ratios last. Rows go to
+``benchmarks/results/dit_throughput.md`` (see ``harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-PEAK_BF16 = 989e12  # H100 / H200 SXM dense bf16
+import harness
 
 
-def make_diffusers(preset: str, out: Path) -> None:
+def make_diffusers(args, out: Path) -> None:
     import torch
     from diffusers import DiTTransformer2DModel
     from loongforge_megatron.models.dit.arch import DiTArch
     from loongforge_megatron.models.registry import presets
 
-    arch = DiTArch(**presets()[preset][1])
+    arch = DiTArch(**presets()[args.preset][1])
     torch.manual_seed(0)
     model = DiTTransformer2DModel(num_attention_heads=arch.num_attention_heads,
                                   attention_head_dim=arch.hidden_size // arch.num_attention_heads,
@@ -51,20 +47,35 @@ def make_diffusers(preset: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
+def _hf(args) -> str:
+    return str(Path(args.work) / "dit")
+
+
+def _items(args, res: dict) -> dict:
+    """Images per step, and FLOPs per image: 6·N + 12·L·H·T per patch token, times the tokens."""
+    from loongforge_megatron.models.dit.arch import arch_from_diffusers
+
+    arch = arch_from_diffusers(json.loads((Path(_hf(args)) / "config.json").read_text()))
+    tokens = (arch.sample_size // arch.patch_size) ** 2
+    res.update(items=args.batch, flops_per_item=tokens * arch.flops_per_token(tokens))
+    return res
+
+
 def run_ours(args, compiled: bool = False, grad_accum_fusion: bool = False) -> dict:
+    import tempfile
+
     import loongforge
-    import torch
     import yaml
 
     recipe = {
         "backend": "megatron",
-        "model": {"hf": args.hf_dir},
+        "model": {"hf": _hf(args)},
         "data": {"format": "latents", "class_dropout": 0.1},
         "train": {"stage": "cpt", "steps": args.steps, "global_batch_size": args.batch, "micro_batch_size": args.batch,
                   "lr": 1e-4, "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_beta2": 0.999,
                   "grad_clip": 1.0, "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1,
                   "compile": compiled},
-        "checkpoint": {"load": args.hf_dir, "save_at_end": False},
+        "checkpoint": {"load": _hf(args), "save_at_end": False},
         "accelerator": args.device,
         "kernels": {"layers": "loongforge", "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5, "console": False},
@@ -72,17 +83,10 @@ def run_ours(args, compiled: bool = False, grad_accum_fusion: bool = False) -> d
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for _ in range(args.steps):
-        m = job.step()
-        losses.append(m["loss"])
-        times.append(m["step_time"])
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-    profile = _profile(job.step, args) if args.profile else None
+    res = harness.job_steps(job, steps=args.steps, device=args.device)
+    res["profile"] = _profile(job.step, args) if args.profile else None
     job.close()
-    return {"losses": losses, "times": times, "peak_gib": peak, "profile": profile}
+    return _items(args, res)
 
 
 def _profile(step, args) -> str:
@@ -116,8 +120,8 @@ def run_diffusers(args, compiled: bool) -> dict:
     from loongforge_megatron.models.dit.model import variational_bound
 
     device = torch.device(args.device)
-    model = DiTTransformer2DModel.from_pretrained(args.hf_dir, torch_dtype=torch.float32).to(device).train()
-    arch = arch_from_diffusers(json.loads((Path(args.hf_dir) / "config.json").read_text()))
+    model = DiTTransformer2DModel.from_pretrained(_hf(args), torch_dtype=torch.float32).to(device).train()
+    arch = arch_from_diffusers(json.loads((Path(_hf(args)) / "config.json").read_text()))
     for block in model.transformer_blocks:  # NOTE: labels come dropped by the data (as ours); no second dropout
         block.norm1.emb.class_embedder.dropout_prob = 0.0
     fwd = torch.compile(model) if compiled else model
@@ -126,15 +130,12 @@ def run_diffusers(args, compiled: bool) -> dict:
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear")
     data = SyntheticLatents(arch=arch, seed=1, class_dropout=0.1)
     c = arch.in_channels
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for step in range(args.steps):
-        samples = [data[step * args.batch + i] for i in range(args.batch)]
+    steps = iter(range(10**9))
+
+    def step():
+        i = next(steps)
+        samples = [data[i * args.batch + j] for j in range(args.batch)]
         batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
         noisy = scheduler.add_noise(batch["latents"], batch["noise"], batch["timesteps"])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             pred = fwd(noisy, batch["timesteps"], batch["labels"]).sample.float()
@@ -146,11 +147,9 @@ def run_diffusers(args, compiled: bool) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"losses": losses, "times": times, "peak_gib": peak}
+        return loss.detach()
+
+    return _items(args, harness.time_steps(step, steps=args.steps, device=args.device))
 
 
 VARIANTS = {
@@ -163,92 +162,24 @@ VARIANTS = {
 }
 
 
-def child(args) -> None:
-    try:
-        out = VARIANTS[args.variant](args)
-    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
-        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-    Path(args.json).write_text(json.dumps(out))
+BENCH = harness.Bench(
+    name="dit_throughput", script=__file__, variants=VARIANTS, unit="images/s",
+    pairs=[("loongforge", "diffusers_eager"), ("loongforge_compile", "loongforge"),
+           ("loongforge_compile", "diffusers_compile"), ("loongforge_compile_gaf", "loongforge_compile"),
+           ("loongforge_compile_gaf", "diffusers_compile")])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="dit-xl-2-256")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--variants", default="loongforge,loongforge_compile,diffusers_eager,diffusers_compile")
-    p.add_argument("--out", default=None, help="write the table (markdown) here too")
     p.add_argument("--profile", action="store_true", help="ours: profile three more steps (printed, and in --out)")
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--hf-dir", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.variant:
-        return child(args)
-    from loongforge_megatron.models.dit.arch import arch_from_diffusers
-
-    work = Path(tempfile.mkdtemp())
-    hf_dir = work / "dit"
-    make_diffusers(args.preset, hf_dir)
-    arch = arch_from_diffusers(json.loads((hf_dir / "config.json").read_text()))
-    tokens = (arch.sample_size // arch.patch_size) ** 2
-    fpt = arch.flops_per_token(tokens)
-    if args.device == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name()
-    else:
-        device = "CPU"
-    rows = {}
-    for name in args.variants.split(","):
-        js = work / f"{name}.json"
-        cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
-               "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device] + \
-              (["--profile"] if args.profile else [])
-        t0 = time.time()
-        subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
-        res = json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed)"}
-        res["wall_s"] = time.time() - t0
-        if "times" in res:
-            t = statistics.median(res["times"][min(args.warmup, len(res["times"]) - 1):])
-            res["images_per_s"] = args.batch / t
-            res["mfu"] = res["images_per_s"] * tokens * fpt / PEAK_BF16
-        rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("losses", "times", "profile")}, flush=True)
-
-    lines = [f"# DiT training throughput — {args.preset}, batch {args.batch}, one {device}, {time.strftime('%Y-%m-%d')}",
-             "", f"{tokens} patch tokens per image; FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N + 12·L·H·T); MFU against "
-             f"{PEAK_BF16 / 1e12:.0f} TFLOP/s dense bf16. {args.steps} steps, median step time after {args.warmup} "
-             "warm-up steps. Same diffusers random-init weights, synthetic latents and objective (MSE + L_vlb) for all.",
-             "", "| variant | images/s | MFU | peak GiB | loss step 1 → last |", "|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | |")
-            continue
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        lines.append(f"| {name} | {r['images_per_s']:,.1f} | {100 * r['mfu']:.1f}% | {peak} | "
-                     f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
-    lines.append("")
-    for mine, peer in (("loongforge", "diffusers_eager"), ("loongforge_compile", "loongforge"),
-                       ("loongforge_compile", "diffusers_compile"), ("loongforge_compile_gaf", "loongforge_compile"),
-                       ("loongforge_compile_gaf", "diffusers_compile")):
-        ours, r = rows.get(mine, {}), rows.get(peer, {})
-        if "losses" in ours and "losses" in r:
-            n = min(len(r["losses"]), len(ours["losses"]))
-            diffs = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], r["losses"][:n], strict=True)]
-            lines.append(f"Loss of {mine} vs {peer} over {n} steps: max relative difference {max(diffs):.2e}.")
-        if "images_per_s" in ours and "images_per_s" in r:
-            lines.append(f"{mine} / {peer}: {ours['images_per_s'] / r['images_per_s']:.2f}x")
-    for name, r in rows.items():
-        if r.get("profile"):
-            lines += ["", f"## Profile of {name}", "", "```", r["profile"], "```"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    harness.add_args(p, variants=VARIANTS, default="loongforge,loongforge_compile,diffusers_eager,diffusers_compile")
+    args = harness.parse(p, argv, steps=20, warmup=5, smoke={
+        "preset": "dit-tiny", "batch": 2, "device": "cpu", "variants": "loongforge,diffusers_eager"})
+    setup = f"{args.preset}, batch {args.batch}, {'bf16' if args.device == 'cuda' else 'fp32'}, MSE + L_vlb"
+    return BENCH.main(args, setup=setup, device=args.device, prepare=lambda a, work: make_diffusers(a, work / "dit"))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Triton kernels (``loongforge_kernels.fp8_delta``), and checks that both give the
 the same section to its table.
 
     python benchmarks/fp8_allgather.py --codec-only [--codec-numel 67108864 --codec-world 2]
+    python benchmarks/fp8_allgather.py --smoke     # CPU: the codec at a tiny size, torch code vs the kernels' reference
+
+The codec's rows are appended to ``benchmarks/results/fp8_allgather.md`` with the date and hardware (``harness.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
 
@@ -90,12 +94,23 @@ def codec(args: argparse.Namespace) -> dict:
     collective: the hook's torch code vs the fused kernels, ms by ``triton.testing.do_bench`` (median)."""
     from loongforge_embodied.fp8_allgather import _apply_deltas, _encode_delta
     from loongforge_kernels import fp8_delta
-    from triton.testing import do_bench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # NOTE: on CPU (the smoke run) the kernels' side is their torch reference: Triton needs its interpreter there
+    impl = "triton" if device == "cuda" else "torch"
+    if device == "cuda":
+        from triton.testing import do_bench
+    else:
+        def do_bench(fn, *, warmup: int, rep: int, return_mode: str) -> float:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
 
     world, slab = args.codec_world, args.codec_numel // args.codec_world
-    gen = torch.Generator("cuda").manual_seed(0)
-    recon0 = (torch.randn(world, slab, device="cuda", generator=gen) * 0.02).bfloat16()
-    x = (recon0[0].float() + 1e-3 * torch.randn(slab, device="cuda", generator=gen)).bfloat16()
+    gen = torch.Generator(device).manual_seed(0)
+    recon0 = (torch.randn(world, slab, device=device, generator=gen) * 0.02).bfloat16()
+    x = (recon0[0].float() + 1e-3 * torch.randn(slab, device=device, generator=gen)).bfloat16()
     out = torch.empty_like(recon0)
 
     def torch_decode(recon, gathered):
@@ -105,8 +120,8 @@ def codec(args: argparse.Namespace) -> dict:
     paths = {
         "torch": (lambda: _encode_delta(x, recon0[0]), torch_decode),
         "triton": (
-            lambda: fp8_delta.encode_fp8_delta(x, recon0[0], impl="triton"),
-            lambda recon, gathered: fp8_delta.apply_fp8_deltas(recon, gathered, out=out, impl="triton"),
+            lambda: fp8_delta.encode_fp8_delta(x, recon0[0], impl=impl),
+            lambda recon, gathered: fp8_delta.apply_fp8_deltas(recon, gathered, out=out, impl=impl),
         ),
     }
     res: dict = {"numel": world * slab, "world": world}
@@ -158,7 +173,20 @@ def table(res: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def record(c: dict, args: argparse.Namespace) -> None:
+    """The codec's rows in ``results/fp8_allgather.md`` (the full run's table goes to ``--out``)."""
+    results = Path(args.results) if args.results else (None if args.smoke else harness.RESULTS)
+    if results is None:
+        return
+    setup = f"codec, {c['numel'] / 2**20:.2f}M bf16 elements over {c['world']} slabs"
+    harness.append_rows(results / "fp8_allgather.md", script=__file__, hardware=harness.hardware(
+        "cuda" if torch.cuda.is_available() else "cpu"), head=["setup", "pass", "torch ms", "fused ms", "torch / fused",
+                                                               "bit-identical"],
+        rows=[[setup, k, f"{c[f'torch_{k}_ms']:.3f}", f"{c[f'triton_{k}_ms']:.3f}",
+               f"{c[f'torch_{k}_ms'] / c[f'triton_{k}_ms']:.2f}x", c["bit_identical"]] for k in ("encode", "decode")])
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16, help="global batch (split evenly over ranks)")
@@ -172,15 +200,20 @@ def main() -> None:
     ap.add_argument("--codec-only", action="store_true", help="time encode / decode alone on one GPU")
     ap.add_argument("--codec-numel", type=int, default=64 * 2**20, help="elements over all slabs")
     ap.add_argument("--codec-world", type=int, default=2, help="slabs (ranks) the decode adds up")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--results", default=None, help=f"folder of the results tables (default {harness.RESULTS})")
+    ap.add_argument("--smoke", action="store_true", help="CPU: --codec-only at 64K elements")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.codec_only, args.codec_numel = True, 64 * 1024
+    elif not torch.cuda.is_available():
         raise SystemExit("fp8_allgather benchmark needs CUDA GPUs (launch with torchrun --nproc_per_node 2)")
     if args.codec_only:
         c = codec(args)
         print("\n".join(codec_lines(c)))
+        record(c, args)
         print(f"decode torch / triton: {c['torch_decode_ms'] / c['triton_decode_ms']:.2f}x; "
               f"encode torch / triton: {c['torch_encode_ms'] / c['triton_encode_ms']:.2f}x")
-        return
+        return c
     if not args.out:
         ap.error("--out is required")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -192,6 +225,7 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(), "world": dist.get_world_size()}
     if rank0:
         res["codec"] = codec(args)
+        record(res["codec"], args)
         torch.cuda.empty_cache()
         print("codec:", json.dumps(res["codec"]), flush=True)
     for variant in ("bf16", "fp8"):
@@ -213,6 +247,7 @@ def main() -> None:
         print(f"bytes ratio fp8/bf16: {res['bytes_ratio']:.4f}x")
     dist.barrier()
     dist.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":

@@ -25,20 +25,23 @@ go into the fp32 ``main_grad`` inside the GEMM (bf16: cuBLAS accumulating; FP8: 
 Every variant runs in its own process. Ours start from the same random init (same seed) and train on the same
 synthetic tokens, so their losses compare directly (FP8 vs bf16 after N steps); the torchao rows are an HF model of
 the same shape (its own random init), reported for throughput and with their own loss. Median tokens/s after
-warm-up; ratios print last.
+warm-up; ratios print last (see ``harness.py``); rows go to ``benchmarks/results/fp8_throughput.md`` and, with
+``--out FILE``, every step's loss per variant to ``FILE.losses.json``.
+
+    python benchmarks/fp8_throughput.py --smoke     # CPU, llama-tiny, ours_bf16 vs hf_eager_bf16, 2 steps
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import harness
 
 OURS = {"ours_bf16": None, "ours_fp8_tensorwise": "tensorwise", "ours_fp8_rowwise": "rowwise",
         "ours_fp8_blockwise": "blockwise", "ours_fp8_adaptive": "adaptive"}
@@ -47,12 +50,13 @@ TORCHAO = {"torchao_tensorwise": "tensorwise", "torchao_rowwise": "rowwise", "hf
 
 def _recipe(args, fp8: dict | None) -> dict:
     train = {"stage": "pretrain", "steps": args.steps, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
-             "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0, "precision": "bf16", "seed": 1}
+             "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0,
+             "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1}
     if fp8 is not None:
         train["fp8"] = fp8
     return {"backend": "megatron", "model": {"preset": args.preset, "num_layers": args.layers},
             "data": {"format": "synthetic", "seq_length": args.seq}, "train": train,
-            "checkpoint": {"save_at_end": False}, "accelerator": "cuda",
+            "checkpoint": {"save_at_end": False}, "accelerator": args.device,
             "kernels": {"layers": "loongforge", "grad_accum_fusion": args.grad_accum_fusion},
             "logging": {"tensorboard": False, "interval": 5}}
 
@@ -117,8 +121,9 @@ def _profile_steps(job, steps: int = 2) -> dict:
 
 
 def run_ours(args, fp8: str | None) -> dict:
+    import tempfile
+
     import loongforge
-    import torch
     import yaml
 
     if args.data == "bigram":
@@ -134,27 +139,20 @@ def run_ours(args, fp8: str | None) -> dict:
         section["experts"] = True
     (tmp / "r.yaml").write_text(yaml.safe_dump(_recipe(args, section)))
     job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for _ in range(args.steps):
-        m = job.step()
-        losses.append(m["loss"])
-        times.append(m["step_time"])
-    peak = torch.cuda.max_memory_allocated()
+    out = harness.job_steps(job, steps=args.steps, device=args.device)
     from loongforge_megatron.layers.fp8 import Fp8ParallelLinear
     from loongforge_megatron.layers.grouped_experts import GroupedMLP
 
     mods = [m for c in job.chunks for m in c.modules()]
-    out = {"losses": losses, "times": times, "peak_gib": peak / 2**30,
-           "fp8_linears": sum(isinstance(m, Fp8ParallelLinear) for m in mods),
-           "fp8_expert_layers": sum(isinstance(m, GroupedMLP) and m.fp8_gemms is not None for m in mods)}
+    out.update(items=args.mbs * args.seq, fp8_linears=sum(isinstance(m, Fp8ParallelLinear) for m in mods),
+               fp8_expert_layers=sum(isinstance(m, GroupedMLP) and m.fp8_gemms is not None for m in mods))
     if args.profile:
-        out["profile"] = _profile_steps(job)
+        out["kernel_profile"] = _profile_steps(job)
     job.close()
     return out
 
 
-def run_hf(args, fp8: str | None) -> dict:
+def run_hf(args, fp8: str | None, *, compiled: bool = True) -> dict:
     import torch
     import transformers as tf
     from loongforge_megatron.models.registry import hf_config, presets
@@ -164,7 +162,7 @@ def run_hf(args, fp8: str | None) -> dict:
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.config.use_cache = False
     if fp8:
@@ -172,28 +170,25 @@ def run_hf(args, fp8: str | None) -> dict:
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8),
                                    module_filter_fn=lambda mod, fqn: fqn != "lm_head")
-    fwd = torch.compile(model)
+    fwd = torch.compile(model) if compiled else model
     vocab = config.vocab_size
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for _ in range(args.steps):
-        tokens = torch.randint(0, vocab, (args.mbs, args.seq + 1), device="cuda", generator=gen)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                            fused=args.device == "cuda")
+    gen = torch.Generator(device=args.device).manual_seed(1)
+
+    def step():
+        tokens = torch.randint(0, vocab, (args.mbs, args.seq + 1), device=args.device, generator=gen)
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
             logits = fwd(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        print(f"{fp8 or 'bf16'} step {len(times)}: {times[-1]:.3f} s", flush=True)  # NOTE: the first one compiles
-    return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        return loss.detach()
+
+    # NOTE: the first step compiles
+    return {**harness.time_steps(step, steps=args.steps, device=args.device), "items": args.mbs * args.seq}
 
 
 def make_policy(args, work: Path) -> None:
@@ -204,153 +199,102 @@ def make_policy(args, work: Path) -> None:
     section = {"recipe": args.adaptive_recipe, "grad_dtype": grad, **({"experts": True} if args.experts else {})}
     (work / "adaptive.yaml").write_text(yaml.safe_dump(_recipe(args, section)))
     subprocess.run([sys.executable, "-m", "loongforge", "fp8", "profile", str(work / "adaptive.yaml"), "-o", args.policy],
-                   timeout=args.timeout, check=False)
+                   timeout=600, check=False)
 
 
-def child(args) -> None:
-    try:
-        if args.variant in OURS:
-            out = run_ours(args, OURS[args.variant])
-        else:
-            out = run_hf(args, TORCHAO[args.variant])
-    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
-        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"}
-    Path(args.json).write_text(json.dumps(out))
+VARIANTS = {**{name: (lambda a, r=r: run_ours(a, r)) for name, r in OURS.items()},
+            **{name: (lambda a, r=r: run_hf(a, r)) for name, r in TORCHAO.items()},
+            # HF eager in bf16 autocast (no compile, no torchao): the CPU smoke run's peer
+            "hf_eager_bf16": lambda a: run_hf(a, None, compiled=False)}
 
 
-def render(args, rows: dict, device: str) -> str:
-    lines = [f"## {args.preset}, {args.layers} layers, seq {args.seq}, micro-batch {args.mbs}, one {device}, "
-             f"{time.strftime('%Y-%m-%d')}" + (", ours with kernels.grad_accum_fusion" if args.grad_accum_fusion
-                                                else ""), "",
-             f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Loss: ours vs ours_bf16 at the "
-             "last step (same init and tokens); torchao rows: their own model init.", "",
-             "| variant | tokens/s | peak GiB | loss step 1 → last | last loss vs ours_bf16 |", "|---|---|---|---|---|"]
-    base = rows.get("ours_bf16", {})
-    tail = min(50, max(1, args.steps // 4))  # NOTE: 200 steps -> the last 50, where the curves have flattened
-    if args.concurrent:
-        lines[2] = (f"{args.steps} steps, variants run side by side (tokens/s not comparable). Loss: mean of the last "
-                    f"{tail} steps vs ours_bf16's (same init and tokens); max |relative difference| per step over "
-                    "the whole curve.")
-        lines[4] = "| variant | loss step 1 → last | last-steps mean vs ours_bf16 | max per-step difference |"
-        lines[5] = "|---|---|---|---|"
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | |")
-            continue
-        rel = ""
-        if name.startswith("ours") and "losses" in base:
-            if args.concurrent:
-                a, b = r["losses"], base["losses"]
-                mean = lambda v: sum(v[-tail:]) / tail  # noqa: E731
-                worst = max(abs(x - y) / y for x, y in zip(a, b, strict=False))
-                lines.append(f"| {name} | {a[0]:.4f} → {a[-1]:.4f} | {(mean(a) - mean(b)) / mean(b):+.2%} | "
-                             f"{worst:.2%} |")
+def notes(args) -> Callable[[dict[str, dict]], list[str]]:
+    """Each FP8 row's last loss against ours_bf16 (same init and tokens), and the kernel-time profiles."""
+
+    def lines(rows: dict[str, dict]) -> list[str]:
+        out = []
+        base = rows.get("ours_bf16", {})
+        tail = min(50, max(1, args.steps // 4))  # NOTE: 200 steps -> the last 50, where the curves have flattened
+        for name, r in rows.items():
+            if not (name.startswith("ours_fp8") and r.get("losses") and base.get("losses")):
                 continue
-            rel = f"{(r['losses'][-1] - base['losses'][-1]) / base['losses'][-1]:+.2%}"
-        fp8 = f" ({r['fp8_linears']} FP8 linears, {r['fp8_expert_layers']} FP8 expert layers)" \
-            if r.get("fp8_linears") or r.get("fp8_expert_layers") else ""
-        lines.append(f"| {name}{fp8} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} | "
-                     f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | {rel} |")
-    lines.append("")
-    for name, r in rows.items():
-        if "profile" in r:
-            cats = r["profile"]["categories_ms"]
-            total = sum(cats.values())
-            lines.append(f"{name} kernel time a step: {total:.1f} ms = " + ", ".join(
-                f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])))
-            lines.extend(f"    {ms:8.3f} ms  {k}" for k, ms in r["profile"]["top_ms"])
-    if args.concurrent:
-        return "\n".join(lines)
-    tps = {k: v["tokens_per_s"] for k, v in rows.items() if "tokens_per_s" in v}
-    for name in [k for k in tps if k.startswith("ours_fp8")]:
-        parts = []
-        for peer in ("ours_bf16", "torchao_tensorwise", "torchao_rowwise", "hf_compile_bf16"):
-            if peer in tps:
-                parts.append(f"{tps[name] / tps[peer]:.2f}x {peer}")
-        lines.append(f"{name}: " + ", ".join(parts))
-    for name in ("torchao_tensorwise", "torchao_rowwise"):
-        if name in tps and "hf_compile_bf16" in tps:
-            lines.append(f"{name}: {tps[name] / tps['hf_compile_bf16']:.2f}x hf_compile_bf16 (torchao's own speed-up)")
-    return "\n".join(lines)
+            a, b = r["losses"], base["losses"]
+            mean = lambda v: sum(v[-tail:]) / len(v[-tail:])  # noqa: E731
+            out.append(f"{name}: mean of the last {tail} losses {(mean(a) - mean(b)) / mean(b):+.2%} vs ours_bf16, "
+                       f"max per-step difference {harness.loss_diff(a, b):.2%}.")
+        for name, r in rows.items():
+            if r.get("kernel_profile"):
+                cats = r["kernel_profile"]["categories_ms"]
+                out.append(f"{name} kernel time a step: {sum(cats.values()):.1f} ms = " + ", ".join(
+                    f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])))
+                out.extend(f"    {ms:8.3f} ms  {k}" for k, ms in r["kernel_profile"]["top_ms"])
+        if args.concurrent:
+            out.append("Variants ran side by side: their tokens/s are not comparable, only their losses.")
+        return out
+
+    return lines
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def run_side_by_side(args, names: list[str]) -> dict[str, dict]:
+    """--concurrent: every variant's process at once (for loss curves; one GPU shared)."""
+    procs, t0 = [], time.time()
+    for name in names:  # NOTE: staggered, so two ranks' free-port picks cannot collide
+        procs.append(subprocess.Popen(BENCH.child_command(name, args)))
+        time.sleep(3)
+    timeout = float(args.timeout) if "=" not in str(args.timeout) else 900.0
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {name: BENCH.child_result(name, args) for name in names}
+
+
+BENCH = harness.Bench(
+    name="fp8_throughput", script=__file__, variants=VARIANTS, unit="tokens/s",
+    pairs=[*((o, p) for o in OURS if o != "ours_bf16" for p in ("ours_bf16", *TORCHAO)),
+           ("ours_bf16", "hf_eager_bf16"),
+           *((t, "hf_compile_bf16") for t in ("torchao_tensorwise", "torchao_rowwise"))],
+    columns={"FP8 linears / expert layers": lambda r: f"{r.get('fp8_linears', '')} / {r.get('fp8_expert_layers', '')}"
+             if "fp8_linears" in r else ""})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3.1-8b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--mbs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: ours_bf16 and hf_eager_bf16 only")
     p.add_argument("--grad-dtype", default="e4m3", help="ours tensorwise: gradient FP8 format")
     p.add_argument("--adaptive-recipe", default="tensorwise")
-    p.add_argument("--variants", default=",".join([*OURS, "torchao_tensorwise", "torchao_rowwise"]))
-    p.add_argument("--timeout", type=int, default=240, help="seconds per variant")
-    p.add_argument("--out", default=None, help="append the table (markdown) to this file; losses to FILE.losses.json")
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
-    p.add_argument("--policy", default=None)
+    p.add_argument("--policy", default=None, help="ours_fp8_adaptive: the policy file (default: profiled first)")
     p.add_argument("--data", choices=("uniform", "bigram"), default="uniform", help="ours: synthetic token stream")
     p.add_argument("--concurrent", action="store_true", help="run the variants side by side (loss curves)")
     p.add_argument("--profile", action="store_true", help="ours: kernel-time breakdown of two more steps")
     p.add_argument("--experts", action="store_true", help="ours FP8: MoE experts in FP8 too (train.fp8.experts)")
     p.add_argument("--grad-accum-fusion", action="store_true",
                    help="ours, bf16 and FP8 alike: kernels.grad_accum_fusion (weight grads into the fp32 main_grad)")
-    args = p.parse_args()
-    if args.variant:
-        return child(args)
+    harness.add_args(p, variants=VARIANTS, default=",".join([*OURS, "torchao_tensorwise", "torchao_rowwise"]))
+    args = harness.parse(p, argv, steps=20, warmup=5, smoke={
+        "preset": "llama-tiny", "layers": 2, "seq": 64, "mbs": 2, "device": "cpu",
+        "variants": "ours_bf16,hf_eager_bf16"})
 
-    import torch
+    def prepare(a, work: Path) -> None:
+        a.policy = a.policy or str(work / "fp8_policy.json")
+        if "ours_fp8_adaptive" in a.variants.split(",") and not Path(a.policy).is_file():
+            make_policy(a, work)
+        a.argv += ["--policy", a.policy]
 
-    work = Path(tempfile.mkdtemp())
-    args.policy = args.policy or str(work / "fp8_policy.json")
-    device = torch.cuda.get_device_name()
-    rows: dict = {}
-    names = args.variants.split(",")
-    if "ours_fp8_adaptive" in names and not Path(args.policy).is_file():
-        make_policy(args, work)
-
-    def cmd(name: str) -> list[str]:
-        return [sys.executable, __file__, "--variant", name, "--json", str(work / f"{name}.json"), "--preset",
-                args.preset, "--layers", str(args.layers), "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps",
-                str(args.steps), "--grad-dtype", args.grad_dtype, "--adaptive-recipe", args.adaptive_recipe,
-                "--policy", args.policy, "--data", args.data] + (["--profile"] if args.profile else []) + (
-                    ["--experts"] if args.experts else []) + (["--grad-accum-fusion"] if args.grad_accum_fusion else [])
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    t0 = time.time()
-    if args.concurrent:
-        procs = []
-        for name in names:  # NOTE: staggered, so two ranks' free-port picks cannot collide
-            procs.append(subprocess.Popen(cmd(name), env=env))
-            time.sleep(3)
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    for name in names:
-        if not args.concurrent:
-            t0 = time.time()
-            try:
-                subprocess.run(cmd(name), env=env, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        js = work / f"{name}.json"
-        res = json.loads(js.read_text()) if js.is_file() else {"error": f"no result (crashed or > {args.timeout} s)"}
-        res["wall_s"] = time.time() - t0
-        if "times" in res:
-            res["tokens_per_s"] = args.mbs * args.seq / statistics.median(res["times"][args.warmup:])
-        rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("losses", "times", "profile")}, flush=True)
-    text = render(args, rows, device)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
+    setup = (f"{args.preset}, {args.layers} layers, seq {args.seq}, mbs {args.mbs}, {args.data} tokens"
+             + (", grad_accum_fusion" if args.grad_accum_fusion else "") + (", side by side" if args.concurrent else ""))
+    BENCH.notes, BENCH.ratios = notes(args), not args.concurrent
+    rows = BENCH.main(args, setup=setup, device=args.device, prepare=prepare,
+                      run_all=run_side_by_side if args.concurrent and not args.in_process else None)
+    if args.out and not args.variant:  # every step's loss, per variant
         curves = {k: v["losses"] for k, v in rows.items() if "losses" in v}
-        Path(args.out).with_suffix(".losses.json").write_text(json.dumps(curves))  # every step's loss, per variant
+        Path(args.out).with_suffix(".losses.json").write_text(json.dumps(curves))
+    return rows
 
 
 if __name__ == "__main__":

@@ -5,23 +5,35 @@ Printed per row: time, effective GB/s (memory-bound kernels, counting the minima
 linear CE, sparse MLA), peak memory above the inputs, and the max abs error vs the eager reference (fp32 math);
 the ratios come last.
 
-    PYTHONPATH=packages/loongforge-kernels/src:packages/loongforge-core/src python3 benchmarks/kernels_bench.py \
-        [--quick] [--only rms_norm,swiglu,rope,flce,moe,sparse_mla] [--no-compile] [--out results.md]
+    python3 benchmarks/kernels_bench.py [--quick] [--only rms_norm,swiglu,rope,flce,moe,sparse_mla] [--no-compile] \
+        [--out report.md]
+    python3 benchmarks/kernels_bench.py --smoke    # CPU (Triton's interpreter), tiny shapes: checks the script
+
+Every row is appended to ``benchmarks/results/kernels_bench.md`` with the date and hardware (``--results DIR``
+elsewhere; a ``--smoke`` run records only when ``--results`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import loongforge_kernels as lk
-import torch
-from loongforge_kernels import references as ref
-from loongforge_kernels.cross_entropy import fused_linear_cross_entropy
-from loongforge_kernels.moe_permute import MoEPermuteFunction, MoEUnpermuteFunction
+if "--smoke" in sys.argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
+    # NOTE: on CPU the Triton kernels run only under Triton's interpreter, which it reads when kernels are defined
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"})
+
+import harness  # noqa: E402
+import loongforge_kernels as lk  # noqa: E402
+import torch  # noqa: E402
+from loongforge_kernels import references as ref  # noqa: E402
+from loongforge_kernels.cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from loongforge_kernels.moe_permute import MoEPermuteFunction, MoEUnpermuteFunction  # noqa: E402
 
 
 @dataclass
@@ -185,6 +197,7 @@ def cases(device: str, *, quick: bool, compile_: bool, only: set[str], flce_vari
 
 
 REP_MS = 60  # do_bench's time budget per measurement (--rep): a 40 ms step gets only ~2 samples at 60
+CPU_REPS = 3  # timed calls per measurement on CPU (--smoke: 1; Triton's interpreter takes seconds per call)
 
 
 def _timer(step: Callable[[], None], device: str) -> float:
@@ -194,9 +207,9 @@ def _timer(step: Callable[[], None], device: str) -> float:
         return triton.testing.do_bench(step, warmup=10, rep=REP_MS, return_mode="median")
     step()
     t0 = time.perf_counter()
-    for _ in range(3):
+    for _ in range(CPU_REPS):
         step()
-    return (time.perf_counter() - t0) / 3 * 1e3
+    return (time.perf_counter() - t0) / CPU_REPS * 1e3
 
 
 def _graph_timer(step: Callable[[], None], device: str) -> float | None:
@@ -348,27 +361,32 @@ def report(all_cases: list[Case], device_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    global REP_MS
+def main(argv: list[str] | None = None) -> list[Case]:
+    global REP_MS, CPU_REPS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes")
+    ap.add_argument("--smoke", action="store_true", help="CPU under Triton's interpreter: --quick --no-compile "
+                    "--only rope, one timed call")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument(
         "--only", default="", help="comma-separated kernels: rms_norm,swiglu,rope,flce,moe,sparse_mla"
     )
     ap.add_argument("--out", default="", help="also write the markdown report here")
+    ap.add_argument("--results", default=None, help=f"folder of the results table (default {harness.RESULTS})")
     ap.add_argument("--rep", type=int, default=60, help="ms of repetitions per timing (do_bench's rep)")
     ap.add_argument("--flce-variants", action="store_true", help="also time fused CE's other chunk schedules")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick, args.no_compile, args.only, CPU_REPS = True, True, args.only or "rope", 1
     REP_MS = args.rep
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     only = {k for k in args.only.split(",") if k}
     if "moe" in only:
         only |= {"moe_permute", "moe_unpermute"}
     torch.manual_seed(0)
     all_cases = cases(device, quick=args.quick, compile_=not args.no_compile, only=only,
                       flce_variants=args.flce_variants)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    name = harness.hardware(device)
     for i, c in enumerate(all_cases):
         t0 = time.perf_counter()
         run_case(c, device)
@@ -377,6 +395,15 @@ def main() -> None:
             with open(args.out, "w") as f:
                 f.write(report(all_cases[: i + 1], name))
     print(report(all_cases, name))
+    results = args.results or (None if args.smoke else harness.RESULTS)
+    if results:
+        rows = [[c.kernel, c.shape, r["impl"], *(["failed: " + r["error"], "", ""] if "error" in r else
+                                                  [f"{r['ms']:.3f}", f"{r['gpu_ms']:.3f}" if r.get("gpu_ms") else "",
+                                                   f"{r['err']:.2e}"])]
+                for c in all_cases for r in c.rows]
+        harness.append_rows(Path(results) / "kernels_bench.md", script=__file__, hardware=name, rows=rows,
+                            head=["kernel", "shape", "impl", "ms", "GPU ms (graph)", "max err vs fp32 ref"])
+    return all_cases
 
 
 if __name__ == "__main__":

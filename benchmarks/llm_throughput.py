@@ -1,47 +1,60 @@
-"""End-to-end LLM training throughput on one GPU: LoongForge's megatron backend (loongforge spec: SDPA flash
-attention + Triton kernels + fused linear cross-entropy, no TransformerEngine) vs megatron-core's local spec vs
+"""End-to-end LLM training throughput on one GPU: LoongForge's megatron backend (loongforge layers: SDPA flash
+attention + Triton kernels + fused linear cross-entropy, no TransformerEngine) vs megatron-core's local layers vs
 HF transformers eager vs HF transformers + torch.compile, same model, weights, data and optimizer settings.
 
     python benchmarks/llm_throughput.py --preset llama3.2-1b --seq 4096 --steps 20
+    python benchmarks/llm_throughput.py --smoke          # CPU, llama-tiny, 2 steps: checks the script itself
 
-Every variant runs in its own process (clean memory), starts from the same random-init HF checkpoint, trains on
-the same synthetic tokens with AdamW (fp32 master weights, bf16 compute), and reports median tokens/s after
-warm-up, MFU and peak memory. FLOPs per token (one formula for all): 6·(non-embedding params + output layer) +
-12·layers·(heads·head_dim)·seq — the PaLM/Megatron estimate (causal masking not discounted). Ratios print last.
+Every variant runs in its own process (clean memory, see ``harness.py``), starts from the same random-init HF
+checkpoint, trains on the same synthetic tokens with AdamW (fp32 master weights, bf16 compute), and reports median
+tokens/s after warm-up, MFU and peak memory. FLOPs per token (one formula for all): 6·(non-embedding params + output
+layer) + 12·layers·(heads·head_dim)·seq — the PaLM/Megatron estimate (causal masking not discounted). Ratios print
+last; rows go to ``benchmarks/results/llm_throughput.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
+import harness
 
 
-def make_hf(preset: str, out: Path) -> None:
+def make_hf(args, out: Path) -> None:
     import torch
     import transformers as tf
     from loongforge_megatron.models.registry import hf_config, presets
 
-    spec, fields = presets()[preset]
+    spec, fields = presets()[args.preset]
     cfg = hf_config(spec.arch(fields), torch_dtype="bfloat16")
     config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
 
 
+def _mbs(args) -> int:
+    mbs = dict(kv.split("=") for kv in args.mbs.split(","))
+    return int(mbs.get(args.variant_name, 1))
+
+
+def _items(args, res: dict) -> dict:
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+
+    res["items"] = _mbs(args) * args.seq
+    res["flops_per_item"] = arch_from_hf(_hf(args)).flops_per_token(args.seq)
+    res["mbs"] = _mbs(args)
+    return res
+
+
+def _hf(args) -> Path:
+    return Path(args.work) / "hf"
+
+
 def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: bool = False) -> dict:
     import loongforge
-    import torch
     import yaml
 
     if not one_pass_loss:  # A/B row: the per-token loss whose backward recomputes the logits (the pre-mask path)
@@ -51,26 +64,20 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
 
     recipe = {
         "backend": "megatron",
-        "model": {"hf": args.hf_dir},
+        "model": {"hf": str(_hf(args))},
         "data": {"format": "synthetic", "seq_length": args.seq},
-        "train": {"stage": "cpt", "steps": args.steps, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
-                  "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0, "precision": "bf16",
-                  "seed": 1},
-        "checkpoint": {"load": args.hf_dir, "save_at_end": False},
-        "accelerator": "cuda",
+        "train": {"stage": "cpt", "steps": args.steps, "global_batch_size": _mbs(args), "micro_batch_size": _mbs(args),
+                  "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0,
+                  "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1},
+        "checkpoint": {"load": str(_hf(args)), "save_at_end": False},
+        "accelerator": args.device,
         "kernels": {"layers": spec, "grad_accum_fusion": grad_accum_fusion},
         "logging": {"tensorboard": False, "interval": 5},
     }
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for _ in range(args.steps):
-        m = job.step()
-        losses.append(m["loss"])
-        times.append(m["step_time"])
-    peak = torch.cuda.max_memory_allocated()
+    res = harness.job_steps(job, steps=args.steps, device=args.device)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -79,7 +86,7 @@ def run_ours(args, spec: str, *, one_pass_loss: bool = True, grad_accum_fusion: 
                 job.step()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70), flush=True)
     job.close()
-    return {"losses": losses, "times": times, "peak_gib": peak / 2**30}
+    return _items(args, res)
 
 
 def run_hf(args, compiled: bool) -> dict:
@@ -87,31 +94,31 @@ def run_hf(args, compiled: bool) -> dict:
     import transformers as tf
     from loongforge_megatron.data.datasets import SyntheticDataset
 
-    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32, attn_implementation="sdpa").cuda()
+    model = tf.AutoModelForCausalLM.from_pretrained(_hf(args), torch_dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(args.device)
     model.config.use_cache = False
     vocab = model.config.vocab_size
     fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                            fused=args.device == "cuda")
     data = SyntheticDataset(vocab_size=vocab, seq_length=args.seq, seed=1)
-    torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for step in range(args.steps):
-        samples = [data[step * args.mbs + i] for i in range(args.mbs)]
-        tokens = torch.stack([s["tokens"] for s in samples]).cuda()
-        labels = torch.stack([s["labels"] for s in samples]).cuda()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    mbs, steps = _mbs(args), iter(range(10**9))
+
+    def step() -> float:
+        i = next(steps)
+        samples = [data[i * mbs + j] for j in range(mbs)]
+        tokens = torch.stack([s["tokens"] for s in samples]).to(args.device)
+        labels = torch.stack([s["labels"] for s in samples]).to(args.device)
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
             logits = fwd(input_ids=tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), labels.view(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    return {"losses": losses, "times": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        return loss.detach()
+
+    return _items(args, harness.time_steps(step, steps=args.steps, device=args.device))
 
 
 VARIANTS = {
@@ -125,95 +132,26 @@ VARIANTS = {
 }
 
 
-def child(args) -> None:
-    try:
-        out = VARIANTS[args.variant](args)
-    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
-        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-    Path(args.json).write_text(json.dumps(out))
+BENCH = harness.Bench(
+    name="llm_throughput", script=__file__, variants=VARIANTS, unit="tokens/s",
+    pairs=[("loongforge", p) for p in ("hf_eager", "hf_compile", "megatron_local", "loongforge_recompute",
+                                       "loongforge_gaf")])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3.2-1b")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--mbs", default="loongforge=4,loongforge_recompute=4,megatron_local=1,hf_eager=4,hf_compile=4")
-    p.add_argument("--variants", default="loongforge,megatron_local,hf_eager,hf_compile")
-    p.add_argument("--out", default=None, help="write the table (markdown) here too")
+    p.add_argument("--mbs", default="loongforge=4,loongforge_recompute=4,loongforge_gaf=4,megatron_local=1,"
+                   "hf_eager=4,hf_compile=4", help="micro-batch per variant (the loss check needs equal ones)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of two of our steps")
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--hf-dir", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.variant:
-        args.mbs = int(args.mbs)
-        return child(args)
-
-    import torch
-    from loongforge_megatron.models.hf_arch import arch_from_hf
-
-    mbs = dict(kv.split("=") for kv in args.mbs.split(","))
-    work = Path(tempfile.mkdtemp())
-    hf_dir = work / "hf"
-    make_hf(args.preset, hf_dir)
-    arch = arch_from_hf(hf_dir)
-    fpt = arch.flops_per_token(args.seq)
-    device = torch.cuda.get_device_name()
-    rows = {}
-    for name in args.variants.split(","):
-        js = work / f"{name}.json"
-        cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js), "--seq", str(args.seq),
-               "--steps", str(args.steps), "--mbs", mbs[name]] + (["--profile"] if args.profile and name == "loongforge" else [])
-        t0 = time.time()
-        subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
-        res = json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed)"}
-        res["wall_s"] = time.time() - t0
-        res["mbs"] = int(mbs[name])
-        if "times" in res:
-            t = statistics.median(res["times"][args.warmup:])
-            res["tokens_per_s"] = res["mbs"] * args.seq / t
-            res["mfu"] = res["tokens_per_s"] * fpt / PEAK_BF16
-        rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("losses", "times")}, flush=True)
-        if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
-            _write(args.out, render(args, rows, fpt, device))
-    text = render(args, rows, fpt, device)
-    print(text)
-    if args.out:
-        _write(args.out, text)
-
-
-def _write(path: str, text: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text + "\n")
-
-
-def render(args, rows: dict, fpt: float, device: str) -> str:
-    lines = [f"# LLM training throughput — {args.preset}, seq {args.seq}, bf16, one {device}, {time.strftime('%Y-%m-%d')}",
-             "", f"FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N + 12·L·H·s); MFU against {PEAK_BF16 / 1e12:.0f} TFLOP/s dense bf16.",
-             f"{args.steps} steps, median step time after {args.warmup} warm-up steps. Same HF random-init weights and synthetic tokens for all.",
-             "", "| variant | micro-batch | tokens/s | MFU | peak GiB | loss step 1 → last |", "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['mbs']} | {r['error']} | | | |")
-            continue
-        lines.append(f"| {name} | {r['mbs']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
-                     f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
-    ours = rows.get("loongforge", {})
-    for peer in ("hf_eager", "hf_compile", "loongforge_recompute", "loongforge_gaf"):  # the loss check needs the same micro-batch (same tokens per step)
-        r = rows.get(peer, {})
-        if "losses" in ours and "losses" in r and r["mbs"] == ours["mbs"]:
-            n = min(len(r["losses"]), len(ours["losses"]))
-            diffs = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], r["losses"][:n], strict=True)]
-            lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer, micro-batch): max relative "
-                          f"difference {max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
-    lines.append("")
-    for peer in ("hf_eager", "hf_compile", "megatron_local", "loongforge_recompute", "loongforge_gaf"):
-        if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
-            lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
-    return "\n".join(lines)
+    harness.add_args(p, variants=VARIANTS, default="loongforge,megatron_local,hf_eager,hf_compile")
+    args = harness.parse(p, argv, steps=20, warmup=5, smoke={
+        "preset": "llama-tiny", "seq": 64, "device": "cpu", "variants": "loongforge,hf_eager",
+        "mbs": "loongforge=2,hf_eager=2"})
+    setup = f"{args.preset}, seq {args.seq}, {'bf16' if args.device == 'cuda' else 'fp32'}"
+    return BENCH.main(args, setup=setup, device=args.device, prepare=lambda a, work: make_hf(a, work / "hf"))
 
 
 if __name__ == "__main__":

@@ -18,22 +18,20 @@ AdamW, grad clip 1.0) on the same synthetic tokens. Reported: median tokens/s af
 GPU busy % (union of kernel intervals / wall time over two profiled steps), peak memory, loss agreement with HF.
 Active-parameter FLOPs per token = 6 · (non-embedding parameters a token passes through: attention, norms, router,
 top-k routed experts, shared experts + the output layer) + 12 · layers · heads · head_dim · seq
-(``Arch.flops_per_token``; causal masking not discounted). Ratios print last.
+(``Arch.flops_per_token``; causal masking not discounted). Ratios print last; rows go to
+``benchmarks/results/moe_throughput.md`` (see ``harness.py``).
+
+    python benchmarks/moe_throughput.py --smoke       # CPU, qwen3-moe-tiny, 2 steps: checks the script itself
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
+import harness
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -72,13 +70,6 @@ def make_hf(args, out: Path) -> None:
         torch.cuda.empty_cache()
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def busy(step, n: int = 2) -> tuple[float, str]:
     """(GPU busy fraction over ``n`` calls of ``step``, the profiler's top kernels table)."""
     import torch
@@ -104,31 +95,29 @@ def busy(step, n: int = 2) -> tuple[float, str]:
     return min(1.0, covered / 1e6 / wall), table
 
 
-def _reset_peak() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+def _hf(args) -> str:
+    return str(Path(args.work) / "hf")
 
 
-def _peak() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+def _items(args, res: dict) -> dict:
+    res.update(items=args.mbs * args.seq, flops_per_item=arch_of(args).flops_per_token(args.seq))
+    return res
 
 
 def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None, router_fusion: bool = True) -> dict:
+    import tempfile
+
     import loongforge
     import yaml
 
     recipe = {
         "backend": "megatron",
-        "model": {"hf": args.hf_dir, **({"moe_token_dispatcher": dispatcher} if dispatcher else {})},
+        "model": {"hf": _hf(args), **({"moe_token_dispatcher": dispatcher} if dispatcher else {})},
         "data": {"format": "synthetic", "seq_length": args.seq},
         "train": {"stage": "cpt", "steps": args.steps + 2, "global_batch_size": args.mbs, "micro_batch_size": args.mbs,
                   "lr": 1e-4, "lr_schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0, "precision": "bf16",
                   "seed": 1},
-        "checkpoint": {"load": args.hf_dir, "save_at_end": False},
+        "checkpoint": {"load": _hf(args), "save_at_end": False},
         "accelerator": args.device,
         "kernels": {"layers": "loongforge", "moe_grouped_gemm": grouped, "moe_router_fusion": router_fusion},
         "logging": {"tensorboard": False, "interval": 5},
@@ -136,16 +125,10 @@ def run_ours(args, *, grouped: bool | None = None, dispatcher: str | None = None
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    _reset_peak()
-    losses, times = [], []
-    for _ in range(args.steps):
-        m = job.step()
-        losses.append(m["loss"])
-        times.append(m["step_time"])
-    peak = _peak()
-    frac, table = busy(job.step)
+    res = harness.job_steps(job, steps=args.steps, device=args.device)
+    res["busy"], res["profile"] = busy(job.step)
     job.close()
-    return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
+    return _items(args, res)
 
 
 def _batches(args, vocab: int):
@@ -176,19 +159,11 @@ def _train(args, *, params: list, loss_of) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss.detach()
 
-    _reset_peak()
-    losses, times = [], []
-    for _ in range(args.steps):
-        _sync()
-        t0 = time.perf_counter()
-        losses.append(step())
-        _sync()
-        times.append(time.perf_counter() - t0)
-    peak = _peak()
-    frac, table = busy(step)
-    return {"losses": losses, "times": times, "peak_gib": peak / 2**30, "busy": frac, "profile": table}
+    res = harness.time_steps(step, steps=args.steps, device=args.device)
+    res["busy"], res["profile"] = busy(step)
+    return _items(args, res)
 
 
 def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
@@ -199,7 +174,7 @@ def run_hf(args, compiled: bool, *, bf16_weights: bool = False) -> dict:
     import transformers as tf
 
     dtype = torch.bfloat16 if bf16_weights else torch.float32
-    model = tf.AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=dtype, attn_implementation="sdpa",
+    model = tf.AutoModelForCausalLM.from_pretrained(_hf(args), torch_dtype=dtype, attn_implementation="sdpa",
                                                     experts_implementation="grouped_mm",
                                                     device_map=args.device)
     model.config.use_cache = False
@@ -246,7 +221,7 @@ def run_torchtitan(args, compiled: bool) -> dict:
     from torchtitan.models.qwen3.model.model import Qwen3Model
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-    hf = json.loads((Path(args.hf_dir) / "config.json").read_text())
+    hf = json.loads((Path(_hf(args)) / "config.json").read_text())
     # NOTE: torchtitan's generate_permute_indices (grouped_mm padding) is a Triton kernel: the CPU smoke run
     # takes its for-loop experts instead
     margs = titan_args(hf, seq=args.seq, grouped_mm=args.device == "cuda")
@@ -261,7 +236,7 @@ def run_torchtitan(args, compiled: bool) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(args.device))
     hf_sd = {}
-    for f in sorted(Path(args.hf_dir).glob("*.safetensors")):
+    for f in sorted(Path(_hf(args)).glob("*.safetensors")):
         hf_sd.update(load_file(f))
     model.load_state_dict(Qwen3StateDictAdapter(margs, None).from_hf(hf_sd), strict=True)
     del hf_sd
@@ -296,111 +271,32 @@ VARIANTS = {
 }
 
 
-def child(args) -> None:
-    try:
-        out = VARIANTS[args.variant](args)
-    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
-        import traceback
-
-        traceback.print_exc()
-        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-    Path(args.json).write_text(json.dumps(out))
+OURS_AB = ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router")
+PEERS = ("hf_grouped_mm_bf16", "hf_grouped_mm", "hf_grouped_mm_compile", "torchtitan", "torchtitan_compile")
+BENCH = harness.Bench(
+    name="moe_throughput", script=__file__, variants=VARIANTS, unit="tokens/s",
+    pairs=[("loongforge", p) for p in (*OURS_AB, *PEERS)],
+    columns={"GPU busy": lambda r: f"{100 * r['busy']:.0f}%" if r.get("busy") else ""})
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override an architecture field of the preset (repeatable)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", default="loongforge,hf_grouped_mm,hf_grouped_mm_compile")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
-    p.add_argument("--out", default=None, help="write the table (markdown) here too")
-    p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script itself")
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--hf-dir", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.variant:
-        return child(args)
-
-    import torch
-
-    work = Path(tempfile.mkdtemp())
-    hf_dir = work / "hf"
-    make_hf(args, hf_dir)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    harness.add_args(p, variants=VARIANTS, default="loongforge,hf_grouped_mm,hf_grouped_mm_compile")
+    args = harness.parse(p, argv, steps=20, warmup=5, smoke={
+        "preset": "qwen3-moe-tiny", "layers": 2, "seq": 64, "mbs": 2, "device": "cpu",
+        "variants": "loongforge,hf_grouped_mm"})
     arch = arch_of(args)
-    fpt = arch.flops_per_token(args.seq)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    rows = {}
-    for name in args.variants.split(","):
-        js = work / f"{name}.json"
-        cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--mbs", str(args.mbs), "--preset", args.preset,
-               "--layers", str(args.layers), "--device", args.device, *(f"--set={kv}" for kv in args.set)]
-        t0 = time.time()
-        try:
-            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        res = json.loads(js.read_text()) if js.is_file() else {"error": "no result (crashed or timed out)"}
-        res["wall_s"] = time.time() - t0
-        if "times" in res:
-            t = statistics.median(res["times"][args.warmup:])
-            res["tokens_per_s"] = args.mbs * args.seq / t
-            res["mfu"] = res["tokens_per_s"] * fpt / PEAK_BF16
-        if res.get("profile"):
-            print(f"--- {name}: top kernels over two profiled steps\n{res['profile']}", flush=True)
-        rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("losses", "times", "profile")}, flush=True)
-        if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
-            _write(args.out, render(args, rows, fpt, device, arch))
-    text = render(args, rows, fpt, device, arch)
-    print(text)
-    if args.out:
-        _write(args.out, text)
-
-
-def _write(path: str, text: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text + "\n")
-
-
-def render(args, rows: dict, fpt: float, device: str, arch) -> str:
     reduced = f" ({', '.join(args.set)})" if args.set else ""
-    lines = [f"# MoE training throughput — {args.preset} shape{reduced}, {args.layers} layers, seq {args.seq}, "
-             f"micro-batch {args.mbs}, bf16, one {device}, {time.strftime('%Y-%m-%d')}", "",
-             f"{arch.num_experts} experts, top-{arch.moe_topk}, expert ffn {arch.moe_ffn_hidden_size}, hidden "
-             f"{arch.hidden_size}; {arch.num_params() / 1e9:.2f}B parameters.",
-             f"Active-parameter FLOPs/token = {fpt / 1e9:.2f} GFLOP (6·N_active + 12·L·heads·head_dim·s); MFU against "
-             f"{PEAK_BF16 / 1e12:.0f} TFLOP/s dense bf16. {args.steps} steps, median step time after {args.warmup} "
-             "warm-up steps; GPU busy = union of kernel time / wall time over two more (profiled) steps.", "",
-             "| variant | tokens/s | MFU | GPU busy | peak GiB | loss step 1 → last |", "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | | |")
-            continue
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% | "
-                     f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
-    ours = rows.get("loongforge", {})
-    for peer in ("hf_grouped_mm", "hf_grouped_mm_compile", "hf_grouped_mm_bf16", "torchtitan", "torchtitan_compile",
-                 "loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router"):
-        r = rows.get(peer, {})
-        if "losses" in ours and "losses" in r:
-            n = min(len(r["losses"]), len(ours["losses"]))
-            diffs = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], r["losses"][:n], strict=True)]
-            lines += ["", f"Loss vs {peer} over {n} steps (same weights, data, optimizer): max relative difference "
-                          f"{max(diffs):.2e}, mean {statistics.mean(diffs):.2e}."]
-    lines.append("")
-    for peer in ("loongforge_sequential", "loongforge_alltoall", "loongforge_torch_router", "hf_grouped_mm_bf16",
-                 "hf_grouped_mm", "hf_grouped_mm_compile", "torchtitan", "torchtitan_compile"):
-        if "tokens_per_s" in ours and "tokens_per_s" in rows.get(peer, {}):
-            lines.append(f"loongforge / {peer}: {ours['tokens_per_s'] / rows[peer]['tokens_per_s']:.2f}x")
-    return "\n".join(lines)
+    setup = (f"{args.preset}{reduced}, {args.layers} layers, seq {args.seq}, mbs {args.mbs}; {arch.num_experts} "
+             f"experts top-{arch.moe_topk}, {arch.num_params() / 1e9:.2f}B params; MFU on active params")
+    return BENCH.main(args, setup=setup, device=args.device, prepare=lambda a, work: make_hf(a, work / "hf"))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ Peers: ``lerobot_step``, the model step alone: ``PI05Policy`` stepped the way ``
 ``--data-root``), LeRobot's own loop end to end: ``lerobot_train.train`` on the same recorded dataset, data loading
 and preprocessing included (see ``lerobot_peer.py``). Prints samples/s, GPU busy % (if pynvml is present) and the
 ratios last (with ``--data-root`` ours includes data loading in both ratios); appends a JSON line to
-``benchmarks/results/vla_throughput_<policy>_<gpu>.jsonl`` (one file per policy and GPU; each record has its date).
+``benchmarks/results/vla_throughput_<policy>_<gpu>.jsonl`` (one file per policy and GPU; each record has its date;
+``--only`` pairs a side with the other side's latest record there) and a row per side to
+``benchmarks/results/vla_throughput.md`` (see ``harness.py``).
 
     uv run python benchmarks/vla_throughput.py --batch 16 --steps 30                       # ours vs lerobot_step
     uv run python benchmarks/vla_throughput.py --batch 16 --data-root .vla_data/pusht224   # + lerobot_e2e
     uv run python benchmarks/vla_throughput.py --only ours --batch 32                      # our side alone
+    uv run python benchmarks/vla_throughput.py --smoke       # CPU, tiny_vla's tiny preset, ours, 2 steps
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import harness
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,12 +52,14 @@ class BusySampler:
             time.sleep(0.1)
 
     def __enter__(self):
-        self._thread.start()
+        if torch.cuda.is_available():
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     @property
     def busy(self) -> float | None:
@@ -113,12 +119,14 @@ OUR_RECIPES = {"lerobot_pi05": "lerobot_pi05_synthetic.yaml", "tiny_vla": "tiny_
 
 def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: int, data_root: str | None,
                policy: str = "lerobot_pi05", recompute: bool = False, profile: bool = False,
-               compile_mode: str = "default", prompt_padding: str = "max_length", tokenizer: str = "") -> dict:
+               compile_mode: str = "default", prompt_padding: str = "max_length", tokenizer: str = "",
+               preset: str = "pi05", device: str = "cuda") -> dict:
     from loongforge.api import build_job, load_recipe
     from loongforge.metrics import is_logged_step
 
     over = [f"train.steps={steps + warmup}", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
-            "train.precision=bf16", "model.preset=pi05", f"train.compile={str(compile).lower()}",
+            f"train.precision={'bf16' if device == 'cuda' else 'fp32'}", f"model.preset={preset}",
+            f"accelerator={device}", "train.warmup_steps=0", f"train.compile={str(compile).lower()}",
             f"train.compile_mode={compile_mode}",
             f"data.num_workers={workers}", "checkpoint.resume=never", "checkpoint.save_at_end=false",
             "logging.console=false", "logging.tensorboard=false", f"data.synthetic_samples={batch * 64}",
@@ -138,7 +146,7 @@ def bench_ours(*, batch: int, steps: int, warmup: int, compile: bool, workers: i
             return job.step(report=is_logged_step(next(calls), interval, recipe.train.steps))
 
         try:
-            res = {**_time(step, batch=batch, steps=steps, warmup=warmup,
+            res = {**_time(step, batch=batch, steps=steps, warmup=warmup, device=device,
                            params=sum(p.numel() for p in job.model.raw.parameters())),
                    "policy": recipe.model.policy, "recompute": recompute, "log_interval": interval,
                    "compile_mode": compile_mode, "prompt_padding": prompt_padding, "tokenizer": tokenizer or "bytes"}
@@ -231,19 +239,19 @@ def _gaps(prof, steps: int) -> None:
             print(f"[gaps]   {us / steps / 1e3:7.2f}  {name}", flush=True)
 
 
-def _time(step, *, batch: int, steps: int, warmup: int, params: int) -> dict:
+def _time(step, *, batch: int, steps: int, warmup: int, params: int, device: str = "cuda") -> dict:
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    harness.sync(device)
+    harness.reset_peak(device)
     with BusySampler() as busy:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        harness.sync(device)
         dt = time.perf_counter() - t0
     return {"samples_per_s": batch * steps / dt, "s_per_step": dt / steps, "gpu_busy_pct": busy.busy,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "params_m": params / 1e6}
+            "peak_mem_gib": harness.peak_gib(device), "params_m": params / 1e6}
 
 
 def _num_cameras(data_root: str) -> int:
@@ -266,7 +274,7 @@ def merge_earlier(log: Path, res: dict) -> tuple[dict, dict]:
     return merged, paired
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30)
@@ -290,16 +298,24 @@ def main() -> None:
     ap.add_argument("--tokenizer", choices=["shim", "bytes"], default="shim",
                     help="ours (lerobot_pi05): the PaliGemma tokenizer stand-in LeRobot's loop loads "
                          "(lerobot_peer.paligemma_tokenizer_shim), or Gemma byte-fallback tokens")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("vla_throughput needs a CUDA GPU")
+    ap.add_argument("--preset", default="pi05", help="ours: model.preset")
+    ap.add_argument("--results", default=None, help=f"folder of the results tables (default {harness.RESULTS})")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny_vla's tiny preset, ours only, 2 steps")
+    args = ap.parse_args(argv)
+    device = "cuda"
+    if args.smoke:
+        device = "cpu"
+        args.policy, args.preset, args.batch, args.steps, args.warmup, args.workers = "tiny_vla", "tiny", 2, 2, 0, 0
+        args.only, args.tokenizer = "ours", "bytes"
+    elif not torch.cuda.is_available():
+        raise SystemExit("vla_throughput needs a CUDA GPU (or --smoke)")
     if args.only == "lerobot_e2e" and not args.data_root:
         raise SystemExit("--only lerobot_e2e needs --data-root")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     padding = args.prompt_padding or ("longest" if args.data_root else "max_length")
     run = {"ours": args.only in (None, "ours"), "lerobot_step": args.only in (None, "peer", "lerobot_step"),
            "lerobot_e2e": bool(args.data_root) and args.only in (None, "peer", "lerobot_e2e")}
-    res: dict = {"batch": args.batch, "gpu": torch.cuda.get_device_name(), "compile": args.compile,
+    res: dict = {"batch": args.batch, "gpu": harness.hardware(device), "compile": args.compile,
                  "compile_mode": args.compile_mode, "data_root": args.data_root, "workers": args.workers, "policy": args.policy,
                  "recompute": args.recompute, "prompt_padding": padding, "tokenizer": args.tokenizer,
                  "time": time.strftime("%H:%M:%S")}
@@ -313,9 +329,11 @@ def main() -> None:
             res["ours"] = bench_ours(batch=args.batch, steps=args.steps, warmup=args.warmup, compile=args.compile,
                                      workers=args.workers, data_root=args.data_root, policy=args.policy,
                                      recompute=args.recompute, profile=args.profile, compile_mode=args.compile_mode,
-                                     prompt_padding=padding, tokenizer=tokenizer)
+                                     prompt_padding=padding, tokenizer=tokenizer, preset=args.preset,
+                                     device=device)
         print("ours:", json.dumps(res["ours"]), flush=True)
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if run["lerobot_step"]:
         # NOTE: as many cameras as ours sees: the recorded dataset's, else the pi05 preset's two.
         res["lerobot_step"] = bench_lerobot_step(batch=args.batch, steps=args.steps, warmup=args.warmup,
@@ -328,11 +346,19 @@ def main() -> None:
         res["lerobot_e2e"] = bench_lerobot_e2e(data_root=args.data_root, repo_id=repo_id, batch=args.batch,
                                                steps=args.steps, warmup=args.warmup, workers=args.workers)
         print("lerobot_e2e:", json.dumps(res["lerobot_e2e"]), flush=True)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = res["gpu"].lower().removeprefix("nvidia ").replace(" ", "-")
+    results = Path(args.results) if args.results else (None if args.smoke else harness.RESULTS)
     res = {"date": time.strftime("%Y-%m-%d"), **res}
-    log = out / f"vla_throughput_{args.policy.removeprefix('lerobot_')}_{gpu}.jsonl"
+    if results is None:
+        return res
+    setup = (f"{res['policy']} {args.preset}, batch {args.batch}, {'compile ' + args.compile_mode if args.compile else 'eager'}"
+             f", {'recorded data' if args.data_root else 'synthetic data'}")
+    harness.append_rows(results / "vla_throughput.md", script=__file__, hardware=res["gpu"], head=[
+        "setup", "side", "samples/s", "GPU busy %", "peak GiB"], rows=[
+        [setup, side, f"{r['samples_per_s']:.1f}", f"{r['gpu_busy_pct']:.0f}" if r.get("gpu_busy_pct") else "",
+         f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else ""]
+        for side, r in res.items() if side in ("ours", "lerobot_step", "lerobot_e2e")])
+    gpu = res["gpu"].lower().removeprefix("nvidia ").replace(" ", "-")
+    log = results / f"vla_throughput_{args.policy.removeprefix('lerobot_')}_{gpu}.jsonl"
     with open(log, "a") as f:
         f.write(json.dumps(res) + "\n")
     # NOTE: with --only, the other side comes from the latest earlier record of the same setup of today in the file
@@ -345,6 +371,7 @@ def main() -> None:
             print(f"ratio {what} ours/{peer}: {ratio:.2f}x ({merged['ours']['samples_per_s']:.1f} vs "
                   f"{merged[peer]['samples_per_s']:.1f} samples/s, batch {res['batch']}"
                   + (f"; {earlier})" if earlier else ")"))
+    return res
 
 
 if __name__ == "__main__":

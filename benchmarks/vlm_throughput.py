@@ -17,26 +17,27 @@ one row per micro-batch (``loongforge_packed``) or padded to ``--seq`` (``loongf
 those rows). transformers gets each step's micro-batch as it is (input ids, pixel patches, grids; labels where our
 loss mask is, so both average the same tokens but our row's last one, whose label lies past the row).
 
-Every variant runs in its own process (clean memory, its own ``--timeouts`` entry). Both train with AdamW and clip
+Every variant runs in its own process (clean memory, its own ``--timeout NAME=N`` entry; see ``harness.py``). Both train with AdamW and clip
 the gradient norm at 1; ours keeps fp32 master weights (megatron's mixed precision), transformers bf16 weights only.
 ``hf_compile`` compiles each decoder layer (``Module.compile``, torch's regional compilation) and the loss over
 the logits; the vision blocks stay eager (they graph-break on per-image lengths). Batches are made before the timed steps on both sides (the step time holds the host to
 device copy, not the data preparation, which ours reports apart). Reports the median step time after warm-up,
-tokens/s (real tokens: padding not counted), peak memory and the losses; the ratios print last.
+tokens/s (real tokens: padding not counted), peak memory and the losses; the ratios print last. Rows go to
+``benchmarks/results/vlm_throughput.md``.
+
+    python benchmarks/vlm_throughput.py --smoke       # CPU, qwen2.5-vl-tiny, 2 steps: checks the script itself
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -124,30 +125,31 @@ def save_sft_data(out: Path, config: dict, *, records: int, side: int, seq: int,
     return data / "records.jsonl"
 
 
-def sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _hf(args) -> Path:
+    return Path(args.work) / "hf"
 
 
-def reset_peak() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def max_memory() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+def _real_tokens(args, res: dict) -> dict:
+    """Real tokens a step (padding not counted): the micro-batch's slots for synthetic and packed rows; for padded
+    rows (ours and transformers' on them) the packed run's count, which an SFT run makes first."""
+    real = Path(args.work) / "real_tokens.json"
+    if "slots" in res and (not args.sft or args.variant_name == "loongforge_packed"):
+        res["items"] = statistics.mean(res["slots"][min(args.warmup, len(res["slots"]) - 1):])
+        if args.sft:
+            real.write_text(json.dumps(res["items"]))
+    elif not args.sft:
+        res["items"] = args.batch * args.seq
+    else:
+        res["items"] = json.loads(real.read_text()) if real.is_file() else statistics.mean(res.get("slots") or [0])
+    return res
 
 
 def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = False) -> dict:
     """Our job on the checkpoint; ``pack`` None: synthetic rows, else the SFT records packed or padded; ``gaf``:
-    with ``kernels.grad_accum_fusion``. Writes the steps' micro-batches to ``--batches`` for the transformers
-    variants."""
+    with ``kernels.grad_accum_fusion``. ``loongforge`` and ``loongforge_padded`` write the steps' micro-batches for
+    the transformers variants."""
+    import tempfile
+
     import loongforge
     import torch
     import yaml
@@ -163,17 +165,17 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = Fal
 
     data = {"format": "synthetic", "seq_length": args.seq, "image_size": args.image}
     if pack is not None:
-        data = {"format": "conversations", "path": str(Path(args.hf_dir) / "data" / "records.jsonl"),
+        data = {"format": "conversations", "path": str(_hf(args) / "data" / "records.jsonl"),
                 "seq_length": args.seq, "pack": pack}
     recipe = {
         "backend": "megatron",
-        "model": {"hf": args.hf_dir},
+        "model": {"hf": str(_hf(args))},
         "data": data,
-        "train": {"stage": "cpt" if pack is None else "sft", "steps": args.warmup + args.steps,
+        "train": {"stage": "cpt" if pack is None else "sft", "steps": args.steps,
                   "global_batch_size": args.batch, "micro_batch_size": args.batch, "lr": 1e-5,
                   "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0,
                   "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 1},
-        "checkpoint": {"load": args.hf_dir, "save_at_end": False},
+        "checkpoint": {"load": str(_hf(args)), "save_at_end": False},
         "accelerator": args.device,
         "logging": {"tensorboard": False, "console": False},
     }
@@ -182,31 +184,23 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = Fal
     tmp = Path(tempfile.mkdtemp())
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
     job, runtime = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    n = args.warmup + args.steps
+    n = args.steps
     t0 = time.perf_counter()
     extra = 2 * args.profile + 2 * bool(args.trace)
     batches = [job.schedule.microbatches(i, device=torch.device("cpu")) for i in range(n + extra)]
     data_s = (time.perf_counter() - t0) / len(batches)
-    if args.batches:
-        torch.save(batches[:n], args.batches)
+    if args.variant_name in ("loongforge", "loongforge_padded"):
+        torch.save(batches[:n], Path(args.work) / "batches.pt")
     # NOTE: the steps take these batches (host to device copy timed, data preparation not: as transformers' steps)
     job.schedule.microbatches = lambda step, *, device: batches[step]
-    reset_peak()
-    times, losses = [], []
-    for _ in range(n):
-        sync()
-        t0 = time.perf_counter()
-        losses.append(job.step()["loss"])
-        sync()
-        times.append(time.perf_counter() - t0)
-    peak = max_memory()
+    res = harness.time_steps(lambda: job.step()["loss"], steps=n, device=args.device)
     if args.profile and torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
                 job.step()
-            sync()
+            harness.sync(args.device)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
     if args.trace and torch.cuda.is_available():
         trace(job, Path(args.trace))
@@ -214,8 +208,7 @@ def run_ours(args, *, pack: bool | None, plain_ce: bool = False, gaf: bool = Fal
     runtime.logger.close()
     slots = [sum(int(m["tokens"].numel()) for m in step) for step in batches[:n]]
     labels = [sum(int(m["loss_mask"].sum()) for m in step) for step in batches[:n]]
-    return {"times": times, "losses": losses, "peak_gib": peak / 2**30, "slots": slots, "labels": labels,
-            "data_s": data_s}
+    return _real_tokens(args, {**res, "slots": slots, "labels": labels, "data_s": data_s})
 
 
 def trace(job, out: Path) -> None:
@@ -232,7 +225,7 @@ def trace(job, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         job.step()
-        sync()
+        harness.sync("cuda")
     raw = out / "step_trace.json"
     prof.export_chrome_trace(str(raw))
     with raw.open("rb") as f, gzip.open(out / "step_trace.json.gz", "wb") as g:
@@ -283,11 +276,11 @@ def run_hf(args, *, compiled: bool) -> dict:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     # NOTE: eager: transformers' eager attention; compiled: its default (sdpa), the repeated blocks compiled
-    model = tf.AutoModelForImageTextToText.from_pretrained(args.hf_dir, dtype=dtype,
+    model = tf.AutoModelForImageTextToText.from_pretrained(_hf(args), dtype=dtype,
                                                            attn_implementation="sdpa" if compiled else "eager").to(dev)
     model.train()
     image_token = model.config.image_token_id
-    steps = torch.load(args.batches)
+    steps = torch.load(Path(args.work) / "batches.pt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=True)
     # NOTE: transformers >= 5.2x computes M-RoPE from the processor's mm_token_type_ids (1: image token); older ones
     # find the image tokens themselves and may not take the key
@@ -310,12 +303,10 @@ def run_hf(args, *, compiled: bool) -> dict:
         def loss_fn(logits, labels):
             return F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
-    reset_peak()
-    times, losses = [], []
-    for step in steps:
-        sync()
-        t0 = time.perf_counter()
-        micro = [hf_inputs(m, image_token=image_token, device=dev, dtype=dtype) for m in step]
+    batches = iter(steps)
+
+    def step() -> float:
+        micro = [hf_inputs(m, image_token=image_token, device=dev, dtype=dtype) for m in next(batches)]
         total = 0.0
         count = max(1, sum(int((m["labels"] != -100).sum()) for m in micro))
         for inputs in micro:
@@ -331,10 +322,9 @@ def run_hf(args, *, compiled: bool) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(total)
-    return {"times": times, "losses": losses, "peak_gib": max_memory() / 2**30}
+        return total
+
+    return _real_tokens(args, harness.time_steps(step, steps=len(steps), device=args.device))
 
 
 VARIANTS = {
@@ -349,15 +339,29 @@ VARIANTS = {
 PEERS = ("hf_eager", "hf_compile", "loongforge_padded", "loongforge_plain_ce", "loongforge_gaf")
 
 
-def child(args) -> None:
-    try:
-        out = VARIANTS[args.variant](args)
-    except Exception as exc:  # OOM or a failure: report it as a row, keep the other variants
-        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-    Path(args.json).write_text(json.dumps(out))
+def notes(rows: dict[str, dict]) -> list[str]:
+    """Host time to make a step's micro-batches (not in the step time), and the padding packing saved."""
+    lines = [f"{name}: making a step's micro-batches took {r['data_s']:.3f} s (not in the step time)."
+             for name, r in rows.items() if "data_s" in r]
+    packed, padded = rows.get("loongforge_packed", {}), rows.get("loongforge_padded", {})
+    if "slots" in packed and "slots" in padded:
+        same = padded["labels"] == packed["labels"]
+        a, b = sum(packed["slots"]), sum(padded["slots"])
+        lines.append(f"Packing: {a / len(packed['slots']):,.0f} token slots a step instead of "
+                     f"{b / len(padded['slots']):,.0f} ({1 - a / b:.1%} padding saved); the same records every step: "
+                     f"{'yes' if same else 'NO'} (labelled tokens {packed['labels'][0]} vs {padded['labels'][0]} at "
+                     "step 1).")
+    return lines
 
 
-def main() -> None:
+BENCH = harness.Bench(
+    name="vlm_throughput", script=__file__, variants=VARIANTS, unit="real tokens/s", notes=notes,
+    pairs=[*(("loongforge", p) for p in PEERS), ("loongforge_packed", "loongforge_padded"),
+           *(("loongforge_packed", p) for p in ("hf_eager", "hf_compile")),
+           *(("loongforge_padded", p) for p in ("hf_eager", "hf_compile"))])
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-vl-7b", help="a Qwen-VL preset (qwen2.5-vl-7b, qwen3-vl-8b, ...)")
     ap.add_argument("--layers", type=int, default=4)
@@ -366,127 +370,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--image", type=int, default=448, help="image side in pixels (a multiple of patch x merge); "
                     "with --sft the largest side")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--sft", type=int, default=0, help="SFT on this many generated image-text records (0: synthetic)")
-    ap.add_argument("--variants", default=None, help="comma-separated, of " + ", ".join(VARIANTS) + " (default: "
-                    "loongforge,hf_eager,hf_compile; with --sft loongforge_packed,loongforge_padded,hf_eager)")
-    ap.add_argument("--timeouts", default="", help="per-variant seconds, e.g. hf_compile=150 (default 300)")
+    ap.add_argument("--sft", type=int, default=0, help="SFT on this many generated image-text records (0: synthetic; "
+                    "then give --variants loongforge_packed,loongforge_padded,hf_eager)")
     ap.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of two of our steps")
     ap.add_argument("--trace", default=None, help="a folder: write a CPU + CUDA trace of one of our steps and the "
                     "stacks of its host-GPU synchronisations there")
-    ap.add_argument("--out", default=None, help="write the table (markdown) here too")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on a small preset")
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
-    ap.add_argument("--hf-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--json", help=argparse.SUPPRESS)
-    ap.add_argument("--batches", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.variant:
-        return child(args)
-    variants = (args.variants or ("loongforge_packed,loongforge_padded,hf_eager" if args.sft else
-                                  "loongforge,hf_eager,hf_compile")).split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
-    timeouts = {k: float(v) for k, v in (kv.split("=") for kv in args.timeouts.split(",") if kv)}
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    harness.add_args(ap, variants=VARIANTS, default="loongforge,hf_eager,hf_compile")
+    args = harness.parse(ap, argv, steps=6, warmup=2, smoke={
+        "model": "qwen2.5-vl-tiny", "layers": 2, "vision_depth": 2, "batch": 1, "seq": 128, "image": 56,
+        "device": "cpu", "variants": "loongforge,hf_eager"})
+    if args.trace and args.variant:
+        args.trace = str(Path(args.trace) / args.variant)
 
-    work = Path(tempfile.mkdtemp())
-    hf_dir = work / "hf"
-    hf_dir.mkdir()
-    config = reduced_config(args.model, layers=args.layers, vision_depth=args.vision_depth)
-    if args.sft:
-        save_sft_data(hf_dir, config, records=args.sft, side=args.image, seq=args.seq)
-    save_checkpoint(config, hf_dir, device=args.device)
-    import torch
+    def prepare(a, work: Path) -> None:
+        hf = work / "hf"
+        hf.mkdir()
+        config = reduced_config(a.model, layers=a.layers, vision_depth=a.vision_depth)
+        if a.sft:
+            save_sft_data(hf, config, records=a.sft, side=a.image, seq=a.seq)
+        save_checkpoint(config, hf, device=a.device)
 
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    what = f"{args.sft} SFT records (one image of at most {args.image} px each)" if args.sft else \
-        f"synthetic rows (one {args.image} px image each)"
-    print(f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
-          f"{args.batch} x {args.seq} tokens, {what}, {device}, {'bf16' if args.device == 'cuda' else 'fp32'}",
-          flush=True)
-    batches = work / "batches.pt"
-    rows: dict[str, dict] = {}
-    for name in variants:
-        js = work / f"{name}.json"
-        cmd = [sys.executable, __file__, "--variant", name, "--hf-dir", str(hf_dir), "--json", str(js),
-               "--batches", str(batches) if name in ("loongforge", "loongforge_padded") or name.startswith("hf_")
-               else "", "--seq", str(args.seq), "--image", str(args.image), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
-        cmd += ["--profile"] if args.profile and name.startswith("loongforge") else []
-        cmd += ["--trace", str(Path(args.trace) / name)] if args.trace and name.startswith("loongforge") else []
-        t0 = time.time()
-        try:
-            subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeouts.get(name, 300))
-        except subprocess.TimeoutExpired:
-            pass
-        res = json.loads(js.read_text()) if js.is_file() else {"error": f"no result (timed out after "
-                                                                       f"{timeouts.get(name, 300):.0f} s or crashed)"}
-        res["wall_s"] = time.time() - t0
-        rows[name] = res
-        print(name, {k: v for k, v in res.items() if k not in ("times", "losses", "slots", "labels")}, flush=True)
-        if "times" in res:
-            print(f"{name} step times (s): {' '.join(f'{t:.3f}' for t in res['times'])}", flush=True)
-        if args.out:  # NOTE: after every variant, so a timeout keeps the rows measured so far
-            write(args.out, render(args, rows, device))
-    text = render(args, rows, device)
-    print(text, flush=True)
-    if args.out:
-        write(args.out, text)
-
-
-def write(path: str, text: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text + "\n")
-
-
-def render(args, rows: dict, device: str) -> str:
-    """The table (real tokens/s: padding not counted), the padding packing saved, loss agreement, then ratios."""
-    ours = rows.get("loongforge_packed") or rows.get("loongforge") or {}
-    measured = slice(args.warmup, None)
-    # NOTE: packed and synthetic rows hold no padding: their slots are the real tokens (padded SFT rows: unknown
-    # without the packed run)
-    real = statistics.mean(ours["slots"][measured]) if "slots" in ours else None if args.sft else args.batch * args.seq
-    lines = [f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
-             f"{args.batch} x {args.seq}, {device}; median of {args.steps} steps after {args.warmup} warm-up steps",
-             "", "| variant | step (s) | real tokens/s | token slots / step | peak GiB | loss step 1 -> last |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | | |")
-            continue
-        r["step_s"] = statistics.median(r["times"][measured])
-        slots = statistics.mean(r["slots"][measured]) if "slots" in r else \
-            statistics.mean(rows["loongforge_padded"]["slots"][measured]) if "slots" in rows.get(
-                "loongforge_padded", {}) else real
-        r["tokens_s"] = real / r["step_s"] if real else None
-        lines.append(f"| {name} | {r['step_s']:.3f} | {r['tokens_s'] or 0:,.0f} | {slots or 0:,.0f} | "
-                     f"{r['peak_gib']:.1f} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
-    for name, r in rows.items():
-        if "data_s" in r:
-            lines.append(f"{name}: making a step's micro-batches took {r['data_s']:.3f} s (not in the step time).")
-    padded = rows.get("loongforge_padded", {})
-    if "slots" in padded and "slots" in ours and ours is not padded:
-        same = padded["labels"] == ours["labels"]
-        packed_slots, padded_slots = sum(ours["slots"][measured]), sum(padded["slots"][measured])
-        lines += ["", f"Packing: {packed_slots / args.steps:,.0f} token slots a step instead of "
-                      f"{padded_slots / args.steps:,.0f} ({1 - packed_slots / padded_slots:.1%} padding saved); the "
-                      f"same records every step: {'yes' if same else 'NO'} (labelled tokens {ours['labels'][0]} vs "
-                      f"{padded['labels'][0]} at step 1)."]
-    base = ours if "losses" in ours else {}
-    for name in PEERS:
-        r = rows.get(name, {})
-        ref = padded if name.startswith("hf_") and "losses" in padded else base
-        if "losses" in r and "losses" in ref and r is not ref:
-            diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ref["losses"], r["losses"], strict=False)]
-            lines.append(f"Loss, {name} vs {'loongforge_padded' if ref is padded else 'ours'}: step 1 relative "
-                         f"difference {diffs[0]:.2e}, max over {len(diffs)} steps {max(diffs):.2e}.")
-    lines.append("")
-    for name in PEERS:
-        if base.get("tokens_s") and rows.get(name, {}).get("tokens_s"):
-            lines.append(f"ratio (ours / {name}, real tokens/s): {base['tokens_s'] / rows[name]['tokens_s']:.2f}x")
-    return "\n".join(lines)
+    what = f"{args.sft} SFT records (<= {args.image} px images)" if args.sft else f"synthetic rows ({args.image} px)"
+    setup = (f"{args.model} at {args.layers} language layers / {args.vision_depth} vision blocks, micro-batch "
+             f"{args.batch} x {args.seq}, {what}, {'bf16' if args.device == 'cuda' else 'fp32'}")
+    return BENCH.main(args, setup=setup, device=args.device, prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,15 @@ class Backend(ABC):
         before ``data``); it may raise ``RecipeError`` naming a key that belongs to another kind."""
         return getattr(cls, f"{section}_schema", None)
 
+    @classmethod
+    def recipe_schemas(cls) -> dict[str, type[BaseModel]]:
+        """The schema classes of this backend's recipe keys, by title (its first word is the recipe section), for
+        ``docs/recipes.md``. Default: the four class attributes above; a backend whose sections depend on the model
+        kind adds one entry per kind (e.g. ``"model (dit)"``)."""
+        out = {"model": cls.model_schema, "data": cls.data_schema, "parallel": cls.parallel_schema,
+               "kernels": cls.kernels_schema}
+        return {k: v for k, v in out.items() if v is not None}
+
     @classmethod  # noqa: B027 - optional override
     def check_recipe(cls, recipe: Recipe) -> None:
         """Cross-section checks that need no process group (raise ``RecipeError``)."""

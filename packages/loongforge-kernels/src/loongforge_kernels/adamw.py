@@ -301,7 +301,7 @@ class AdamWPlan:
         span = torch.arange(-(-cols // block) + 1, device=self.device)
         blocks = torch.minimum(first[:, None] + span[None, :], last[:, None])
         # NOTE: index_fill_ takes the 1 as a kernel argument; ``active[idx] = 1`` copies it from the host and
-        # synchronises (seen on the H200 with benchmarks/find_syncs.py)
+        # synchronises (seen on the H200 with benchmarks/tools/find_syncs.py)
         launch.active.index_fill_(0, launch.first[j] + blocks.reshape(-1), 1)
 
     def check(self, grads: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

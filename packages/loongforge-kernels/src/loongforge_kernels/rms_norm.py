@@ -73,7 +73,7 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
-# Launch shape, swept on an H200 (benchmarks/tune_rms_norm.py): rows per program step (elements per tile
+# Launch shape, swept on an H200 (benchmarks/tools/tune_rms_norm.py): rows per program step (elements per tile
 # <= TILE) and backward programs per multiprocessor. All settings land within ~10% (3.1-3.5 TB/s fwd+bwd);
 # this one was at or above torch.compile's GPU time at hidden 2048 and 4096.
 TILE = {"fwd": 4096, "bwd": 2048}

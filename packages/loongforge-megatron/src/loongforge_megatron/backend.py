@@ -102,6 +102,18 @@ class MegatronBackend(Backend):
         return schema
 
     @classmethod
+    def recipe_schemas(cls) -> dict[str, type]:
+        """The shared sections, then each model kind's own ``model`` / ``data`` section where it adds keys (titled
+        ``"model (dit)"``: the keys it adds over the shared ones are listed under it)."""
+        out = super().recipe_schemas()
+        for name, spec in sorted(registry.all_specs().items()):
+            for section in ("model", "data"):
+                schema = getattr(spec, f"{section}_section")
+                if schema is not out[section] and f"{section} ({spec.kind})" not in out:
+                    out[f"{section} ({spec.kind})"] = schema
+        return out
+
+    @classmethod
     def check_recipe(cls, recipe: Recipe) -> None:
         stage, data = recipe.train.stage, recipe.data
         sft = spec_for(recipe.model.model_dump(exclude_none=True))

@@ -60,14 +60,14 @@ def _scalar_types(annotation: Any) -> set[Any]:
 class ComponentParallel(Section):
     """Per-component override of the global layout (e.g. ``parallel.components.vision``)."""
 
-    tp: int | None = Field(None, ge=1)
-    pp: int | None = Field(None, ge=1)
-    vpp: int | None = Field(None, ge=1)
-    cp: int | None = Field(None, ge=1)
-    ep: int | None = Field(None, ge=1)
-    etp: int | None = Field(None, ge=1)
-    sp: bool | None = None
-    recompute: Literal["none", "selective", "full"] | None = None
+    tp: int | None = Field(None, ge=1, description="this component's tensor parallel size (default: the global one)")
+    pp: int | None = Field(None, ge=1, description="this component's pipeline parallel size")
+    vpp: int | None = Field(None, ge=1, description="this component's virtual pipeline chunks")
+    cp: int | None = Field(None, ge=1, description="this component's context parallel size")
+    ep: int | None = Field(None, ge=1, description="this component's expert parallel size")
+    etp: int | None = Field(None, ge=1, description="this component's expert tensor parallel size")
+    sp: bool | None = Field(None, description="this component's sequence parallelism")
+    recompute: Literal["none", "selective", "full"] | None = Field(None, description="this component's recompute")
     num_ranks: int | None = Field(None, ge=1, description="disjoint ranks for this component (decoupled grid)")
 
 
@@ -88,9 +88,11 @@ class ParallelConfig(Section):
     dp: int | None = Field(None, ge=1, description="data parallel size (derived: world / (tp*pp*cp))")
     sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
     distributed_optimizer: bool = Field(False, description="shard optimizer state across dp (ZeRO-1)")
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="activation recomputation: none, selective (attention core) or full (whole layers)")
     recompute_layers: int | None = Field(None, ge=1, description="layers per recompute unit (full recompute)")
-    components: dict[str, ComponentParallel] = Field(default_factory=dict)
+    components: dict[str, ComponentParallel] = Field(
+        default_factory=dict, description="per-component layouts by component name (e.g. vision, projector, language)")
 
     def plan(self, world_size: int):
         """Resolve against ``world_size`` into a validated ``ParallelPlan``."""
@@ -119,10 +121,11 @@ class ParallelConfig(Section):
 class LoraConfig(Section):
     """Low-rank adapters on the named linear layers; the base model is frozen."""
 
-    rank: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    rank: int = Field(8, ge=1, description="rank of the adapters")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(
+        default_factory=lambda: ["qkv", "proj", "fc1", "fc2"], description="the linear layers that get adapters")
 
 
 class Fp8Config(Section):
@@ -148,34 +151,37 @@ class Fp8Config(Section):
 class TrainConfig(Section):
     """Optimisation. The global batch is fixed by the recipe; more processes split it."""
 
-    stage: Literal["pretrain", "cpt", "sft", "lora"] = "pretrain"
-    steps: int = Field(100, ge=1)
-    global_batch_size: int = Field(8, ge=1)
-    micro_batch_size: int = Field(1, ge=1)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-4, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    stage: Literal["pretrain", "cpt", "sft", "lora"] = Field(
+        "pretrain", description="pretrain (random init), cpt (continue from checkpoint.load), sft (instruction data), "
+        "lora (adapters only)")
+    steps: int = Field(100, ge=1, description="optimizer steps of the run")
+    global_batch_size: int = Field(8, ge=1, description="samples per optimizer step, over all data-parallel ranks")
+    micro_batch_size: int = Field(1, ge=1, description="samples per forward / backward on one rank")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the decay")
+    lr_schedule: Literal["constant", "linear", "cosine", "wsd"] = Field(
+        "cosine", description="decay after warm-up: constant, linear, cosine, or warmup-stable-decay")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to lr")
     decay_steps: int | None = Field(None, ge=1, description="default: train.steps")
     wsd_decay_steps: int | None = Field(None, ge=1, description="wsd: length of the final decay phase")
-    weight_decay: float = Field(0.01, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.95, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay (AdamW)")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="Adam's second-moment decay")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 where the accelerator supports it (not on CPU), else fp32"
     )
-    seed: int = Field(1234, ge=0)
-    eval_interval: int | None = Field(None, ge=1)
+    seed: int = Field(1234, ge=0, description="seed of the initialisation, data order and dropout")
+    eval_interval: int | None = Field(None, ge=1, description="steps between evaluations (default: none)")
     eval_steps: int = Field(1, ge=1, le=10_000, description="batches (episodes for a policy) per evaluation; at "
                             "most 10000")
-    lora: LoraConfig | None = None
+    lora: LoraConfig | None = Field(None, description="LoRA adapters (train.stage lora; defaults filled in then)")
     freeze: list[str] = Field(default_factory=list, description="parameters kept as they are (no gradient, no "
                               "optimizer state): module groups of the model (a VLM's vision, projector, language) or "
                               "parameter-name globs such as 'decoder.layers.0.*'")
-    fp8: Fp8Config | None = None
+    fp8: Fp8Config | None = Field(None, description="FP8 GEMMs (CUDA, compute capability >= 8.9); default bf16")
     compile: bool = Field(False, description="torch.compile the model: per wrap unit (embodied), per transformer layer (megatron DiT)")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile; reduce-overhead replays CUDA graphs"
@@ -226,16 +232,17 @@ class CheckpointConfig(Section):
     save_format: list[Literal["dist", "hf", "peft"]] = Field(
         default_factory=lambda: ["dist"],
         description="dist: resumable checkpoint; hf: HF export (LoRA merged); peft: LoRA adapters in PEFT format")
-    keep_last: int = Field(2, ge=1)
-    save_at_end: bool = True
+    keep_last: int = Field(2, ge=1, description="resumable checkpoints kept (older ones are deleted)")
+    save_at_end: bool = Field(True, description="save (and export the formats of save_format) after the last step")
 
 
 class AcceleratorConfig(Section):
     """``name``: auto | cpu | cuda | a plugin's name. ``env`` is exported before the device is touched."""
 
-    name: str = "auto"
-    env: dict[str, str] = Field(default_factory=dict)
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field("auto", description="auto (cuda if present, else cpu), cpu, cuda, or a plugin's name")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables set before the device is "
+                                "touched")
+    options: dict[str, Any] = Field(default_factory=dict, description="the accelerator plugin's own options")
 
     @field_validator("env", mode="before")
     @classmethod
@@ -258,9 +265,9 @@ class KernelsConfig(Section):
 
 class LoggingConfig(Section):
     interval: int = Field(1, ge=1, description="steps between logged metrics")
-    console: bool = True
-    tensorboard: bool = True
-    jsonl: bool = True
+    console: bool = Field(True, description="progress lines on the console (rank 0)")
+    tensorboard: bool = Field(True, description="TensorBoard events in OUTPUT/tensorboard")
+    jsonl: bool = Field(True, description="metrics as JSON lines in OUTPUT/metrics.jsonl")
     moe_trace: bool = Field(False, description="MoE models: record every step's per-layer expert loads to "
                                                "moe_trace.jsonl in the run directory (for `loongforge moe simulate`)")
 
@@ -268,8 +275,8 @@ class LoggingConfig(Section):
 class Recipe(Section):
     """A whole recipe. ``model``/``data`` hold the backend's validated section objects."""
 
-    description: str = ""
-    backend: str
+    description: str = Field("", description="what the recipe trains (shown by `loongforge recipes`)")
+    backend: str = Field(description="the backend that runs it: megatron, embodied, or a plugin's")
     model: Any = None
     data: Any = None
     # NOTE: SerializeAsAny: a backend's subclass (its own keys) is dumped whole into the run's recipe.yaml

@@ -128,7 +128,7 @@ def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: tor
     probabilities in the query's dtype, a second GEMM. With short key sequences (pi05: ~290 prefix keys) the scores
     are small (B x 8·L x L); inside a compiled unit the scale, mask and softmax fuse into one kernel each way, and
     forward + backward take 0.56 ms per joint layer on the H200 against 0.69 ms for SDPA's cuDNN flash kernels,
-    which are built for long key sequences (``benchmarks/pi05_levers.py --only attention``). Longer key sequences
+    which are built for long key sequences (``benchmarks/tools/pi05_levers.py --only attention``). Longer key sequences
     (``MATMUL_MAX_KEYS``) go to SDPA."""
     if k.shape[1] > MATMUL_MAX_KEYS:
         return _attend(q, k, v, valid, scale)
@@ -279,7 +279,7 @@ def _fused_qkv_forward(self, hidden_states: torch.Tensor, attention_mask: torch.
     """``SiglipAttention.forward`` with q, k and v as one GEMM over the concatenated weights: the same math.
     Inside a compiled unit the concatenation fuses into autocast's cast of the fp32 weights, so it costs no pass
     of its own; one (tokens x 1152) @ (1152 x 3456) GEMM runs ~3.6% faster per layer than three 1152-wide ones
-    on the H200 (``benchmarks/pi05_levers.py``)."""
+    on the H200 (``benchmarks/tools/pi05_levers.py``)."""
     from transformers.models.siglip.modeling_siglip import (
         ALL_ATTENTION_FUNCTIONS,
         SiglipAttention,

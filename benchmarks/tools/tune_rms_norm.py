@@ -3,7 +3,7 @@
 Prints forward + backward time per setting next to torch.compile of the reference, timed two ways: plain
 ``do_bench`` (CPU launch overhead included) and ``do_bench_cudagraph`` (GPU time only).
 
-    PYTHONPATH=packages/loongforge-kernels/src python3 benchmarks/tune_rms_norm.py
+    PYTHONPATH=packages/loongforge-kernels/src python3 benchmarks/tools/tune_rms_norm.py
 """
 
 from __future__ import annotations

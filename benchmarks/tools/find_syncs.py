@@ -2,7 +2,7 @@
 graphs) under CUDA's sync debug mode and prints the Python stack of every synchronising call of an unreported
 step.
 
-    python benchmarks/find_syncs.py [--graphs]
+    python benchmarks/tools/find_syncs.py [--graphs]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -8,7 +8,7 @@
    autocast as LeRobot's pi05 keeps them, batch 16 × 256 patches), ``torch.compile``d, forward + backward, vs the
    same layer with q/k/v as one GEMM (the same math), as achieved TFLOP/s.
 
-    python benchmarks/pi05_levers.py [--out FILE.md]
+    python benchmarks/tools/pi05_levers.py [--out FILE.md]
 """
 
 from __future__ import annotations
