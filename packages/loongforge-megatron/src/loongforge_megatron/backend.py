@@ -104,7 +104,7 @@ class MegatronBackend(Backend):
     @classmethod
     def recipe_schemas(cls) -> dict[str, type]:
         """The shared sections, then each model kind's own ``model`` / ``data`` section where it adds keys (titled
-        ``"model (dit)"``: the keys it adds over the shared ones are listed under it)."""
+        by the kind, e.g. ``"data (a vision-language model)"``: the keys it adds over the shared ones are listed under it)."""
         out = super().recipe_schemas()
         for name, spec in sorted(registry.all_specs().items()):
             for section in ("model", "data"):
