@@ -176,6 +176,9 @@ class DataConfig(Section):
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
                        "conversations: a micro-batch's records back to back in one row (no padding, no attention "
                        "across records)")
+    balance: bool = Field(False, description="sft: place each global batch's rows over the data-parallel ranks and "
+                          "micro-batches by their cost (a fitted a*sum(l^2) + b*sum(l) + c per micro-batch), the same "
+                          "samples each step: the loss is unchanged; the log shows dp_imbalance before / after")
     image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
                                    "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
@@ -187,6 +190,9 @@ class DataConfig(Section):
             for key in ("image_size", "class_dropout"):
                 if getattr(self, key) is not None and not (key == "image_size" and self.format == "synthetic"):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
+        if self.balance and self.format != "sft":
+            raise ValueError(f"data.balance places packed SFT rows (format sft) by their cost; format "
+                             f"'{self.format}' does not give its samples' costs")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
