@@ -60,10 +60,17 @@ def _train(*, rank, world, recipe_path, run_dir):
         job.close()
 
 
-def test_balanced_placement_keeps_the_losses(tmp_path, ranks):
-    plain = ranks(_train, world=2, out=tmp_path / "plain", recipe_path=_recipe(tmp_path, balance=False),
-                  run_dir=tmp_path / "run_plain")
-    balanced = ranks(_train, world=2, out=tmp_path / "balanced", recipe_path=_recipe(tmp_path, balance=True),
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The prepared SFT data and the recipes with and without balancing."""
+    tmp = tmp_path_factory.mktemp("balance")
+    return tmp, {b: _recipe(tmp, balance=b) for b in (False, True)}
+
+
+def test_balanced_placement_keeps_the_losses(tmp_path, ranks, prepared):
+    _, recipes = prepared
+    plain = ranks(_train, world=2, out=tmp_path / "plain", recipe_path=recipes[False], run_dir=tmp_path / "run_plain")
+    balanced = ranks(_train, world=2, out=tmp_path / "balanced", recipe_path=recipes[True],
                      run_dir=tmp_path / "run_balanced")
     for rank in range(2):
         assert [m["loss"] for m in balanced[rank]] == pytest.approx([m["loss"] for m in plain[rank]], rel=1e-5)
@@ -73,3 +80,54 @@ def test_balanced_placement_keeps_the_losses(tmp_path, ranks):
     assert any(m["dp_imbalance_after"] < m["dp_imbalance_before"] for m in steps)  # samples did move
     fitted = steps[STEPS - 2]  # the fit is made after the warm-up's last step and logged with it
     assert fitted["balance_cost_a"] > 0 or fitted["balance_cost_b"] > 0 or fitted["balance_cost_c"] > 0
+
+
+class _Rows:
+    """Rows of one token each, the row's index as its token; a cost that grows fast with the index."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, idx: int):
+        import torch
+
+        return {"tokens": torch.tensor([idx]), "labels": torch.tensor([idx]), "loss_mask": torch.ones(1),
+                "position_ids": torch.zeros(1, dtype=torch.long)}
+
+    def cost_features(self, idx: int) -> tuple[float, float, float]:
+        return float((idx % 16) ** 4), 1.0, 0.0
+
+
+def test_every_rank_takes_its_share_of_the_same_global_batch():
+    """dp 4 ranks × 2 micro-batches × 2 rows: together they read every row of the global batch exactly once, and
+    the ranks' costs are more even than in order."""
+    import torch
+    from loongforge.parallel.balance import LoadBalancer
+    from loongforge_megatron.data.datasets import BatchSchedule
+
+    for step in (0, 3):
+        seen = []
+        for rank in range(4):
+            schedule = BatchSchedule(_Rows(), global_batch_size=16, micro_batch_size=2, dp_size=4, dp_rank=rank,
+                                     balancer=LoadBalancer())
+            batches = schedule.microbatches(step, device=torch.device("cpu"))
+            assert len(batches) == 2 and all(b["tokens"].shape == (2, 1) for b in batches)
+            seen += [int(t) for b in batches for t in b["tokens"].reshape(-1)]
+            before, after = batches[0]["dp_imbalance"]
+            assert after < before
+        assert sorted(seen) == list(range(step * 16, step * 16 + 16))
+
+
+def test_row_costs_are_read_from_the_index_as_the_rows_are_made(prepared):
+    """A packed row's cost features are the lengths its ``cu_seqlens`` gives attention, without reading its tokens."""
+    from loongforge_megatron.data.datasets import PackedSFTDataset
+
+    tmp_path, _ = prepared
+    for pack in (True, False):
+        ds = PackedSFTDataset(str(tmp_path / "sft"), seq_length=128, pad_id=0, pack=pack)
+        for i in range(len(ds)):
+            row = ds[i]
+            bounds = row["cu_seqlens"].tolist() if pack else [0, 128]
+            lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+            assert ds.cost_features(i) == (float(sum(x * x for x in lengths)), 128.0, 0.0)
+        assert not pack or len({ds.cost_features(i) for i in range(len(ds))}) > 1
