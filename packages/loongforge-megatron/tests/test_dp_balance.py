@@ -131,3 +131,14 @@ def test_row_costs_are_read_from_the_index_as_the_rows_are_made(prepared):
             lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
             assert ds.cost_features(i) == (float(sum(x * x for x in lengths)), 128.0, 0.0)
         assert not pack or len({ds.cost_features(i) for i in range(len(ds))}) > 1
+
+
+def test_balance_of_data_without_costs_is_refused(capsys):
+    from pathlib import Path
+
+    from loongforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "vlm" / "qwen2_5_vl_tiny.yaml"
+    assert main(["validate", str(recipe), "data.balance=true"]) == 2
+    err = capsys.readouterr().err
+    assert "key 'data.balance'" in err and "format 'synthetic'" in err and err.count("\n") == 1, err

@@ -6,7 +6,7 @@ import difflib
 from typing import Any, Literal
 
 from loongforge.recipe.schema import KernelsConfig, Section
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from loongforge_megatron.models import registry
 
@@ -184,15 +184,21 @@ class DataConfig(Section):
     class_dropout: float | None = Field(None, ge=0, lt=1, description="latents: probability that a label is replaced "
                                         "by the null class, for classifier-free guidance (default 0.1)")
 
+    @field_validator("balance")
+    @classmethod
+    def _balance_needs_costs(cls, value: bool, info: ValidationInfo) -> bool:
+        fmt = info.data.get("format")
+        if value and fmt != "sft":
+            raise ValueError(f"data.balance places packed SFT rows (format sft) by their cost; format '{fmt}' does "
+                             "not give its samples' costs")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.format != "latents":
             for key in ("image_size", "class_dropout"):
                 if getattr(self, key) is not None and not (key == "image_size" and self.format == "synthetic"):
                     raise ValueError(f"data.{key} applies to format latents (DiT), not '{self.format}'")
-        if self.balance and self.format != "sft":
-            raise ValueError(f"data.balance places packed SFT rows (format sft) by their cost; format "
-                             f"'{self.format}' does not give its samples' costs")
         if self.format not in ("synthetic", "latents") and not self.path and not self.blend:
             raise ValueError(f"format '{self.format}' needs data.path (a prepared data directory) or data.blend")
         if self.format == "pretrain" and float(self.split.split(",")[0]) <= 0:
