@@ -102,3 +102,11 @@ def test_balancer_uses_the_fit_from_its_step_on():
     assert lb.cost(4) == DEFAULT_COST and lb.cost(5) == fit
     lb.use(None, from_step=9)
     assert lb.cost(9) == fit
+
+
+def test_progress_line_shows_the_dp_imbalance(tmp_path):
+    from loongforge.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, enabled=False)
+    line = logger._progress_line(1, {"loss": 1.0, "dp_imbalance_before": 1.42, "dp_imbalance_after": 1.01}, 0.0)
+    assert "dp imbalance 1.42->1.01" in line
