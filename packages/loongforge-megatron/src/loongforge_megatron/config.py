@@ -176,8 +176,9 @@ class DataConfig(Section):
     pack: bool = Field(True, description="sft: pack samples into seq_length rows without cross-sample attention; "
                        "conversations: a micro-batch's records back to back in one row (no padding, no attention "
                        "across records)")
-    balance: bool = Field(False, description="sft: place each global batch's rows over the data-parallel ranks and "
-                          "micro-batches by their cost (a fitted a*sum(l^2) + b*sum(l) + c per micro-batch), the same "
+    balance: bool = Field(False, description="sft, conversations: place each global batch's samples over the "
+                          "data-parallel ranks and micro-batches by their cost (a fitted a*sum(l^2) + b*sum(l) + c + "
+                          "v*image patches per micro-batch), the same "
                           "samples each step: the loss is unchanged; the log shows dp_imbalance before / after")
     image_size: int | None = Field(None, ge=8, description="latents: image side in pixels (default: 8 x model.sample_size); "
                                    "synthetic (a VLM's): each sample's image side (default: 4 merged patches)")
@@ -188,9 +189,9 @@ class DataConfig(Section):
     @classmethod
     def _balance_needs_costs(cls, value: bool, info: ValidationInfo) -> bool:
         fmt = info.data.get("format")
-        if value and fmt != "sft":
-            raise ValueError(f"data.balance places packed SFT rows (format sft) by their cost; format '{fmt}' does "
-                             "not give its samples' costs")
+        if value and fmt not in ("sft", "conversations"):
+            raise ValueError(f"data.balance places samples by their cost (formats sft, conversations); format "
+                             f"'{fmt}' does not give its samples' costs")
         return value
 
     @model_validator(mode="after")

@@ -236,6 +236,9 @@ class BatchSchedule:
                  workers: int = 0, steps: int | None = None, balancer=None):
         self.dataset = dataset
         self.balancer = balancer  # NOTE: a loongforge.parallel.balance.LoadBalancer places the step's samples
+        if balancer is not None and not hasattr(dataset, "cost_features"):
+            raise RecipeError(f"data.balance: this model's {type(dataset).__name__} gives no per-sample costs",
+                              key="data.balance")
         self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         self.workers, self.steps = workers, steps
