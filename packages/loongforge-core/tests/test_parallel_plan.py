@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from loongforge.errors import ParallelPlanError
@@ -125,3 +126,43 @@ def test_uneven_pipeline_split():
 def test_uneven_pipeline_split_errors_name_the_key(kw, num_layers, match):
     with pytest.raises(ParallelPlanError, match=match):
         resolve_plan(world_size=kw["pp"], **kw).check_model(num_layers=num_layers, num_attention_heads=2)
+
+
+@pytest.mark.parametrize(("layout", "components", "message"), [
+    (dict(world_size=8, tp=4), {"vision": {"tp": 3}},
+     r"^key 'parallel\.components\.vision\.tp': parallel\.components\.vision\.tp = 3 must divide parallel\.tp = 4 or "
+     r"be a multiple of it \(4 % 3 = 1, 3 % 4 = 3\)"),
+    (dict(world_size=12, tp=4), {"vision": {"tp": 6}}, r"vision\.tp = 6 must divide parallel\.tp = 4"),
+    (dict(world_size=8, tp=2), {"vision": {"tp": 16}},
+     r"parallel\.components\.vision: tp\*pp\*cp = 16\*1\*1 = 16 does not divide world size 8"),
+    (dict(world_size=8, cp=4), {"vision": {"cp": 3}}, r"vision\.cp = 3 must divide parallel\.cp = 4"),
+    (dict(world_size=8, pp=2), {"vision": {"pp": 3}},
+     r"parallel\.components\.vision: tp\*pp\*cp = 1\*3\*1 = 3 does not divide world size 8"),
+    (dict(world_size=4), {"vision": {"vpp": 2}}, r"parallel\.components\.vision\.vpp = 2 needs pipeline parallelism"),
+    (dict(world_size=4, tp=2), {"vision": {"sp": True, "tp": 1}},
+     r"parallel\.components\.vision\.sp = true needs tensor parallelism"),
+    (dict(world_size=4, tp=2), {"vision": {"recompute": "some"}},
+     r"parallel\.components\.vision\.recompute = 'some'; allowed: none, selective, full"),
+    (dict(world_size=4, tp=2), {"vision": {"ep": 3}},
+     r"parallel\.components\.vision: expert grid etp\*ep\*pp = 2\*3\*1 = 6 does not divide world size 4"),
+    (dict(world_size=8), {"vision": {"tp": 0}}, r"parallel\.components\.vision\.tp must be a positive integer"),
+    (dict(world_size=8), {"vision": {"dp": 2}}, r"parallel\.components\.vision\.dp is not a per-component key"),
+    (dict(world_size=8), {"vision": {"num_ranks": 3, "tp": 2}, "language": {"num_ranks": 5}},
+     r"vision: tp\*pp\*cp = 2\*1\*1 = 2 does not divide parallel\.components\.vision\.num_ranks = 3"),
+    (dict(world_size=8), {"vision": {"num_ranks": 0}}, r"vision\.num_ranks must be a positive integer"),
+    (dict(world_size=8), {"vision": {"num_ranks": 2}, "language": {"num_ranks": 4}},
+     r"num_ranks vision=2 \+ language=4 = 6 != world size 8"),
+    (dict(world_size=8), {"vision": {"num_ranks": 2}, "language": {"tp": 2}},
+     r"either every component sets num_ranks or none does \(missing on \['language'\]\)"),
+    (dict(world_size=8), {"vision": {"num_ranks": 4, "pp": 2, "vpp": 2}, "language": {"num_ranks": 4}},
+     None),  # a disjoint grid may pipeline on its own
+])
+def test_impossible_component_layouts_are_refused_with_the_arithmetic(layout, components, message):
+    """Each impossible per-component layout is one line naming the keys and the arithmetic, before any group."""
+    if message is None:
+        resolve_plan(**layout, components=components)
+        return
+    with pytest.raises(ParallelPlanError) as info:
+        resolve_plan(**layout, components=components)
+    assert "\n" not in str(info.value)
+    assert re.search(message, str(info.value)), str(info.value)

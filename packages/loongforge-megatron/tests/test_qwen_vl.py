@@ -478,6 +478,22 @@ def test_micro_batches_made_ahead_by_a_worker_are_the_steps_own(tmp_path, hf_dir
     assert "bad.jsonl: record 3" in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+def test_balance_costs_count_the_records_tokens_and_patches(tmp_path, hf_dir):
+    """data.balance's cost of a record, from its text and its images' headers, counts the tokens and patches the
+    record is made of."""
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
+    from loongforge_megatron.models.registry import arch_from_hf
+
+    records = make_records(tmp_path / "data")
+    ds = Conversations(str(records), processor=load_processor(hf_dir), arch=arch_from_hf(hf_dir), seq_length=96,
+                       seed=0, pack=True)
+    for idx in range(2):
+        rec = ds.encode(ds._record(idx))
+        n = min(len(rec["ids"]), 96)
+        assert ds.cost_features(idx) == (float(n * n), float(n), float(rec["pixel_values"].shape[0]))
+
+
 # NOTE: deepstack layers on the first stage; MoE: the experts over two expert-parallel ranks (megatron's all-to-all
 # dispatcher; one process runs the fused permute dispatch), and under tp 2 with sequence parallelism (what megatron's
 # MoE layers need under tp)
@@ -493,7 +509,7 @@ def test_tp2_pp2_cp2_and_ep2_equal_one_process(tmp_path, hf_dir, ranks):
     one = ranks(_losses, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", overrides=over)[0][1]
     layouts = (("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sp=true"]),
                ("tp2_split_tower", ["parallel.tp=2", "parallel.components.vision.tp=2"]),
-               ("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"]))
+               ("pp2", ["parallel.pp=2"]), ("cp2", ["parallel.cp=2"]), ("dp2_balanced", ["data.balance=true"]))
     if is_moe(hf_dir):
         layouts = (("ep2", ["parallel.ep=2"]), layouts[1], layouts[3])
     for name, layout in layouts:

@@ -32,7 +32,12 @@ class PluginError(LoongForgeError):
 
 
 class ParallelPlanError(LoongForgeError):
-    """A parallel layout is impossible for the world size or the model; the message shows the arithmetic."""
+    """A parallel layout is impossible for the world size or the model; the message shows the arithmetic.
+    ``key``: the recipe key at fault, when one is (shown first, as a :class:`RecipeError` shows it)."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        self.key, self.message = key, message
+        super().__init__(f"key '{key}': {message}" if key else message)
 
 
 class LaunchError(LoongForgeError):

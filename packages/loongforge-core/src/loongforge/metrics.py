@@ -152,6 +152,8 @@ class MetricsLogger:
             parts.append(f"{_fmt_rate(m['tokens_per_s'])} tok/s")
         if "packing_efficiency" in m:
             parts.append(f"packed {100 * m['packing_efficiency']:.0f}%")
+        if "dp_imbalance_before" in m and "dp_imbalance_after" in m:  # max / mean rank cost, in order -> placed
+            parts.append(f"dp imbalance {m['dp_imbalance_before']:.2f}->{m['dp_imbalance_after']:.2f}")
         if m.get("mfu"):
             parts.append(f"MFU {100 * m['mfu']:.1f}%")
         eta = self._eta(step, m, now)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from loongforge.errors import RecipeError
 from loongforge.recipe.schema import KernelsConfig, Section
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from loongforge_megatron.models import registry
 
@@ -214,6 +214,19 @@ class DataConfig(Section):
     pack: bool | None = Field(None, description="(default true) sft: pack samples into seq_length rows without "
                               "cross-sample attention; a VLM's records: a micro-batch's records back to back in one "
                               "row (no padding, no attention across records)")
+    balance: bool = Field(False, description="sft, conversations: place each global batch's samples over the "
+                          "data-parallel ranks and micro-batches by their cost (a fitted a*sum(l^2) + b*sum(l) + c + "
+                          "v*image patches per micro-batch), the same "
+                          "samples each step: the loss is unchanged; the log shows dp_imbalance before / after")
+
+    @field_validator("balance")
+    @classmethod
+    def _balance_needs_costs(cls, value: bool, info: ValidationInfo) -> bool:
+        fmt = info.data.get("format")
+        if value and fmt not in ("sft", "conversations"):
+            raise ValueError(f"data.balance places samples by their cost (formats sft, conversations); format "
+                             f"'{fmt}' does not give its samples' costs")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -117,9 +117,14 @@ class MegatronJob(Job):
             if self._fp8_cache is not None:
                 self._fp8_cache.enabled = True
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        self.balancer, self.cost_fit = None, None  # data.balance: the fit is made on the first steps this run takes
+        if recipe.data.balance:
+            from loongforge.parallel.balance import LoadBalancer
+
+            self.balancer = LoadBalancer()
         self.schedule = BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
                                       micro_batch_size=t.micro_batch_size, workers=recipe.data.num_workers,
-                                      steps=t.steps, **dp)
+                                      steps=t.steps, balancer=self.balancer, **dp)
         self.valid_schedule = (BatchSchedule(self.data.valid, global_batch_size=t.global_batch_size,
                                              micro_batch_size=t.micro_batch_size, **dp)
                                if self.data.valid is not None else None)
@@ -223,10 +228,18 @@ class MegatronJob(Job):
 
         t0 = time.perf_counter()
         batches = self.schedule.microbatches(self.step_index, device=self.device)
+        forward_step_fn = self.forward_step_fn
+        if self.balancer is not None:
+            if self.cost_fit is None:
+                from loongforge_megatron.engine.cost_fit import WarmupCostFit
+
+                self.cost_fit = WarmupCostFit(self.balancer, synchronize=self.acc.synchronize,
+                                              first_step=self.step_index)
+            forward_step_fn = self.cost_fit.forward_step(forward_step_fn or engine.forward_step, step=self.step_index)
         out = engine.train_step(
             model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler, data_iterator=iter(batches),
             num_microbatches=self.num_microbatches, seq_length=self.seq_length,
-            micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=self.forward_step_fn,
+            micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=forward_step_fn,
             loss_key=self.loss_key,
         )
         if self._fp8_cache is not None:
@@ -244,6 +257,11 @@ class MegatronJob(Job):
         if real:  # SFT: this rank's sample tokens / the capacity of its micro-batches (the rest is padding)
             capacity = len(batches) * self.recipe.train.micro_batch_size * self.seq_length
             metrics["packing_efficiency"] = sum(real) / capacity
+        if batches and isinstance(batches[0], dict) and "dp_imbalance" in batches[0]:
+            metrics["dp_imbalance_before"], metrics["dp_imbalance_after"] = batches[0]["dp_imbalance"]
+        if self.cost_fit is not None and self.cost_fit.after_step(self.step_index):
+            self.schedule.close()  # NOTE: workers made the coming steps with the old model: make them again
+            metrics.update({f"balance_cost_{k}": getattr(self.cost_fit.fitted, k) for k in "abcv"})
         if self.data.sample_unit:  # e.g. an image model's images (its tokens are latent patches)
             metrics[f"{self.data.sample_unit}_per_s"] = self.recipe.train.global_batch_size / dt
         if out.get("grad_norm") is not None:

@@ -96,9 +96,9 @@ class ParallelPlan:
                 )
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ParallelPlanError(f"parallel.{name} must be a positive integer (got {value!r})")
+def _positive(name: str, value: int | None, *, prefix: str = "parallel") -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ParallelPlanError(f"{prefix}.{name} must be a positive integer (got {value!r})", key=f"{prefix}.{name}")
 
 
 def resolve_plan(
@@ -125,7 +125,7 @@ def resolve_plan(
     """Validate sizes against ``world_size`` and derive dp. Raises :class:`ParallelPlanError`."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp), ("dp", dp),
                         ("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
-        _positive(name, value)
+        _positive(name, value, prefix=prefix)
     if not isinstance(world_size, int) or world_size < 1:
         raise ParallelPlanError(f"world size must be a positive integer (got {world_size!r})")
     if recompute not in RECOMPUTE_MODES:
@@ -163,7 +163,7 @@ def resolve_plan(
     if recompute_layers is not None and recompute != "full":
         raise ParallelPlanError(f"{prefix}.recompute_layers is only used with recompute = full (got {recompute!r})")
     if shard_size is not None:
-        _positive("shard_size", shard_size)
+        _positive("shard_size", shard_size, prefix=prefix)
         if derived_dp % shard_size:
             raise ParallelPlanError(
                 f"{prefix}.shard_size = {shard_size} does not divide dp = {derived_dp} (HSDP replicas × shards)"
@@ -191,10 +191,43 @@ def resolve_plan(
     return plan
 
 
+COMPONENT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp", "recompute", "num_ranks")
+
+
+def _check_component(base: ParallelPlan, name: str, cfg: dict, *, prefix: str) -> None:
+    """What a component's layout must satisfy against the global one, before its own grid is resolved.
+
+    Colocated grids (no ``num_ranks``) nest in the language model's: a component's tp / cp divides the global one
+    or is a multiple of it (then a component group spans whole global groups: its embeddings are exchanged within
+    a group). A disjoint grid is split on its own ``num_ranks``; what a backend runs beyond that, it refuses itself."""
+    key = f"{prefix}.components.{name}"
+    unknown = sorted(set(cfg) - set(COMPONENT_KEYS))
+    if unknown:
+        raise ParallelPlanError(f"{key}.{unknown[0]} is not a per-component key; allowed: {', '.join(COMPONENT_KEYS)}",
+                                key=f"{key}.{unknown[0]}")
+    for k in ("tp", "pp", "vpp", "cp", "ep", "etp", "num_ranks"):
+        _positive(k, cfg.get(k), prefix=key)
+    num_ranks = cfg.get("num_ranks")
+    if num_ranks is not None:
+        tp, pp, cp = (cfg.get(k) or 1 for k in ("tp", "pp", "cp"))
+        if num_ranks % (tp * pp * cp):
+            raise ParallelPlanError(f"{key}: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide "
+                                    f"{key}.num_ranks = {num_ranks}", key=f"{key}.num_ranks")
+        return
+    for k in ("tp", "cp"):
+        mine, glob = cfg.get(k), getattr(base, k)
+        if mine is not None and glob % mine and mine % glob:
+            raise ParallelPlanError(f"{key}.{k} = {mine} must divide {prefix}.{k} = {glob} or be a multiple of it "
+                                    f"({glob} % {mine} = {glob % mine}, {mine} % {glob} = {mine % glob}): the "
+                                    f"component's groups nest in the global layout's", key=f"{key}.{k}")
+
+
 def _resolve_components(base: ParallelPlan, components: dict[str, dict], *, prefix: str) -> dict[str, ParallelPlan]:
     """Components either share all ranks with their own tp/pp/cp (colocated grids) or take disjoint rank
     ranges (``num_ranks``), in declaration order; disjoint ranges must cover the world exactly."""
     out: dict[str, ParallelPlan] = {}
+    for name, cfg in components.items():
+        _check_component(base, name, dict(cfg), prefix=prefix)
     disjoint = {n: c.get("num_ranks") for n, c in components.items() if c.get("num_ranks") is not None}
     if disjoint and len(disjoint) != len(components):
         missing = sorted(set(components) - set(disjoint))

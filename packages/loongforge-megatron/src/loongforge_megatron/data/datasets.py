@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from loongforge.errors import RecipeError
+from loongforge.parallel.balance import imbalance
 
 
 class SyntheticDataset:
@@ -84,6 +85,22 @@ class PackedSFTDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def cost_features(self, idx: int) -> tuple[float, float, float]:
+        """(Σl², Σl, image patches) of row ``idx``: l are the lengths its attention sees, read from the index alone
+        (``loongforge.parallel.balance``). A packed row's samples with their padding, the last one through the
+        row's end; a row of one sample attends all ``seq_length`` positions."""
+        s = self.seq_length
+        if not self.pack:
+            return float(s * s), float(s), 0.0
+        lengths, at = [], 0
+        for i in self.rows[idx % len(self.rows)]:
+            n = min(int(self.tokens.sequence_lengths[i]), s + 1 - at)
+            span = min(-(-n // self.pad_to) * self.pad_to, s + 1 - at)
+            lengths.append(span)
+            at += span
+        lengths[-1] += s - sum(lengths)  # NOTE: cu_seqlens ends at s: the last sample takes the row's tail
+        return float(sum(x * x for x in lengths)), float(s), 0.0
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         s = self.seq_length
@@ -208,6 +225,10 @@ class BatchSchedule:
     trains on the current step; a step asked for out of that order (a resume, an evaluation) restarts them there.
     The batches are the same either way: each is a function of its step alone.
 
+    ``balancer`` (``data.balance``): the same global batch, its samples placed over the ranks and micro-batches by
+    their cost (the dataset's ``cost_features(idx)``); each micro-batch then carries ``cost_features`` (its summed
+    features, for the cost fit) and ``dp_imbalance`` (max / mean rank cost before and after).
+
     A dataset may also say how its micro-batches are made: ``concat_keys`` (per-sample sizes, joined on their first
     dimension), ``finish_batch(batch)`` (a model's own host work on a collated micro-batch, done where the batch is
     made: in a worker when there are workers) and ``host_keys`` (metadata its model reads on the host, left there
@@ -215,8 +236,12 @@ class BatchSchedule:
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int,
-                 workers: int = 0, steps: int | None = None):
+                 workers: int = 0, steps: int | None = None, balancer=None):
         self.dataset = dataset
+        self.balancer = balancer  # NOTE: a loongforge.parallel.balance.LoadBalancer places the step's samples
+        if balancer is not None and not hasattr(dataset, "cost_features"):
+            raise RecipeError(f"data.balance: this model's {type(dataset).__name__} gives no per-sample costs",
+                              key="data.balance")
         self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         self.workers, self.steps = workers, steps
@@ -271,9 +296,14 @@ class BatchSchedule:
         n = len(self.dataset)
         concat = getattr(self.dataset, "concat_keys", ())  # NOTE: per-sample sizes differ (a VLM's image patches)
         finish = getattr(self.dataset, "finish_batch", None)  # NOTE: a model's per-micro-batch host work
+        placed = self._placement(step) if self.balancer is not None else None
         for m in range(self.num_microbatches):
             first = step * self.gbs + m * self.mbs * self.dp + self.rank * self.mbs
-            samples = [self.dataset[(first + b) % n] for b in range(self.mbs)]
+            if placed is None:
+                picks = [first + b for b in range(self.mbs)]
+            else:
+                picks = [step * self.gbs + k for k in placed[0].microbatches[self.rank][m]]
+            samples = [self.dataset[i % n] for i in picks]
             if "cu_seqlens" in samples[0]:  # packed rows: one THD micro-batch (engine/packing.py)
                 from loongforge_megatron.engine.packing import collate
 
@@ -287,8 +317,21 @@ class BatchSchedule:
                         batch[key] = torch.stack([torch.as_tensor(np.asarray(s[key])) if not isinstance(s[key], torch.Tensor) else s[key] for s in samples])
                 if "num_tokens" in samples[0]:
                     batch["real_tokens"] = int(sum(int(s["num_tokens"]) for s in samples))
+            if placed is not None:
+                placement, features = placed
+                mine = placement.microbatches[self.rank][m]
+                batch["cost_features"] = tuple(sum(features[k][j] for k in mine) for j in range(3))
+                batch["dp_imbalance"] = (imbalance(placement.before), imbalance(placement.after))
             out.append(finish(batch) if finish is not None else batch)
         return out
+
+    def _placement(self, step: int):
+        """(placement, features) of global batch ``step``: every rank computes the same from the dataset's index."""
+        n = len(self.dataset)
+        features = [self.dataset.cost_features((step * self.gbs + k) % n) for k in range(self.gbs)]
+        placement = self.balancer.place(features, step=step, ranks=self.dp, microbatches=self.num_microbatches,
+                                        micro_batch_size=self.mbs)
+        return placement, features
 
 
 def _without_sigchld_raise(loader):
@@ -314,7 +357,7 @@ class _Steps(torch.utils.data.Dataset):
     def __init__(self, schedule: BatchSchedule):
         # NOTE: a copy without the prefetching state: this is what the workers receive
         self.schedule = BatchSchedule(schedule.dataset, global_batch_size=schedule.gbs, micro_batch_size=schedule.mbs,
-                                      dp_size=schedule.dp, dp_rank=schedule.rank)
+                                      dp_size=schedule.dp, dp_rank=schedule.rank, balancer=schedule.balancer)
 
     def __getitem__(self, step: int) -> list[dict[str, torch.Tensor]]:
         return self.schedule.host_batches(step)

@@ -317,6 +317,34 @@ class Conversations(VisionBatches):
                            "embeddings (the tokenizer splits the placeholder)")
         return {"ids": ids, "mask": mask, **images, **clips, "rope_grids": grids, "time_scale": scales}
 
+    def cost_features(self, idx: int) -> tuple[float, float, float]:
+        """(Σl², Σl, image patches) of sample ``idx`` for ``data.balance``: its tokens and patches estimated from
+        the record's text and its images' sizes (headers: no pixel is decoded), once per record. A packed record is
+        attended alone; an unpacked one is a padded row of ``seq_length``."""
+        n = self._record(idx)
+        costs = self.__dict__.setdefault("_costs", {})
+        if n not in costs:
+            from PIL import Image
+
+            where = f"{self.file}: record {n + 1}"
+            messages, refs, videos = to_messages(self.records[n], where)
+            text, _ = self._render(messages, where)
+            ip, patches = self.processor.image_processor, 0
+            for k, ref in enumerate([*refs, *(f for v in videos for f in v.frames)]):
+                try:
+                    with Image.open(self.file.parent / ref) as im:
+                        w, h = im.size
+                except (OSError, ValueError) as exc:
+                    raise _bad(where, f"image '{ref}' is unreadable ({str(exc).splitlines()[0][:120]})") from None
+                # NOTE: a video's frames are merged temporal_patch_size at a time
+                per = ip.get_number_of_image_patches(h, w, {})
+                patches += per if k < len(refs) else per // ip.temporal_patch_size
+            placeholders = text.count(self.pad_text) + text.count(self.video_text)
+            tokens = len(self.tok(text, add_special_tokens=False)["input_ids"]) - placeholders + patches // self.merge ** 2
+            length = min(tokens, self.seq_length) if self.pack else self.seq_length
+            costs[n] = (float(length * length), float(length), float(patches))
+        return costs[n]
+
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         n = self._record(idx)
         rec = self.encode(n)

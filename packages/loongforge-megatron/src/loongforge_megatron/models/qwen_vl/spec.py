@@ -167,7 +167,8 @@ class QwenVL(HFCheckpoint):
             if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}, {"tp": plan.tp}):
                 raise RecipeError(f"Qwen-VL's vision tower runs whole on every rank (the default, vision: {{tp: 1}}) "
                                   f"or split like the language model (vision: {{tp: {plan.tp}}}): parallel.components "
-                                  "may only say one of those", key=f"parallel.components.{name}")
+                                  f"may only say one of those (got {name}: {comp.model_dump(exclude_none=True)})",
+                                  key=f"parallel.components.{name}")
         if vision_tp(recipe, plan) > 1:
             v = arch.vision["vision_config"]
             for key, n in (("num_heads", v["num_heads"]), ("intermediate_size", v["intermediate_size"])):
