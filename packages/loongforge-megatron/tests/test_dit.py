@@ -245,7 +245,7 @@ def test_compiled_layers_train_the_eager_losses(tmp_path, capsys):
     assert runs["true"]["losses"] == pytest.approx(runs["false"]["losses"], rel=1e-5), runs
     assert main(["validate", str(RECIPE.parents[1] / "llm/tiny/llama_tiny.yaml"), "train.compile=true"]) == 2
     err = capsys.readouterr().err
-    assert "key 'train.compile'" in err and "DiT models" in err and err.count("\n") == 1, err
+    assert "key 'train.compile'" in err and "image models" in err and err.count("\n") == 1, err
 
 
 def _straight_and_resumed(*, rank, world, tmp_path) -> tuple[list[float], list[float]]:

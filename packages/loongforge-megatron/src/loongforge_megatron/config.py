@@ -31,10 +31,12 @@ def spec_for(model: dict[str, Any], *, explain: bool = False) -> Any:
     that names no family is a RecipeError naming model.hf here)."""
     if explain and isinstance(model.get("hf"), str) and not model.get("family") and not model.get("preset"):
         try:
-            registry.get_family(hf_config=json.loads((Path(model["hf"]) / "config.json").read_text()))
+            registry.get_family(hf_config=registry.load_config_json(Path(model["hf"]) / "config.json"))
         except Exception:  # noqa: BLE001 - whatever it is, arch_from_hf says it naming model.hf
+            from loongforge_megatron.models.hf_arch import arch_from_hf
+
             try:
-                registry.arch_from_hf(model["hf"])
+                arch_from_hf(model["hf"])
             except ValueError as exc:
                 raise RecipeError(f"{model['hf']}/config.json: not valid JSON ({str(exc)[:100]})",
                                   key="model.hf") from None

@@ -146,7 +146,7 @@ def check_metadata(meta: Any) -> dict[str, Any]:
     if meta.get("prompt", "ignored") not in PROMPT_MODES:
         raise ProtocolError(f"the server's metadata has prompt {str(meta.get('prompt'))[:40]!r}; allowed: "
                             f"{', '.join(PROMPT_MODES)}")
-    for key, least in (("n_action_steps", 0), ("action_dim", 1), ("chunk_size", 1)):
+    for key, least in (("n_action_steps", 0), ("action_dim", 1), ("chunk_size", 0)):  # NOTE: 0: chunks vary
         if meta.get(key) is not None and not (_count(meta[key], at_least=least) and meta[key] <= MAX_CHUNK):
             raise ProtocolError(f"the server's metadata has {key} {str(meta[key])[:40]}; allowed: an integer "
                                 f"{least}..{MAX_CHUNK}")
