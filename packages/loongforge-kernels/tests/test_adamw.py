@@ -93,7 +93,8 @@ def test_adamw_kernel_vectorises_for_hopper():
             "    print(k, 'ld.global.v4' in ptx and ('st.global.v4' in ptx or 'sumsq' in k))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
-                            "PYTHONPATH": str(Path(__file__).parent)})
+                            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                        os.environ.get("PYTHONPATH")]))})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[1::2] == ["True"] * 3, r.stdout
 

@@ -146,7 +146,8 @@ def test_hopper_ptx_keeps_ieee_rounding():
         "    print('=====', k)\n"
         "    print(compile_kernel('fp8_delta.' + k).asm['ptx'])\n"
     )
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _, enc, dec = r.stdout.split("===== ")
