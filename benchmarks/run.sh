@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert"
+names="llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert | scaling"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -105,6 +105,11 @@ case $name in
     gpu_tests 120 packages/loongforge-kernels/tests/test_gpu.py -k "not tilelang and not sparse_mla"
     step kernels_bench 390 python3 benchmarks/kernels_bench.py --only rms_norm,swiglu,rope,flce,moe --rep 200 \
       --out "$out/kernels_bench.md"
+    ;;
+  scaling)
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast off
+    step scaling 1200 python3 benchmarks/scaling.py --preset llama3.2-1b --seq 4096 --mbs 2 --steps 12 --warmup 4 \
+      --timeout 140 --out "$out/scaling.md"
     ;;
   convert)
     step checkpoint_convert_memory 400 python3 benchmarks/checkpoint_convert_memory.py --workdir "$out/convert"

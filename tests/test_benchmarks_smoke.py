@@ -96,3 +96,19 @@ def test_fp8_allgather_codec_smoke(load, tmp_path):
     assert c["bit_identical"] is True  # the backend's codec equals the kernels package's reference, byte for byte
     table = [line.split(" | ") for line in _table_rows(tmp_path / "fp8_allgather.md")]
     assert [r[3] for r in table] == ["encode", "decode"]
+
+
+def test_scaling_benchmark_smoke(load, tmp_path):
+    """Two gloo processes each side: ours through ``loongforge train --nproc 2``, the peer HF + DDP under torchrun;
+    the same global batches, so the global losses agree."""
+    harness = sys.modules["harness"]
+    rows = load("scaling").main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    assert set(rows) == {"loongforge_dp2", "torch_ddp_dp2"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0 and r["procs"] == 2
+    assert harness.loss_diff(rows["loongforge_dp2"]["losses"], rows["torch_ddp_dp2"]["losses"]) < 1e-4
+    report = (tmp_path / "report.md").read_text()
+    assert report.rstrip().splitlines()[-1].startswith("loongforge_dp2 / torch_ddp_dp2: ")
+    table = _table_rows(tmp_path / "scaling.md")
+    assert [line.split(" | ")[3] for line in table] == ["loongforge_dp2", "torch_ddp_dp2"]
