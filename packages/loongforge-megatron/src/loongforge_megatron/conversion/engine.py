@@ -21,6 +21,7 @@ from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWr
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.aliased_reader import AliasedReader
+from loongforge_megatron.conversion.fp8_blocks import fp8_reader
 from loongforge_megatron.conversion.layout import MegatronLayout, Rank
 from loongforge_megatron.models.registry import get_family
 
@@ -62,7 +63,7 @@ def _runs(ids: torch.Tensor) -> Runs:
     return [tuple(r) for r in runs]
 
 
-def _streamable(p: Param, specs: dict[str, Spec]) -> bool:
+def row_streamable(p: Param, specs: dict[str, Spec]) -> bool:
     return p.rule.row_wise and all(len(s) >= 1 for _, s in specs.values())
 
 
@@ -103,12 +104,13 @@ class Progress:
 
 
 class HFSource:
-    """Reads groups from an HF safetensors directory (lazily, one tensor at a time)."""
+    """Reads groups from an HF safetensors directory (lazily, one tensor at a time). Block-scaled FP8 weights are
+    dequantized as they are read, to ``dtype`` (default: the checkpoint's own dtype)."""
 
-    def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict):
+    def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict, dtype: torch.dtype | None = None):
         self.family, self.hf_config = get_family(family), hf_config
-        reader = SafetensorsReader(hf_dir)
-        self.reader = AliasedReader(reader, self.family.hf_alias)
+        self.raw = fp8_reader(SafetensorsReader(hf_dir), hf_config, where=Path(hf_dir) / "config.json", dtype=dtype)
+        self.reader = AliasedReader(self.raw, self.family.hf_alias)
 
     def check_names(self, needed: Iterable[Key]) -> None:
         """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""
@@ -202,7 +204,7 @@ class MegatronSource:
         (the rule is run on row ids to learn where each shard row lands). None when not row-wise."""
         ranks = self.layout.shard_sources(src)
         shard_specs = [self._spec(rank, src.megatron) for rank in ranks]
-        if not _streamable(src, dict(enumerate(shard_specs))):
+        if not row_streamable(src, dict(enumerate(shard_specs))):
             return None
         ids, first = _row_ids({i: s[0] for i, (_, s) in enumerate(shard_specs)})
         runs = {role: _runs(t) for role, t in src.rule.to_hf(list(ids.values())).items()}
@@ -312,7 +314,7 @@ def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str 
         files[rank] = StreamingSafetensorsFile(path, specs)
     progress = Progress(len(targets), label)
     for params in targets.values():
-        if hasattr(source, "read_shard") and _streamable(params[0], source.spec(params[0])):
+        if hasattr(source, "read_shard") and row_streamable(params[0], source.spec(params[0])):
             for p in params:
                 by_index: dict[int, list[Rank]] = {}
                 for rank, index in layout.holders(p):
