@@ -248,13 +248,17 @@ class MegatronBackend(Backend):
         from loongforge_megatron.conversion.layout import LAYOUT_FILE
 
         force = layout.pop("force", False)
+        fp8 = layout.pop("fp8", False)
         etp = layout.pop("etp", None) or layout["tp"]
+        if fp8 and to != "hf":
+            raise CheckpointError("--fp8 applies to --to hf (an FP8 source is dequantized by --to megatron as it is "
+                                  "read)")
         if to == "hf":
             split = [k for k in ("first_stage_layers", "last_stage_layers") if layout.get(k) is not None]
             if split:
                 raise CheckpointError(f"--{split[0].replace('_', '-')} applies to --to megatron; with --to hf the "
                                       f"source's {LAYOUT_FILE} says how it was split")
-            megatron_to_hf(src, dst, force=force)
+            megatron_to_hf(src, dst, force=force, fp8=fp8)
         elif (Path(src) / "config.json").exists():  # NOTE: a FIFO or folder there is refused naming it
             hf_to_megatron(src, dst, etp=etp, force=force, **layout)
         else:

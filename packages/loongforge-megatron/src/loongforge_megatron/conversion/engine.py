@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWr
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.aliased_reader import AliasedReader
-from loongforge_megatron.conversion.fp8_blocks import fp8_reader
+from loongforge_megatron.conversion.fp8_blocks import BlockFp8, Fp8Export, fp8_reader, modules_to_not_convert
 from loongforge_megatron.conversion.layout import MegatronLayout, Rank
 from loongforge_megatron.models.registry import get_family
 
@@ -355,9 +356,10 @@ def check_export_config(staging: Path, specs: dict[str, Spec], *, family: Any) -
 
 
 def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes: int, force: bool,
-              assets: Callable[[Path], None] | None = None) -> None:
+              assets: Callable[[Path], None] | None = None, fp8: BlockFp8 | None = None) -> None:
     """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded), plus the
-    family's ``hf_extra`` tensors (HF modules the megatron model does not have)."""
+    family's ``hf_extra`` tensors (HF modules the megatron model does not have). ``fp8``: store the decoder
+    layers' linear weights block-scaled FP8 (``assets`` writes the config.json that says so)."""
     params = hf_params(layout)
     specs: dict[str, Spec] = {}
     for p in params:
@@ -372,12 +374,16 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
     # NOTE: the layout's own config must describe the shards too (a tampered layout file, a lying model config)
     check_config(f"the {layout.family} layout's hf_config", layout.hf_config, family=family, reader=SpecReader(specs),
                  mtp_layers=layout.mtp_layers)
+    quant = Fp8Export(fp8, specs, skip=modules_to_not_convert(layout.hf_config)) if fp8 is not None else None
+    if quant is not None:
+        specs = quant.specs(specs)
     writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force,
                                       stem=family.hf_weights)
+    add_rows = writer.add_rows if quant is None else functools.partial(quant.add_rows, writer)
     try:
         progress = Progress(len(params), "export")
         for p in params:
-            source.write_rows(p, lambda role, row, t, p=p: writer.add_rows(p.hf[role], row, t))
+            source.write_rows(p, lambda role, row, t, p=p: add_rows(p.hf[role], row, t))
             release_freed_memory()
             progress.step()
         for k, t in extra.items():

@@ -242,3 +242,51 @@ def fp8_reader(reader: Any, hf_config: dict[str, Any], *, where: Any, dtype: tor
                                       "quantization_config (block-scaled FP8 checkpoints declare quant_method 'fp8')")
         return reader
     return Fp8Reader(reader, fmt, dtype=dtype or checkpoint_dtype(hf_config), where=where)
+
+
+def modules_to_not_convert(hf_config: dict[str, Any]) -> tuple[str, ...]:
+    """The module names a checkpoint's ``quantization_config`` keeps unquantized."""
+    q = hf_config.get("quantization_config")
+    skip = q.get("modules_to_not_convert") if isinstance(q, dict) else None
+    return tuple(s for s in skip if isinstance(s, str)) if isinstance(skip, list) else ()
+
+
+class Fp8Export:
+    """An HF export's FP8 side: which tensors it stores as FP8 (+ scale), and the writes that quantize them.
+
+    A quantized tensor's rows arrive shard by shard; they are gathered whole (one tensor at a time, in float32)
+    and written as FP8 with its ``weight_scale_inv`` once the last row is in, because a 128-row block spans shards.
+    """
+
+    def __init__(self, fmt: BlockFp8, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], *,
+                 skip: tuple[str, ...] = ()):
+        self.fmt = fmt
+        self._shape = {n: tuple(s) for n, (_, s) in specs.items() if fmt.quantizes(n, tuple(s), skip=skip)}
+        self._buf: dict[str, list] = {}
+
+    def specs(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
+        """``specs`` as written: each quantized tensor FP8, its scale right after it."""
+        out = {}
+        for name, spec in specs.items():
+            if name in self._shape:
+                out[name] = (FP8, self._shape[name])
+                out[name + SCALE_SUFFIX] = (torch.float32, self.fmt.scale_shape(self._shape[name]))
+            else:
+                out[name] = spec
+        return out
+
+    def add_rows(self, writer: Any, name: str, row: int, t: torch.Tensor) -> None:
+        """``writer.add_rows(name, row, t)``, or, for a quantized tensor, gather and write it when complete."""
+        if name not in self._shape:
+            writer.add_rows(name, row, t)
+            return
+        shape = self._shape[name]
+        if name not in self._buf:
+            self._buf[name] = [torch.empty(shape, dtype=torch.float32), shape[0]]
+        buf = self._buf[name]
+        buf[0][row:row + t.shape[0]] = t
+        buf[1] -= t.shape[0]
+        if buf[1] <= 0:
+            q, scale = quantize(self._buf.pop(name)[0], block=self.fmt.block)
+            writer.add(name, q)
+            writer.add(name + SCALE_SUFFIX, scale)
