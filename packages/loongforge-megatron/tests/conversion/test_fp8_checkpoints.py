@@ -113,7 +113,7 @@ def _first_step(*, rank, world, recipe_path, run_dir):
 
 def test_online_tp2_first_step_loss_equals_the_dequantized_reference(tmp_path, ckpt, ranks, reference_loss):
     fp8, ref = ckpt
-    out = ranks(_first_step, world=2, out=tmp_path / "ranks", recipe_path=_recipe(tmp_path, fp8, {"tp": 2}),
+    out = ranks(_first_step, world=2, out=tmp_path / "ranks", recipe_path=_recipe(tmp_path, fp8, {"tp": 2, "sp": True}),
                 run_dir=tmp_path / "run")
     batches, ours = out[0]
     assert ours == out[1][1]
