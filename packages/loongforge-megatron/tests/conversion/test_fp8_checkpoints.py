@@ -120,6 +120,25 @@ def test_online_tp2_first_step_loss_equals_the_dequantized_reference(tmp_path, c
     assert ours == pytest.approx(reference_loss(ref, batches), rel=1e-5)
 
 
+def test_an_fp8_training_recipe_starts_from_the_fp8_checkpoint(tmp_path, ckpt, capsys):
+    """``validate`` (what ``train`` runs first) accepts blockwise FP8 training from the FP8 checkpoint: its config is
+    read for the model and its weights' headers (scales included) are checked against it."""
+    fp8, _ = ckpt
+    recipe = yaml.safe_load(_recipe(tmp_path, fp8, {"tp": 2, "sp": True}).read_text())
+    recipe["train"]["fp8"] = {"recipe": "blockwise"}
+    recipe["train"]["precision"] = "bf16"
+    recipe.pop("accelerator")
+    path = tmp_path / "fp8.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err
+    bad = _rewrite(fp8, tmp_path / "bad", tensors=lambda t: t.pop(S) is None)
+    recipe["checkpoint"]["load"] = recipe["model"]["hf"] = str(bad)
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["validate", str(path)]) == 2
+    assert f"has no '{S}'" in capsys.readouterr().err
+
+
 def test_each_rank_dequantizes_only_its_slice(ckpt, monkeypatch):
     from loongforge_megatron.conversion import fp8_blocks, shard_state_dict_for_rank
 
