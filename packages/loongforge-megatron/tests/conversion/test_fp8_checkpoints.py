@@ -200,6 +200,30 @@ def test_convert_equals_the_dequantized_checkpoint_and_exports_the_same_bytes(tm
     assert sorted(got.keys()) == sorted(want.keys()) and all(torch.equal(got.get(k), want.get(k)) for k in want.keys())
 
 
+def test_a_bf16_checkpoint_round_trips_its_fp8_bytes_through_a_float32_conversion(tmp_path, ckpt):
+    """The published checkpoints say bf16: converted in bf16 their FP8 bytes come back and the scales within bf16's
+    rounding; with ``--dequantize-dtype float32`` the scales too."""
+    from loongforge.checkpoint import SafetensorsReader
+
+    src = _rewrite(ckpt[0], tmp_path / "bf16", config=lambda c: c.update(dtype="bfloat16"))
+    for dtype in ("bfloat16", "float32"):
+        flags = [] if dtype == "bfloat16" else ["--dequantize-dtype", dtype]
+        assert main(["convert", str(src), str(tmp_path / f"mg-{dtype}"), "--to", "megatron", *flags]) == 0
+        rank0 = load_file(tmp_path / f"mg-{dtype}" / "mp_rank_00_000_000" / "model.safetensors")
+        assert rank0["decoder.layers.0.mlp.linear_fc1.weight"].dtype == getattr(torch, dtype)
+        assert main(["convert", str(tmp_path / f"mg-{dtype}"), str(tmp_path / f"back-{dtype}"), "--to", "hf",
+                     "--fp8"]) == 0
+        back, orig = SafetensorsReader(tmp_path / f"back-{dtype}"), SafetensorsReader(src)
+        for k in orig.keys():
+            a, b = back.get(k), orig.get(k)
+            if k.endswith("_scale_inv") and dtype == "bfloat16":
+                assert torch.allclose(a, b, rtol=2**-8, atol=0), k
+            else:
+                assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                   b.view(torch.uint8) if b.dtype.itemsize == 1 else b), k
+    assert main(["convert", str(src), str(tmp_path / "x"), "--to", "hf", "--dequantize-dtype", "float32"]) == 2
+
+
 def test_an_export_quantizes_trained_weights_per_block(tmp_path, ckpt):
     """Weights that are not an FP8 checkpoint's dequantization get ``amax / 448`` per block (the partial edge
     block too), and dequantize back to within FP8's precision."""

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from loongforge.checkpoint.atomic import fsync_tree, replace_dir
 from loongforge.errors import CheckpointError
 
@@ -42,8 +43,12 @@ def hf_to_megatron(
     tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
     make_vocab_size_divisible_by: int = 128, force: bool = False,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    dequantize_dtype: torch.dtype | None = None,
 ) -> MegatronLayout:
     """Shard an HF checkpoint into the offline megatron layout (one safetensors file per rank).
+
+    A block-scaled FP8 checkpoint's weights are dequantized to ``dequantize_dtype`` (default: the checkpoint's own
+    dtype; float32 keeps an FP8 -> megatron -> FP8 round trip byte-exact, scales included).
 
     ``family`` defaults to the one matching config.json's ``model_type``; ``etp`` defaults to ``tp`` (as in
     megatron-core). Checks that the HF tensors are exactly the ones the family needs before writing; the
@@ -52,7 +57,7 @@ def hf_to_megatron(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
-    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
+    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config, dtype=dequantize_dtype)
     check_hf_dir(hf_dir, hf_config, family=fam, reader=source.reader)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
