@@ -24,7 +24,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # NOTE: the linears the published checkpoints quantize: every projection of a decoder layer (attention, dense MLP,
 # routed and shared experts); the router (mlp.gate), norms, embeddings, heads and the MTP eh_proj stay unquantized
-_QUANTIZED = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(?!eh_proj\.).*_proj(_with_mqa)?\.weight$")
 
 
 @dataclass(frozen=True)

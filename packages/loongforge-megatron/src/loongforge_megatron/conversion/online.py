@@ -17,9 +17,9 @@ from loongforge_megatron.conversion.engine import (
     HFSource,
     Key,
     MegatronSource,
-    row_streamable,
     hf_params,
     key_of,
+    row_streamable,
     shard,
     to_hf_dir,
 )
