@@ -152,8 +152,7 @@ def test_each_rank_dequantizes_only_its_slice(ckpt, monkeypatch):
 
     monkeypatch.setattr(fp8_blocks.Fp8Reader, "__init__", spy)
     with safe_open(fp8 / "model.safetensors", "pt") as f:
-        total = sum(f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith(".weight") and
-                    f.get_slice(k).get_dtype() == "F8_E4M3")
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
     for rank in range(2):
         ours = shard_state_dict_for_rank(fp8, tp_rank=rank, tp_size=2, ep_rank=rank, ep_size=2, dtype=torch.float32)
         want = shard_state_dict_for_rank(ref, tp_rank=rank, tp_size=2, ep_rank=rank, ep_size=2, dtype=torch.float32)
@@ -168,7 +167,13 @@ def test_each_rank_dequantizes_only_its_slice(ckpt, monkeypatch):
         # routed experts: only this EP rank's two of the four
         experts = {int(m.group(1)) for name in rows if (m := re.search(r"experts\.(\d+)\.", name))}
         assert experts == {2 * rank, 2 * rank + 1}
-        assert sum(n for _, _, n in log) < total * 0.8
+        # row-parallel: just this rank's half of the columns
+        cols = dict(readers[-1].dequantized_columns)
+        assert cols["model.layers.0.self_attn.o_proj.weight"] == tuple(range(16 * rank, 16 * rank + 16))
+        assert cols["model.layers.0.mlp.down_proj.weight"] == tuple(range(100 * rank, 100 * rank + 100))
+        # no FP8 weight was dequantized whole: each is split over the two TP ranks
+        assert all(n < shapes[name][0] for name, _, n in log), log
+        assert all(len(c) < shapes[name][1] for name, c in cols.items())
 
 
 def test_convert_equals_the_dequantized_checkpoint_and_exports_the_same_bytes(tmp_path, ckpt):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
+from loongforge.checkpoint import Expert, Param, RowParallel, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.aliased_reader import AliasedReader
@@ -149,6 +149,23 @@ class HFSource:
             role = max((r for r in first if first[r] <= v), key=first.get)
             self.reader.read_rows(p.hf[role], v - first[role], out[pos:pos + n])
         return out
+
+
+    def read_column_shard(self, p: Param, *, index: int, size: int) -> torch.Tensor | None:
+        """Shard ``index`` of a row-parallel (dim-1 split) parameter from a block-scaled FP8 weight, dequantizing
+        only its columns; None for any other parameter or tensor."""
+        rule = p.rule.inner if isinstance(p.rule, Expert) and not p.rule.fused else p.rule
+        if not isinstance(rule, RowParallel) or len(p.hf) != 1:
+            return None
+        (role, name), = p.hf.items()
+        shape = self.reader.shape(name)
+        if len(shape) != 2:
+            return None
+        try:
+            cols = rule.to_megatron({role: torch.arange(shape[1]).unsqueeze(0)}, tp_rank=index, tp_size=size)[0]
+        except CheckpointError:
+            return None  # NOTE: the whole-group path names the problem
+        return self.reader.read_columns(name, cols)
 
 
 class MegatronSource:

@@ -141,14 +141,15 @@ class Fp8Reader:
     """A safetensors reader that serves block-scaled FP8 weights as ``dtype`` values and hides their scales.
 
     Reading rows (``read_rows``) dequantizes just those rows with just their blocks' scales, so a rank that
-    holds a slice of a column-parallel weight reads and dequantizes only its slice; ``dequantized`` records every
-    (name, first row, rows) dequantized, in order.
+    holds a slice of a column-parallel weight reads and dequantizes only its slice (``read_columns``: the columns
+    of a row-parallel slice). ``dequantized`` / ``dequantized_columns`` record what was dequantized, in order.
     """
 
     def __init__(self, reader: Any, fmt: BlockFp8, *, dtype: torch.dtype, where: Any):
         self._reader, self.path, self.fmt, self.dtype_out = reader, reader.path, fmt, dtype
         self._scale: dict[str, str] = {}
         self.dequantized: list[tuple[str, int, int]] = []
+        self.dequantized_columns: list[tuple[str, tuple[int, ...]]] = []
         names = reader.keys()
         for name in names:
             scale = name + SCALE_SUFFIX
@@ -228,6 +229,18 @@ class Fp8Reader:
         self.dequantized.append((name, row, n))
         out.copy_(dequantize(q, s, block=self.fmt.block, first_row=row if q.dim() == 2 else 0))
         return out
+
+
+    def read_columns(self, name: str, cols: torch.Tensor) -> torch.Tensor | None:
+        """Columns ``cols`` of FP8 weight ``name`` (its last dim), dequantized: the FP8 bytes are read whole (one
+        byte a value), only the columns are dequantized. None when ``name`` is not an FP8 weight."""
+        if name not in self._scale:
+            return None
+        q = self._reader.get(name)[..., cols]
+        s = self._reader.get(self._scale[name]).to(torch.float32)
+        s = s.repeat_interleave(self.fmt.block[0], dim=-2)[..., : q.shape[-2], :][..., cols // self.fmt.block[1]]
+        self.dequantized_columns.append((name, tuple(cols.tolist())))
+        return (q.to(torch.float32) * s).to(self.dtype_out)
 
 
 def fp8_reader(reader: Any, hf_config: dict[str, Any], *, where: Any, dtype: torch.dtype | None = None) -> Any:

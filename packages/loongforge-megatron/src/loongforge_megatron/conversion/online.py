@@ -62,7 +62,8 @@ def shard_state_dict_for_rank(
                 mine.setdefault(key_of(p), []).append((p, index))
     out: dict[str, torch.Tensor] = {}
     for held in mine.values():
-        if (shards := _row_shards(source, layout, held)) is not None:
+        if (shards := _row_shards(source, layout, held)) is not None or \
+                (shards := _column_shards(source, layout, held)) is not None:
             out.update({k: t if dtype is None else t.to(dtype) for k, t in shards.items()})
             continue
         # NOTE: one read per HF group (a fused experts tensor serves all of this rank's experts)
@@ -94,6 +95,17 @@ def _row_shards(source: HFSource, layout: MegatronLayout, held: list[tuple[Param
         return None
     return {p.megatron: source.read_shard(p, index=index, size=layout.split_size(p), spec=(group_dtype, shape))
             for (p, index), shape in zip(held, shapes, strict=True)}
+
+
+def _column_shards(source: HFSource, layout: MegatronLayout, held: list[tuple[Param, int]]) -> dict | None:
+    """This rank's shards of one row-parallel FP8 weight, dequantizing only their columns; None otherwise."""
+    out = {}
+    for p, index in held:
+        t = source.read_column_shard(p, index=index, size=layout.split_size(p))
+        if t is None:
+            return None
+        out[p.megatron] = t
+    return out
 
 
 def _layout(hf_config: dict, family: str | None, **sizes) -> MegatronLayout:
