@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loongforge.checkpoint import Expert, Param, RowParallel, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
+from loongforge.checkpoint import (
+    Expert,
+    Param,
+    RowParallel,
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+    StreamingSafetensorsFile,
+)
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.aliased_reader import AliasedReader
