@@ -183,6 +183,7 @@ class Fp8Reader:
                                       f"{str(reader.dtype(scale)).removeprefix('torch.')}; float32 scales expected")
             self._scale[name] = scale
         self._names = [n for n in names if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._scale)]
+        self._name_set = set(self._names)
 
     @property
     def quantized(self) -> list[str]:
@@ -193,7 +194,7 @@ class Fp8Reader:
         return list(self._names)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._reader and name in set(self._names)
+        return name in self._name_set
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._reader.shape(name)
@@ -229,7 +230,6 @@ class Fp8Reader:
         self.dequantized.append((name, row, n))
         out.copy_(dequantize(q, s, block=self.fmt.block, first_row=row if q.dim() == 2 else 0))
         return out
-
 
     def read_columns(self, name: str, cols: torch.Tensor) -> torch.Tensor | None:
         """Columns ``cols`` of FP8 weight ``name`` (its last dim), dequantized: the FP8 bytes are read whole (one
@@ -275,6 +275,9 @@ class Fp8Export:
                  skip: tuple[str, ...] = ()):
         self.fmt = fmt
         self._shape = {n: tuple(s) for n, (_, s) in specs.items() if fmt.quantizes(n, tuple(s), skip=skip)}
+        if not self._shape:
+            raise CheckpointError("an FP8 export quantizes the decoder layers' linear weights "
+                                  "(model.layers.N.*_proj.weight) and this model has none")
         self._buf: dict[str, list] = {}
 
     def specs(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
