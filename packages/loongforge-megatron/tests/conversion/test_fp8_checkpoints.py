@@ -227,6 +227,7 @@ def test_a_bf16_checkpoint_round_trips_its_fp8_bytes_through_a_float32_conversio
                 assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                                    b.view(torch.uint8) if b.dtype.itemsize == 1 else b), k
     assert main(["convert", str(src), str(tmp_path / "x"), "--to", "hf", "--dequantize-dtype", "float32"]) == 2
+    assert main(["convert", str(src), str(tmp_path / "x"), "--to", "megatron", "--fp8"]) == 2
 
 
 def test_an_export_quantizes_trained_weights_per_block(tmp_path, ckpt):
