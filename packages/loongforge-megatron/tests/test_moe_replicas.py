@@ -1,0 +1,153 @@
+"""In-training expert replicas and the overlapped expert-parallel all-to-all (``model.moe``), CPU gloo fp32.
+
+One launch of 2 ranks trains a tiny Qwen3-MoE (4 experts, EP 2) 5 steps in several configurations: without
+replicas, with 1 and 2 replica slots per rank (re-planned every 2 steps from the live loads), with the overlapped
+all-to-all, with both; all give the plain run's losses, and the replicas computed tokens. A checkpoint saved with
+replicas resumes without them. The slot routing and the recipe refusals are checked in one process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+STEPS = 5
+RTOL = 1e-5
+
+
+def _recipe(tmp_path, hf_dir, name: str, *, moe: dict | None = None, steps: int = STEPS, save: bool = False):
+    r = {
+        "backend": "megatron",
+        "model": {"hf": str(hf_dir), "moe": moe or {}},
+        "data": {"format": "synthetic", "seq_length": 32},
+        "train": {"steps": steps, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3,
+                  "seed": 7},
+        "checkpoint": {"save_at_end": save},
+        "parallel": {"ep": 2},
+        "accelerator": "cpu",
+        "kernels": {"moe_grouped_gemm": True},
+        "logging": {"tensorboard": False, "console": False},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return path
+
+
+def _run(recipe_path, run_dir, *, steps: int):
+    """The job's losses (and what the test checks), and a free port rank 0 picked for the next job's store."""
+    import socket
+
+    import loongforge
+    import torch.distributed as dist
+
+    job, runtime = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
+    try:
+        start = job.step_index
+        metrics = [job.step() for _ in range(steps)]
+        if job.recipe.checkpoint.save_at_end:
+            job.checkpointer.save(job.step_index, final=True)
+        keys = list(job.chunks[0].state_dict())
+        plans = job.replicas.plans if job.replicas is not None else 0
+        port = [None]
+        if dist.get_rank() == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port[0] = s.getsockname()[1]
+        dist.broadcast_object_list(port, src=0)
+        return {"losses": [m["loss"] for m in metrics], "start": start, "keys": keys, "plans": plans,
+                "replica_share": [m.get("moe_replica_token_share") for m in metrics]}, port[0]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+CONFIGS = {
+    "plain": {},
+    "k1": {"replica_slots_per_rank": 1, "replica_interval": 2},
+    "k2": {"replica_slots_per_rank": 2},
+    "overlap": {"overlap_a2a": True},
+    "k1_overlap": {"replica_slots_per_rank": 1, "overlap_a2a": True},
+}
+
+
+def _all(*, rank, world, tmp_path, hf):
+    import os
+
+    runs = [(name, _recipe(tmp_path, hf, name, moe=moe), tmp_path / f"run_{name}", STEPS)
+            for name, moe in CONFIGS.items()]
+    # saved with replicas after 2 steps, resumed without them for the remaining 3
+    runs += [("saved", _recipe(tmp_path, hf, "saved", moe=CONFIGS["k1"], steps=2, save=True), tmp_path / "ckpt", 2),
+             ("resumed", _recipe(tmp_path, hf, "resumed"), tmp_path / "ckpt", STEPS - 2)]
+    out = {}
+    for name, recipe, run_dir, steps in runs:
+        out[name], port = _run(recipe, run_dir, steps=steps)
+        # NOTE: a fresh rendezvous store for the next job: a process group made again on the same store can read
+        # the last group's address of the peer before the peer writes its new one
+        os.environ["MASTER_PORT"] = str(port)
+    return out
+
+
+def _close(a, b):
+    return all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_replicas_and_overlap_train_like_plain_ep2(tmp_path, tiny_hf, ranks):
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    got = ranks(_all, world=2, out=tmp_path / "ranks", tmp_path=tmp_path, hf=hf)
+    r0, r1 = got
+    plain = r0["plain"]["losses"]
+    for name in CONFIGS:
+        assert r0[name]["losses"] == r1[name]["losses"], name
+        assert _close(r0[name]["losses"], plain), (name, r0[name]["losses"], plain)
+    for name in ("k1", "k2", "k1_overlap"):
+        shares = r0[name]["replica_share"]
+        assert all(s is not None and s > 0 for s in shares), (name, shares)  # tokens really ran on replicas
+    assert r0["plain"]["replica_share"] == [None] * STEPS
+    assert r0["k1"]["plans"] == 2  # re-planned at steps 2 and 4 from the live loads
+    # a checkpoint saved with replicas loads without them and goes on with the same losses
+    assert r0["resumed"]["start"] == 2
+    assert _close(r0["resumed"]["losses"], plain[2:]), (r0["resumed"]["losses"], plain[2:])
+    assert r0["k1"]["keys"] == r0["plain"]["keys"]  # replicas are never in the state dict
+
+
+def test_slot_routing_splits_an_experts_tokens_by_share():
+    from loongforge_megatron.layers.expert_replicas import SlotRouting
+
+    # 2 ranks x 3 slots (2 home + 1 spare); expert 0 also on rank 1's spare slot with share 0.25
+    slot_expert = np.array([[0, 1, 3], [2, 3, 0]])
+    slot_share = np.array([[0.75, 1.0, 0.5], [1.0, 0.5, 0.25]])
+    routing = SlotRouting.from_plan(slot_expert, slot_share, num_experts=4, device=torch.device("cpu"))
+    tokens = 8
+    routing_map = torch.zeros(tokens, 4, dtype=torch.bool)
+    routing_map[:, 0] = True
+    routing_map[::2, 3] = True
+    probs = torch.rand(tokens, 4) * routing_map
+    slot_probs, slot_map = routing.apply(probs, routing_map)
+    assert slot_map.sum(1).tolist() == routing_map.sum(1).tolist()  # every routed pair lands in one slot
+    assert slot_map[:, 0].sum() == 6 and slot_map[:, 5].sum() == 2  # expert 0: 3/4 home, 1/4 replica
+    assert slot_map[:, 2].sum() == 2 and slot_map[:, 4].sum() == 2  # expert 3: halves
+    torch.testing.assert_close(slot_probs.sum(1), probs.sum(1))
+
+
+REFUSED = [
+    (["model.moe.replica_slots_per_rank=3"], "model.moe.replica_slots_per_rank", "allowed 1 .. 2"),
+    (["model.moe.replica_interval=0"], "model.moe.replica_interval", "greater than or equal to 1"),
+    (["model.moe.replica_slots_per_rank=1", "parallel.ep=1"], "model.moe.replica_slots_per_rank", "parallel.ep is 1"),
+    (["model.moe.overlap_a2a=true", "parallel.ep=1"], "model.moe.overlap_a2a", "parallel.ep is 1"),
+]
+
+
+def test_recipe_refuses_impossible_values(tmp_path, tiny_hf, capsys):
+    """K too large, an interval <= 0, replicas / overlap without ep > 1: one line each, exit code 2."""
+    from loongforge.cli import main
+
+    path = _recipe(tmp_path, tiny_hf("qwen3_moe", tmp_path / "hf"), "r")
+    capsys.readouterr()
+    for over, key, words in REFUSED:
+        assert main(["validate", str(path), *over]) == 2, over
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and key in err and words in err, err
+    assert main(["validate", str(path), "model.moe.replica_slots_per_rank=2", "model.moe.overlap_a2a=true"]) == 0
