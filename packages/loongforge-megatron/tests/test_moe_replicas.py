@@ -17,12 +17,12 @@ STEPS = 5
 RTOL = 1e-5
 
 
-def _recipe(tmp_path, hf_dir, name: str, *, moe: dict | None = None, steps: int = STEPS, save: bool = False):
+def _recipe(tmp_path, hf_dir, name: str, *, moe: dict | None = None, save: bool = False):
     r = {
         "backend": "megatron",
         "model": {"hf": str(hf_dir), "moe": moe or {}},
         "data": {"format": "synthetic", "seq_length": 32},
-        "train": {"steps": steps, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3,
+        "train": {"steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3,
                   "seed": 7},
         "checkpoint": {"save_at_end": save},
         "parallel": {"ep": 2},
@@ -78,7 +78,7 @@ def _all(*, rank, world, tmp_path, hf):
     runs = [(name, _recipe(tmp_path, hf, name, moe=moe), tmp_path / f"run_{name}", STEPS)
             for name, moe in CONFIGS.items()]
     # saved with replicas after 2 steps, resumed without them for the remaining 3
-    runs += [("saved", _recipe(tmp_path, hf, "saved", moe=CONFIGS["k1"], steps=2, save=True), tmp_path / "ckpt", 2),
+    runs += [("saved", _recipe(tmp_path, hf, "saved", moe=CONFIGS["k1"], save=True), tmp_path / "ckpt", 2),
              ("resumed", _recipe(tmp_path, hf, "resumed"), tmp_path / "ckpt", STEPS - 2)]
     out = {}
     for name, recipe, run_dir, steps in runs:
