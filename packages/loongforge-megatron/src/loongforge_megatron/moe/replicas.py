@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import torch
