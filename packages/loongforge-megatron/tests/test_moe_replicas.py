@@ -3,7 +3,8 @@
 One launch of 2 ranks trains a tiny Qwen3-MoE (4 experts, EP 2) 5 steps in several configurations: without
 replicas, with 1 and 2 replica slots per rank (re-planned every 2 steps from the live loads), with the overlapped
 all-to-all, with both; all give the plain run's losses, and the replicas computed tokens. The replica run's checkpoint
-(step 4) resumes without replicas and its step 5 has the plain run's loss. The slot routing and the recipe refusals are checked in one process.
+(step 4) resumes without replicas and its step 5 has the plain run's loss. A tiny DeepSeek-V3 (a dense first layer,
+shared experts computed during megatron's all-to-all) with replicas equals it without. The slot routing and the recipe refusals are checked in one process.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ STEPS = 5
 RTOL = 1e-5
 
 
-def _recipe(tmp_path, hf_dir, name: str, *, moe: dict | None = None, save: bool = False):
+def _recipe(tmp_path, hf_dir, name: str, *, moe: dict | None = None, save: bool = False, accelerator: str = "cpu",
+            precision: str = "fp32", model: dict | None = None):
     r = {
         "backend": "megatron",
-        "model": {"hf": str(hf_dir), "moe": moe or {}},
+        "model": {"hf": str(hf_dir), "moe": moe or {}, **(model or {})},
         "data": {"format": "synthetic", "seq_length": 32},
-        "train": {"steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "lr": 1e-3,
+        "train": {"steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "precision": precision, "lr": 1e-3,
                   "seed": 7},
         "checkpoint": {"save_at_end": False, **({"save_interval": 2} if save else {})},
         "parallel": {"ep": 2},
-        "accelerator": "cpu",
+        "accelerator": accelerator,
         "kernels": {"moe_grouped_gemm": True},
         "logging": {"tensorboard": False, "console": False},
     }
@@ -75,13 +77,19 @@ CONFIGS = {
 }
 
 
-def _all(*, rank, world, tmp_path, hf):
+def _all(*, rank, world, tmp_path, hf, hf_shared=None, accelerator="cpu", precision="fp32", resume=True):
     import os
 
     # k1 saves at steps 2 and 4; "resumed" goes on from its step 4 without replicas
-    runs = [(name, _recipe(tmp_path, hf, name, moe=moe, save=name == "k1"), tmp_path / f"run_{name}", STEPS)
-            for name, moe in CONFIGS.items()]
-    runs += [("resumed", _recipe(tmp_path, hf, "resumed"), tmp_path / "run_k1", 1)]
+    kw = dict(accelerator=accelerator, precision=precision)
+    runs = [(name, _recipe(tmp_path, hf, name, moe=moe, save=resume and name == "k1", **kw), tmp_path / f"run_{name}",
+             STEPS) for name, moe in CONFIGS.items()]
+    if resume:
+        runs += [("resumed", _recipe(tmp_path, hf, "resumed", **kw), tmp_path / "run_k1", 1)]
+    if hf_shared is not None:  # a dense first layer, shared experts computed during megatron's all-to-all
+        runs += [("shared_plain", _recipe(tmp_path, hf_shared, "shared_plain", **kw), tmp_path / "run_sp", STEPS),
+                 ("shared_k1", _recipe(tmp_path, hf_shared, "shared_k1", moe={"replica_slots_per_rank": 1},
+                                       model={"moe_shared_expert_overlap": True}, **kw), tmp_path / "run_sk", STEPS)]
     out = {}
     for name, recipe, run_dir, steps in runs:
         out[name], port = _run(recipe, run_dir, steps=steps)
@@ -98,7 +106,8 @@ def _close(a, b):
 @pytest.mark.slow
 def test_replicas_and_overlap_train_like_plain_ep2(tmp_path, tiny_hf, ranks):
     hf = tiny_hf("qwen3_moe", tmp_path / "hf")
-    got = ranks(_all, world=2, out=tmp_path / "ranks", tmp_path=tmp_path, hf=hf)
+    got = ranks(_all, world=2, out=tmp_path / "ranks", tmp_path=tmp_path, hf=hf,
+                hf_shared=tiny_hf("deepseek_v3", tmp_path / "hf_shared"))
     r0, r1 = got
     plain = r0["plain"]["losses"]
     for name in CONFIGS:
@@ -113,6 +122,25 @@ def test_replicas_and_overlap_train_like_plain_ep2(tmp_path, tiny_hf, ranks):
     assert r0["resumed"]["start"] == 4
     assert _close(r0["resumed"]["losses"], plain[4:]), (r0["resumed"]["losses"], plain[4:])
     assert r0["k1"]["keys"] == r0["plain"]["keys"]  # replicas are never in the state dict
+    shared = r0["shared_plain"]["losses"]
+    assert _close(r0["shared_k1"]["losses"], shared), (r0["shared_k1"]["losses"], shared)
+    assert all(s > 0 for s in r0["shared_k1"]["replica_share"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_replicas_and_overlap_on_two_gpus(tmp_path, tiny_hf, ranks):
+    """The same configurations on 2 GPUs (NCCL, bf16 grouped_mm, the overlapped all-to-all on a side stream): the
+    plain run's losses to bf16 rounding, replicas used."""
+    hf = tiny_hf("qwen3_moe", tmp_path / "hf")
+    r0, r1 = ranks(_all, world=2, out=tmp_path / "ranks", timeout_s=600, tmp_path=tmp_path, hf=hf,
+                   accelerator="cuda", precision="bf16", resume=False)
+    plain = r0["plain"]["losses"]
+    for name in CONFIGS:
+        assert r0[name]["losses"] == r1[name]["losses"], name
+        assert r0[name]["losses"] == pytest.approx(plain, rel=5e-3), (name, r0[name]["losses"], plain)
+    for name in ("k1", "k2", "k1_overlap"):
+        assert all(s is not None and s > 0 for s in r0[name]["replica_share"]), name
 
 
 def test_slot_routing_splits_an_experts_tokens_by_share():

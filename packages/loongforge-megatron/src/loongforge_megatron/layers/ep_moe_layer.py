@@ -87,6 +87,10 @@ class EPMoELayer(_MoELayer):
         self._dispatchers = [_AlltoAll(self.slots, local, config=config, pg_collection=self._groups)
                              for _ in range(2 if overlap_a2a else 1)]
         self.token_dispatcher = self._dispatchers[0]
+        if self.shared_expert_overlap:  # NOTE: megatron's dispatcher computes the shared experts during its comms
+            if overlap_a2a:
+                raise ValueError("moe_shared_expert_overlap and the overlapped all-to-all: use one of them")
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
         self._streams: _Streams | None = None
         self.routing = None  # SlotRouting of the current placement (moe/replicas.py sets it)
         self.replica = None  # ReplicaWeights of the current placement

@@ -114,6 +114,7 @@ class ReplicaWeights:
             handle = dist.all_to_all_single(recv, send, output_split_sizes=self.recv_splits,
                                             input_split_sizes=self.send_splits, group=self.group, async_op=True)
         self._pending = (handle, recv, weight1.shape[1:], weight2.shape[1:])
+        self._trained = weight1.requires_grad  # NOTE: frozen experts (LoRA) get no replica gradients either
         self._keep = send  # NOTE: the send buffer lives until the copy is done
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +127,8 @@ class ReplicaWeights:
             rows = recv.new_zeros(self.spare, recv.shape[1])
             rows[self.recv_slot.to(recv.device)] = recv
             split = shape1.numel()
-            w1 = rows[:, :split].reshape(self.spare, *shape1).requires_grad_(True)
-            w2 = rows[:, split:].reshape(self.spare, *shape2).contiguous().requires_grad_(True)
+            w1 = rows[:, :split].reshape(self.spare, *shape1).requires_grad_(self._trained)
+            w2 = rows[:, split:].reshape(self.spare, *shape2).contiguous().requires_grad_(self._trained)
             self.weights = (w1, w2)
         return self.weights
 
@@ -137,6 +138,8 @@ class ReplicaWeights:
         The next forward fetches the (updated) weights again."""
         w = self.weights
         self.weights = None
+        if not weight1.requires_grad:  # the same on every rank: no collective anywhere
+            return
         dtype, device = weight1.dtype, weight1.device
         split = weight1[0].numel()
         width = split + weight2[0].numel()
