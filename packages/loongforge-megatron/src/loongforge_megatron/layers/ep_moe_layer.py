@@ -11,6 +11,10 @@
   as on the plain path; on the CPU (gloo) the stream switches are no-ops and the split / reorder logic runs as is.
 
 The routing (router, aux losses, expert bias) sees all the layer's tokens at once, as in megatron's layer.
+
+NOTE: our own two-half schedule rather than megatron-core's combined 1F1B (``overlap_moe_expert_parallel_comm``):
+that one refuses fp32 models (the CPU tests that check the overlap changes nothing are fp32) and full recompute,
+and with pipeline parallelism needs virtual stages; the two halves need none of that.
 """
 
 from __future__ import annotations
