@@ -62,7 +62,8 @@ def _run(recipe_path, run_dir, *, steps: int):
                 port[0] = s.getsockname()[1]
         dist.broadcast_object_list(port, src=0)
         return {"losses": [m["loss"] for m in metrics], "start": start, "keys": keys, "plans": plans,
-                "replica_share": [m.get("moe_replica_token_share") for m in metrics]}, port[0]
+                "replica_share": [m.get("moe_replica_token_share") for m in metrics],
+                "ep_imbalance": [(m.get("moe_ep_imbalance"), m.get("moe_ep_imbalance_replicas")) for m in metrics]}, port[0]
     finally:
         job.close()
         runtime.logger.close()
@@ -117,6 +118,9 @@ def test_replicas_and_overlap_train_like_plain_ep2(tmp_path, tiny_hf, ranks):
         shares = r0[name]["replica_share"]
         assert all(s is not None and s > 0 for s in shares), (name, shares)  # tokens really ran on replicas
     assert r0["plain"]["replica_share"] == [None] * STEPS
+    # with 2 spare slots every rank can serve every expert: the computed tokens are nearly level (routed: up to 0.2)
+    routed, computed = zip(*r0["k2"]["ep_imbalance"], strict=True)
+    assert max(computed) < 0.05 and sum(computed) < sum(routed), r0["k2"]["ep_imbalance"]
     assert r0["k1"]["plans"] == 2  # re-planned at steps 2 and 4 from the live loads
     # a checkpoint saved with replicas loads without them and goes on with the same losses
     assert r0["resumed"]["start"] == 4

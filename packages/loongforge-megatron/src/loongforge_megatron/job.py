@@ -290,9 +290,7 @@ class MegatronJob(Job):
             if self.moe_trace is not None:
                 self.moe_trace.write(self.step_index, self.router_load.last.tolist())
             if self.replicas is not None:
-                share = self.replicas.token_share()
-                if share is not None:
-                    metrics["moe_replica_token_share"] = share
+                metrics.update(self.replicas.metrics())
                 self.replicas.after_step(self.step_index, self.router_load.last)
         every = self.recipe.train.eval_interval
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):

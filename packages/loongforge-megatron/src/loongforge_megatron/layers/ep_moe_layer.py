@@ -98,7 +98,7 @@ class EPMoELayer(_MoELayer):
         self._streams: _Streams | None = None
         self.routing = None  # SlotRouting of the current placement (moe/replicas.py sets it)
         self.replica = None  # ReplicaWeights of the current placement
-        self.replica_tokens = torch.zeros(2, dtype=torch.float64)  # tokens on replica slots, all tokens
+        self.replica_tokens = torch.zeros(2, dtype=torch.float64)  # tokens on replica slots, all tokens (training)
 
     # ------------------------------------------------------------------ replicas
     def set_placement(self, slot_expert: Any, slot_share: Any) -> None:
@@ -126,7 +126,7 @@ class EPMoELayer(_MoELayer):
         home = self.num_local_experts
         w1, w2 = self.replica.wait()
         n_home = int(per_slot[:home].sum())
-        with torch.no_grad():
+        if self.training:
             self.replica_tokens += torch.tensor([len(x) - n_home, len(x)], dtype=torch.float64)
         parts = []
         for rows, counts, weights in ((slice(0, n_home), per_slot[:home], (self.experts.weight1, self.experts.weight2)),

@@ -61,16 +61,31 @@ class ReplicaSchedule:
             self.plans += 1
             self._apply()
 
-    def token_share(self) -> float | None:
-        """The fraction of the routed tokens computed on replica slots since the last call (all ranks)."""
-        counts = torch.zeros(2, dtype=torch.float64)
+    def metrics(self) -> dict[str, float]:
+        """Since the last call, over all ranks: ``moe_replica_token_share`` (the fraction of routed tokens computed
+        on replica slots) and ``moe_ep_imbalance_replicas`` (the tokens each EP rank computed, max / mean - 1,
+        worst layer: ``moe_ep_imbalance`` with the replicas taking their share)."""
+        rows = self.window.shape[0]
+        local = torch.zeros(rows + 3, dtype=torch.float64)
         for layer in self.layers:
-            counts += layer.replica_tokens
+            local[layer.layer_number - 1] += layer.replica_tokens[1]
+            local[rows:rows + 2] += layer.replica_tokens
             layer.replica_tokens.zero_()
+        local[rows + 2] = self.layers[0].ep_rank if self.layers else 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            counts = counts.to(device)
-            dist.all_reduce(counts)
-            counts = counts.cpu()
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
-
+            parts = [torch.zeros_like(local, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local.to(device))
+            every = torch.stack(parts).cpu()
+        else:
+            every = local[None]
+        per_ep = torch.zeros(self.topology.ranks, rows, dtype=torch.float64)
+        per_ep.index_add_(0, every[:, rows + 2].long(), every[:, :rows])
+        out: dict[str, float] = {}
+        replica, total = every[:, rows].sum(), every[:, rows + 1].sum()
+        if total > 0:
+            out["moe_replica_token_share"] = float(replica / total)
+            used = per_ep.sum(0) > 0
+            mean = per_ep[:, used].mean(0)
+            out["moe_ep_imbalance_replicas"] = float((per_ep[:, used].max(0).values / mean - 1).max())
+        return out
