@@ -57,6 +57,10 @@ case $name in
     ;;
   moe)
     gpu_tests 90 packages/loongforge-megatron/tests/test_grouped_experts.py
+    if (( gpus >= 2 )); then  # expert replicas and the overlapped all-to-all under EP 2 (NCCL)
+      export NCCL_NVLS_ENABLE=0  # NVLink multicast off
+      gpu_tests 300 packages/loongforge-megatron/tests/test_moe_replicas.py
+    fi
     step moe_throughput 450 python3 benchmarks/moe_throughput.py --preset qwen3-30b-a3b --layers 4 --seq 4096 \
       --mbs 2 --steps 20 --variants loongforge,hf_grouped_mm,hf_grouped_mm_compile --timeout 140 \
       --out "$out/moe_throughput.md"

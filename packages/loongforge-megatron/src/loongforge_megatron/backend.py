@@ -157,6 +157,9 @@ class MegatronBackend(Backend):
             check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage,
                          names=parameter_names(spec, arch))
         check_supports(recipe, plan, spec)
+        from loongforge_megatron.layers.selection import check_moe_runtime
+
+        check_moe_runtime(recipe, arch, plan)
         spec.check(recipe, plan, arch)
         load = recipe.checkpoint.load
         if load and (Path(load) / "config.json").is_file():
