@@ -96,8 +96,12 @@ def local_vlm(name: str) -> str | None:
     if folder.is_dir():
         return str(folder) if all((folder / f).is_file() for f in VLM_FILES) else None
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
-    found = [try_to_load_from_cache(name, f) for f in VLM_FILES]
+    try:
+        found = [try_to_load_from_cache(name, f) for f in VLM_FILES]
+    except HFValidationError:  # NOTE: not a hub id either (e.g. a folder that does not exist)
+        return None
     if all(isinstance(f, str) for f in found):
         return str(Path(found[0]).parent)
     return None
