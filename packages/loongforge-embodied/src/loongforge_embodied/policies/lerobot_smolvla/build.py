@@ -12,7 +12,10 @@ from typing import Any
 
 from loongforge.accelerator.adaptation import Adaptation, AdaptationSet, replace_attr
 
-from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import LeRobotSmolVLAArch, local_vlm
+from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import (
+    LeRobotSmolVLAArch,
+    local_vlm,
+)
 
 WITH_EXPERT = "lerobot.policies.smolvla.smolvlm_with_expert"
 CACHE_NAME = "smolvla-cache-crop"

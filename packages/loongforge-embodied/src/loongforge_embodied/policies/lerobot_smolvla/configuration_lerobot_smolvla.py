@@ -4,7 +4,8 @@ The model is LeRobot 0.6.1's ``VLAFlowMatching`` built from a ``SmolVLAConfig``.
 those of its Hugging Face directory (``vlm``: SmolVLM2-500M-Video-Instruct for the published SmolVLA, whose config
 and processor LeRobot reads even when it trains from scratch); the fields here are LeRobot's own knobs (layers kept,
 expert width, attention interleave, prompt and image sizes). A tiny model for tests is a tiny SmolVLM directory
-saved by transformers (``model.arch.vlm=DIR``).
+saved by transformers (``model.arch.vlm=DIR``). The directory is looked up at job setup (``processor``'s
+``check_arch``), not when a recipe validates: a recipe names it for the machine that trains.
 """
 
 from __future__ import annotations
@@ -105,11 +106,3 @@ def local_vlm(name: str) -> str | None:
     if all(isinstance(f, str) for f in found):
         return str(Path(found[0]).parent)
     return None
-
-
-def check_recipe_arch(arch: LeRobotSmolVLAArch) -> None:
-    """What a recipe can check on the file system before training (no network, no torch): the VLM directory."""
-    if local_vlm(arch.vlm) is None:
-        raise ValueError(f"model.arch.vlm '{arch.vlm}': no local folder with {' and '.join(VLM_FILES)}, and no such "
-                         f"hub id in the local Hugging Face cache ({hub_cache()}); download it first (e.g. "
-                         f"`hf download {PUBLISHED_VLM}`) or name a local SmolVLM directory")

@@ -32,17 +32,25 @@ def load_tokenizer(name: str):
     from loongforge.errors import RecipeError
     from transformers import AutoTokenizer
 
+    from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import PUBLISHED_VLM, VLM_FILES
+
     # NOTE: every DataLoader worker tokenizes its own batches: no tokenizer thread pool per worker
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    folder = local_vlm(name)
+    if folder is None:
+        raise RecipeError(f"'{name}': no local folder with {' and '.join(VLM_FILES)}, and no such hub id in the local "
+                          f"Hugging Face cache ({hub_cache()}); download it first (e.g. `hf download {PUBLISHED_VLM}`)"
+                          " or name a local SmolVLM directory", key="model.arch.vlm")
     try:
-        return AutoTokenizer.from_pretrained(local_vlm(name) or name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # NOTE: a broken tokenizer file fails in many ways (OSError, ValueError, KeyError, ...)
         raise RecipeError(f"'{name}' has no tokenizer that loads from a local folder or the Hugging Face cache "
                           f"({hub_cache()}): {type(e).__name__}: {e}", key="model.arch.vlm") from e
 
 
 def check_arch(arch: LeRobotSmolVLAArch) -> None:
-    """Run once at job setup: the VLM's tokenizer loads (in the main process: one clear error there)."""
+    """Run once at job setup: the VLM directory is here and its tokenizer loads (in the main process: one clear
+    error there, before LeRobot reads the directory)."""
     load_tokenizer(arch.vlm)
 
 
