@@ -32,7 +32,10 @@ def load_tokenizer(name: str):
     from loongforge.errors import RecipeError
     from transformers import AutoTokenizer
 
-    from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import PUBLISHED_VLM, VLM_FILES
+    from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import (
+        PUBLISHED_VLM,
+        VLM_FILES,
+    )
 
     # NOTE: every DataLoader worker tokenizes its own batches: no tokenizer thread pool per worker
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
