@@ -296,3 +296,23 @@ def test_published_size_is_smolvlas_450m(vlm, tmp_path):
     sizes = {k: sum(p.numel() for m in mods for p in m.parameters()) for k, mods in model.components().items()}
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 450.0
     assert round(sizes["expert"] / 1e6) == 100 and len(model.model.vlm_with_expert.get_vlm_model().text_model.layers) == 16
+
+
+def test_a_lerobot_smolvla_checkpoint_loads_without_our_sidecar(tiny, tmp_path):
+    """``model.load`` / ``serve`` of a directory LeRobot wrote (``config.json`` + ``model.safetensors`` only): the
+    arch is read back from ``SmolVLAConfig``'s fields, the weights strictly."""
+    from loongforge.errors import CheckpointError
+    from loongforge_embodied.policies.lerobot_smolvla.export import SIDECAR, arch_from_dir, load_model, write_pretrained
+
+    arch, model, *_ = tiny
+    out = write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(),
+                           features={"cameras": ["observation.images.top"]})
+    (out / SIDECAR).unlink()
+    assert arch_from_dir(out) == arch
+    loaded = load_model(out).state_dict()
+    for key, value in model.state_dict().items():
+        if not key.startswith("stats."):
+            assert torch.equal(loaded[key], value), key
+    (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "type": "pi05"}))
+    with pytest.raises(CheckpointError, match="not a smolvla config LeRobot writes"):
+        arch_from_dir(out)
