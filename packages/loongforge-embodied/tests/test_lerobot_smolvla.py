@@ -302,7 +302,12 @@ def test_a_lerobot_smolvla_checkpoint_loads_without_our_sidecar(tiny, tmp_path):
     """``model.load`` / ``serve`` of a directory LeRobot wrote (``config.json`` + ``model.safetensors`` only): the
     arch is read back from ``SmolVLAConfig``'s fields, the weights strictly."""
     from loongforge.errors import CheckpointError
-    from loongforge_embodied.policies.lerobot_smolvla.export import SIDECAR, arch_from_dir, load_model, write_pretrained
+    from loongforge_embodied.policies.lerobot_smolvla.export import (
+        SIDECAR,
+        arch_from_dir,
+        load_model,
+        write_pretrained,
+    )
 
     arch, model, *_ = tiny
     out = write_pretrained(tmp_path / "hf", arch=arch, weights=model.state_dict(),
