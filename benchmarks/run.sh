@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | fp8 | vlm | dit | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert | scaling"
+names="llm | moe | fp8 | vlm | dit | vla | smolvla | eval | kernels | convert | scaling"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -101,6 +101,10 @@ case $name in
       step vla_e2e_ours 300 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 12 \
         --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root "$VLA_DATA" --workers 8
     fi
+    ;;
+  smolvla)
+    step smolvla_throughput 500 python3 benchmarks/smolvla_throughput.py --batch 64 --steps 20 --warmup 5 \
+      --timeout 240 --out "$out/smolvla_throughput.md"
     ;;
   eval)
     step eval_pusht 560 bash benchmarks/pusht_closed_loop.sh "$out/eval"

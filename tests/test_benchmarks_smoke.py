@@ -84,6 +84,18 @@ def test_vla_benchmark_smoke(load, tmp_path):
     assert [r[3] for r in rows] == ["ours"] and "CPU" in rows[0][1]
 
 
+def test_smolvla_benchmark_smoke(load, tmp_path):
+    """Both sides train the same trainable parameters (LeRobot's train_expert_only = our model.freeze)."""
+    rows = load("smolvla_throughput").main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "r.md")])
+    assert set(rows) == {"loongforge", "lerobot_step"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0
+    assert rows["loongforge"]["trainable_m"] == rows["lerobot_step"]["trainable_m"] > 0
+    assert (tmp_path / "r.md").read_text().rstrip().splitlines()[-1].startswith("loongforge / lerobot_step: ")
+    assert len(_table_rows(tmp_path / "smolvla_throughput.md")) == 2
+
+
 def test_checkpoint_convert_memory_smoke(load, tmp_path):
     rows = load("checkpoint_convert_memory").main(["--smoke", "--results", str(tmp_path)])
     assert [r["direction"] for r in rows] == ["hf_to_megatron", "megatron_to_hf"]
