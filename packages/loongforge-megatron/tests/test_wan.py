@@ -198,9 +198,8 @@ def test_offline_round_trip_through_tp2_is_bitwise(tmp_path, hf_dirs):
 
 def test_presets_are_the_published_sizes():
     """Parameter counts of the presets against the published model sizes, and the config round trip."""
-    from loongforge_megatron.models.wan.arch import PRESETS, WanArch, arch_from_diffusers, diffusers_config
-
     from diffusers import WanTransformer3DModel
+    from loongforge_megatron.models.wan.arch import PRESETS, WanArch, arch_from_diffusers, diffusers_config
 
     billions = {"wan2.1-t2v-1.3b": 1.3, "wan2.1-t2v-14b": 14, "wan2.1-i2v-14b": 14, "wan2.2-ti2v-5b": 5,
                 "wan2.2-t2v-a14b": 14, "wan2.2-i2v-a14b": 14}

@@ -162,7 +162,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wan2.1-t2v-14b": dict(family="wan", **_14B),
     # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (noisy 16 + mask 4 + condition 16 channels; image-encoder tokens 1280 wide)
     "wan2.1-i2v-14b": dict(family="wan", **_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
-    # Wan-AI/Wan2.2-TI2V-5B-Diffusers (48-channel latents of Wan2.2's 16x16x4 autoencoder)
+    # Wan-AI/Wan2.2-TI2V-5B-Diffusers (48 latent channels of Wan2.2's 16x16x4 autoencoder)
     "wan2.2-ti2v-5b": dict(family="wan", num_layers=30, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=14336,
                            in_channels=48, out_channels=48),
     # Wan-AI/Wan2.2-T2V-A14B-Diffusers: each of the two experts (transformer / transformer_2)

@@ -12,7 +12,13 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.models.base import HFCheckpoint
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 from loongforge_megatron.models.wan import names
-from loongforge_megatron.models.wan.arch import DIFFUSERS_CLASS, PRESETS, WanArch, arch_from_diffusers, diffusers_config
+from loongforge_megatron.models.wan.arch import (
+    DIFFUSERS_CLASS,
+    PRESETS,
+    WanArch,
+    arch_from_diffusers,
+    diffusers_config,
+)
 from loongforge_megatron.models.wan.config import WanDataConfig, WanModelConfig
 
 
