@@ -225,3 +225,24 @@ def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
     assert main(["validate", str(RECIPE), *overrides]) == 2
     err = capsys.readouterr().err
     assert f"'{key}" in err and fragment in err and err.count("\n") == 1, err
+
+
+def test_noise_levels_follow_the_scheduler_and_the_expert():
+    """The timestep shift is diffusers' FlowMatchEulerDiscreteScheduler's; one expert of a two-expert model draws
+    only its side of boundary_ratio; flow matching's target is the velocity noise - x0."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from loongforge_megatron.models import flow_matching as fm
+
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    plain = torch.linspace(1.0, 1 / 1000, 1000, dtype=torch.float64)
+    shifted = fm.FlowMatching(shift=3.0).shifted(plain).float()
+    torch.testing.assert_close(shifted, sched.sigmas.float(), rtol=1e-6, atol=1e-6)
+    g = torch.Generator().manual_seed(0)
+    for sampling in ("uniform", "logit_normal"):
+        high = fm.FlowMatching(sampling=sampling, shift=5.0, sigma_range=(0.875, 1.0))
+        low = fm.FlowMatching(sampling=sampling, shift=5.0, sigma_range=(0.0, 0.875))
+        hs = torch.stack([high.draw_sigma(g) for _ in range(200)])
+        ls = torch.stack([low.draw_sigma(g) for _ in range(200)])
+        assert bool((hs >= 0.875).all() and (hs <= 1).all() and (ls < 0.875).all() and (ls >= 0).all()), sampling
+    x0, noise, s = torch.randn(2, 3), torch.randn(2, 3), torch.tensor([0.0, 1.0])
+    torch.testing.assert_close(fm.add_noise(x0, noise, s), torch.stack([x0[0], noise[1]]))

@@ -66,9 +66,12 @@ class FlowMatching:
             u = torch.sigmoid(torch.randn((), generator=g, dtype=torch.float64) * self.logit_std + self.logit_mean)
         else:
             u = torch.rand((), generator=g, dtype=torch.float64)
-        sigma = self.shift * u / (1 + (self.shift - 1) * u)
         lo, hi = self.sigma_range
-        return (lo + (hi - lo) * sigma).float()
+        return (lo + (hi - lo) * self.shifted(u)).float()
+
+    def shifted(self, u: torch.Tensor) -> torch.Tensor:
+        """``shift * u / (1 + (shift - 1) * u)``: the scheduler's timestep shift of noise levels ``u``."""
+        return self.shift * u / (1 + (self.shift - 1) * u)
 
     def timesteps(self, sigmas: torch.Tensor) -> torch.Tensor:
         """The model's timestep input for noise levels ``sigmas`` ([b])."""
