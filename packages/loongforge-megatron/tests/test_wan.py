@@ -125,6 +125,17 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
             job.close()
             runtime.logger.close()
         out[name] = (ours, batches, loss)
+    os.environ["MASTER_PORT"] = str(ports[-2])
+    lora = [*cpt(hf_dirs["i2v"], "i2v"), "train.stage=lora", "train.steps=2", "train.lr=0.05", "train.lora.rank=4",
+            "train.lora.alpha=8"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, lora), output_dir=tmp_path / "lora")
+    try:
+        [job.step() for _ in range(2)]
+        job.export("peft", tmp_path / "lora_peft")
+        job.export("hf", tmp_path / "lora_merged")
+    finally:
+        job.close()
+        runtime.logger.close()
     over = ["accelerator=cpu", "logging.console=false", "parallel.tp=2", f"train.steps={steps}"]
     os.environ["MASTER_PORT"] = str(ports[-1])
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "tiny_tp2")
@@ -157,7 +168,7 @@ def test_tp2_equals_diffusers_forward_loss_and_weights(tmp_path, ranks, hf_dirs,
     probes = {name: probe(name) for name in hf_dirs}
     steps = 4
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 1)])
+                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 2)])
     one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
     for name, hf_dir in hf_dirs.items():
         ours, batches, loss = got[0][name]
@@ -173,9 +184,25 @@ def test_tp2_equals_diffusers_forward_loss_and_weights(tmp_path, ranks, hf_dirs,
         model, info = WanTransformer3DModel.from_pretrained(tmp_path / f"back_{name}", output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert sum(p.numel() for p in model.parameters()) == _arch(hf_dir).num_params(), name
+    _lora_export_loads_in_a_pipeline(tmp_path, hf_dirs["i2v"], probes["i2v"])
     assert got[0]["tiny"] == pytest.approx(one[:steps], rel=RTOL)
     first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
     assert last < 0.8 * first, (first, last)
+
+
+def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
+    """The LoRA run's export (diffusers format) loads with ``WanPipeline.load_lora_weights`` into a pipeline built
+    from the base checkpoint, and its transformer then computes the merged export's function."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                       transformer=WanTransformer3DModel.from_pretrained(hf_dir).eval())
+    base = diffusers_forward(pipe.transformer, p)
+    pipe.load_lora_weights(tmp_path / "lora_peft")
+    merged = diffusers_forward(WanTransformer3DModel.from_pretrained(tmp_path / "lora_merged").eval(), p)
+    adapted = diffusers_forward(pipe.transformer, p)
+    assert rel_err(adapted, merged) <= RTOL, rel_err(adapted, merged)
+    assert rel_err(base, merged) > 1e-3  # the adapters changed the model
 
 
 def _arch(hf_dir: Path):

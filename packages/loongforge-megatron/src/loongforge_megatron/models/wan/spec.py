@@ -42,8 +42,23 @@ class Wan(HFCheckpoint):
     arch_type = WanArch
     model_section = WanModelConfig
     data_section = WanDataConfig
-    supports = Supports(models="Wan models", stages=("pretrain", "cpt"), data_formats=("synthetic",), sft_formats=(),
-                        parallel=("tp",), layers=("auto", "loongforge", "local"))
+    supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
+                        sft_formats=(), parallel=("tp",), layers=("auto", "loongforge", "local"))
+    # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
+    # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata (module paths: the
+    # attention output is "to_out.0", and a bare "0" would match every block)
+    peft_prefix = "transformer."
+    peft_weights = "pytorch_lora_weights.safetensors"
+    peft_module_paths = True
+    #: train.lora.targets -> our linears (diffusers' names)
+    LORA_TARGETS = {"qkv": ("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"), "proj": ("to_out",),
+                    "fc1": ("linear_fc1",), "fc2": ("linear_fc2",)}
+
+    def peft_metadata(self, config: dict[str, Any]) -> dict[str, str]:
+        import json
+
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "use_dora")
+        return {"lora_adapter_metadata": json.dumps({f"transformer.{k}": config[k] for k in keys}, sort_keys=True)}
 
     # ---------------------------------------------------------------- architecture
     def arch(self, fields: Any) -> WanArch:
@@ -73,8 +88,8 @@ class Wan(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: WanArch) -> None:
-        """What the Wan path supports: TP / DP / distributed optimizer (+ full recompute), pretrain or CPT on
-        synthetic samples, resumable checkpoints and diffusers export."""
+        """What the Wan path supports: TP / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
+        synthetic samples, resumable checkpoints, diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Wan models use no fused kernels (SDPA attention only); leave kernels.provider auto",
                               key="kernels.provider")
@@ -87,8 +102,6 @@ class Wan(HFCheckpoint):
         if t.eval_interval:
             raise RecipeError("Wan models have no validation pass yet; remove train.eval_interval",
                               key="train.eval_interval")
-        if "peft" in recipe.checkpoint.save_format:
-            raise RecipeError("Wan models have no LoRA adapters to export yet", key="checkpoint.save_format")
         if model.tokenizer:
             raise RecipeError("Wan models take text embeddings, not tokens: remove model.tokenizer",
                               key="model.tokenizer")
@@ -125,7 +138,8 @@ class Wan(HFCheckpoint):
         chunks = wan.build_wan(config=config, arch=arch, device=device, recompute=plan.recompute == "full",
                                compile_mode=recipe.train.compile_mode if recipe.train.compile else None)
         step = functools.partial(wan.forward_step, objective=objective_of(recipe.data))
-        return Model(chunks=chunks, config=config, kernels="loongforge", forward_step=step, loss_key=LOSS_KEY)
+        return Model(chunks=chunks, config=config, kernels="loongforge", forward_step=step, loss_key=LOSS_KEY,
+                     lora_targets=self.LORA_TARGETS)
 
 
 SPEC = Wan()
