@@ -104,7 +104,8 @@ def cpt(hf_dir: Path, name: str) -> list[str]:
 
 def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     """Each config at TP 2: forward on the probe, an export before training, the first step's batches and loss;
-    then the tiny recipe's first ``steps`` losses at TP 2.
+    a LoRA run's exports; TI2V at CP 2 (forward, first loss); the tiny recipe's first ``steps`` losses at TP 2 and
+    at CP 2.
 
     NOTE: each job starts its own process group, on a port of its own (a torn-down store's port refuses the next)."""
     import os
@@ -125,7 +126,7 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
             job.close()
             runtime.logger.close()
         out[name] = (ours, batches, loss)
-    os.environ["MASTER_PORT"] = str(ports[-2])
+    os.environ["MASTER_PORT"] = str(ports[-4])
     lora = [*cpt(hf_dirs["i2v"], "i2v"), "train.stage=lora", "train.steps=2", "train.lr=0.05", "train.lora.rank=4",
             "train.lora.alpha=8"]
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, lora), output_dir=tmp_path / "lora")
@@ -136,14 +137,27 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     finally:
         job.close()
         runtime.logger.close()
-    over = ["accelerator=cpu", "logging.console=false", "parallel.tp=2", f"train.steps={steps}"]
-    os.environ["MASTER_PORT"] = str(ports[-1])
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "tiny_tp2")
+    os.environ["MASTER_PORT"] = str(ports[-3])
+    over = [*cpt(hf_dirs["ti2v"], "ti2v"), "parallel.tp=1", "parallel.cp=2"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "cp2")
     try:
-        out["tiny"] = [job.step()["loss"] for _ in range(steps)]
+        p = probes["ti2v"]
+        with torch.no_grad():
+            ours = job.chunks[0](p["x"], p["t"], p["text"], p["image"])
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        out["cp2"] = (ours, batches, job.step()["loss"])
     finally:
         job.close()
         runtime.logger.close()
+    for layout, port in (("tp", ports[-2]), ("cp", ports[-1])):
+        os.environ["MASTER_PORT"] = str(port)
+        over = ["accelerator=cpu", "logging.console=false", f"parallel.{layout}=2", f"train.steps={steps}"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / f"{layout}2")
+        try:
+            out[f"tiny_{layout}2"] = [job.step()["loss"] for _ in range(steps)]
+        finally:
+            job.close()
+            runtime.logger.close()
     return out
 
 
@@ -157,10 +171,12 @@ def _tiny_one_process(*, rank, world, tmp_path):
         runtime.logger.close()
 
 
-def test_tp2_equals_diffusers_forward_loss_and_weights(tmp_path, ranks, hf_dirs, free_port):
+def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
     """T2V / I2V / TI2V loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative), the first
     flow-matching loss = the plain-torch reference around diffusers' model, the export before training = the source
-    files bitwise and loads in diffusers cleanly; the tiny recipe at TP 2 gives the one-process losses, which fall."""
+    files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a WanPipeline and computes the merged
+    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2 and at CP 2 gives the
+    one-process losses, which fall."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
@@ -168,7 +184,7 @@ def test_tp2_equals_diffusers_forward_loss_and_weights(tmp_path, ranks, hf_dirs,
     probes = {name: probe(name) for name in hf_dirs}
     steps = 4
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 4)])
     one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
     for name, hf_dir in hf_dirs.items():
         ours, batches, loss = got[0][name]
@@ -185,7 +201,11 @@ def test_tp2_equals_diffusers_forward_loss_and_weights(tmp_path, ranks, hf_dirs,
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert sum(p.numel() for p in model.parameters()) == _arch(hf_dir).num_params(), name
     _lora_export_loads_in_a_pipeline(tmp_path, hf_dirs["i2v"], probes["i2v"])
-    assert got[0]["tiny"] == pytest.approx(one[:steps], rel=RTOL)
+    ours, batches, loss = got[0]["cp2"]  # Ulysses context parallelism over the video tokens
+    assert rel_err(ours, diffusers_forward(refs["ti2v"], probes["ti2v"])) <= RTOL
+    assert loss == pytest.approx(reference_loss(refs["ti2v"], batches), rel=RTOL)
+    assert got[0]["tiny_tp2"] == pytest.approx(one[:steps], rel=RTOL)
+    assert got[0]["tiny_cp2"] == pytest.approx(one[:steps], rel=RTOL)
     first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
     assert last < 0.8 * first, (first, last)
 

@@ -14,7 +14,8 @@ the TP group (:class:`HeadsRMSNorm`). Self-attention rotates queries and keys by
 each own a slice of the head's channels, pairs interleaved as diffusers does). The embedders (3-D patch
 convolution, timestep, text, image-encoder tokens) and the output head are small and held whole on every rank.
 
-Sequence / context / pipeline parallelism are not supported.
+Context parallelism splits the video tokens over the CP group (Ulysses: see :class:`WanModel`). Sequence and
+pipeline parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
+from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
 from loongforge_megatron.models import flow_matching as fm
@@ -130,6 +132,52 @@ def _row(config: Any, size_in: int, size_out: int, tp_group: Any) -> Any:
                                  bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
 
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all of dim 0 over ``group`` (chunk i goes to rank i); its own inverse, so the backward
+    is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        # NOTE: both buffers contiguous: empty_like keeps a permuted input's strides, which the exchange ignores
+        x = x.contiguous()
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.distributed.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def tokens_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Ulysses: ``[b, tokens / cp, heads, d]`` (this rank's tokens, all heads) -> ``[b, tokens, heads / cp, d]``
+    (every token, this rank's heads)."""
+    cp = group.size()
+    b, s, heads, d = x.shape
+    x = _AllToAll.apply(x.reshape(b, s, cp, heads // cp, d).permute(2, 0, 1, 3, 4), group)
+    return x.permute(1, 0, 2, 3, 4).reshape(b, cp * s, heads // cp, d)
+
+
+def heads_to_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of :func:`tokens_to_heads`."""
+    cp = group.size()
+    b, s, heads, d = x.shape
+    x = _AllToAll.apply(x.reshape(b, cp, s // cp, heads, d).permute(1, 0, 2, 3, 4), group)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * heads, d)
+
+
+def patchify(video: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """``[b, c, F, H, W]`` -> ``[b, tokens, pt * ph * pw * c]`` in the output head's layout (tokens frame-major)."""
+    b, c, f, h, w = video.shape
+    pt, ph, pw = patch
+    x = video.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 3, 5, 7, 1)
+    return x.reshape(b, (f // pt) * (h // ph) * (w // pw), -1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full (non-causal) attention of ``[b, s, heads, d]`` tensors -> ``[b, s, heads * d]``."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -142,9 +190,10 @@ class WanAttention(MegatronModule):
     I2V) the queries also attend the image-encoder tokens through ``add_k_proj / add_v_proj`` (keys normed by
     ``norm_added_k``) and the two results are summed before ``to_out``."""
 
-    def __init__(self, config: Any, *, tp_group: Any, image_dim: int | None = None):
+    def __init__(self, config: Any, *, tp_group: Any, image_dim: int | None = None, cp_group: Any = None):
         super().__init__(config=config)
         h, tp = config.hidden_size, tp_group.size()
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.heads = config.num_attention_heads // tp
         self.to_q, self.to_k, self.to_v = (_column(config, h, h, tp_group) for _ in range(3))
         self.to_out = _row(config, h, h, tp_group)
@@ -167,7 +216,12 @@ class WanAttention(MegatronModule):
         v = self._heads(self.to_v(kv)[0])
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = _attend(q, k, v)
+        if context is None and self.cp_group is not None:
+            # NOTE: Ulysses context parallelism: trade the token split for a head split, attend, trade back
+            q, k, v = (tokens_to_heads(t, self.cp_group) for t in (q, k, v))
+            out = heads_to_tokens(_attend(q, k, v).unflatten(-1, (q.shape[2], -1)), self.cp_group).flatten(2)
+        else:
+            out = _attend(q, k, v)
         if image is not None and self.add_k_proj is not None:
             ki = self._heads(self.norm_added_k(self.add_k_proj(image)[0]))
             vi = self._heads(self.add_v_proj(image)[0])
@@ -179,11 +233,11 @@ class WanLayer(MegatronModule):
     """One Wan block (see the module docstring); ``modulation`` ``[b, 6, h]`` or ``[b, tokens, 6, h]`` (a
     timestep per token) is the timestep embedding's projection."""
 
-    def __init__(self, config: Any, *, arch: Any, tp_group: Any):
+    def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None):
         super().__init__(config=config)
         h, eps, dtype = arch.hidden_size, arch.norm_eps, config.params_dtype
         self.norm1 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
-        self.attn1 = WanAttention(config, tp_group=tp_group)
+        self.attn1 = WanAttention(config, tp_group=tp_group, cp_group=cp_group)
         self.norm2 = (torch.nn.LayerNorm(h, eps=eps, elementwise_affine=True, dtype=dtype) if arch.cross_attn_norm
                       else torch.nn.Identity())
         self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim)
@@ -242,11 +296,17 @@ class ImageEmbedder(torch.nn.Module):
 
 class WanModel(MegatronModule):
     """``forward(x [b, in_channels, F, H, W], timesteps [b] or [b, tokens], text [b, L, text_dim],
-    image [b, Li, image_dim] | None) -> velocity [b, out_channels, F, H, W]``."""
+    image [b, Li, image_dim] | None) -> velocity [b, out_channels, F, H, W]`` (or, ``tokens_out``, this context-
+    parallel rank's tokens ``[b, tokens / cp, pt * ph * pw * out_channels]``: what the loss reads).
 
-    def __init__(self, config: Any, arch: Any, *, tp_group: Any, recompute: bool = False):
+    Context parallelism (``cp_group`` of size cp): after the patch embedding each rank keeps its contiguous
+    ``1 / cp`` of the video tokens (with their RoPE and per-token modulation); self-attention exchanges tokens for
+    heads (Ulysses all-to-all), cross-attention needs no exchange (every rank holds the text)."""
+
+    def __init__(self, config: Any, arch: Any, *, tp_group: Any, cp_group: Any = None, recompute: bool = False):
         super().__init__(config=config)
         self.arch, self.recompute = arch, recompute
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         h, dtype = arch.hidden_size, config.params_dtype
         self.patch_embedding = torch.nn.Conv3d(arch.in_channels, h, kernel_size=arch.patch_size,
                                                stride=arch.patch_size, dtype=dtype)
@@ -258,7 +318,7 @@ class WanModel(MegatronModule):
         cos, sin = rope_tables(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = torch.nn.ModuleList(WanLayer(config, arch=arch, tp_group=tp_group)
+        self.layers = torch.nn.ModuleList(WanLayer(config, arch=arch, tp_group=tp_group, cp_group=cp_group)
                                           for _ in range(arch.num_layers))
         self.norm_out = torch.nn.LayerNorm(h, eps=arch.norm_eps, elementwise_affine=False, dtype=dtype)
         self.proj_out = torch.nn.Linear(h, arch.out_channels * math.prod(arch.patch_size), dtype=dtype)
@@ -283,13 +343,23 @@ class WanModel(MegatronModule):
             return tensor_parallel.checkpoint(layer, False, *args)
         return layer(*args)
 
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This context-parallel rank's share of ``[b, tokens, ...]`` (all of it without context parallelism)."""
+        if self.cp_group is None:
+            return tokens
+        n = tokens.shape[1] // self.cp_group.size()
+        return tokens[:, self.cp_group.rank() * n: (self.cp_group.rank() + 1) * n]
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+                image: torch.Tensor | None = None, *, tokens_out: bool = False) -> torch.Tensor:
         b, _, frames, height, width = x.shape
         pt, ph, pw = self.arch.patch_size
         grid = (frames // pt, height // ph, width // pw)
         rope = rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=grid)
-        hidden = self.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # [b, tokens, h]
+        hidden = self.local(self.patch_embedding(x).flatten(2).transpose(1, 2)).contiguous()  # [b, tokens, h]
+        if self.cp_group is not None:
+            rope = tuple(t.transpose(0, 1) for t in (self.local(r.transpose(0, 1)) for r in rope))
+            timesteps = self.local(timesteps) if timesteps.dim() == 2 else timesteps
         dtype = self.time_proj.weight.dtype
         temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))
         modulation = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))  # [b, (tokens,) 6, h]
@@ -306,7 +376,15 @@ class WanModel(MegatronModule):
         if temb.dim() == 2:
             shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-        out = self.proj_out(hidden).reshape(b, *grid, pt, ph, pw, -1)
+        out = self.proj_out(hidden)
+        if tokens_out:
+            return out
+        if self.cp_group is not None:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            out = gather_from_sequence_parallel_region(out.transpose(0, 1).contiguous(), group=self.cp_group,
+                                                       tensor_parallel_output_grad=False).transpose(0, 1)
+        out = out.reshape(b, *grid, pt, ph, pw, -1)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, frames, height, width)
 
 
@@ -336,7 +414,8 @@ def build_wan(*, config: Any, arch: Any, device: torch.device, recompute: bool =
     """``[WanModel]`` for this rank, before DDP (one chunk). ``compile_mode`` compiles each block."""
     from megatron.core import parallel_state as mpu
 
-    model = WanModel(config, arch, tp_group=mpu.get_tensor_model_parallel_group(), recompute=recompute)
+    model = WanModel(config, arch, tp_group=mpu.get_tensor_model_parallel_group(),
+                     cp_group=mpu.get_context_parallel_group(), recompute=recompute)
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it
     model.to(device=device)
     if compile_mode is not None:
@@ -355,5 +434,10 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     noisy = fm.add_noise(x0, noise, sigmas)
     if "condition" in batch:
         noisy = torch.cat([noisy, batch["condition"]], dim=1)
-    pred = model(noisy.to(param.dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"))
-    return fm.squared_error(pred, x0, noise), fm.loss_func
+    pred = model(noisy.to(param.dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"),
+                 tokens_out=True)
+    # NOTE: the loss over this context-parallel rank's tokens (the same elements as the video's, in token order);
+    # megatron sums the ranks' sums and counts
+    inner = unwrap(model)
+    patch, local = inner.arch.patch_size, inner.local
+    return fm.squared_error(pred, local(patchify(x0, patch)), local(patchify(noise, patch))), fm.loss_func

@@ -43,7 +43,7 @@ class Wan(HFCheckpoint):
     model_section = WanModelConfig
     data_section = WanDataConfig
     supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
-                        sft_formats=(), parallel=("tp",), layers=("auto", "loongforge", "local"))
+                        sft_formats=(), parallel=("tp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata (module paths: the
     # attention output is "to_out.0", and a bare "0" would match every block)
@@ -88,7 +88,7 @@ class Wan(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: WanArch) -> None:
-        """What the Wan path supports: TP / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
+        """What the Wan path supports: TP / CP (Ulysses) / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
         synthetic samples, resumable checkpoints, diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Wan models use no fused kernels (SDPA attention only); leave kernels.provider auto",
@@ -96,6 +96,9 @@ class Wan(HFCheckpoint):
         for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
             if n % plan.tp:
                 raise RecipeError(f"Wan {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
+        if plan.cp > 1 and arch.num_attention_heads % (plan.tp * plan.cp):
+            raise RecipeError(f"Wan's {arch.num_attention_heads} attention heads do not split over tp x cp = "
+                              f"{plan.tp * plan.cp} (context parallelism exchanges tokens for heads)", key="parallel.cp")
         if plan.recompute == "selective":
             raise RecipeError("Wan models recompute whole blocks: use parallel.recompute full", key="parallel.recompute")
         t, data, model = recipe.train, recipe.data, recipe.model
@@ -118,6 +121,9 @@ class Wan(HFCheckpoint):
             if size // p > arch.rope_max_seq_len:
                 raise RecipeError(f"{size // p} patches along {axis} exceed the model's RoPE table "
                                   f"(rope_max_seq_len {arch.rope_max_seq_len})", key=f"data.latent_{axis}")
+        tokens = arch.tokens(data.latent_frames, data.latent_height, data.latent_width)
+        if tokens % plan.cp:
+            raise RecipeError(f"{tokens} video tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
 
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: WanArch, runtime: Any, device: Any) -> Data:
