@@ -161,22 +161,26 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     return out
 
 
-def _tiny_one_process(*, rank, world, tmp_path):
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, ["accelerator=cpu", "logging.console=false"]),
-                                        output_dir=tmp_path / "tiny_one")
-    try:
-        return [job.step()["loss"] for _ in range(job.recipe.train.steps)]
-    finally:
-        job.close()
-        runtime.logger.close()
+def _tiny_one_process(*, rank, world, tmp_path, steps):
+    """The tiny recipe's losses in one process, and its first ``steps`` with whole blocks recomputed."""
+    out = {}
+    for name, over in (("eager", []), ("recompute", ["parallel.recompute=full", f"train.steps={steps}"])):
+        recipe = loongforge.load_recipe(RECIPE, ["accelerator=cpu", "logging.console=false", *over])
+        job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / f"tiny_{name}")
+        try:
+            out[name] = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
 
 
 def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
     """T2V / I2V / TI2V loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative), the first
     flow-matching loss = the plain-torch reference around diffusers' model, the export before training = the source
     files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a WanPipeline and computes the merged
-    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2 and at CP 2 gives the
-    one-process losses, which fall."""
+    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2, at CP 2 and with full recompute
+    gives the one-process losses, which fall."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
@@ -185,7 +189,9 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     steps = 4
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
                 steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 4)])
-    one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
+    single = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, steps=steps)[0]
+    one = single["eager"]
+    assert single["recompute"] == pytest.approx(one[:steps], rel=RTOL)
     for name, hf_dir in hf_dirs.items():
         ours, batches, loss = got[0][name]
         assert got[1][name][2] == loss
@@ -267,6 +273,8 @@ def test_presets_are_the_published_sizes():
     (["data.timestep_sampling=uniform", "data.logit_std=2.0"], "data", "logit_normal"),
     (["data.seq_length=64"], "data.seq_length", "not used by Wan"),
     (["parallel.recompute=selective"], "parallel.recompute", "full"),
+    (["parallel.cp=8"], "parallel.cp", "tp x cp"),
+    (["parallel.cp=2", "data.latent_frames=3", "data.latent_height=6", "data.latent_width=6"], "parallel.cp", "do not split over cp"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):
     assert main(["validate", str(RECIPE), *overrides]) == 2

@@ -338,10 +338,15 @@ class WanModel(MegatronModule):
     def set_input_tensor(self, input_tensor: Any) -> None:
         """megatron's schedules call this on every model (only stages after the first use it: none here)."""
 
-    def _layer(self, layer: WanLayer, *args: Any) -> torch.Tensor:
+    def _layer(self, layer: WanLayer, hidden: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor | None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return tensor_parallel.checkpoint(layer, False, *args)
-        return layer(*args)
+            # NOTE: megatron's checkpoint saves its tensor arguments one by one: the RoPE pair goes in as two
+            def run(h, c, m, cos, sin, i):
+                return layer(h, c, m, (cos, sin), i)
+
+            return tensor_parallel.checkpoint(run, False, hidden, context, modulation, *rope, tokens)
+        return layer(hidden, context, modulation, rope, tokens)
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This context-parallel rank's share of ``[b, tokens, ...]`` (all of it without context parallelism)."""
