@@ -84,7 +84,8 @@ class Wan(HFCheckpoint):
         return names.export_config(cfg)
 
     def ignore_hf(self, cfg: HFConfig, name: str) -> bool:
-        return False
+        """Tensors no Wan computes with: some I2V checkpoints carry a ``norm_added_q`` diffusers also skips."""
+        return "norm_added_q" in name
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: WanArch) -> None:
