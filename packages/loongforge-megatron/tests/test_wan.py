@@ -247,6 +247,17 @@ def test_offline_round_trip_through_tp2_is_bitwise(tmp_path, hf_dirs):
         src = load_file(hf_dir / "diffusion_pytorch_model.safetensors")
         back = load_file(tmp_path / f"back_{name}" / "diffusion_pytorch_model.safetensors")
         assert sorted(src) == sorted(back) and all(torch.equal(src[k], back[k]) for k in src), name
+    # an I2V checkpoint with the query norm of the image tokens that no Wan computes with (diffusers skips it too)
+    import shutil
+
+    from safetensors.torch import save_file
+
+    extra = tmp_path / "extra"
+    shutil.copytree(hf_dirs["i2v"], extra)
+    tensors = load_file(extra / "diffusion_pytorch_model.safetensors")
+    save_file({**tensors, "blocks.0.attn2.norm_added_q.weight": torch.ones(48)},
+              extra / "diffusion_pytorch_model.safetensors")
+    assert main(["convert", str(extra), str(tmp_path / "mg_extra"), "--to", "megatron", "--tp", "2"]) == 0
 
 
 def test_presets_are_the_published_sizes():
