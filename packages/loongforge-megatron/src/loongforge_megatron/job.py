@@ -78,7 +78,7 @@ class MegatronJob(Job):
         if t.stage == "lora":
             from loongforge_megatron.lora import apply_lora
 
-            self.lora = apply_lora(self.chunks, t.lora, seed=t.seed)
+            self.lora = apply_lora(self.chunks, t.lora, seed=t.seed, targets=built.lora_targets)
         if t.freeze:
             from loongforge_megatron.freeze import freeze
 
