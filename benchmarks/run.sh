@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | fp8 | vlm | dit | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | fp8 | vlm | dit | vla | smolvla | eval | kernels | convert | scaling"
+names="llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -91,6 +91,12 @@ case $name in
   dit)
     step dit_throughput 500 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 \
       --warmup 5 --out "$out/dit_throughput.md"
+    ;;
+  wan)
+    wan=(python3 benchmarks/wan_throughput.py --batch 1 --steps 10 --warmup 3)
+    step wan_t2v_1_3b 420 "${wan[@]}" --preset wan2.1-t2v-1.3b --timeout 130 --out "$out/wan_t2v_1_3b.md"
+    step wan_ti2v_5b 300 "${wan[@]}" --preset wan2.2-ti2v-5b --layers 10 --latent 21,44,80 \
+      --variants loongforge,diffusers_compile --timeout 140 --out "$out/wan_ti2v_5b.md"
     ;;
   vla)
     gpu_tests 290 packages/loongforge-embodied/tests/test_gpu_compile.py
