@@ -18,6 +18,9 @@ CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(COMMON, intermediate_size=48, **MOE)),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(COMMON, intermediate_size=48)),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(COMMON, **MOE)),
+    # NOTE: a vocabulary tp 2 divides: a padded vocabulary row would join the softmax (the output layer does not
+    # mask it), so layouts that pad compare against one process only for such vocabularies
+    "qwen3_5_moe_even": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(COMMON, **MOE, vocab_size=102)),
 }
 
 
