@@ -141,6 +141,7 @@ KIND_WORDS = {
     "dit": ("dit", "latents", "vae", "class_dropout", "sample_size", "learn_sigma", "adaln"),
     "llava": ("llava", "CLIP"),
     "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
+    "hybrid": ("qwen3_next", "qwen3-next", "qwen3_5", "qwen3.5", "deltanet", "linear_attention", "full_attention"),
 }
 
 
