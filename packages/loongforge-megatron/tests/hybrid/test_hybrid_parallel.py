@@ -83,7 +83,7 @@ def _packed_vs_alone(*, lengths):
     with torch.no_grad():
         packed = model(tokens, positions, None, packed_seq_params=packed_seq_params(bounds))
         alone = torch.cat([model(tokens[:, a:b], torch.arange(b - a)[None], None)
-                           for a, b in zip(bounds, bounds[1:])], dim=1)
+                           for a, b in zip(bounds, bounds[1:], strict=False)], dim=1)
     return packed, alone
 
 

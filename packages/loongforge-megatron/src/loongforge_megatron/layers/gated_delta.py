@@ -65,7 +65,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None
     b = _bounds(bounds if bounds is not None else cu_seqlens, x.shape[1])
     width = weight.shape[-1]
     outs = []
-    for lo, hi in zip(b, b[1:]):
+    for lo, hi in zip(b, b[1:], strict=False):
         if hi == lo:
             continue
         seg = x[:, lo:hi].transpose(1, 2).to(weight.dtype)
@@ -120,6 +120,6 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, *, g: Tensor, beta: Tensor
     q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
     b = _bounds(bounds if bounds is not None else cu_seqlens, q.shape[2])
     outs = [_chunked(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], g[:, :, lo:hi], beta[:, :, lo:hi])
-            for lo, hi in zip(b, b[1:]) if hi > lo]
+            for lo, hi in zip(b, b[1:], strict=False) if hi > lo]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).to(dtype)

@@ -96,8 +96,8 @@ class HybridFamily(GPTFamily):
         from loongforge_megatron.engine.model import build_chunks
         from loongforge_megatron.engine.weights import seeded_init
         from loongforge_megatron.layers.selection import grouped_experts
-        from loongforge_megatron.models.lm import padded_vocab
         from loongforge_megatron.models.hybrid.layers import block_spec
+        from loongforge_megatron.models.lm import padded_vocab
 
         config = transformer_config(arch, plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,

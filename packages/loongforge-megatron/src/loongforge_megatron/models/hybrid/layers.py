@@ -145,7 +145,11 @@ def layer_specs(*, layer_types: list[str], shape: LinearShape, num_experts: int 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from loongforge_megatron.layers.attention import SDPAttention
-    from loongforge_megatron.layers.megatron_layers import TorchNorm, local_layer_spec, with_own_group_row_linears
+    from loongforge_megatron.layers.megatron_layers import (
+        TorchNorm,
+        local_layer_spec,
+        with_own_group_row_linears,
+    )
 
     spec = local_layer_spec(num_experts=num_experts, qk_layernorm=True)
     if grouped_experts and num_experts:
@@ -169,7 +173,10 @@ def block_spec(config: Any, *, layer_types: list[str], shape: LinearShape, num_e
                grouped_experts: bool = False):
     """A per-chunk block spec builder (``engine.model.build_chunks`` takes it): each layer's kind from
     ``layer_types`` at its global index, and the zero-centred final norm."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     full, linear = layer_specs(layer_types=layer_types, shape=shape, num_experts=num_experts,

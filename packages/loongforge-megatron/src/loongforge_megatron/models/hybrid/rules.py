@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from loongforge.checkpoint import Rule
 from loongforge.errors import CheckpointError
 
