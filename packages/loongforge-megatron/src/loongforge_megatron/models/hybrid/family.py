@@ -12,6 +12,7 @@ from loongforge_megatron.models.gpt.family import GPTFamily
 from loongforge_megatron.models.gpt.translate import transformer_config
 from loongforge_megatron.models.hybrid import names
 from loongforge_megatron.models.hybrid.arch import HybridArch
+from loongforge_megatron.models.hybrid.config import HybridModelConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
 
@@ -24,6 +25,7 @@ class HybridFamily(GPTFamily):
     """A gated-DeltaNet hybrid LM. ``split_projections``: the HF DeltaNet layout (see ``names.py``)."""
 
     arch_type = HybridArch
+    model_section = HybridModelConfig
     split_projections = False
     supports = Supports(parallel=("tp", "sp", "pp", "vpp", "ep", "etp"), layers=("auto", "loongforge", "local"))
 
