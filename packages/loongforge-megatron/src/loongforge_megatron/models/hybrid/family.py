@@ -24,6 +24,7 @@ def _partial_rotary(cfg: HFConfig) -> float:
 class HybridFamily(GPTFamily):
     """A gated-DeltaNet hybrid LM. ``split_projections``: the HF DeltaNet layout (see ``names.py``)."""
 
+    kind = "a hybrid (gated DeltaNet + attention) language model"
     arch_type = HybridArch
     model_section = HybridModelConfig
     split_projections = False
