@@ -1,4 +1,4 @@
-"""Hybrid LMs under parallelism and packing (CPU, gloo, fp32): tp 2 + sp, pp 2 and ep 2 each train the losses of
+"""Hybrid LMs under parallelism and packing (CPU, gloo, fp32): tp 2 + sp, pp 2, ep 2 and cp 2 each train the losses of
 one process over 5 steps from the same HF checkpoint, and samples
 packed back to back (THD, ``cu_seqlens``) give the logits each sample gets alone, through the DeltaNet's varlen
 path and the attention's."""
@@ -11,7 +11,7 @@ import torch
 import yaml
 
 STEPS = 5
-LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
+LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "cp2": {"cp": 2}}
 
 
 def _recipe(path, hf_dir, parallel):

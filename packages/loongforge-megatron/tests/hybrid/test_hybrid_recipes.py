@@ -11,7 +11,6 @@ RECIPES = Path(__file__).parents[4] / "recipes" / "llm" / "tiny"
 
 
 @pytest.mark.parametrize("override, words", [
-    ("parallel.cp=2", "key 'parallel.cp'"),
     ("parallel.tp=4 model.num_query_groups=4", "linear_num_key_heads 2 does not split over parallel.tp 4"),
     ("model.linear_num_value_heads=3", "must be a multiple of linear_num_key_heads"),
     ("model.layer_types=[full_attention]", "layer_types has 1 entries for 4 layers"),

@@ -28,7 +28,7 @@ class HybridFamily(GPTFamily):
     arch_type = HybridArch
     model_section = HybridModelConfig
     split_projections = False
-    supports = Supports(parallel=("tp", "sp", "pp", "vpp", "ep", "etp"), layers=("auto", "loongforge", "local"))
+    supports = Supports(parallel=("tp", "sp", "cp", "pp", "vpp", "ep", "etp"), layers=("auto", "loongforge", "local"))
 
     def arch(self, fields: Any) -> HybridArch:
         return HybridArch(**{"family": self.name, **fields})
@@ -84,9 +84,6 @@ class HybridFamily(GPTFamily):
         return names.name_map(cfg, divisible_by=divisible_by, split=self.split_projections)
 
     def check_family(self, recipe: Any, plan: Any, arch: HybridArch) -> None:
-        if plan.cp > 1:
-            raise RecipeError(f"parallel.cp {plan.cp}: the gated DeltaNet layers of {self.name} do not hand their "
-                              "recurrent state across context-parallel ranks yet; use cp 1", key="parallel.cp")
         if arch.is_moe and not arch.moe_shared_expert_ffn:
             raise RecipeError(f"{self.name} MoE layers have a gated shared expert: set model.moe_shared_expert_ffn",
                               key="model.moe_shared_expert_ffn")

@@ -61,7 +61,8 @@ class GatedDeltaNet(torch.nn.Module):
         A_log, dt_bias [Hv]; norm.weight [dv] (replicated); out_proj [h, Hv dv]     (row parallel)
 
     Packed samples (``packed_seq_params``, THD) restart the convolution window and the recurrent state at every
-    ``cu_seqlens`` boundary.
+    ``cu_seqlens`` boundary. Under context parallelism every rank gathers the projections of the whole stream in
+    sequence order, runs it, and keeps its own tokens (the state is recomputed, not handed over).
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
@@ -77,6 +78,7 @@ class GatedDeltaNet(torch.nn.Module):
         if shape.key_heads % tp:
             raise ValueError(f"linear_num_key_heads {shape.key_heads} does not split over tp {tp}")
         self.tp_group = tp_group
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.hk = shape.key_heads // tp
         self.hv = shape.value_heads // tp
         s = shape
@@ -108,11 +110,27 @@ class GatedDeltaNet(torch.nn.Module):
             return copy_to_tensor_model_parallel_region(self.norm.weight, group=self.tp_group)
         return self.norm.weight
 
+    def _cp_order(self, packed_seq_params: Any, tokens: int) -> tuple[list[int], list[torch.Tensor]] | None:
+        """Under context parallelism: the global sample boundaries and every CP rank's global token positions."""
+        if self.cp_group is None or self.cp_group.size() == 1:
+            return None
+        from loongforge_megatron.engine.packing import bounds_of, cp_indices
+
+        cp = self.cp_group.size()
+        bounds = bounds_of(packed_seq_params) if packed_seq_params is not None else [0, tokens * cp]
+        return bounds, [cp_indices(bounds, cp_size=cp, cp_rank=r) for r in range(cp)]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, packed_seq_params: Any = None,
                 **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = self.shape
         qkvz, _ = self.in_proj_qkvz(hidden_states)  # [t, b, ...] (sequence gathered under SP)
         ba, _ = self.in_proj_ba(hidden_states)
+        order = self._cp_order(packed_seq_params, qkvz.shape[0])
+        if order is not None:
+            # NOTE: context parallelism: the recurrence needs every earlier token of its sample, which the other CP
+            # ranks hold (megatron's load-balanced chunks); gather the projections in sequence order, run the whole
+            # stream on every rank and keep this rank's tokens (the gather's backward sums the ranks' gradients)
+            qkvz, ba = self._cp_gather(qkvz, order[1]), self._cp_gather(ba, order[1])
         qkvz, ba = qkvz.transpose(0, 1), ba.transpose(0, 1)
         b, t = qkvz.shape[:2]
         qkvz = qkvz.reshape(b, t, self.hk, -1)
@@ -121,7 +139,10 @@ class GatedDeltaNet(torch.nn.Module):
         beta, alpha = torch.split(ba.reshape(b, t, self.hk, 2 * s.ratio), [s.ratio, s.ratio], dim=-1)
         beta, alpha = beta.reshape(b, t, self.hv), alpha.reshape(b, t, self.hv)
         cu, bounds = None, None
-        if packed_seq_params is not None:
+        if order is not None and packed_seq_params is not None:
+            bounds = order[0]
+            cu = torch.tensor(bounds, dtype=torch.int32, device=conv_in.device)
+        elif packed_seq_params is not None:
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             bounds = None if conv_in.is_cuda else [int(x) for x in cu.tolist()]
@@ -135,8 +156,20 @@ class GatedDeltaNet(torch.nn.Module):
         y = o.float()
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         y = (self._norm_weight() * y) * F.silu(z.float())
-        y = y.to(dtype).reshape(b, t, -1).transpose(0, 1).contiguous()
-        return self.out_proj(y)
+        y = y.to(dtype).reshape(b, t, -1).transpose(0, 1)
+        if order is not None:
+            rank = torch.distributed.get_rank(self.cp_group)
+            y = y.index_select(0, order[1][rank].to(y.device))
+        return self.out_proj(y.contiguous())
+
+    def _cp_gather(self, x: torch.Tensor, positions: list[torch.Tensor]) -> torch.Tensor:
+        """``[t_local, b, c]`` of every CP rank -> ``[t, b, c]`` in global sequence order (autograd: backward sums
+        each rank's gradient into its own part)."""
+        from loongforge_megatron.layers.attention import _gather_ranks
+
+        gathered = _gather_ranks(x, self.cp_group)
+        order = torch.argsort(torch.cat(positions)).to(x.device)
+        return gathered.index_select(0, order)
 
 
 def layer_specs(*, layer_types: list[str], shape: LinearShape, num_experts: int | None, grouped_experts: bool):
