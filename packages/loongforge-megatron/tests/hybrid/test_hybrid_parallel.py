@@ -60,28 +60,40 @@ def test_layout_equals_one_process(one_process, tmp_path, ranks, layout):
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
 
 
-def _packed_vs_alone(*, lengths):
-    from loongforge.parallel.plan import resolve_plan
+def _tiny_model(plan):
     from loongforge_megatron.engine.model import build_chunks
-    from loongforge_megatron.engine.packing import packed_seq_params
     from loongforge_megatron.engine.weights import seeded_init
     from loongforge_megatron.models.gpt.translate import transformer_config
     from loongforge_megatron.models.hybrid.layers import block_spec
     from loongforge_megatron.models.hybrid.qwen3_5 import SPEC
 
     arch = SPEC.arch(dict(SPEC.presets["qwen3.5-tiny"]))
-    config = transformer_config(arch, plan=resolve_plan(world_size=1), precision="fp32", cpu_init=True)
+    config = transformer_config(arch, plan=plan, precision="fp32", cpu_init=True)
     config.attention_output_gate = True
     spec = block_spec(config, layer_types=arch.layers, shape=arch.linear_shape, num_experts=None)
     (model,) = build_chunks(transformer_config=config, layer_spec=spec, vocab_size=arch.vocab_size,
                             max_sequence_length=64, rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta)
     seeded_init([model], config=config, seed=3)
-    model.eval()
-    tokens = torch.randint(0, arch.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    return model.eval(), arch
+
+
+def _packed_batch(lengths, vocab):
+    from loongforge_megatron.engine.packing import packed_seq_params
+
+    tokens = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return {"tokens": tokens, "position_ids": positions, "packed_seq_params": packed_seq_params(bounds)}, bounds
+
+
+def _packed_vs_alone(*, lengths):
+    from loongforge.parallel.plan import resolve_plan
+
+    model, arch = _tiny_model(resolve_plan(world_size=1))
+    batch, bounds = _packed_batch(lengths, arch.vocab_size)
+    tokens = batch["tokens"]
     with torch.no_grad():
-        packed = model(tokens, positions, None, packed_seq_params=packed_seq_params(bounds))
+        packed = model(tokens, batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
         alone = torch.cat([model(tokens[:, a:b], torch.arange(b - a)[None], None)
                            for a, b in zip(bounds, bounds[1:], strict=False)], dim=1)
     return packed, alone
@@ -90,3 +102,37 @@ def _packed_vs_alone(*, lengths):
 def test_packed_equals_unpacked(in_world, tmp_path):
     packed, alone = in_world(_packed_vs_alone, out=tmp_path / "w", lengths=[9, 3, 20])
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def _packed_cp(*, rank, world, lengths):
+    """This CP rank's global token positions and its logits of the packed stream (cp = world)."""
+    from loongforge.accelerator.cpu import CpuAccelerator
+    from loongforge.parallel.plan import resolve_plan
+    from loongforge_megatron import engine
+    from loongforge_megatron.device_adapters import adapted
+    from loongforge_megatron.engine.batch import cp_slice
+    from loongforge_megatron.engine.packing import cp_indices
+
+    acc = CpuAccelerator()
+    plan = resolve_plan(world_size=world, cp=world)
+    with adapted(acc):
+        engine.initialize(plan, accelerator=acc, seed=1)
+        try:
+            model, arch = _tiny_model(plan)
+            batch, bounds = _packed_batch(lengths, arch.vocab_size)
+            local = cp_slice(dict(batch)) if world > 1 else batch
+            with torch.no_grad():
+                out = model(local["tokens"], local["position_ids"], None, packed_seq_params=local["packed_seq_params"])
+            return cp_indices(bounds, cp_size=world, cp_rank=rank), out
+        finally:
+            engine.destroy(process_group=True)
+
+
+@pytest.mark.slow
+def test_packed_cp2_equals_one_process(ranks, tmp_path):
+    """Packed samples over 2 context-parallel ranks (each sample's load-balanced chunks): every rank's logits are
+    the one-process logits of its tokens (the DeltaNet's state crosses the ranks' chunks, attention's keys too)."""
+    lengths = [8, 20, 4]  # NOTE: multiples of 2 * cp
+    _, ref = ranks(_packed_cp, world=1, out=tmp_path / "one", lengths=lengths)[0]
+    for index, logits in ranks(_packed_cp, world=2, out=tmp_path / "cp2", lengths=lengths):
+        torch.testing.assert_close(logits, ref[:, index], rtol=1e-5, atol=1e-5)
