@@ -13,7 +13,6 @@ from loongforge.checkpoint import SafetensorsReader
 from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf
 
 
-
 @pytest.mark.parametrize("family,tp,pp,ep", [("qwen3_next", 2, 1, 2), ("qwen3_5", 2, 2, 1), ("qwen3_5_moe", 2, 2, 2)])
 def test_roundtrip_bit_exact(hybrid_hf, tmp_path, family, tp, pp, ep):
     src = hybrid_hf(family)
