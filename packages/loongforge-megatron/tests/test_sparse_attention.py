@@ -204,7 +204,7 @@ def test_hf_roundtrip_tp2_ep2_bit_exact(tmp_path, v32_hf):
 
     layout = hf_to_megatron(v32_hf, tmp_path / "mg", tp=2, pp=1, ep=2)
     assert layout.family == "deepseek_v32"
-    shard = SafetensorsReader(layout.rank_file(tmp_path / "mg", layout.ranks()[-1]))
+    shard = SafetensorsReader(layout.rank_file(tmp_path / "mg", list(layout.ranks())[-1]))
     assert "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight" in shard.keys()
     megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
     a, b = SafetensorsReader(v32_hf), SafetensorsReader(tmp_path / "hf")

@@ -162,7 +162,9 @@ class SparseMLAttention(torch.nn.Module):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         self.config = config
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
+        # NOTE: megatron's Attention base builds a core attention before MLA rebuilds it with its scale
+        head = k_channels or (config.qk_head_dim + config.qk_pos_emb_head_dim)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_group = pg_collection.tp
