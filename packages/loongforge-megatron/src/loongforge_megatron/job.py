@@ -231,7 +231,7 @@ class MegatronJob(Job):
         batches = self.schedule.microbatches(self.step_index, device=self.device)
         forward_step_fn = self.forward_step_fn
         if self.before_step is not None:
-            self.before_step(self.step_index)
+            self.before_step(self.step_index, self.optimizer)
         if self.balancer is not None:
             if self.cost_fit is None:
                 from loongforge_megatron.engine.cost_fit import WarmupCostFit

@@ -49,7 +49,7 @@ class Model:
     loss_key: str = "lm loss"
     whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
-    before_step: Callable[[int], None] | None = None  # called with the 0-based step index before each step
+    before_step: Callable[[int, Any], None] | None = None  # (0-based step index, the optimizer) before each step
     step_metrics: Callable[[], Mapping[str, float]] | None = None  # the model's own metrics of the step just run
 
 

@@ -172,10 +172,17 @@ class DeepseekV32(DeepseekV3):
         model.config.experimental_attention_variant_loss_scale_func = DSAIndexerLossAutoScaler.set_loss_scale
         config, bias_rate = model.config, getattr(model.config, "moe_router_bias_update_rate", 0.0)
 
-        def before_step(step: int) -> None:
+        def before_step(step: int, optimizer: Any) -> None:
             phase.at_step(step)
-            # NOTE: the warm-up keeps the routing as it is too (aux-loss-free balancing moves expert biases)
-            config.moe_router_bias_update_rate = bias_rate if phase.sparse else 0.0
+            if phase.sparse:
+                config.moe_router_bias_update_rate = bias_rate
+                return
+            # NOTE: the warm-up keeps the rest of the model as it is: zero gradients (the forward step), no weight
+            # decay (the scheduler sets it again after each step) and no expert-bias updates (aux-loss-free
+            # balancing would move the routing)
+            config.moe_router_bias_update_rate = 0.0
+            for group in optimizer.param_groups:
+                group["weight_decay"] = 0.0
 
         def step_metrics() -> dict[str, float]:
             return {"dsa_sparse": float(phase.sparse), "dsa_indexer_loss": phase.loss_per_token()}
