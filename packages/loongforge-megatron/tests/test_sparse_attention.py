@@ -228,3 +228,22 @@ def test_tp2_ep2_first_step_equals_transformers(tmp_path, v32_hf, reference_loss
     assert len(batches) == 2
     ref = reference_loss(v32_hf, batches)
     assert out[0][1][0]["loss"] == pytest.approx(ref, rel=1e-4)
+
+
+def test_arch_reads_and_writes_the_indexer_config(v32_hf):
+    """config.json -> architecture -> the config an export writes: transformers reads it back with the same indexer
+    (and the model type / class that carry it)."""
+    import transformers as tf
+    from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.registry import hf_config
+
+    arch = arch_from_hf(v32_hf)
+    assert (arch.family, arch.dsa_index_heads, arch.dsa_index_head_dim, arch.dsa_index_topk) == ("deepseek_v32", 8, 16,
+                                                                                                  TOPK)
+    cfg = hf_config(arch)
+    assert cfg["architectures"] == ["DeepseekV32ForCausalLM"] and cfg["model_type"] == "deepseek_v32"
+    back = tf.DeepseekV32Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    src = tf.DeepseekV32Config.from_pretrained(v32_hf)
+    for key in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank", "n_routed_experts",
+                "first_k_dense_replace", "vocab_size"):
+        assert getattr(back, key) == getattr(src, key), key
