@@ -90,6 +90,22 @@ def test_indexer_loss_equals_plain_torch(sparse):
     assert leaf.grad[~allowed].abs().max() == 0 and leaf.grad[allowed].abs().max() > 0
 
 
+@pytest.mark.parametrize(("args", "key"), [
+    (["parallel.cp=2", "--world-size", "2"], "parallel.cp"),
+    (["model.dsa.warmup_steps=-1"], "model.dsa.warmup_steps"),
+    (["model.dsa.wamrup_steps=3"], "model.dsa"),
+])
+def test_bad_dsa_settings_are_one_line_errors(capsys, args, key):
+    from pathlib import Path
+
+    from loongforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny" / "deepseek_v32_tiny.yaml"
+    assert main(["validate", str(recipe), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and key in err, err
+
+
 # ---- DeepSeek-V3.2 from a transformers-saved checkpoint
 
 
