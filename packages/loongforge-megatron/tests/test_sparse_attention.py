@@ -135,6 +135,33 @@ def v32_hf(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def glm5_hf(tmp_path_factory):
+    """A tiny GlmMoeDsaForCausalLM (GLM-5): the V3.2 checkpoint's sizes, interleaved-RoPE indexers, and a third
+    layer that shares the second one's top-k (no indexer of its own)."""
+    import transformers as tf
+
+    torch.manual_seed(1)
+    cfg = tf.GlmMoeDsaConfig(vocab_size=509, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6,
+                             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                             topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=TOPK,
+                             max_position_embeddings=256, indexer_types=["full", "full", "shared"])
+    model = tf.GlmMoeDsaForCausalLM(cfg)
+    assert model.model.layers[2].self_attn.indexer is None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.01 * torch.randn_like(b))
+    out = tmp_path_factory.mktemp("glm5") / "hf"
+    model.save_pretrained(out)
+    return out
+
+
 def _recipe(tmp_path, hf_dir, *, name, parallel=None, dsa=None, **train):
     import yaml
 
@@ -175,7 +202,9 @@ def _train(*, rank, world, recipe_path, run_dir, watch=(), export=None):
     return batches, metrics, snaps
 
 
-def test_first_step_loss_equals_transformers_with_the_indexer_active(tmp_path, v32_hf, reference_loss, ranks):
+@pytest.mark.parametrize("which", ["v32_hf", "glm5_hf"])
+def test_first_step_loss_equals_transformers_with_the_indexer_active(tmp_path, which, request, reference_loss, ranks):
+    v32_hf = request.getfixturevalue(which)
     recipe = _recipe(tmp_path, v32_hf, name="cpt")
     batches, metrics, _ = ranks(_train, world=1, out=tmp_path / "ranks", recipe_path=recipe,
                                 run_dir=tmp_path / "run")[0]
@@ -215,13 +244,15 @@ def test_dense_warmup_trains_the_indexer_alone_then_switches(tmp_path, v32_hf, r
     assert all(not torch.equal(snaps[3][n], snaps[2][n]) for n in rest)
 
 
-def test_hf_roundtrip_tp2_ep2_bit_exact(tmp_path, v32_hf):
+@pytest.mark.parametrize(("which", "family"), [("v32_hf", "deepseek_v32"), ("glm5_hf", "glm_moe_dsa")])
+def test_hf_roundtrip_tp2_ep2_bit_exact(tmp_path, which, family, request):
     """HF -> megatron (tp 2, ep 2: the indexer replicated on both TP ranks) -> HF, bit-exact."""
     from loongforge.checkpoint import SafetensorsReader
     from loongforge_megatron.conversion import MegatronLayout, hf_to_megatron, megatron_to_hf
 
+    v32_hf = request.getfixturevalue(which)
     layout = hf_to_megatron(v32_hf, tmp_path / "mg", tp=2, pp=1, ep=2)
-    assert layout.family == "deepseek_v32"
+    assert layout.family == family
     shard = SafetensorsReader(layout.rank_file(tmp_path / "mg", list(layout.ranks())[-1]))
     assert "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight" in shard.keys()
     megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
@@ -229,7 +260,7 @@ def test_hf_roundtrip_tp2_ep2_bit_exact(tmp_path, v32_hf):
     assert sorted(a.keys()) == sorted(b.keys())
     for k in a.keys():
         assert torch.equal(a.get(k), b.get(k)), k
-    assert MegatronLayout.load(tmp_path / "mg").family == "deepseek_v32"
+    assert MegatronLayout.load(tmp_path / "mg").family == family
 
 
 def _even_vocab(hf_dir, out):

@@ -44,6 +44,7 @@ class DSAPhase:
     losses: list[tuple[Tensor, int]] = field(default_factory=list)  # this step's (indexer loss sum, queries)
     layers: int = 0  # DSA layers on this rank
     kernel_calls: int = 0  # forwards that ran the registry's sparse MLA kernel
+    selection: tuple[Tensor, Tensor] | None = None  # the last indexer's (idx, valid), for layers that share it
 
     def at_step(self, step: int) -> None:
         """Enter the phase of optimizer step ``step`` (0-based): sparse from ``warmup_steps`` on."""
@@ -62,9 +63,9 @@ class LightningIndexer(torch.nn.Module):
     """The indexer's projections and norm; parameter names are megatron-core's ``DSAIndexer``'s."""
 
     def __init__(self, *, hidden_size: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, interleaved: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.rope_dim = heads, head_dim, rope_dim
+        self.heads, self.head_dim, self.rope_dim, self.interleaved = heads, head_dim, rope_dim, interleaved
         self.linear_wq_b = torch.nn.Linear(q_lora_rank, heads * head_dim, bias=False, dtype=dtype)
         self.linear_wk = torch.nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
         # NOTE: transformers' k_norm is a LayerNorm with its default bias and eps 1e-6 (not the model's RMSNorm)
@@ -76,7 +77,8 @@ class LightningIndexer(torch.nn.Module):
         s, b, _ = x.shape
         q = self.linear_wq_b(qr).view(s, b, self.heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
-        q, k = _rope(q, cos, sin, self.rope_dim), _rope(k, cos, sin, self.rope_dim).squeeze(2)
+        q = _rope(q, cos, sin, self.rope_dim, interleaved=self.interleaved)
+        k = _rope(k, cos, sin, self.rope_dim, interleaved=self.interleaved).squeeze(2)
         w = self.linear_weights_proj(x).float() * self.heads**-0.5  # [s, b, H]
         scores = torch.einsum("sbhd,tbd->bsht", q.float(), k.float()) * self.head_dim**-0.5
         scores = torch.einsum("bsht,sbh->bst", F.relu(scores), w)
@@ -84,9 +86,12 @@ class LightningIndexer(torch.nn.Module):
         return scores.masked_fill(future, float("-inf"))
 
 
-def _rope(t: Tensor, cos: Tensor, sin: Tensor, dim: int) -> Tensor:
-    """Half-split RoPE on ``t``'s leading ``dim`` channels (``cos`` / ``sin``: [s, dim], transformers' layout)."""
+def _rope(t: Tensor, cos: Tensor, sin: Tensor, dim: int, *, interleaved: bool = False) -> Tensor:
+    """Half-split RoPE on ``t``'s leading ``dim`` channels (``cos`` / ``sin``: [s, dim], transformers' layout);
+    ``interleaved``: the pairs are (0, 1), (2, 3) ... (GLM-5's indexer): de-interleaved first, as transformers does."""
     rot, rest = t[..., :dim], t[..., dim:]
+    if interleaved:
+        rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
     c, s_ = cos.view(cos.shape[0], 1, 1, dim).to(t.dtype), sin.view(sin.shape[0], 1, 1, dim).to(t.dtype)
     half = dim // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
@@ -157,7 +162,8 @@ class SparseMLAttention(torch.nn.Module):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
-                 pg_collection=None, *, index_heads: int, index_head_dim: int) -> None:
+                 pg_collection=None, *, index_heads: int, index_head_dim: int, rope_interleaved: bool = False,
+                 shared_layers: frozenset[int] = frozenset()) -> None:
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -168,9 +174,12 @@ class SparseMLAttention(torch.nn.Module):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_group = pg_collection.tp
-        self.indexer = LightningIndexer(hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
-                                        heads=index_heads, head_dim=index_head_dim,
-                                        rope_dim=config.qk_pos_emb_head_dim, dtype=config.params_dtype)
+        # NOTE: a layer in ``shared_layers`` (0-based) has no indexer: it attends to the keys the last layer with
+        # one chose (GLM-5's cross-layer top-k sharing)
+        self.indexer = None if layer_number - 1 in shared_layers else LightningIndexer(
+            hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank, heads=index_heads,
+            head_dim=index_head_dim, rope_dim=config.qk_pos_emb_head_dim, dtype=config.params_dtype,
+            interleaved=rope_interleaved)
         self.phase: DSAPhase | None = None  # set for the whole model by the family (one object, every layer)
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
 
@@ -210,12 +219,18 @@ class SparseMLAttention(torch.nn.Module):
         if self.config.sequence_parallel and self.tp_group.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
-        learn = self.training and torch.is_grad_enabled() and phase.loss_weight > 0
-        cos, sin = self._cos_sin(s, x.device)
-        with torch.enable_grad() if learn else torch.no_grad():
-            scores = self.indexer(x, qr, cos=cos, sin=sin)
-        idx, valid = select_topk(scores, phase.topk)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(scores.shape[0], s, s)
+        learn = self.training and torch.is_grad_enabled() and phase.loss_weight > 0 and self.indexer is not None
+        if self.indexer is None:
+            if phase.selection is None:
+                raise ValueError("a DSA layer that shares the top-k of an earlier layer runs before any layer with an "
+                                 "indexer (the first layer of a pipeline stage must have one)")
+            idx, valid = phase.selection
+        else:
+            cos, sin = self._cos_sin(s, x.device)
+            with torch.enable_grad() if learn else torch.no_grad():
+                scores = self.indexer(x, qr, cos=cos, sin=sin)
+            idx, valid = phase.selection = select_topk(scores, phase.topk)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(idx.shape[0], s, s)
         chosen = selection_mask(idx, valid, s)
         if not phase.sparse:
             out = restricted_attention(query, key, value, causal, scale=self.softmax_scale)
@@ -246,14 +261,17 @@ class SparseMLAttention(torch.nn.Module):
             return None
 
 
-def sparse_layer_spec(layer_spec: Any, *, index_heads: int, index_head_dim: int) -> Any:
+def sparse_layer_spec(layer_spec: Any, *, index_heads: int, index_head_dim: int, rope_interleaved: bool = False,
+                      shared_layers: frozenset[int] = frozenset()) -> Any:
     """``layer_spec`` (an MLA layer's ModuleSpec) with :class:`SparseMLAttention` as its core attention."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     attn = layer_spec.submodules.self_attention
-    core = ModuleSpec(module=SparseMLAttention, params={"index_heads": index_heads, "index_head_dim": index_head_dim})
+    core = ModuleSpec(module=SparseMLAttention, params={"index_heads": index_heads, "index_head_dim": index_head_dim,
+                                                        "rope_interleaved": rope_interleaved,
+                                                        "shared_layers": shared_layers})
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attn))
 

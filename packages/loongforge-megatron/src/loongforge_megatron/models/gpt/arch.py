@@ -93,6 +93,11 @@ class Arch(BaseModel):
     dsa_index_heads: int | None = Field(None, ge=1, description="lightning-indexer heads (unset: dense attention)")
     dsa_index_head_dim: int | None = Field(None, ge=1)
     dsa_index_topk: int | None = Field(None, ge=1, description="keys each query attends to under sparse attention")
+    dsa_index_rope_interleaved: bool = Field(False, description="the indexer's RoPE pairs channels (0, 1), (2, 3) ... "
+                                             "(GLM-5) instead of the two halves (DeepSeek-V3.2)")
+    dsa_index_shared_layers: list[int] | None = Field(
+        None, description="0-based layers without an indexer that reuse the previous indexer's top-k (GLM-5's "
+        "indexer_types 'shared')")
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -142,6 +147,10 @@ class Arch(BaseModel):
                                          and self.dsa_index_topk):
             raise ValueError("sparse attention (dsa_index_heads) needs MLA with q_lora_rank, dsa_index_head_dim and "
                              "dsa_index_topk")
+        shared = self.dsa_index_shared_layers or []
+        if shared and (0 in shared or not all(0 <= i < self.num_layers for i in shared)):
+            raise ValueError(f"dsa_index_shared_layers {shared} must be layers 1..{self.num_layers - 1} (layer 0 "
+                             "computes its own top-k)")
         if self.dsa_index_heads and self.dsa_index_head_dim < (self.qk_rope_head_dim or 0):
             raise ValueError(f"dsa_index_head_dim ({self.dsa_index_head_dim}) must hold the qk_rope_head_dim "
                              f"({self.qk_rope_head_dim}) channels RoPE rotates")

@@ -57,9 +57,13 @@ class DeepseekV32ModelConfig(ModelConfig):
     dsa: DSASettings = Field(default_factory=DSASettings)
 
 
-def indexer(h: HFConfig) -> list[Entry]:
-    """The lightning indexer's tensors: replicated on every TP rank (each rank scores the whole sequence)."""
+def indexer(h: HFConfig, *, shared: frozenset[int] = frozenset()) -> list[Entry]:
+    """The lightning indexer's tensors: replicated on every TP rank (each rank scores the whole sequence); none in
+    the ``shared`` layers (which reuse an earlier layer's top-k)."""
     m, hf = L + "self_attention.core_attention.indexer.", H + "self_attn.indexer."
+
+    def has(i: int) -> bool:
+        return i not in shared
 
     def heads(c):
         return c["index_n_heads"]
@@ -68,12 +72,13 @@ def indexer(h: HFConfig) -> list[Entry]:
         return c["index_head_dim"]
 
     return [
-        Entry(m + "linear_wq_b.weight", hf + "wq_b.weight", Replicated(),
+        Entry(m + "linear_wq_b.weight", hf + "wq_b.weight", Replicated(), layers=has,
               shape=lambda c: (heads(c) * dim(c), c["q_lora_rank"])),
-        Entry(m + "linear_wk.weight", hf + "wk.weight", Replicated(), shape=lambda c: (dim(c), c["hidden_size"])),
-        Entry(m + "k_norm.weight", hf + "k_norm.weight", Replicated(), shape=lambda c: (dim(c),)),
-        Entry(m + "k_norm.bias", hf + "k_norm.bias", Replicated(), shape=lambda c: (dim(c),)),
-        Entry(m + "linear_weights_proj.weight", hf + "weights_proj.weight", Replicated(),
+        Entry(m + "linear_wk.weight", hf + "wk.weight", Replicated(), layers=has,
+              shape=lambda c: (dim(c), c["hidden_size"])),
+        Entry(m + "k_norm.weight", hf + "k_norm.weight", Replicated(), layers=has, shape=lambda c: (dim(c),)),
+        Entry(m + "k_norm.bias", hf + "k_norm.bias", Replicated(), layers=has, shape=lambda c: (dim(c),)),
+        Entry(m + "linear_weights_proj.weight", hf + "weights_proj.weight", Replicated(), layers=has,
               shape=lambda c: (heads(c), c["hidden_size"])),
     ]
 
@@ -84,7 +89,9 @@ def _sparse_block(spec: Any, arch: Arch) -> Any:
     from loongforge_megatron.layers.sparse_attention import sparse_layer_spec
 
     def layer(s: Any) -> Any:
-        return sparse_layer_spec(s, index_heads=arch.dsa_index_heads, index_head_dim=arch.dsa_index_head_dim)
+        return sparse_layer_spec(s, index_heads=arch.dsa_index_heads, index_head_dim=arch.dsa_index_head_dim,
+                                 rope_interleaved=arch.dsa_index_rope_interleaved,
+                                 shared_layers=frozenset(arch.dsa_index_shared_layers or ()))
 
     if not callable(spec) or hasattr(spec, "submodules"):
         return layer(spec)
@@ -139,9 +146,14 @@ class DeepseekV32(DeepseekV3):
                    index_topk=arch.dsa_index_topk)
         return cfg
 
+    def shared_layers(self, cfg: HFConfig) -> frozenset[int]:
+        """Layers without an indexer in an HF config (none for DeepSeek-V3.2)."""
+        return frozenset()
+
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128) -> NameMap:
         first, last = ends(cfg, divisible_by=divisible_by)
-        return NameMap(with_mtp(cfg, first, norms() + mla_attention(cfg) + indexer(cfg) + mlp(cfg), last))
+        attention = mla_attention(cfg) + indexer(cfg, shared=self.shared_layers(cfg))
+        return NameMap(with_mtp(cfg, first, norms() + attention + mlp(cfg), last))
 
     def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
         super().check_family(recipe, plan, arch)
