@@ -29,10 +29,11 @@ def _inputs(seed=0, s=12, b=2, h=3, dk=10, dv=6):
     return q, k, v, scores
 
 
-@pytest.mark.parametrize("path", ["mask", "kernel_op"])
+@pytest.mark.parametrize("path", ["mask", "kernel_op", "warmup"])
 def test_sparse_attention_equals_dense_restricted_to_the_topk(path):
     """Forward and backward: our sparse attention (the exact masked path, and the sparse MLA kernel's contract via
-    the registry's torch op) equals dense attention restricted to the same top-k keys."""
+    the registry's torch op) equals dense attention restricted to the same top-k keys; the warm-up's dense path
+    equals it over all causal keys."""
     from loongforge.kernels import select_op
     from loongforge_megatron.layers.sparse_attention import (
         kernel_attention,
@@ -47,7 +48,10 @@ def test_sparse_attention_equals_dense_restricted_to_the_topk(path):
     assert allowed.sum(-1).tolist()[0][:6] == [1, 2, 3, 4, 5, 5]  # early queries have fewer than topk keys
     scale = 0.3
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    if path == "mask":
+    if path == "warmup":
+        allowed = torch.ones_like(allowed).tril()
+        ours = restricted_attention(*leaves, None, scale=scale)
+    elif path == "mask":
         ours = restricted_attention(*leaves, allowed, scale=scale)
     else:
         op = select_op("sparse_mla_attention", provider="torch", device_type="cpu")

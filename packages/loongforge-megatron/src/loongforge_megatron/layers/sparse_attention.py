@@ -130,10 +130,14 @@ def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float,
     return kl.indexer_kl_sum(target, log_p, allowed)
 
 
-def restricted_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, *, scale: float) -> Tensor:
-    """Exact attention over each query's allowed keys (``mask`` [b, s, s], True = attend): SDPA, ``[s, b, h*dv]``."""
+def restricted_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
+    """Exact attention over each query's allowed keys (``mask`` [b, s, s], True = attend; None: causal, SDPA's
+    flash path on GPU): SDPA, ``[s, b, h*dv]``."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
     b, h, s, dv = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, h * dv)
 
@@ -233,7 +237,7 @@ class SparseMLAttention(torch.nn.Module):
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(idx.shape[0], s, s)
         chosen = selection_mask(idx, valid, s)
         if not phase.sparse:
-            out = restricted_attention(query, key, value, causal, scale=self.softmax_scale)
+            out = restricted_attention(query, key, value, None, scale=self.softmax_scale)
         elif query.device.type == "cuda" and (op := self._kernel()) is not None:
             out = kernel_attention(op, query, key, value, idx, valid, scale=self.softmax_scale)
             phase.kernel_calls += 1
