@@ -98,6 +98,7 @@ def test_indexer_loss_equals_plain_torch(sparse):
     (["parallel.cp=2", "--world-size", "2"], "parallel.cp"),
     (["model.dsa.warmup_steps=-1"], "model.dsa.warmup_steps"),
     (["model.dsa.wamrup_steps=3"], "model.dsa"),
+    (["model.preset=glm-5-tiny", "model.num_layers=4", "parallel.pp=2", "--world-size", "2"], "parallel.pp"),
 ])
 def test_bad_dsa_settings_are_one_line_errors(capsys, args, key):
     from pathlib import Path
@@ -282,6 +283,7 @@ def _even_vocab(hf_dir, out):
     return out
 
 
+@pytest.mark.slow
 def test_tp2_ep2_first_step_equals_transformers(tmp_path, v32_hf, reference_loss, ranks):
     """One gloo launch at tp 2, ep 2 (sequence parallel): the checkpoint loads onto the layout and exports back
     bit-exact, and the first step's loss, sparse, is transformers'."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loongforge.errors import RecipeError
+
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.deepseek_v32 import DeepseekV32
 from loongforge_megatron.models.gpt.names import HFConfig
@@ -67,6 +69,14 @@ class GlmMoeDsa(DeepseekV32):
 
     def shared_layers(self, cfg: HFConfig) -> frozenset[int]:
         return frozenset(i for i, t in enumerate(_indexer_types(cfg)) if t == "shared")
+
+    def check_family(self, recipe: Any, plan: Any, arch: Arch) -> None:
+        super().check_family(recipe, plan, arch)
+        if arch.dsa_index_shared_layers and plan.pp > 1:
+            # NOTE: a shared layer reads the top-k of the layer before it, which may sit on the previous stage
+            raise RecipeError(f"layers {arch.dsa_index_shared_layers} reuse an earlier layer's top-k (indexer_types "
+                              "shared), which does not cross pipeline stages here: use parallel.pp 1",
+                              key="parallel.pp")
 
 
 SPEC = GlmMoeDsa()
