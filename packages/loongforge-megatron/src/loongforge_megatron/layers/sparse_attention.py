@@ -113,18 +113,25 @@ def selection_mask(idx: Tensor, valid: Tensor, n_keys: int) -> Tensor:
 
 
 def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float, allowed: Tensor,
-                    tp_group: Any = None) -> Tensor:
+                    tp_group: Any = None, chunk: int = 1024) -> Tensor:
     """Sum over queries of KL(p || softmax(scores)) where p is the attention distribution summed over all heads
     (TP ranks' heads all-reduced) and L1-normalised; both restricted to ``allowed`` [b, s, s] keys.
 
-    ``query`` [s, b, h, d], ``key`` [s, b, h, d] are detached: the loss trains the indexer only."""
+    ``query`` [s, b, h, d], ``key`` [s, b, h, d] are detached: the loss trains the indexer only. The target is built
+    ``chunk`` queries at a time, so the per-head scores never exist for the whole sequence at once."""
     from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss as kl
 
-    attn = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * scale
-    attn = attn.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1).sum(1)  # [b, s, s]
-    if tp_group is not None and tp_group.size() > 1:
-        torch.distributed.all_reduce(attn, group=tp_group)
-    target = kl.normalize_indexer_target(attn)
+    s = query.shape[0]
+    target = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+    with torch.no_grad():
+        for start in range(0, s, chunk):
+            end = min(start + chunk, s)
+            attn = torch.einsum("sbhd,tbhd->bhst", query[start:end].float(), key.float()) * scale
+            attn = attn.masked_fill(~allowed[:, start:end].unsqueeze(1), float("-inf"))
+            target[:, start:end] = attn.softmax(-1).sum(1)
+        if tp_group is not None and tp_group.size() > 1:
+            torch.distributed.all_reduce(target, group=tp_group)
+        target = kl.normalize_indexer_target(target)
     log_p = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     log_p = log_p.masked_fill(~allowed, 0.0)
     return kl.indexer_kl_sum(target, log_p, allowed)
