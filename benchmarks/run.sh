@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | fp8 | vlm | dit | vla | eval | kernels | convert"
+names="llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -57,6 +57,10 @@ case $name in
     ;;
   moe)
     gpu_tests 90 packages/loongforge-megatron/tests/test_grouped_experts.py
+    if (( gpus >= 2 )); then  # expert replicas and the overlapped all-to-all under EP 2 (NCCL)
+      export NCCL_NVLS_ENABLE=0  # NVLink multicast off
+      gpu_tests 300 packages/loongforge-megatron/tests/test_moe_replicas.py
+    fi
     step moe_throughput 450 python3 benchmarks/moe_throughput.py --preset qwen3-30b-a3b --layers 4 --seq 4096 \
       --mbs 2 --steps 20 --variants loongforge,hf_grouped_mm,hf_grouped_mm_compile --timeout 140 \
       --out "$out/moe_throughput.md"
@@ -88,6 +92,12 @@ case $name in
     step dit_throughput 500 python3 benchmarks/dit_throughput.py --preset dit-xl-2-256 --batch 64 --steps 20 \
       --warmup 5 --out "$out/dit_throughput.md"
     ;;
+  wan)
+    wan=(python3 benchmarks/wan_throughput.py --batch 1 --steps 10 --warmup 3)
+    step wan_t2v_1_3b 420 "${wan[@]}" --preset wan2.1-t2v-1.3b --timeout 130 --out "$out/wan_t2v_1_3b.md"
+    step wan_ti2v_5b 300 "${wan[@]}" --preset wan2.2-ti2v-5b --layers 10 --latent 21,44,80 \
+      --variants loongforge,diffusers_compile --timeout 140 --out "$out/wan_ti2v_5b.md"
+    ;;
   vla)
     gpu_tests 290 packages/loongforge-embodied/tests/test_gpu_compile.py
     step vla_step 250 python3 benchmarks/vla_throughput.py --policy lerobot_pi05 --batch 16 --steps 15 --warmup 4
@@ -98,6 +108,10 @@ case $name in
         --warmup 5 --only ours --compile --compile-mode reduce-overhead --data-root "$VLA_DATA" --workers 8
     fi
     ;;
+  smolvla)
+    step smolvla_throughput 500 python3 benchmarks/smolvla_throughput.py --batch 64 --steps 20 --warmup 5 \
+      --timeout 240 --out "$out/smolvla_throughput.md"
+    ;;
   eval)
     step eval_pusht 560 bash benchmarks/pusht_closed_loop.sh "$out/eval"
     ;;
@@ -105,6 +119,11 @@ case $name in
     gpu_tests 120 packages/loongforge-kernels/tests/test_gpu.py -k "not tilelang and not sparse_mla"
     step kernels_bench 390 python3 benchmarks/kernels_bench.py --only rms_norm,swiglu,rope,flce,moe --rep 200 \
       --out "$out/kernels_bench.md"
+    ;;
+  scaling)
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast off
+    step scaling 1200 python3 benchmarks/scaling.py --preset llama3.2-1b --seq 4096 --mbs 2 --steps 12 --warmup 4 \
+      --timeout 140 --out "$out/scaling.md"
     ;;
   convert)
     step checkpoint_convert_memory 400 python3 benchmarks/checkpoint_convert_memory.py --workdir "$out/convert"

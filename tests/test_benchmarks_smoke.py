@@ -43,6 +43,7 @@ def _table_rows(path: Path) -> list[str]:
     ("llm_throughput", "loongforge", "hf_eager", 1e-4),
     ("moe_throughput", "loongforge", "hf_grouped_mm", 1e-3),
     ("dit_throughput", "loongforge", "diffusers_eager", 1e-3),
+    ("wan_throughput", "loongforge", "diffusers_eager", 1e-4),
     ("vlm_throughput", "loongforge", "hf_eager", 1e-2),
     ("fp8_throughput", "ours_bf16", "hf_eager_bf16", None),  # NOTE: the HF peer draws its own init and tokens
 ])
@@ -84,6 +85,18 @@ def test_vla_benchmark_smoke(load, tmp_path):
     assert [r[3] for r in rows] == ["ours"] and "CPU" in rows[0][1]
 
 
+def test_smolvla_benchmark_smoke(load, tmp_path):
+    """Both sides train the same trainable parameters (LeRobot's train_expert_only = our model.freeze)."""
+    rows = load("smolvla_throughput").main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "r.md")])
+    assert set(rows) == {"loongforge", "lerobot_step"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0
+    assert rows["loongforge"]["trainable_m"] == rows["lerobot_step"]["trainable_m"] > 0
+    assert (tmp_path / "r.md").read_text().rstrip().splitlines()[-1].startswith("loongforge / lerobot_step: ")
+    assert len(_table_rows(tmp_path / "smolvla_throughput.md")) == 2
+
+
 def test_checkpoint_convert_memory_smoke(load, tmp_path):
     rows = load("checkpoint_convert_memory").main(["--smoke", "--results", str(tmp_path)])
     assert [r["direction"] for r in rows] == ["hf_to_megatron", "megatron_to_hf"]
@@ -96,3 +109,19 @@ def test_fp8_allgather_codec_smoke(load, tmp_path):
     assert c["bit_identical"] is True  # the backend's codec equals the kernels package's reference, byte for byte
     table = [line.split(" | ") for line in _table_rows(tmp_path / "fp8_allgather.md")]
     assert [r[3] for r in table] == ["encode", "decode"]
+
+
+def test_scaling_benchmark_smoke(load, tmp_path):
+    """Two gloo processes each side: ours through ``loongforge train --nproc 2``, the peer HF + DDP under torchrun;
+    the same global batches, so the global losses agree."""
+    harness = sys.modules["harness"]
+    rows = load("scaling").main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    assert set(rows) == {"loongforge_dp2", "torch_ddp_dp2"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0 and r["procs"] == 2
+    assert harness.loss_diff(rows["loongforge_dp2"]["losses"], rows["torch_ddp_dp2"]["losses"]) < 1e-4
+    report = (tmp_path / "report.md").read_text()
+    assert report.rstrip().splitlines()[-1].startswith("loongforge_dp2 / torch_ddp_dp2: ")
+    table = _table_rows(tmp_path / "scaling.md")
+    assert [line.split(" | ")[3] for line in table] == ["loongforge_dp2", "torch_ddp_dp2"]

@@ -141,6 +141,8 @@ KIND_WORDS = {
     "dit": ("dit", "latents", "vae", "class_dropout", "sample_size", "learn_sigma", "adaln"),
     "llava": ("llava", "CLIP"),
     "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
+    "wan": ("wan", "t2v", "i2v", "ti2v", "umt5", "latent_frames", "latent_height", "latent_width", "boundary_ratio",
+            "image_tokens", "rope_max_seq_len", "added_kv_proj_dim"),
 }
 
 

@@ -157,6 +157,9 @@ class MegatronBackend(Backend):
             check_freeze(recipe.train.freeze, groups=getattr(spec, "groups", {}), stage=recipe.train.stage,
                          names=parameter_names(spec, arch))
         check_supports(recipe, plan, spec)
+        from loongforge_megatron.layers.selection import check_moe_runtime
+
+        check_moe_runtime(recipe, arch, plan)
         spec.check(recipe, plan, arch)
         load = recipe.checkpoint.load
         if load and (Path(load) / "config.json").is_file():
@@ -248,15 +251,25 @@ class MegatronBackend(Backend):
         from loongforge_megatron.conversion.layout import LAYOUT_FILE
 
         force = layout.pop("force", False)
+        fp8 = layout.pop("fp8", False)
+        dequantize_dtype = layout.pop("dequantize_dtype", None)
         etp = layout.pop("etp", None) or layout["tp"]
+        if fp8 and to != "hf":
+            raise CheckpointError("--fp8 applies to --to hf (an FP8 source is dequantized by --to megatron as it is "
+                                  "read)")
+        if dequantize_dtype is not None and (to != "megatron" or not (Path(src) / "config.json").exists()):
+            raise CheckpointError("--dequantize-dtype applies to --to megatron from an HF directory")
         if to == "hf":
             split = [k for k in ("first_stage_layers", "last_stage_layers") if layout.get(k) is not None]
             if split:
                 raise CheckpointError(f"--{split[0].replace('_', '-')} applies to --to megatron; with --to hf the "
                                       f"source's {LAYOUT_FILE} says how it was split")
-            megatron_to_hf(src, dst, force=force)
+            megatron_to_hf(src, dst, force=force, fp8=fp8)
         elif (Path(src) / "config.json").exists():  # NOTE: a FIFO or folder there is refused naming it
-            hf_to_megatron(src, dst, etp=etp, force=force, **layout)
+            import torch
+
+            dtype = getattr(torch, dequantize_dtype) if dequantize_dtype is not None else None
+            hf_to_megatron(src, dst, etp=etp, force=force, dequantize_dtype=dtype, **layout)
         else:
             reshard(src, dst, etp=etp, force=force, **layout)
 

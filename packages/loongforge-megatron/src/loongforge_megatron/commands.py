@@ -25,6 +25,11 @@ def register_convert(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline split: layers on stage 0")
     p.add_argument("--last-stage-layers", type=int, default=None, help="uneven pipeline split: layers on the last stage")
+    p.add_argument("--fp8", action="store_true", help="--to hf: write the decoder layers' linear weights as "
+                   "block-scaled FP8 (weight_scale_inv per 128x128 block, the published DeepSeek-V3 format)")
+    p.add_argument("--dequantize-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="--to megatron from a block-scaled FP8 checkpoint: the dtype its FP8 weights dequantize to "
+                   "(default: the checkpoint's own; float32 keeps an FP8 -> megatron -> FP8 round trip byte-exact)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty destination")
     p.set_defaults(handler=convert)
 
@@ -45,7 +50,8 @@ def convert(args: argparse.Namespace) -> int:
                               "with checkpoint.save_format [dist, hf] for HF weights")
     MegatronBackend().convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                               etp=args.etp, force=args.force, first_stage_layers=args.first_stage_layers,
-                              last_stage_layers=args.last_stage_layers)
+                              last_stage_layers=args.last_stage_layers, fp8=args.fp8,
+                              dequantize_dtype=args.dequantize_dtype)
     print(f"wrote {args.dst}")
     return 0
 

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from loongforge_megatron.models import registry
 
-_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "init_on_cpu")
+_NOT_ARCH = ("family", "preset", "hf", "tokenizer", "init_on_cpu", "moe")
 
 
 def arch_keys(schema: type[ModelConfig] | None = None) -> list[str]:
@@ -51,6 +51,19 @@ def spec_for(model: dict[str, Any], *, explain: bool = False) -> Any:
         return registry.get("llama")
     except Exception:  # NOTE: any failure here is reported by validating the section, naming the key
         return None
+
+
+class MoeConfig(Section):
+    """How a MoE model's experts run under expert parallelism (not the architecture: the math is the same)."""
+
+    replica_slots_per_rank: int = Field(0, ge=0, description="extra expert slots on every EP rank for copies of "
+                                        "hot experts, planned from the router's live loads (needs parallel.ep > 1, "
+                                        "grouped experts, megatron's alltoall dispatcher); checkpoints never "
+                                        "contain the copies")
+    replica_interval: int = Field(1, ge=1, description="steps between two replica plans (each from the loads of "
+                                  "the steps since the last)")
+    overlap_a2a: bool = Field(False, description="dispatch / combine one half of a MoE layer's tokens while the "
+                              "experts compute the other half (side stream on CUDA; needs parallel.ep > 1)")
 
 
 class ModelConfig(Section):
@@ -98,6 +111,8 @@ class ModelConfig(Section):
     moe_token_dispatcher: Literal["auto", "permute", "alltoall", "allgather"] | None = None
     moe_shared_expert_overlap: bool | None = Field(None, description="MoE with shared experts: compute them while "
                                                    "the all-to-all dispatches the routed tokens")
+    moe: MoeConfig = Field(default_factory=MoeConfig, description="expert replicas and the overlapped all-to-all "
+                           "of MoE models")
     mtp_num_layers: int | None = Field(None, ge=0, description="multi-token prediction (DeepSeek-V3's MTP): depths "
                                        "trained after the decoder, loaded from / exported to the HF layers after "
                                        "num_hidden_layers")

@@ -219,14 +219,16 @@ def export_hf(chunks: list[torch.nn.Module], out_dir: str | Path, *, spec: Any, 
 
 
 def _peft_tensors(source, read: Callable, layout, lora_names: set[str], *,
-                  peft_name: Callable[[str], str] = lambda n: n) -> dict[str, torch.Tensor]:
+                  peft_name: Callable[[str], str] = lambda n: n,
+                  prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
     """PEFT-named A/B for every LoRA-wrapped linear, split per HF projection.
 
     The factor that is sharded like the base weight (B of a column-parallel layer, A of a row-parallel one)
     goes through the weight's own rule, so fused qkv B splits into q/k/v and fc1 B into gate/up exactly as
     the weight does; the replicated factor is copied to every HF projection of the group. ``peft_name``: a
     checkpoint tensor name -> the module path PEFT matches (the spec's ``peft_name``; a VLM's files and its
-    transformers modules spell the language model differently).
+    transformers modules spell the language model differently); ``prefix``: what every name starts with (the
+    spec's ``peft_prefix``).
     """
     from loongforge_megatron.conversion.engine import hf_params, key_of
 
@@ -244,7 +246,7 @@ def _peft_tensors(source, read: Callable, layout, lora_names: set[str], *,
         split, repl = ("lora_B", "lora_A") if _is_column(src) else ("lora_A", "lora_B")
         parts = src.rule.to_hf(shards[split])
         for role, t in parts.items():
-            name = "base_model.model." + peft_name(p.hf[role])[: -len("weight")]
+            name = prefix + peft_name(p.hf[role])[: -len("weight")]
             out[name + split + ".weight"] = t.contiguous()
             out[name + repl + ".weight"] = shards[repl][0].clone()  # NOTE: safetensors refuses shared storage
     return out
@@ -283,12 +285,12 @@ def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any
     if me == 0:
         read = _receiver(mine, holdings)
         source = MegatronSource(layout, read=read, spec=holdings.spec)
-        tensors = _peft_tensors(source, read, layout, lora_names,
-                                peft_name=spec.peft_name)
-        modules = sorted({k.split(".")[-3] for k in tensors})
+        prefix = spec.peft_prefix
+        tensors = _peft_tensors(source, read, layout, lora_names, peft_name=spec.peft_name, prefix=prefix)
+        modules = sorted({k[len(prefix): k.rindex(".lora_")].rsplit(".", 1)[-1] for k in tensors})
         if spec.peft_module_paths:
             # NOTE: PEFT would adapt the model's other linears of the same names too
-            modules = sorted({k[len("base_model.model."): k.rindex(".lora_")] for k in tensors})
+            modules = sorted({k[len(prefix): k.rindex(".lora_")] for k in tensors})
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
@@ -299,7 +301,7 @@ def export_peft(chunks: list[torch.nn.Module], out_dir: str | Path, *, lora: Any
         staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, staging / spec.peft_weights, metadata={"format": "pt", **spec.peft_metadata(config)})
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
         fsync_tree(staging)
         replace_dir(staging, out)

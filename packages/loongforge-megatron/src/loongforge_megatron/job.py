@@ -79,7 +79,7 @@ class MegatronJob(Job):
         if t.stage == "lora":
             from loongforge_megatron.lora import apply_lora
 
-            self.lora = apply_lora(self.chunks, t.lora, seed=t.seed)
+            self.lora = apply_lora(self.chunks, t.lora, seed=t.seed, targets=built.lora_targets)
         if t.freeze:
             from loongforge_megatron.freeze import freeze
 
@@ -138,6 +138,14 @@ class MegatronJob(Job):
             repeat = (plan.tp if plan.tp > 1 and not plan.sp else 1) * (2 if plan.recompute == "full" else 1)
             self.router_load = RouterLoad(self.chunks, num_layers=arch.num_layers, num_experts=arch.num_experts,
                                           ep=plan.ep, device=self.device, repeat=repeat)
+        self.replicas = None
+        if arch.is_moe and recipe.model.moe.replica_slots_per_rank:
+            from loongforge_megatron.moe.replicas import ReplicaSchedule
+
+            self.replicas = ReplicaSchedule(
+                self.chunks, num_layers=arch.num_layers, num_experts=arch.num_experts, ep=plan.ep,
+                slots_per_rank=arch.num_experts // plan.ep + recipe.model.moe.replica_slots_per_rank,
+                interval=recipe.model.moe.replica_interval)
         self.moe_trace = None
         if self.router_load is not None and recipe.logging.moe_trace and self.runtime.is_main:
             from loongforge_megatron.moe.trace import TraceWriter
@@ -244,6 +252,7 @@ class MegatronJob(Job):
             num_microbatches=self.num_microbatches, seq_length=self.seq_length,
             micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=forward_step_fn,
             loss_key=self.loss_key,
+            before_grad_reduce=self.replicas.reduce_grads if self.replicas is not None else None,
         )
         if self._fp8_cache is not None:
             self._fp8_cache.invalidate()  # the optimizer changed the weights
@@ -285,6 +294,9 @@ class MegatronJob(Job):
                 metrics["moe_ep_imbalance"] = load["max_ep"]
             if self.moe_trace is not None:
                 self.moe_trace.write(self.step_index, self.router_load.last.tolist())
+            if self.replicas is not None:
+                metrics.update(self.replicas.metrics())
+                self.replicas.after_step(self.step_index, self.router_load.last)
         every = self.recipe.train.eval_interval
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
             metrics["val_loss"] = self.evaluate()

@@ -14,6 +14,7 @@ weight of each rank's shard is W_local + s · B_local A_local — exactly the sh
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -79,15 +80,19 @@ class LoRAParallelLinear(nn.Module):
         return self.base.sharded_state_dict(prefix=f"{prefix}base.", sharded_offsets=sharded_offsets, metadata=metadata)
 
 
-def apply_lora(modules: list[nn.Module], config, *, seed: int) -> list[str]:
+def apply_lora(modules: list[nn.Module], config, *, seed: int,
+               targets: Mapping[str, tuple[str, ...]] | None = None) -> list[str]:
     """Freeze every parameter of ``modules`` and wrap the target linears with LoRA adapters.
 
     Call on the unwrapped GPTModel chunks *before* megatron DDP wraps them (DDP sizes its grad buffers for
-    trainable parameters at construction). Returns the names of the wrapped layers.
+    trainable parameters at construction). ``targets``: ``train.lora.targets`` value -> the linears' module names
+    (a model kind's own, its spec's ``Model.lora_targets``; default megatron's names, :data:`TARGETS`). Returns the
+    names of the wrapped layers.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    wanted = {TARGETS[t] for t in config.targets}
+    names = targets or {k: (v,) for k, v in TARGETS.items()}
+    wanted = {n for t in config.targets for n in names.get(t, ())}
     parallel = (ColumnParallelLinear, RowParallelLinear)
     g = torch.Generator().manual_seed(seed + 7919)
     wrapped: list[str] = []

@@ -13,7 +13,8 @@ from loongforge_embodied.eval.protocol import Feature, image, vector
 from loongforge_embodied.eval.served_policy import request_seed
 
 # config.json "type" → our policy name
-EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05"}
+EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05",
+                "smolvla": "lerobot_smolvla"}
 
 
 def policy_dir(path: str | Path) -> Path:
@@ -56,6 +57,8 @@ class TrainedPolicy:
         self.policy, self.cameras, self.task = policy, list(cameras), task
         self.name = label or policy
         self._prepare = get_policy(policy).prepare_batch
+        # NOTE: the library adaptations the policy samples with (e.g. a KV-cache shim), applied around each batch
+        self._adaptations = get_policy(policy).adaptations()
         a = model.arch
         self.spec: dict[str, Feature] = {k: image(a.image_size, a.image_size) for k in self.cameras}
         self.state_key = state_key
@@ -124,7 +127,9 @@ class TrainedPolicy:
         noise = torch.stack([torch.randn(a.chunk_size, self._noise_dim,
                                          generator=torch.Generator().manual_seed(request_seed(r)))
                              for r in requests]).to(self.device)
-        with torch.inference_mode():
+        from loongforge.accelerator.adaptation import AdaptationSet
+
+        with AdaptationSet(self._adaptations), torch.inference_mode():
             actions = self.model.unnormalize_actions(self.model.sample_actions(batch, noise=noise))
         actions = actions.float().cpu().numpy()
         return [{"actions": actions[i]} for i in range(len(requests))]

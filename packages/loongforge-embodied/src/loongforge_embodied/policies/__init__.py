@@ -15,11 +15,12 @@ another's modules, and validating a recipe imports no torch):
   ``serving_note(arch) -> str`` (logged after an export: what serving the export in LeRobot must match);
 - where LeRobot loads our export (tiny_vla, groot), the same two modules also hold LeRobot's config and policy
   classes (``from_pretrained``, ``select_action``), made on first access so that choosing a preset imports no
-  lerobot (lerobot_pi05 exports LeRobot's own ``pi05`` type instead).
+  lerobot (lerobot_pi05 and lerobot_smolvla export LeRobot's own ``pi05`` / ``smolvla`` types instead).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
-dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``lerobot_glue`` (the bodies of
-``configuration_<name>``/``modeling_<name>``) and ``lerobot_export`` (the atomic LeRobot policy directory).
+dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``flow_noise`` (noise for padded action
+dims), ``lerobot_glue`` (the bodies of ``configuration_<name>``/``modeling_<name>``) and ``lerobot_export`` (the
+atomic LeRobot policy directory).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ POLICIES: dict[str, PolicySpec] = {
     "tiny_vla": PolicySpec("tiny_vla", "TinyVLAModel"),
     "groot": PolicySpec("groot", "GrootModel"),
     "lerobot_pi05": PolicySpec("lerobot_pi05", "LeRobotPI05Model"),
+    "lerobot_smolvla": PolicySpec("lerobot_smolvla", "LeRobotSmolVLAModel"),
 }
 
 

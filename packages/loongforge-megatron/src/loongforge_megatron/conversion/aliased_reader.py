@@ -32,3 +32,9 @@ class AliasedReader:
 
     def dtype(self, name: str) -> torch.dtype:
         return self._reader.dtype(self._file_name[name])
+
+    def read_columns(self, name: str, cols: torch.Tensor) -> torch.Tensor | None:
+        """Columns ``cols`` of a block-scaled FP8 weight, dequantized (None: the file's reader has no such read,
+        or ``name`` is not FP8)."""
+        read = getattr(self._reader, "read_columns", None)
+        return None if read is None else read(self._file_name[name], cols)

@@ -96,11 +96,13 @@ def check_hf_checkpoint(hf_dir: str | Path) -> None:
     from loongforge.checkpoint import SafetensorsReader
 
     from loongforge_megatron.conversion.aliased_reader import AliasedReader
+    from loongforge_megatron.conversion.fp8_blocks import fp8_reader
     from loongforge_megatron.models.registry import get_family, read_hf_config
 
     cfg = read_hf_config(hf_dir)
     family = get_family(hf_config=cfg)
-    check_hf_dir(hf_dir, cfg, family=family, reader=AliasedReader(SafetensorsReader(hf_dir), family.hf_alias))
+    reader = fp8_reader(SafetensorsReader(hf_dir), cfg, where=Path(hf_dir) / "config.json")
+    check_hf_dir(hf_dir, cfg, family=family, reader=AliasedReader(reader, family.hf_alias))
 
 
 def check_hf_dir(hf_dir: str | Path, hf_config: dict[str, Any], *, family: Any, reader: ShapeReader,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -17,10 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loongforge.checkpoint import Param, SafetensorsReader, ShardedSafetensorsWriter, StreamingSafetensorsFile
+from loongforge.checkpoint import (
+    Expert,
+    Param,
+    RowParallel,
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+    StreamingSafetensorsFile,
+)
 from loongforge.errors import CheckpointError
 
 from loongforge_megatron.conversion.aliased_reader import AliasedReader
+from loongforge_megatron.conversion.fp8_blocks import BlockFp8, Fp8Export, fp8_reader, modules_to_not_convert
 from loongforge_megatron.conversion.layout import MegatronLayout, Rank
 from loongforge_megatron.models.registry import get_family
 
@@ -62,7 +71,7 @@ def _runs(ids: torch.Tensor) -> Runs:
     return [tuple(r) for r in runs]
 
 
-def _streamable(p: Param, specs: dict[str, Spec]) -> bool:
+def row_streamable(p: Param, specs: dict[str, Spec]) -> bool:
     return p.rule.row_wise and all(len(s) >= 1 for _, s in specs.values())
 
 
@@ -103,12 +112,13 @@ class Progress:
 
 
 class HFSource:
-    """Reads groups from an HF safetensors directory (lazily, one tensor at a time)."""
+    """Reads groups from an HF safetensors directory (lazily, one tensor at a time). Block-scaled FP8 weights are
+    dequantized as they are read, to ``dtype`` (default: the checkpoint's own dtype)."""
 
-    def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict):
+    def __init__(self, hf_dir: str | Path, *, family: str, hf_config: dict, dtype: torch.dtype | None = None):
         self.family, self.hf_config = get_family(family), hf_config
-        reader = SafetensorsReader(hf_dir)
-        self.reader = AliasedReader(reader, self.family.hf_alias)
+        self.raw = fp8_reader(SafetensorsReader(hf_dir), hf_config, where=Path(hf_dir) / "config.json", dtype=dtype)
+        self.reader = AliasedReader(self.raw, self.family.hf_alias)
 
     def check_names(self, needed: Iterable[Key]) -> None:
         """Fail naming the first HF tensor the architecture needs but the checkpoint lacks (or vice versa)."""
@@ -146,6 +156,23 @@ class HFSource:
             role = max((r for r in first if first[r] <= v), key=first.get)
             self.reader.read_rows(p.hf[role], v - first[role], out[pos:pos + n])
         return out
+
+
+    def read_column_shard(self, p: Param, *, index: int, size: int) -> torch.Tensor | None:
+        """Shard ``index`` of a row-parallel (dim-1 split) parameter from a block-scaled FP8 weight, dequantizing
+        only its columns; None for any other parameter or tensor."""
+        rule = p.rule.inner if isinstance(p.rule, Expert) and not p.rule.fused else p.rule
+        if not isinstance(rule, RowParallel) or len(p.hf) != 1:
+            return None
+        (role, name), = p.hf.items()
+        shape = self.reader.shape(name)
+        if len(shape) != 2:
+            return None
+        try:
+            cols = rule.to_megatron({role: torch.arange(shape[1]).unsqueeze(0)}, tp_rank=index, tp_size=size)[0]
+        except CheckpointError:
+            return None  # NOTE: the whole-group path names the problem
+        return self.reader.read_columns(name, cols)
 
 
 class MegatronSource:
@@ -202,7 +229,7 @@ class MegatronSource:
         (the rule is run on row ids to learn where each shard row lands). None when not row-wise."""
         ranks = self.layout.shard_sources(src)
         shard_specs = [self._spec(rank, src.megatron) for rank in ranks]
-        if not _streamable(src, dict(enumerate(shard_specs))):
+        if not row_streamable(src, dict(enumerate(shard_specs))):
             return None
         ids, first = _row_ids({i: s[0] for i, (_, s) in enumerate(shard_specs)})
         runs = {role: _runs(t) for role, t in src.rule.to_hf(list(ids.values())).items()}
@@ -312,7 +339,7 @@ def to_megatron_files(source, layout: MegatronLayout, root: Path, *, label: str 
         files[rank] = StreamingSafetensorsFile(path, specs)
     progress = Progress(len(targets), label)
     for params in targets.values():
-        if hasattr(source, "read_shard") and _streamable(params[0], source.spec(params[0])):
+        if hasattr(source, "read_shard") and row_streamable(params[0], source.spec(params[0])):
             for p in params:
                 by_index: dict[int, list[Rank]] = {}
                 for rank, index in layout.holders(p):
@@ -353,9 +380,10 @@ def check_export_config(staging: Path, specs: dict[str, Spec], *, family: Any) -
 
 
 def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes: int, force: bool,
-              assets: Callable[[Path], None] | None = None) -> None:
+              assets: Callable[[Path], None] | None = None, fp8: BlockFp8 | None = None) -> None:
     """Gather every exported group from ``source`` into an HF safetensors directory (atomic, sharded), plus the
-    family's ``hf_extra`` tensors (HF modules the megatron model does not have)."""
+    family's ``hf_extra`` tensors (HF modules the megatron model does not have). ``fp8``: store the decoder
+    layers' linear weights block-scaled FP8 (``assets`` writes the config.json that says so)."""
     params = hf_params(layout)
     specs: dict[str, Spec] = {}
     for p in params:
@@ -370,12 +398,16 @@ def to_hf_dir(source, layout: MegatronLayout, out_dir: Path, *, max_shard_bytes:
     # NOTE: the layout's own config must describe the shards too (a tampered layout file, a lying model config)
     check_config(f"the {layout.family} layout's hf_config", layout.hf_config, family=family, reader=SpecReader(specs),
                  mtp_layers=layout.mtp_layers)
+    quant = Fp8Export(fp8, specs, skip=modules_to_not_convert(layout.hf_config)) if fp8 is not None else None
+    if quant is not None:
+        specs = quant.specs(specs)
     writer = ShardedSafetensorsWriter(out_dir, specs, max_shard_bytes=max_shard_bytes, force=force,
                                       stem=family.hf_weights)
+    add_rows = writer.add_rows if quant is None else functools.partial(quant.add_rows, writer)
     try:
         progress = Progress(len(params), "export")
         for p in params:
-            source.write_rows(p, lambda role, row, t, p=p: writer.add_rows(p.hf[role], row, t))
+            source.write_rows(p, lambda role, row, t, p=p: add_rows(p.hf[role], row, t))
             release_freed_memory()
             progress.step()
         for k, t in extra.items():

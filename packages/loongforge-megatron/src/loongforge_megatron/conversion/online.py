@@ -19,6 +19,7 @@ from loongforge_megatron.conversion.engine import (
     MegatronSource,
     hf_params,
     key_of,
+    row_streamable,
     shard,
     to_hf_dir,
 )
@@ -42,7 +43,7 @@ def shard_state_dict_for_rank(
     """
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
-    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config)
+    source = HFSource(hf_dir, family=fam.name, hf_config=hf_config, dtype=dtype)
     check_hf_dir(hf_dir, hf_config, family=fam, reader=source.reader)
     layout = MegatronLayout(
         fam.name, hf_config, tp=tp_size, pp=pp_size, vpp=vpp_size, ep=ep_size, etp=etp_size,
@@ -61,6 +62,10 @@ def shard_state_dict_for_rank(
                 mine.setdefault(key_of(p), []).append((p, index))
     out: dict[str, torch.Tensor] = {}
     for held in mine.values():
+        if (shards := _row_shards(source, layout, held)) is not None or \
+                (shards := _column_shards(source, layout, held)) is not None:
+            out.update({k: t if dtype is None else t.to(dtype) for k, t in shards.items()})
+            continue
         # NOTE: one read per HF group (a fused experts tensor serves all of this rank's experts)
         group = source.get(held[0][0])
         for p, index in held:
@@ -72,6 +77,34 @@ def shard_state_dict_for_rank(
     if expected_shapes is not None:
         actual = {k: tuple(v.shape) for k, v in out.items()}
         check_shapes(expected_shapes, actual, where=f"{hf_dir} (tp={tp_rank}, pp={pp_rank}, ep={ep_rank})")
+    return out
+
+
+def _row_shards(source: HFSource, layout: MegatronLayout, held: list[tuple[Param, int]]) -> dict | None:
+    """This rank's shards of one row-wise HF group, filled with positioned reads of just its rows (an FP8 weight
+    dequantizes just their blocks); None when the group is not row-wise (or its shapes do not split: the whole-group
+    path names the problem)."""
+    specs = source.spec(held[0][0])
+    if not row_streamable(held[0][0], specs) or len({d for d, _ in specs.values()}) != 1:
+        return None
+    group_dtype = next(iter(specs.values()))[0]
+    try:
+        shapes = [p.rule.shard_shape({r: s for r, (_, s) in specs.items()}, tp_size=layout.split_size(p))
+                  for p, _ in held]
+    except (CheckpointError, RuntimeError):
+        return None
+    return {p.megatron: source.read_shard(p, index=index, size=layout.split_size(p), spec=(group_dtype, shape))
+            for (p, index), shape in zip(held, shapes, strict=True)}
+
+
+def _column_shards(source: HFSource, layout: MegatronLayout, held: list[tuple[Param, int]]) -> dict | None:
+    """This rank's shards of one row-parallel FP8 weight, dequantizing only their columns; None otherwise."""
+    out = {}
+    for p, index in held:
+        t = source.read_column_shard(p, index=index, size=layout.split_size(p))
+        if t is None:
+            return None
+        out[p.megatron] = t
     return out
 
 

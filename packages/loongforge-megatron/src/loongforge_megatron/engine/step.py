@@ -111,11 +111,20 @@ def _cp_size() -> int:
     return mpu.get_context_parallel_world_size()
 
 
-def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any) -> None:
-    """Hooks megatron's schedules read from the model config (what megatron-LM's ``train`` sets up)."""
+def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any, *,
+               before_grad_reduce: Callable[[], None] | None = None) -> None:
+    """Hooks megatron's schedules read from the model config (what megatron-LM's ``train`` sets up);
+    ``before_grad_reduce`` runs after the backward, before the gradients' data-parallel reduction."""
     from megatron.core.distributed import finalize_model_grads
 
-    config.finalize_model_grads_func = finalize_model_grads
+    if before_grad_reduce is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    else:
+        def finalize(*args: Any, **kwargs: Any) -> Any:
+            before_grad_reduce()
+            return finalize_model_grads(*args, **kwargs)
+
+        config.finalize_model_grads_func = finalize
     config.grad_scale_func = optimizer.scale_loss
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     if ddp_config is not None and ddp_config.overlap_grad_reduce:
@@ -256,8 +265,10 @@ def train_step(
     micro_batch_size: int,
     forward_step_fn: Callable[..., Any] | None = None,
     loss_key: str = "lm loss",
+    before_grad_reduce: Callable[[], None] | None = None,
 ) -> dict[str, float | bool | None]:
-    """Forward + backward over ``num_microbatches``, then one optimizer and scheduler step.
+    """Forward + backward over ``num_microbatches``, then one optimizer and scheduler step (``before_grad_reduce``:
+    see :func:`_configure`, e.g. expert replicas' gradients added to their home experts').
 
     Returns ``loss`` (token-weighted mean of the loss function's ``loss_key`` report, same on every rank),
     ``grad_norm`` (None when not computed), ``lr`` and ``skipped`` (True when the optimizer skipped the update,
@@ -269,7 +280,7 @@ def train_step(
     from loongforge_megatron.engine.optimizer import folds_clip, step_with_folded_clip
 
     config = get_model_config(model_chunks[0])
-    _configure(config, model_chunks, optimizer)
+    _configure(config, model_chunks, optimizer, before_grad_reduce=before_grad_reduce)
     for m in model_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()

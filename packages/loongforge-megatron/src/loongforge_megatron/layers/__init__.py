@@ -49,7 +49,8 @@ def _with_activation(mlp_spec: Any, act: Any) -> Any:
 def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool = False,
                           multi_latent_attention: bool = False, provider: str = "auto", accelerator: Any = None,
                           moe_grouped_gemm: bool = False, moe_permute_dispatch: bool = False,
-                          moe_router_fusion: bool = False):
+                          moe_router_fusion: bool = False, moe_replica_slots: int = 0,
+                          moe_overlap_a2a: bool = False):
     """megatron's local GPT layer spec with SDPA core attention, kernel RoPE (not MLA), kernel RMSNorm,
     kernel SwiGLU, and row-parallel linears that pass their own TP group (:func:`row_parallel_linear`)."""
     from megatron.core.transformer.attention import SelfAttention
@@ -85,4 +86,8 @@ def loongforge_layer_spec(*, num_experts: int | None = None, qk_layernorm: bool 
         from loongforge_megatron.layers.permute_dispatch import with_permute_dispatch
 
         spec = with_permute_dispatch(spec, provider=provider, accelerator=accelerator)
+    if moe_replica_slots or moe_overlap_a2a:
+        from loongforge_megatron.layers.ep_moe_layer import with_ep_moe_layer
+
+        spec = with_ep_moe_layer(spec, replica_slots=moe_replica_slots, overlap_a2a=moe_overlap_a2a)
     return spec

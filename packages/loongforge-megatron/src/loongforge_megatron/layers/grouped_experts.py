@@ -168,13 +168,19 @@ class GroupedMLP(_megatron_module()):
                 permuted_probs: torch.Tensor | None):
         """Experts' outputs for expert-sorted tokens (``tokens_per_expert`` rows per local expert, in order),
         each scaled by its routing probability after the activation (as megatron's expert MLP)."""
-        x = permuted_local_hidden_states
+        return self.compute(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                            weight1=self.weight1, weight2=self.weight2), None
+
+    def compute(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor | None, *,
+                weight1: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the stacked weights given: expert replicas run the same GEMMs on copies of other
+        ranks' experts (``layers/ep_moe_layer.py``)."""
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
-        h = self._grouped(x, self.weight1, offs, 0)
+        h = self._grouped(x, weight1, offs, 0)
         h = self._activation(h)
-        if permuted_probs is not None:  # NOTE: None when the dispatcher folds the probabilities into its combine
-            h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return self._grouped(h, self.weight2, offs, 1), None
+        if probs is not None:  # NOTE: None when the dispatcher folds the probabilities into its combine
+            h = (h * probs.unsqueeze(-1)).to(x.dtype)
+        return self._grouped(h, weight2, offs, 1)
 
     def backward_dw(self):
         """Nothing is deferred: weight gradients are computed in the backward pass."""

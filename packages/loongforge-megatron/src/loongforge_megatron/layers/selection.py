@@ -121,8 +121,42 @@ def moe_kernels(recipe: Any, arch: Arch, plan: Any, *, accelerator: Any, config:
             raise RecipeError("model.moe_token_dispatcher permute is part of the loongforge spec, not "
                               "kernels.layers local", key="model.moe_token_dispatcher")
         return {"moe_grouped_gemm": grouped}
-    return {"moe_grouped_gemm": grouped, "moe_permute_dispatch": permute_dispatch(arch, plan, grouped=grouped),
-            "moe_router_fusion": arch.is_moe and recipe.kernels.moe_router_fusion}
+    out = {"moe_grouped_gemm": grouped, "moe_permute_dispatch": permute_dispatch(arch, plan, grouped=grouped),
+           "moe_router_fusion": arch.is_moe and recipe.kernels.moe_router_fusion}
+    moe = recipe.model.moe
+    if arch.is_moe and (moe.replica_slots_per_rank or moe.overlap_a2a):
+        if moe.replica_slots_per_rank and not grouped:
+            raise RecipeError("model.moe.replica_slots_per_rank runs on grouped experts; kernels.moe_grouped_gemm "
+                              "is off here (set it true, or remove the replicas)", key="model.moe.replica_slots_per_rank")
+        out.update(moe_replica_slots=moe.replica_slots_per_rank, moe_overlap_a2a=moe.overlap_a2a)
+    return out
+
+
+def check_moe_runtime(recipe: Any, arch: Arch, plan: Any) -> None:
+    """``model.moe``: expert replicas and the overlapped all-to-all where this run can use them (one line each)."""
+    moe = recipe.model.moe
+    k = moe.replica_slots_per_rank
+    if not (k or moe.overlap_a2a):
+        return
+    key = "model.moe.replica_slots_per_rank" if k else "model.moe.overlap_a2a"
+    what = "expert replicas" if k else "the overlapped all-to-all"
+    why = ("this model has no experts" if not arch.is_moe else
+           f"they run under expert parallelism; parallel.ep is {plan.ep} (set ep > 1)" if plan.ep <= 1 else
+           f"expert tensor parallelism (etp {plan.etp}) is not supported with them" if plan.etp > 1 else
+           f"kernels.layers {recipe.kernels.layers} does not have them (use loongforge)"
+           if recipe.kernels.layers in ("te", "local") else
+           f"model.moe_token_dispatcher {arch.moe_token_dispatcher}: they run on alltoall"
+           if getattr(arch, "moe_token_dispatcher", "auto") not in ("auto", "alltoall") else
+           "token dropping (moe_capacity_factor) is not supported with them"
+           if getattr(arch, "moe_capacity_factor", None) else None)
+    if why is None and moe.overlap_a2a and getattr(arch, "moe_shared_expert_overlap", False):
+        key, why = "model.moe.overlap_a2a", "moe_shared_expert_overlap already overlaps the all-to-all; use one of them"
+    if why:
+        raise RecipeError(f"{what}: {why}", key=key)
+    home = arch.num_experts // plan.ep
+    if k > arch.num_experts - home:
+        raise RecipeError(f"{k} replica slots per rank for {arch.num_experts} experts on ep {plan.ep}: allowed 1 .. "
+                          f"{arch.num_experts - home} (a rank holds at most every expert once)", key=key)
 
 
 def decoder_layers(config: Any, arch: Arch, *, spec_name: str, provider: str, accelerator: Any,
@@ -154,6 +188,10 @@ def decoder_layers(config: Any, arch: Arch, *, spec_name: str, provider: str, ac
 
     prepare_config(config)
     moe = loongforge_layer_spec(provider=provider, accelerator=accelerator, **kw)
+    # NOTE: multi-token prediction's MoE layer keeps the plain layer (the replica plan covers the decoder's layers)
+    mtp_moe = (loongforge_layer_spec(provider=provider, accelerator=accelerator,
+                                     **{**kw, "moe_replica_slots": 0, "moe_overlap_a2a": False})
+               if kw.get("moe_replica_slots") or kw.get("moe_overlap_a2a") else moe)
     dense = loongforge_layer_spec(provider=provider, accelerator=accelerator,
                                   **{**kw, "num_experts": None}) if arch.is_moe else moe
     freq = config.moe_layer_freq if arch.is_moe else None
@@ -167,5 +205,5 @@ def decoder_layers(config: Any, arch: Arch, *, spec_name: str, provider: str, ac
         layers = [moe if not isinstance(freq, list) or freq[offset + i] else dense for i in range(n)]
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
-    block.mtp_layer = moe  # NOTE: the layer of multi-token prediction (engine/mtp.py): the decoder's MoE layer
+    block.mtp_layer = mtp_moe  # NOTE: the layer of multi-token prediction (engine/mtp.py): the decoder's MoE layer
     return block

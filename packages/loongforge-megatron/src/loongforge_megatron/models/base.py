@@ -62,6 +62,13 @@ class HFCheckpoint:
         """A checkpoint's tensor name -> the module path of transformers' model, which PEFT adapters name."""
         return name
 
+    peft_prefix: str = "base_model.model."  # PEFT's names of a transformers model's adapters
+    peft_weights: str = "adapter_model.safetensors"
+
+    def peft_metadata(self, config: dict[str, Any]) -> dict[str, str]:
+        """safetensors metadata of the LoRA export beyond ``format`` (none: PEFT reads adapter_config.json)."""
+        return {}
+
     def hf_extra(self, cfg: HFConfig) -> dict[str, Any]:
         """HF tensors an export adds that the megatron model has no parameter for."""
         return {}

@@ -54,6 +54,7 @@ def _check_weights(hf_dir: Path, cfg: HFConfig, spec: ModelSpec) -> None:
 
     from loongforge_megatron.conversion.aliased_reader import AliasedReader
     from loongforge_megatron.conversion.config_check import check_hf_dir
+    from loongforge_megatron.conversion.fp8_blocks import fp8_reader
 
-    reader = AliasedReader(SafetensorsReader(hf_dir), spec.hf_alias)
+    reader = AliasedReader(fp8_reader(SafetensorsReader(hf_dir), cfg, where=hf_dir / "config.json"), spec.hf_alias)
     check_hf_dir(hf_dir, cfg, family=spec, reader=reader)

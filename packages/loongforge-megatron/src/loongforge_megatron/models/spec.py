@@ -51,6 +51,7 @@ class Model:
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
     before_step: Callable[[int, Any], None] | None = None  # (0-based step index, the optimizer) before each step
     step_metrics: Callable[[], Mapping[str, float]] | None = None  # the model's own metrics of the step just run
+    lora_targets: Mapping[str, tuple[str, ...]] | None = None  # train.lora.targets -> module names (None: megatron's)
 
 
 PARALLEL_DIMS = {"tp": "tensor", "sp": "sequence", "cp": "context", "pp": "pipeline", "vpp": "interleaved pipeline",
@@ -103,8 +104,15 @@ class ModelSpec(Protocol):
     mtp: bool  # has an HF layout for multi-token-prediction layers
     peft_module_paths: bool  # PEFT target_modules are module paths, not last names (a VLM's tower has the same names)
 
+    peft_prefix: str  # what the LoRA export's tensor names start with (PEFT's base_model.model., a pipeline's part)
+    peft_weights: str  # the LoRA export's weight file name
+
     def peft_name(self, name: str) -> str:
         """A checkpoint's tensor name -> the module path of transformers' model, which PEFT adapters name."""
+
+    def peft_metadata(self, config: Mapping[str, Any]) -> dict[str, str]:
+        """safetensors metadata of the LoRA export beyond ``format`` (``config``: the adapter_config.json written
+        beside it), for loaders that read the adapter's rank and alpha from the weight file."""
 
     # architecture
     def arch(self, fields: Mapping[str, Any]) -> Any:

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from loongforge_embodied.policies.flow_noise import pad_noise
 from loongforge_embodied.policies.lerobot_pi05.configuration_lerobot_pi05 import LeRobotPI05Arch, hub_cache
 
 BOS, PAD, BYTE_OFFSET = 2, 0, 217  # Gemma / PaliGemma vocabulary: <bos>, <pad>, <0x00>
@@ -139,20 +140,6 @@ def preprocess_images(images: torch.Tensor, *, resolution: int) -> torch.Tensor:
         x = resize_with_pad_torch(x, resolution, resolution)
     x = (x * 2.0 - 1.0).permute(0, 3, 1, 2)
     return x.reshape(b, cams, *x.shape[1:])
-
-
-def pad_noise(noise: torch.Tensor, dim: int) -> torch.Tensor:
-    """Flow noise for the padded action dims too (LeRobot draws all ``max_action_dim``): the extra columns of
-    each sample come from a generator seeded by its own noise, so a sample is identical on any rank."""
-    extra = dim - noise.shape[-1]
-    if extra <= 0:
-        return noise
-    cols = []
-    for sample in noise:
-        seed = int(sample.float().flatten().view(torch.int32).to(torch.int64).sum()) & 0x7FFF_FFFF
-        g = torch.Generator().manual_seed(seed)
-        cols.append(torch.randn(*sample.shape[:-1], extra, generator=g))
-    return torch.cat([noise, torch.stack(cols).to(noise)], dim=-1)
 
 
 def prepare_batch(raw: dict, *, arch: LeRobotPI05Arch, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

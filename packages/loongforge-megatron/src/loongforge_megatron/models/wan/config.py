@@ -1,0 +1,54 @@
+"""Wan's own recipe keys: the architecture beyond the shared ones in ``model``; the latent video shape, the text /
+image token counts, the flow-matching values and the two-expert switch in ``data``."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from loongforge_megatron.config import ModelConfig
+from loongforge_megatron.models.flow_matching import FlowMatchingData
+
+
+class WanModelConfig(ModelConfig):
+    """``model`` of a Wan model: an HF directory is a diffusers ``WanTransformer3DModel`` folder (a pipeline's
+    ``transformer`` / ``transformer_2``); the shared architecture keys (num_layers, hidden_size,
+    num_attention_heads, ffn_hidden_size, norm_eps) plus the ones below."""
+
+    patch_size: tuple[int, int, int] | None = Field(None, description="latent patch (frames, height, width)")
+    in_channels: int | None = Field(None, ge=1, description="input channels (noisy latent + an I2V condition)")
+    out_channels: int | None = Field(None, ge=1)
+    text_dim: int | None = Field(None, ge=1, description="width of the text embeddings (UMT5-XXL: 4096)")
+    freq_dim: int | None = Field(None, ge=2)
+    image_dim: int | None = Field(None, ge=1, description="width of the image-encoder tokens (Wan2.1 I2V)")
+    added_kv_proj_dim: int | None = Field(None, ge=1)
+    pos_embed_seq_len: int | None = Field(None, ge=1)
+    cross_attn_norm: bool | None = None
+    rope_max_seq_len: int | None = Field(None, ge=1)
+
+
+class WanDataConfig(FlowMatchingData):
+    """``data`` of a Wan model: format ``synthetic``: seeded latent videos with matching text embeddings (and
+    image tokens / condition channels where the model takes them), for tests and benchmarks."""
+
+    formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
+
+    format: str = Field("synthetic", description="synthetic")
+    latent_frames: int = Field(21, ge=1, description="latent frames per sample ((video frames - 1) / 4 + 1: 81 -> 21)")
+    latent_height: int = Field(60, ge=1, description="latent rows (pixels / 8; Wan2.2 TI2V-5B: / 16)")
+    latent_width: int = Field(104, ge=1, description="latent columns")
+    text_length: int = Field(512, ge=1, description="text tokens per sample (Wan pads prompts to 512)")
+    image_tokens: int = Field(257, ge=1, description="image-encoder tokens per sample (models with image_dim)")
+    expert: Literal["high_noise", "low_noise"] | None = Field(
+        None, description="train one expert of a two-expert (A14B) model on its timesteps: high_noise at or above "
+        "boundary_ratio x 1000, low_noise below")
+    boundary_ratio: float | None = Field(None, gt=0, lt=1, description="the switch between the experts "
+                                         "(model_index.json; T2V-A14B 0.875, I2V-A14B 0.9)")
+
+    @model_validator(mode="after")
+    def _expert_needs_boundary(self) -> WanDataConfig:
+        if (self.expert is None) != (self.boundary_ratio is None):
+            raise ValueError("data.expert and data.boundary_ratio come together (the expert trains on its side of "
+                             "the boundary)")
+        return self
