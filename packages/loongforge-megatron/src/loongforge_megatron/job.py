@@ -70,6 +70,7 @@ class MegatronJob(Job):
                            precision=self.precision, data=self.data)
         self.config, self.chunks, self.whole_components = built.config, built.chunks, built.whole
         self.forward_step_fn, self.loss_key, self.kernels = built.forward_step, built.loss_key, built.kernels
+        self.before_step, self.step_metrics = built.before_step, built.step_metrics
         if recipe.checkpoint.load:
             from loongforge_megatron.hf_io import load_hf_into
 
@@ -237,6 +238,8 @@ class MegatronJob(Job):
         t0 = time.perf_counter()
         batches = self.schedule.microbatches(self.step_index, device=self.device)
         forward_step_fn = self.forward_step_fn
+        if self.before_step is not None:
+            self.before_step(self.step_index, self.optimizer)
         if self.balancer is not None:
             if self.cost_fit is None:
                 from loongforge_megatron.engine.cost_fit import WarmupCostFit
@@ -275,6 +278,8 @@ class MegatronJob(Job):
             metrics[f"{self.data.sample_unit}_per_s"] = self.recipe.train.global_batch_size / dt
         if out.get("grad_norm") is not None:
             metrics["grad_norm"] = out["grad_norm"]
+        if self.step_metrics is not None:
+            metrics.update(self.step_metrics())
         metrics.update(self.nonfinite.metrics())
         if getattr(self.config, "mtp_num_layers", None):
             from loongforge_megatron.engine.mtp import collect_mtp_loss

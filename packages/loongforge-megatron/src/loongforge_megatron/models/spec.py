@@ -49,6 +49,8 @@ class Model:
     loss_key: str = "lm loss"
     whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
+    before_step: Callable[[int, Any], None] | None = None  # (0-based step index, the optimizer) before each step
+    step_metrics: Callable[[], Mapping[str, float]] | None = None  # the model's own metrics of the step just run
     lora_targets: Mapping[str, tuple[str, ...]] | None = None  # train.lora.targets -> module names (None: megatron's)
 
 

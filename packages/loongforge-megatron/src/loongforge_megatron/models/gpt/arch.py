@@ -89,6 +89,15 @@ class Arch(BaseModel):
     qk_nope_head_dim: int | None = Field(None, ge=1)
     qk_rope_head_dim: int | None = Field(None, ge=1)
     v_head_dim: int | None = Field(None, ge=1)
+    # DeepSeek Sparse Attention on MLA (the lightning indexer; HF index_n_heads / index_head_dim / index_topk)
+    dsa_index_heads: int | None = Field(None, ge=1, description="lightning-indexer heads (unset: dense attention)")
+    dsa_index_head_dim: int | None = Field(None, ge=1)
+    dsa_index_topk: int | None = Field(None, ge=1, description="keys each query attends to under sparse attention")
+    dsa_index_rope_interleaved: bool = Field(False, description="the indexer's RoPE pairs channels (0, 1), (2, 3) ... "
+                                             "(GLM-5) instead of the two halves (DeepSeek-V3.2)")
+    dsa_index_shared_layers: list[int] | None = Field(
+        None, description="0-based layers without an indexer that reuse the previous indexer's top-k (GLM-5's "
+        "indexer_types 'shared')")
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -134,6 +143,17 @@ class Arch(BaseModel):
                              f"moe_token_dispatcher {self.moe_token_dispatcher}")
         if self.num_experts and self.moe_topk > self.num_experts:
             raise ValueError(f"moe_topk ({self.moe_topk}) exceeds num_experts ({self.num_experts})")
+        if self.dsa_index_heads and not (self.is_mla and self.q_lora_rank and self.dsa_index_head_dim
+                                         and self.dsa_index_topk):
+            raise ValueError("sparse attention (dsa_index_heads) needs MLA with q_lora_rank, dsa_index_head_dim and "
+                             "dsa_index_topk")
+        shared = self.dsa_index_shared_layers or []
+        if shared and (0 in shared or not all(0 <= i < self.num_layers for i in shared)):
+            raise ValueError(f"dsa_index_shared_layers {shared} must be layers 1..{self.num_layers - 1} (layer 0 "
+                             "computes its own top-k)")
+        if self.dsa_index_heads and self.dsa_index_head_dim < (self.qk_rope_head_dim or 0):
+            raise ValueError(f"dsa_index_head_dim ({self.dsa_index_head_dim}) must hold the qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}) channels RoPE rotates")
         if self.is_mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):
             raise ValueError("MLA (kv_lora_rank set) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
         return self

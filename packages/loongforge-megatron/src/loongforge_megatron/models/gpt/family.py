@@ -120,6 +120,7 @@ class GPTFamily(HFCheckpoint):
                           precision=precision)
         spec = decoder_layers(config, arch, spec_name=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
                           moe=moe)
+        spec = self.layers(spec, arch=arch)
         mtp = None
         if arch.mtp_num_layers:
             from loongforge_megatron.engine.mtp import mtp_block_spec
@@ -145,4 +146,13 @@ class GPTFamily(HFCheckpoint):
             from loongforge_megatron.layers.output import forward_step_with_fused_loss
 
             forward_step = forward_step_with_fused_loss(provider=recipe.kernels.provider, accelerator=accelerator)
-        return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step)
+        return self.finish(Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step),
+                           recipe=recipe, arch=arch, accelerator=accelerator)
+
+    def layers(self, spec: Any, *, arch: Arch) -> Any:
+        """The decoder's layer spec as this family builds it (default: the kind's, unchanged)."""
+        return spec
+
+    def finish(self, model: Model, *, recipe: Any, arch: Arch, accelerator: Any) -> Model:
+        """The built model with what the family adds to its training (default: nothing)."""
+        return model
