@@ -703,3 +703,58 @@ def test_moe_recipe_checks(capsys, args, key, message):
     assert main(["validate", str(MOE_RECIPE), *args, "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
+
+
+def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports):
+    """For each (name, overrides): every step's loss, the image grids this rank's tower encoded (in the first
+    step), and the last step's metrics. Each job rendezvouses on its own port (a job's close ends the world)."""
+    import os
+
+    out = {}
+    for (name, over), port in zip(layouts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=run_dir / name)
+        try:
+            seen = []
+            tower = job.chunks[0].vision
+            hook = tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
+            losses, metrics = [], {}
+            for i in range(job.recipe.train.steps):
+                metrics = job.step()
+                losses.append(metrics["loss"])
+                if i == 0:
+                    hook.remove()
+            out[name] = (losses, [g for grids in seen for g in grids], metrics)
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+def test_encoder_hetero_dp_equals_one_process(tmp_path, hf_dir, ranks, free_port):
+    """Vision tp 1 under language tp 2: the two towers encode different images of each micro-batch (each image on
+    exactly one rank, split by patch count) and gather the embeddings; 5 steps equal one process's losses, with the
+    tower's own full / selective recompute (the language model's off) and with train.freeze [vision]; each rank's
+    encoder time is in the metrics."""
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=5",
+                     "data.pack=false")
+    frozen = [*over, "train.freeze=[vision]"]
+    one = ranks(_layouts_and_encoded_images, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one",
+                layouts=[("whole", over), ("frozen", frozen)], ports=[free_port(), free_port()])[0]
+    hetero = ["parallel.tp=2", "parallel.components.vision.tp=1"]
+    layouts = [("hetero", [*over, *hetero]),
+               ("full", [*over, *hetero, "parallel.components.vision.recompute=full"]),
+               ("selective", [*over, *hetero, "parallel.components.vision.recompute=selective"]),
+               ("frozen", [*frozen, *hetero])]
+    two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
+                layouts=layouts, ports=[free_port() for _ in layouts], timeout_s=120)
+    for name, _ in layouts:
+        want = one["frozen" if name == "frozen" else "whole"][0]
+        for r in range(2):
+            assert two[r][name][0] == pytest.approx(want, rel=1e-5), (name, r, two[r][name][0], want)
+        encoded = [g for r in range(2) for g in two[r][name][1]]
+        assert sorted(encoded) == sorted(one["whole"][1]) and all(two[r][name][1] for r in range(2)), name
+        assert {"encoder_time_r0", "encoder_time_r1"} <= set(two[0][name][2]), two[0][name][2]
+    assert two[0]["frozen"][0] != pytest.approx(two[0]["hetero"][0], rel=1e-5)

@@ -49,6 +49,7 @@ class Model:
     loss_key: str = "lm loss"
     whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
+    timed_encoder: bool = False  # an encoder whose per-rank forward time the job logs (engine/encoder_split.py)
 
 
 PARALLEL_DIMS = {"tp": "tensor", "sp": "sequence", "cp": "context", "pp": "pipeline", "vpp": "interleaved pipeline",
