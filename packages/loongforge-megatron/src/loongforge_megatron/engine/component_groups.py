@@ -53,6 +53,15 @@ class ComponentGroups:
         for p in module.parameters():
             split = bool(getattr(p, "tensor_model_parallel", False)) and self.tp > 1
             p.tensor_model_parallel = split and self.hdp_rank == 0
+            # NOTE: which shard this is, for a draw of the whole tensor (engine/weights.py's seeded_init)
+            p.component_shard = (self.tp_rank, self.tp) if split else None
+
+    def checkpoint_entries(self, prefixes: tuple[str, ...], *, tp: int) -> tuple:
+        """The checkpoint layout's ``whole`` entries of this component (``prefixes``: its megatron names) under a
+        language model at ``tp``: whole (tp 1), split over its own tp, or none (split like the language model)."""
+        if self.tp == tp:
+            return ()
+        return prefixes if self.tp == 1 else tuple((p, self.tp) for p in prefixes)
 
 
 _ONE_RANK: dict[int, Any] = {}

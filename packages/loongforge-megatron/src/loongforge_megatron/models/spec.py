@@ -47,7 +47,9 @@ class Model:
     kernels: str  # the layer spec used (te / loongforge / local), for the log
     forward_step: Callable | None = None  # megatron forward_step_func (None: the engine's GPT step)
     loss_key: str = "lm loss"
-    whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
+    # components not split like the language model (parallel.components.*.tp): a megatron-name prefix every TP rank
+    # holds whole, or (prefix, tp) split over a tp group of its own (conversion/layout.py)
+    whole: tuple = ()
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
     timed_encoder: bool = False  # an encoder whose per-rank forward time the job logs (engine/encoder_split.py)
 

@@ -183,7 +183,7 @@ class Llava(HFCheckpoint):
         # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused at validate) mean ours.
         spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
         groups = component_groups(plan, "vision")
-        whole = VISION_PREFIXES if groups.tp == 1 and plan.tp > 1 else ()
+        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         chunks = build_llava(
             language=config, arch=arch, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
             # NOTE: under pipeline parallelism LLaVAModel pads every combined sequence to this length (fixed p2p

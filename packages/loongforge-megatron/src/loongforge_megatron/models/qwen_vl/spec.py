@@ -236,7 +236,7 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp, vision_groups=groups)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        whole = VISION_PREFIXES if groups.tp == 1 and plan.tp > 1 else ()
+        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
             from loongforge_megatron.layers.output import fused_output_processor
