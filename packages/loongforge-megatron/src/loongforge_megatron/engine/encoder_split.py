@@ -138,3 +138,36 @@ def sync_encoder_grads(chunks: Sequence[torch.nn.Module]) -> None:
             dist.all_reduce(flat, group=groups.hdp_group)
             for g, s in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(s)
+
+
+def split_batch(module: torch.nn.Module, groups: Any) -> None:
+    """Encoder hetero-DP for a tower that takes a batch of same-sized images ``[b, ...]`` and returns ``[b, ...]``
+    (equal cost per image): forward hooks give it this copy's images and gather every copy's outputs. The module
+    keeps its parameter names (no wrapper), so name maps and checkpoints are unchanged."""
+    setattr(module, ENCODER_ATTR, groups)
+    module.encoder_timer = EncoderTimer()
+    state: dict[str, Any] = {}
+
+    def before(mod, args):
+        images, *rest = args
+        shares = share_images([1.0] * images.shape[0], groups.hdp)
+        mine = shares[groups.hdp_rank]
+        state.update(shares=shares, count=images.shape[0], t0=time.perf_counter(), images=len(mine))
+        if images.is_cuda:
+            state["start"] = torch.cuda.Event(enable_timing=True)
+            state["start"].record()
+        return (images[mine], *rest)
+
+    def after(mod, args, output):
+        timer = mod.encoder_timer
+        timer.images += state["images"]
+        if "start" in state:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            timer.events.append((state.pop("start"), end))
+        else:
+            timer.seconds += time.perf_counter() - state["t0"]
+        return gather_rows(output, rows_of=[1] * state["count"], shares=state["shares"], group=groups.hdp_group)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)

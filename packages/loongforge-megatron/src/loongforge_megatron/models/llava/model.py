@@ -122,10 +122,11 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
 
     ``vision_groups`` (:func:`~loongforge_megatron.engine.component_groups.component_groups`) lays out the CLIP
     tower and the projector: at a tp below the language model's (e.g. 1: whole, no TP communication inside a small
-    tower) they are built over the component's own tp group, each copy in a language TP group running the same
-    images. Their gradients agree across the copies without a reduction (the language model's first
-    column-parallel layers all-reduce the gradient of their input), and each shard is counted once by the gradient
-    norm (``ComponentGroups.mark_shards``)."""
+    tower) they are built over the component's own tp group, and the CLIP copies in one language TP group encode
+    different images of the micro-batch (``engine/encoder_split.py``: their gradients summed over the copies); the
+    projector runs on every image on each copy (its gradients agree without a reduction: the language model's first
+    column-parallel layers all-reduce the gradient of their input). Each shard is counted once by the gradient norm
+    (``ComponentGroups.mark_shards``)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -189,6 +190,10 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     if first and vision_groups is not None:
         for module in (model.vision_model, model.vision_projection):
             vision_groups.mark_shards(module)
+        if vision_groups.hdp > 1:  # NOTE: the copies of one language TP group encode different images
+            from loongforge_megatron.engine.encoder_split import split_batch
+
+            split_batch(model.vision_model, vision_groups)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none

@@ -193,7 +193,7 @@ class Llava(HFCheckpoint):
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
             vision_groups=groups)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
-                     groups=self.groups)
+                     groups=self.groups, timed_encoder=groups.hdp > 1)
 
 
 SPEC = Llava()
