@@ -65,6 +65,15 @@ class ComponentGroups:
 
 
 _ONE_RANK: dict[int, Any] = {}
+_GRIDS: list[Any] = []  # the grids made for this process's model-parallel state (released with it)
+
+
+def release() -> None:
+    """Destroy the components' groups (with megatron's model-parallel state: ``parallel_state.destroy``)."""
+    for grid in _GRIDS:
+        grid.destroy()
+    _GRIDS.clear()
+    _ONE_RANK.clear()
 
 
 def _one_rank_group() -> Any:
@@ -108,6 +117,7 @@ def component_groups(plan: Any, name: str, *, default_tp: int | None = None) -> 
     grid = HyperCommGrid([t, hdp, plan.cp, plan.dp, plan.pp], ["tp", "hdp", "cp", "dp", "pp"])
     tp_group = grid.create_pg(["tp"]) if t > 1 else None
     hdp_group = grid.create_pg(["hdp"])
+    _GRIDS.append(grid)
     return ComponentGroups(name=name, tp=t, hdp=hdp, tp_rank=dist.get_rank(tp_group) if tp_group else 0,
                            hdp_rank=dist.get_rank(hdp_group), tp_group=tp_group, hdp_group=hdp_group,
                            recompute=comp.recompute, grid=grid)

@@ -121,7 +121,10 @@ def encoder_times(chunks: Sequence[torch.nn.Module], *, device: torch.device) ->
 
 def sync_encoder_grads(chunks: Sequence[torch.nn.Module]) -> None:
     """Sum each hetero-DP tower's parameter gradients over its hdp group (every copy saw different images), before
-    the data-parallel reduction. Reads megatron DDP's ``main_grad`` (``grad`` outside DDP)."""
+    the data-parallel reduction. Reads megatron DDP's ``main_grad`` (``grad`` outside DDP).
+
+    NOTE: the data-parallel reduction starts in ``finalize_model_grads``, after this (the job's DDP does not
+    overlap it with the backward); both are sums, so the order does not change the result."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     for chunk in chunks:

@@ -164,9 +164,13 @@ def _gpt_model_class():
                 rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine])
                 out = timed(self.vision, timer, len(mine), pixel_values.index_select(0, rows.to(pixel_values.device)),
                             grid[mine])
-            else:  # NOTE: fewer images than copies: this copy encodes none and still takes part in the gathers
+            else:
+                # NOTE: fewer images than copies: this copy encodes none and still takes part in the gathers; its
+                # (empty) rows require a gradient when the tower trains, so that every copy's autograd graph holds
+                # the same collectives downstream (a sequence-parallel scatter of the deepstack features)
+                trains = any(p.requires_grad for p in self.vision.parameters())
                 dtype = next(self.vision.parameters()).dtype
-                empty = torch.zeros(0, self.out_dim, dtype=dtype, device=pixel_values.device)
+                empty = torch.zeros(0, self.out_dim, dtype=dtype, device=pixel_values.device, requires_grad=trains)
                 out = (empty, [empty] * deep) if deep else empty
             gather = functools.partial(gather_rows, rows_of=[n // unit for n in patches], shares=shares,
                                        group=groups.hdp_group)
