@@ -484,8 +484,8 @@ def test_micro_batches_made_ahead_by_a_worker_are_the_steps_own(tmp_path, hf_dir
 def test_balance_costs_count_the_records_tokens_and_patches(tmp_path, hf_dir):
     """data.balance's cost of a record, from its text and its images' headers, counts the tokens and patches the
     record is made of."""
-    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
     from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
 
     records = make_records(tmp_path / "data")
     ds = Conversations(str(records), processor=load_processor(hf_dir), arch=arch_from_hf(hf_dir), seq_length=96,
