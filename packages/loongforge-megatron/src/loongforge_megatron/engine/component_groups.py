@@ -49,7 +49,10 @@ class ComponentGroups:
 
         NOTE: megatron counts a parameter on a rank when it is marked split or the rank is TP rank 0 of the
         language model. A shard of this component is held by ``hdp`` ranks of one language TP group: it stays
-        marked on hdp rank 0 only; an unsplit parameter is unmarked (counted on language TP rank 0)."""
+        marked on hdp rank 0 only; an unsplit parameter is unmarked (counted on language TP rank 0). A component
+        split like the language model (hdp 1) keeps its layers' marks."""
+        if self.hdp == 1:
+            return
         for p in module.parameters():
             split = bool(getattr(p, "tensor_model_parallel", False)) and self.tp > 1
             p.tensor_model_parallel = split and self.hdp_rank == 0
