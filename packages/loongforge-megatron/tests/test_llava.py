@@ -123,7 +123,8 @@ def test_tp2_matches_one_process_and_the_loss_falls(tmp_path):
 LAYOUTS = {
     # stage 0: CLIP, the projector, the embedding and LM layer 0; stage 1: LM layer 1 and the head
     "pp2": ["parallel.pp=2"],
-    # heterogeneous: the language model split over 2 TP ranks, the vision tower whole on each of them
+    # heterogeneous: the language model split over 2 TP ranks, the vision tower whole on each of them, the two
+    # copies encoding different images of each micro-batch
     "tp2_vision_tp1": ["parallel.tp=2", "parallel.components={vision: {tp: 1}}"],
 }
 
@@ -155,6 +156,8 @@ def test_layout_matches_one_process_resumes_exactly_and_exports_the_same(tmp_pat
                  "checkpoint.save_format=[dist,hf]", nproc=2)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert one[-1]["loss"] < one[0]["loss"]
+    if layout == "tp2_vision_tp1":  # NOTE: encoder hetero-DP: each CLIP copy encodes its own images, timed per rank
+        assert all({"encoder_time_r0", "encoder_time_r1"} <= set(r) for r in two), two[0]
     exported = [load_file(next((d / "hf").glob("*.safetensors"))) for d in (one_dir, tmp_path / "straight")]
     assert exported[0].keys() == exported[1].keys()
     # NOTE: atol 1e-4 of 4 steps x lr 3e-3: where a gradient is ~0 (single weights), Adam normalises rounding noise

@@ -23,14 +23,16 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "vlm" / "qwen2_5_vl_t
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def save_qwen_vl(out: Path, *, vocab: int = 320, ids: dict[str, int] | None = None, tie: bool = False) -> Path:
+def save_qwen_vl(out: Path, *, vocab: int = 320, ids: dict[str, int] | None = None, tie: bool = False,
+                 kv_heads: int = 2) -> Path:
     """A tiny Qwen2_5_VLForConditionalGeneration with every weight perturbed (no norm at 1, no bias at 0)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = ids or {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                          tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None),
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
@@ -482,8 +484,8 @@ def test_micro_batches_made_ahead_by_a_worker_are_the_steps_own(tmp_path, hf_dir
 def test_balance_costs_count_the_records_tokens_and_patches(tmp_path, hf_dir):
     """data.balance's cost of a record, from its text and its images' headers, counts the tokens and patches the
     record is made of."""
-    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
     from loongforge_megatron.models.hf_arch import arch_from_hf
+    from loongforge_megatron.models.qwen_vl.data import Conversations, load_processor
 
     records = make_records(tmp_path / "data")
     ds = Conversations(str(records), processor=load_processor(hf_dir), arch=arch_from_hf(hf_dir), seq_length=96,
@@ -703,3 +705,89 @@ def test_moe_recipe_checks(capsys, args, key, message):
     assert main(["validate", str(MOE_RECIPE), *args, "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"key '{key}" in err and message in err, err
+
+
+def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports, export=False):
+    """For each (name, overrides): every step's loss, the image grids this rank's tower encoded (in the first
+    step), and the last step's metrics (``export``: the HF export of the loaded weights, before the steps). Each
+    job rendezvouses on its own port (a job's close ends the world)."""
+    import os
+
+    out = {}
+    for (name, over), port in zip(layouts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=run_dir / name)
+        try:
+            if export:
+                job.export("hf", run_dir / name / "hf")
+            seen = []
+            tower = job.chunks[0].vision
+            hook = tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
+            losses, metrics = [], {}
+            for i in range(job.recipe.train.steps):
+                metrics = job.step()
+                losses.append(metrics["loss"])
+                if i == 0:
+                    hook.remove()
+            out[name] = (losses, [g for grids in seen for g in grids], metrics)
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+# NOTE: Qwen3-VL's deepstack features under hetero-DP: test_tp2_pp2_cp2_and_ep2_equal_one_process's tp2 layouts
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)
+def test_encoder_hetero_dp_equals_one_process(tmp_path, hf_dir, ranks, free_port):
+    """Vision tp 1 under language tp 2: the two towers encode different images of each micro-batch (each image on
+    exactly one rank, split by patch count) and gather the embeddings; 5 steps equal one process's losses, with the
+    tower's own full / selective recompute (the language model's off) and with train.freeze [vision]; each rank's
+    encoder time is in the metrics."""
+    records = make_records(tmp_path / "data")
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=5",
+                     "data.pack=false")
+    frozen = [*over, "train.freeze=[vision]"]
+    one = ranks(_layouts_and_encoded_images, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one",
+                layouts=[("whole", over), ("frozen", frozen)], ports=[free_port(), free_port()])[0]
+    hetero = ["parallel.tp=2", "parallel.components.vision.tp=1"]
+    layouts = [("hetero", [*over, *hetero]),
+               ("full", [*over, *hetero, "parallel.components.vision.recompute=full"]),
+               ("selective", [*over, *hetero, "parallel.components.vision.recompute=selective"]),
+               ("frozen", [*frozen, *hetero])]
+    two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
+                layouts=layouts, ports=[free_port() for _ in layouts], timeout_s=120)
+    for name, _ in layouts:
+        want = one["frozen" if name == "frozen" else "whole"][0]
+        for r in range(2):
+            assert two[r][name][0] == pytest.approx(want, rel=1e-5), (name, r, two[r][name][0], want)
+        encoded = [g for r in range(2) for g in two[r][name][1]]
+        assert sorted(encoded) == sorted(one["whole"][1]) and all(two[r][name][1] for r in range(2)), name
+        assert {"encoder_time_r0", "encoder_time_r1"} <= set(two[0][name][2]), two[0][name][2]
+    assert two[0]["frozen"][0] != pytest.approx(two[0]["hetero"][0], rel=1e-5)
+
+
+def test_vision_tp_2_under_language_tp_4_equals_one_process(tmp_path_factory, tmp_path, ranks, free_port):
+    """Language tp 4, vision tp 2 on four gloo ranks: two copies of the tower, each split over two ranks (its own
+    groups from the plan's grid), encode different images; 3 steps equal one process's losses, each image is
+    encoded by one copy, and the HF weights loaded into that layout export back unchanged."""
+    from safetensors.torch import load_file
+
+    hf = tmp_path_factory.mktemp("kv4") / "hf"
+    ids, vocab = save_processor(hf, TEXTS)
+    save_qwen_vl(hf, vocab=vocab, ids=ids, kv_heads=4)
+    records = make_records(tmp_path / "data")
+    over = overrides(hf, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=3", "data.pack=false")
+    one = ranks(_layouts_and_encoded_images, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one",
+                layouts=[("one", over)], ports=[free_port()])[0]["one"]
+    layout = [*over, "parallel.tp=4", "parallel.components.vision.tp=2"]
+    four = ranks(_layouts_and_encoded_images, world=4, out=tmp_path / "r4", run_dir=tmp_path / "four",
+                 layouts=[("tp4", layout)], ports=[free_port()], export=True, timeout_s=180)
+    for r in range(4):
+        assert four[r]["tp4"][0] == pytest.approx(one[0], rel=1e-5), (r, four[r]["tp4"][0], one[0])
+    # NOTE: ranks 0, 1 are one copy of the tower (its tp group), ranks 2, 3 the other
+    assert four[0]["tp4"][1] == four[1]["tp4"][1] and four[2]["tp4"][1] == four[3]["tp4"][1]
+    assert sorted(four[0]["tp4"][1] + four[2]["tp4"][1]) == sorted(one[1]) and four[0]["tp4"][1]
+    base, exported = load_file(hf / "model.safetensors"), load_file(tmp_path / "four" / "tp4" / "hf" / "model.safetensors")
+    assert exported.keys() == base.keys()
+    for name, tensor in base.items():
+        assert torch.equal(exported[name], tensor), name

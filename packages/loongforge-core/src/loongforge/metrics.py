@@ -154,6 +154,9 @@ class MetricsLogger:
             parts.append(f"packed {100 * m['packing_efficiency']:.0f}%")
         if "dp_imbalance_before" in m and "dp_imbalance_after" in m:  # max / mean rank cost, in order -> placed
             parts.append(f"dp imbalance {m['dp_imbalance_before']:.2f}->{m['dp_imbalance_after']:.2f}")
+        encoder = [m[k] for k in m if k.startswith("encoder_time_r") and isinstance(m[k], float)]
+        if encoder:  # NOTE: each rank's encoder forward time (encoder hetero-DP shares the images out)
+            parts.append("encoder ms/rank " + "/".join(f"{1000 * v:.0f}" for v in encoder))
         if m.get("mfu"):
             parts.append(f"MFU {100 * m['mfu']:.1f}%")
         eta = self._eta(step, m, now)

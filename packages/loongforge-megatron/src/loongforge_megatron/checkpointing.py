@@ -43,7 +43,7 @@ def layout_record(plan: Any, *, num_layers: int, whole: tuple[str, ...] = ()) ->
     """What a checkpoint records of the layout it was saved with (``meta.json``'s ``layout``)."""
     p = plan
     return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
-            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": list(whole),
+            "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": [w if isinstance(w, str) else list(w) for w in whole],
             SPLIT: chunk_layer_counts(num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
                                       last=p.last_stage_layers)}
 

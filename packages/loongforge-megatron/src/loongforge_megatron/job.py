@@ -71,6 +71,7 @@ class MegatronJob(Job):
         self.config, self.chunks, self.whole_components = built.config, built.chunks, built.whole
         self.forward_step_fn, self.loss_key, self.kernels = built.forward_step, built.loss_key, built.kernels
         self.before_step, self.step_metrics = built.before_step, built.step_metrics
+        self.timed_encoder = built.timed_encoder
         if recipe.checkpoint.load:
             from loongforge_megatron.hf_io import load_hf_into
 
@@ -274,6 +275,11 @@ class MegatronJob(Job):
         if self.cost_fit is not None and self.cost_fit.after_step(self.step_index):
             self.schedule.close()  # NOTE: workers made the coming steps with the old model: make them again
             metrics.update({f"balance_cost_{k}": getattr(self.cost_fit.fitted, k) for k in "abcv"})
+        if self.timed_encoder:  # NOTE: collective: every rank, towers or not (later pipeline stages hold none)
+            from loongforge_megatron.engine.encoder_split import encoder_times
+
+            for r, (seconds, _) in encoder_times(self.chunks, device=self.device).items():
+                metrics[f"encoder_time_r{r}"] = seconds
         if self.data.sample_unit:  # e.g. an image model's images (its tokens are latent patches)
             metrics[f"{self.data.sample_unit}_per_s"] = self.recipe.train.global_batch_size / dt
         if out.get("grad_norm") is not None:

@@ -308,6 +308,7 @@ _LAYOUT_CASES = {
     "ep-float": lambda d: {**d, "ep": 1.5},
     "etp-three": lambda d: {**d, "etp": 3},
     "whole-int": lambda d: {**d, "whole": 3},
+    "whole-pair-tp": lambda d: {**d, "whole": [["vision.", 3]]},
     "hf-config-list": lambda d: {**d, "hf_config": [1]},
     "hf-config-missing": lambda d: {k: v for k, v in d.items() if k != "hf_config"},
     "layers-plus-one": lambda d: {**d, "hf_config": {**d["hf_config"], "num_hidden_layers": 5}},

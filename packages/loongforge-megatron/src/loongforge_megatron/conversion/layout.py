@@ -40,8 +40,10 @@ class MegatronLayout:
     first_stage_layers: int | None = None  # uneven pipeline split (megatron's num_layers_in_first_pipeline_stage)
     last_stage_layers: int | None = None
     make_vocab_size_divisible_by: int = 128
-    # megatron-name prefixes of components kept whole (TP 1) on every TP rank, e.g. a VLM's vision tower
-    whole: tuple[str, ...] = ()
+    # components not split like the language model, e.g. a VLM's vision tower: a megatron-name prefix (kept whole,
+    # TP 1, on every TP rank) or (prefix, tp) (split over tp ranks of its own, a divisor of tp: TP rank r holds
+    # shard r % tp)
+    whole: tuple[str | tuple[str, int], ...] = ()
     # multi-token-prediction layers the checkpoint holds (HF: the layers after num_hidden_layers)
     mtp_layers: int = 0
 
@@ -55,7 +57,11 @@ class MegatronLayout:
             raise CheckpointError(f"etp must be 1 or equal to tp ({self.tp}), got {self.etp}")
         if self.vpp > 1 and self.pp == 1:
             raise CheckpointError("vpp > 1 needs pp > 1")
-        object.__setattr__(self, "whole", tuple(self.whole))
+        whole = tuple(w if isinstance(w, str) else (str(w[0]), int(w[1])) for w in self.whole)
+        for w in whole:
+            if not isinstance(w, str) and (w[1] < 1 or self.tp % w[1]):
+                raise CheckpointError(f"component '{w[0]}' at tp {w[1]}: must divide tp ({self.tp})")
+        object.__setattr__(self, "whole", whole)
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -105,7 +111,11 @@ class MegatronLayout:
         """How many shards a parameter is cut into: ETP for routed experts, 1 in a whole component, TP otherwise."""
         if isinstance(p.rule, Expert):
             return self.etp
-        return 1 if p.megatron.startswith(self.whole) else self.tp
+        for w in self.whole:
+            prefix, tp = (w, 1) if isinstance(w, str) else w
+            if p.megatron.startswith(prefix):
+                return tp
+        return self.tp
 
     def holders(self, p: Param) -> Iterator[tuple[Rank, int]]:
         """(rank, shard index) for every rank that stores ``p`` (replicas included)."""
@@ -113,7 +123,7 @@ class MegatronLayout:
         eps = range(self.ep) if p.where.ep_rank is None else [p.where.ep_rank]
         for tp in range(self.tp):
             for ep in eps:
-                yield (tp, p.where.pp_rank, ep, p.where.vpp_rank), (tp if size == self.tp else 0)
+                yield (tp, p.where.pp_rank, ep, p.where.vpp_rank), tp % size
 
     def shard_sources(self, p: Param) -> list[Rank]:
         """One rank per shard index, in order: where to read ``p``'s shards back from."""
@@ -179,9 +189,11 @@ def _check_fields(path: Path, data: dict[str, Any]) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 4096:
             raise CheckpointError(f"{path}: key '{key}' must be an integer from 0 to 4096, got {v!r:.40}")
     whole = data.get("whole", [])
-    if not isinstance(whole, list) or not all(isinstance(w, str) for w in whole):
-        raise CheckpointError(f"{path}: key 'whole' must be a list of strings")
-    data["whole"] = tuple(whole)
+    if not isinstance(whole, list) or not all(
+            isinstance(w, str) or (isinstance(w, list) and len(w) == 2 and isinstance(w[0], str)
+                                   and isinstance(w[1], int) and not isinstance(w[1], bool)) for w in whole):
+        raise CheckpointError(f"{path}: key 'whole' must be a list of prefixes or [prefix, tp] pairs")
+    data["whole"] = tuple(w if isinstance(w, str) else tuple(w) for w in whole)
     layers = data["hf_config"]
     from loongforge_megatron.conversion.config_tree import check_config_tree
 

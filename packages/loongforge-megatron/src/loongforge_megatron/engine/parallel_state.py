@@ -66,6 +66,9 @@ def destroy(*, process_group: bool = False) -> None:
     """Tear down megatron's model-parallel state (and the default process group if ``process_group``)."""
     from megatron.core import parallel_state as mpu
 
+    from loongforge_megatron.engine.component_groups import release
+
+    release()
     mpu.destroy_model_parallel()
     if process_group and dist.is_initialized():
         dist.destroy_process_group()

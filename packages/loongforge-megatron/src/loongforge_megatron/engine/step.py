@@ -117,12 +117,17 @@ def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any,
     ``before_grad_reduce`` runs after the backward, before the gradients' data-parallel reduction."""
     from megatron.core.distributed import finalize_model_grads
 
+    from loongforge_megatron.engine.encoder_split import ENCODER_ATTR
+
+    finalize_fn: Callable[..., Any] = finalize_model_grads
+    if any(getattr(m, ENCODER_ATTR, None) is not None for c in model_chunks for m in c.modules()):
+        finalize_fn = functools.partial(_finalize_with_encoders, model_chunks=model_chunks)
     if before_grad_reduce is None:
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_fn
     else:
         def finalize(*args: Any, **kwargs: Any) -> Any:
             before_grad_reduce()
-            return finalize_model_grads(*args, **kwargs)
+            return finalize_fn(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize
     config.grad_scale_func = optimizer.scale_loss
@@ -132,6 +137,16 @@ def _configure(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any,
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         sync = [m.start_grad_sync for m in model_chunks]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+
+
+def _finalize_with_encoders(*args: Any, model_chunks: list[torch.nn.Module], **kwargs: Any) -> Any:
+    """megatron's ``finalize_model_grads`` after the hetero-DP towers' gradients are summed over their copies."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from loongforge_megatron.engine.encoder_split import sync_encoder_grads
+
+    sync_encoder_grads(model_chunks)
+    return finalize_model_grads(*args, **kwargs)
 
 
 def _configure_p2p(config: Any) -> None:

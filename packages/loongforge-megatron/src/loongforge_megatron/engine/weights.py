@@ -29,9 +29,11 @@ def _global_name(name: str, *, layer_offset: int, expert_offset: int) -> str:
     return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name, count=1)
 
 
-def tp_shard(full: torch.Tensor, param: Any, *, rank: int, size: int) -> torch.Tensor:
-    """This tensor-parallel rank's slice of ``full`` for ``param`` (unchanged when not tensor-parallel)."""
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+def tp_shard(full: torch.Tensor, param: Any, *, rank: int, size: int, split: bool | None = None) -> torch.Tensor:
+    """This tensor-parallel rank's slice of ``full`` for ``param`` (unchanged when not tensor-parallel; ``split``:
+    whether it is, when not its ``tensor_model_parallel``)."""
+    split = getattr(param, "tensor_model_parallel", False) if split is None else split
+    if size == 1 or not split:
         return full
     dim = param.partition_dim
     stride = getattr(param, "partition_stride", 1)
@@ -141,11 +143,14 @@ def seeded_init(model_chunks: list[torch.nn.Module], *, config: Any, seed: int) 
                 key = "embedding.word_embeddings.weight"  # NOTE: the last stage's copy of the tied embedding
             is_expert = not getattr(param, "allreduce", True)
             rank, size = (etp_rank, etp_size) if is_expert else (tp_rank, tp_size)
+            split = getattr(param, "tensor_model_parallel", False)
+            if getattr(param, "component_shard", None) is not None:  # a component on a tp group of its own
+                (rank, size), split = param.component_shard, True
             shape = list(param.shape)
-            if size > 1 and getattr(param, "tensor_model_parallel", False):
+            if size > 1 and split:
                 shape[param.partition_dim] *= size
             out_layer = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
             init = config.output_layer_init_method if out_layer else config.init_method
             full = torch.empty(shape, dtype=torch.float32, device=param.device)
             _draw(init, full, _name_seed(seed, key))
-            param.copy_(tp_shard(full, param, rank=rank, size=size))
+            param.copy_(tp_shard(full, param, rank=rank, size=size, split=split))

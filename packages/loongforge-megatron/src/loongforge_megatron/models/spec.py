@@ -47,11 +47,14 @@ class Model:
     kernels: str  # the layer spec used (te / loongforge / local), for the log
     forward_step: Callable | None = None  # megatron forward_step_func (None: the engine's GPT step)
     loss_key: str = "lm loss"
-    whole: tuple[str, ...] = ()  # megatron-name prefixes every TP rank holds whole (parallel.components.*.tp 1)
+    # components not split like the language model (parallel.components.*.tp): a megatron-name prefix every TP rank
+    # holds whole, or (prefix, tp) split over a tp group of its own (conversion/layout.py)
+    whole: tuple = ()
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # train.freeze's groups -> name prefixes
     before_step: Callable[[int, Any], None] | None = None  # (0-based step index, the optimizer) before each step
     step_metrics: Callable[[], Mapping[str, float]] | None = None  # the model's own metrics of the step just run
     lora_targets: Mapping[str, tuple[str, ...]] | None = None  # train.lora.targets -> module names (None: megatron's)
+    timed_encoder: bool = False  # an encoder whose per-rank forward time the job logs (engine/encoder_split.py)
 
 
 PARALLEL_DIMS = {"tp": "tensor", "sp": "sequence", "cp": "context", "pp": "pipeline", "vpp": "interleaved pipeline",

@@ -2,8 +2,10 @@
 
 The configs and conventions are the ones verified against transformers' ``LlavaForConditionalGeneration`` in
 ``docs/design/vlm_llava_on_megatron.md``: the CLIP tower is built with only the layers LLaVA reads, its class token
-is dropped, and the language model, vision tower and projector share the tensor-parallel group (megatron-core 0.19
-has no separate encoder TP). Pipeline / context / sequence parallelism are not supported here.
+is dropped. The CLIP tower and projector are built with their component's process groups
+(``engine/component_groups.py``): split like the language model by default, or over a smaller tp group of their
+own (``parallel.components.vision.tp``), with their own recompute. Context / sequence parallelism are not supported
+here.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return getattr(fused, "_torchdynamo_orig_callable", fused)(x)
 
 
-def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
-    """megatron TransformerConfigs of the CLIP tower and the projector, sharing the language config's precision,
-    parallel sizes and fusion flags."""
+def vision_configs(language: Any, arch: Any, *, tp: int | None = None, recompute: str | None = None) -> tuple[Any, Any]:
+    """megatron TransformerConfigs of the CLIP tower and the projector, sharing the language config's precision and
+    fusion flags; ``tp`` / ``recompute``: the vision component's (None: the language model's)."""
     import torch.nn.functional as F
 
     from loongforge_megatron.models.llava.names import vision_layers_used
@@ -62,11 +64,18 @@ def vision_configs(language: Any, arch: Any) -> tuple[Any, Any]:
     # NOTE: the tower and projector are whole on the first pipeline stage (megatron would split their layers too)
     whole = dict(pipeline_model_parallel_size=1, num_layers_in_first_pipeline_stage=None,
                  num_layers_in_last_pipeline_stage=None, virtual_pipeline_model_parallel_size=None)
+    if tp is not None:
+        whole.update(tensor_model_parallel_size=tp, sequence_parallel=language.sequence_parallel and tp > 1)
+    tower = dict(whole)
+    if recompute is not None:  # NOTE: the tower's own recompute; the projector (one MLP) keeps none
+        tower.update(recompute_granularity=None if recompute == "none" else recompute,
+                     recompute_method="uniform" if recompute == "full" else None,
+                     recompute_num_layers=1 if recompute == "full" else None)
     vision = dataclasses.replace(
         language, num_layers=vision_layers_used({"vision_config": v, **arch.vision}), hidden_size=v["hidden_size"],
         ffn_hidden_size=v["intermediate_size"], num_attention_heads=heads, kv_channels=v["hidden_size"] // heads,
         normalization="LayerNorm", layernorm_epsilon=v.get("layer_norm_eps", 1e-5), add_qkv_bias=True,
-        activation_func=acts[v.get("hidden_act", "quick_gelu")], **common, **whole)
+        activation_func=acts[v.get("hidden_act", "quick_gelu")], **common, **tower)
     vision.vision_model_type = "clip"  # NOTE: read by LLaVAModel; not a TransformerConfig field
     # NOTE: the projector is an MLP; its (unused) head count must still divide by TP.
     projection = dataclasses.replace(
@@ -106,17 +115,18 @@ VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" compon
 
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
                 spec: str = "local", provider: str = "auto", accelerator: Any = None,
-                whole_vision: bool = False) -> list[torch.nn.Module]:
+                vision_groups: Any = None) -> list[torch.nn.Module]:
     """``[LLaVAModel]`` for this rank (before DDP), built with :func:`layer_specs`. With pipeline parallelism the first stage
     holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
     their language layers (megatron's split), the last one the output layer.
 
-    ``whole_vision`` (``parallel.components.vision.tp: 1`` under a language TP > 1) keeps the CLIP tower and the
-    projector whole on every TP rank: no TP communication inside a small tower, which every TP rank runs on the
-    same images. Its gradients agree across the TP ranks without a reduction (the language model's first
-    column-parallel layers all-reduce the gradient of their input), and its parameters are marked as TP duplicates
-    so the gradient norm counts them once."""
-    import torch.distributed as dist
+    ``vision_groups`` (:func:`~loongforge_megatron.engine.component_groups.component_groups`) lays out the CLIP
+    tower and the projector: at a tp below the language model's (e.g. 1: whole, no TP communication inside a small
+    tower) they are built over the component's own tp group, and the CLIP copies in one language TP group encode
+    different images of the micro-batch (``engine/encoder_split.py``: their gradients summed over the copies); the
+    projector runs on every image on each copy (its gradients agree without a reduction: the language model's first
+    column-parallel layers all-reduce the gradient of their input). Each shard is counted once by the gradient norm
+    (``ComponentGroups.mark_shards``)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -133,13 +143,17 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
 
         prepare_config(language)
     language_spec, vision_spec = layer_specs(spec, provider=provider, accelerator=accelerator)
-    vision, projection = vision_configs(language, arch)
+    t = language.tensor_model_parallel_size if vision_groups is None else vision_groups.tp
+    vision, projection = vision_configs(language, arch, tp=t,
+                                        recompute=None if vision_groups is None else vision_groups.recompute)
     side, patch = image_size(arch)
     first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
     projection_spec = MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                     linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
-    # NOTE: collective: every rank (on every pipeline stage) creates every one-rank group, in the same order
-    alone = dist.new_subgroups(group_size=1)[0] if whole_vision else None
+    own = first and t != language.tensor_model_parallel_size
+    if vision_groups is not None and t != language.tensor_model_parallel_size:
+        # NOTE: collective (a tp-1 tower asks for a one-rank group): every rank, every pipeline stage
+        collection = vision_groups.collection()
     from loongforge_megatron.models.llava.clip import clip_builder
 
     clip_builder()  # NOTE: LLaVAModel builds its CLIP tower through the run's llava-clip-torch-norms adaptation
@@ -148,10 +162,12 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
         language_transformer_layer_spec=language_spec,
         language_vocab_size=vocab_size,
         language_max_sequence_length=max_sequence_length,
-        vision_transformer_config=vision,
+        # NOTE: LLaVAModel builds the tower over the language model's groups; at a tp of its own it is rebuilt
+        # below over the component's
+        vision_transformer_config=vision if not own else _at_tp(vision, language),
         vision_transformer_layer_spec=vision_spec,
         drop_vision_class_token=True,
-        vision_projection_config=projection,
+        vision_projection_config=projection if not own else _at_tp(projection, language),
         vision_projection_layer_spec=projection_spec,
         vision_projection_type="mlp",
         parallel_output=True,  # NOTE: False with labels at TP > 1 adds ln(TP) to the loss (gathered logits)
@@ -168,8 +184,16 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
         add_encoder=first,
         add_decoder=True,
     )
-    if first and whole_vision:
-        _whole_vision(model, vision, projection, vision_spec, projection_spec, alone=alone, side=side, patch=patch)
+    if own:
+        _own_vision(model, vision, projection, vision_spec, projection_spec, groups=collection, side=side,
+                    patch=patch)
+    if first and vision_groups is not None:
+        for module in (model.vision_model, model.vision_projection):
+            vision_groups.mark_shards(module)
+        if vision_groups.hdp > 1:  # NOTE: the copies of one language TP group encode different images
+            from loongforge_megatron.engine.encoder_split import split_batch
+
+            split_batch(model.vision_model, vision_groups)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
@@ -178,31 +202,31 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     return [model]
 
 
-def _whole_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, projection_spec: Any, *, alone: Any,
-                  side: int, patch: int) -> None:
-    """Rebuild ``model``'s CLIP tower and projector at TP 1 over ``alone``, this rank's one-rank group."""
-    import copy
+def _at_tp(config: Any, language: Any) -> Any:
+    """``config`` at the language model's tp (LLaVAModel's first build of the tower, over its groups)."""
+    out = dataclasses.replace(config, tensor_model_parallel_size=language.tensor_model_parallel_size,
+                              sequence_parallel=language.sequence_parallel)
+    if hasattr(config, "vision_model_type"):
+        out.vision_model_type = config.vision_model_type
+    return out
 
+
+def _own_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, projection_spec: Any, *, groups: Any,
+                side: int, patch: int) -> None:
+    """Rebuild ``model``'s CLIP tower and projector over ``groups`` (the vision component's
+    ProcessGroupCollection: its own tp group)."""
     from megatron.core.models.multimodal import llava_model
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 
-    one = dict(tensor_model_parallel_size=1, sequence_parallel=False)
-    vision1, projection1 = dataclasses.replace(vision, **one), dataclasses.replace(projection, **one)
-    vision1.vision_model_type = vision.vision_model_type
-    groups = copy.copy(model.pg_collection)
-    groups.tp = alone
     from loongforge_megatron.models.llava.clip import clip_builder
 
     # NOTE: llava_model's CLIPViTModel as the run's llava-clip-torch-norms adaptation has it (WrappedTorchNorm)
-    model.vision_model = clip_builder()(vision1, vision_spec, img_h=side, img_w=side, class_token_len=1,
+    model.vision_model = clip_builder()(vision, vision_spec, img_h=side, img_w=side, class_token_len=1,
                                       patch_dim=patch, model_subtype=vision.vision_model_type, add_class_token=True,
                                       pg_collection=groups, vp_stage=model.vp_stage)
     model.vision_model.register_load_state_dict_post_hook(llava_model._load_state_dict_hook_ignore_extra_state)
-    model.vision_projection = MultimodalProjector(projection1, projection_spec, "mlp", vision1.hidden_size,
-                                                  tp_group=alone)
-    for module in (model.vision_model, model.vision_projection):
-        for p in module.parameters():
-            p.tensor_model_parallel = False  # NOTE: a TP duplicate: megatron's grad norm counts TP rank 0's copy
+    model.vision_projection = MultimodalProjector(projection, projection_spec, "mlp", vision.hidden_size,
+                                                  tp_group=groups.tp)
 
 
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):

@@ -20,6 +20,7 @@ from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.llava import names
 from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, tokenizer_assets, tokenizer_for
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
+from loongforge_megatron.models.vision_component import check_vision_component
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llava-1.5-7b": dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, vocab_size=32064, max_position_embeddings=4096,
@@ -134,7 +135,8 @@ class Llava(HFCheckpoint):
 
         check_provider(recipe)
         no_compile(recipe)
-        _check_components(recipe, plan)
+        v = arch.vision["vision_config"]
+        check_vision_component(plan, heads=v["num_attention_heads"], ffn=v["intermediate_size"])
         if plan.sp:
             raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
         if recipe.train.eval_interval:
@@ -142,8 +144,8 @@ class Llava(HFCheckpoint):
                               key="train.eval_interval")
         if arch.rope_scaling_factor is not None or arch.rope_yarn:
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
-        heads = arch.vision["vision_config"]["num_attention_heads"]
-        for what, n in (("CLIP attention heads", heads), ("CLIP ffn size", arch.vision["vision_config"]["intermediate_size"])):
+        # NOTE: LLaVAModel first builds the tower over the language model's groups (then over its own, if set)
+        for what, n in (("CLIP attention heads", v["num_attention_heads"]), ("CLIP ffn size", v["intermediate_size"])):
             if n % plan.tp:
                 raise RecipeError(f"{what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
         if recipe.data.seq_length <= image_seq_length(arch) + 2:
@@ -171,6 +173,7 @@ class Llava(HFCheckpoint):
 
     def model(self, *, recipe: Any, arch: LlavaArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
+        from loongforge_megatron.engine.component_groups import component_groups
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.llava.model import VISION_PREFIXES, build_llava, forward_step
 
@@ -179,7 +182,8 @@ class Llava(HFCheckpoint):
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused at validate) mean ours.
         spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
-        whole = VISION_PREFIXES if plan.component("vision").tp == 1 and plan.tp > 1 else ()
+        groups = component_groups(plan, "vision")
+        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         chunks = build_llava(
             language=config, arch=arch, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
             # NOTE: under pipeline parallelism LLaVAModel pads every combined sequence to this length (fixed p2p
@@ -187,26 +191,9 @@ class Llava(HFCheckpoint):
             max_sequence_length=recipe.data.seq_length if plan.pp > 1 else max(
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
-            whole_vision=bool(whole))
+            vision_groups=groups)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
-                     groups=self.groups)
-
-
-def _check_components(recipe: Any, plan: Any) -> None:
-    """``parallel.components``: LLaVA's ``vision`` (CLIP tower + projector) may be kept whole on every TP rank
-    (``tp: 1``) under a language-model TP > 1."""
-    for name, comp in (recipe.parallel.components or {}).items():
-        if name != "vision":
-            raise RecipeError(f"LLaVA has one separately laid-out component, 'vision' (got '{name}')",
-                              key=f"parallel.components.{name}")
-        for key, value in comp.model_dump(exclude_none=True).items():
-            if key != "tp":
-                raise RecipeError(f"only tp can be set per component (the vision tower lives on the first "
-                                  f"pipeline stage with the language model's data parallelism; got {key})",
-                                  key=f"parallel.components.vision.{key}")
-            if value not in (1, plan.tp):
-                raise RecipeError(f"the vision tower runs at tp 1 (whole on every rank) or at the language "
-                                  f"model's tp {plan.tp} (got {value})", key="parallel.components.vision.tp")
+                     groups=self.groups, timed_encoder=groups.hdp > 1)
 
 
 SPEC = Llava()

@@ -4,9 +4,10 @@ the image placeholder tokens' embeddings before the decoder runs; :func:`forward
 
 The language model keeps GPTModel's parameter names (``embedding.*``, ``decoder.layers.*``, ``output_layer.*``), so
 the GPT name maps, the seeded initialisation and the pipeline layout are the GPT ones; the tower is ``vision.*``.
-The tower is whole on every tensor-parallel rank (each runs it on the same images; its gradients agree across those
-ranks because the decoder's first column-parallel layers all-reduce the gradient of their input), or split over them
-(``parallel.components.vision.tp`` = tp: ``tower_parallel.py``).
+The tower is built with its component's process groups (``engine/component_groups.py``, from the plan's
+``parallel.components.vision``): split over its own tp group (any divisor of the language model's tp:
+``tower_parallel.py``), and when that is smaller than the language model's tp the tower's copies in one language TP
+group encode different images of the micro-batch and gather the embeddings (``engine/encoder_split.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _gpt_model_class():
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
                      mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
-                     vision_tp: int = 1, **gpt: Any):
+                     vision_groups: Any = None, **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
@@ -51,7 +52,18 @@ def _gpt_model_class():
             self.image_token, self.video_token = image_token, video_token
             self.merge = vision_config.get("spatial_merge_size", 2)  # merged patches: merge x merge a token
             tower = VisionTower3 if deepstack else VisionTower
-            self.vision = tower(vision_config, tp=vision_tp) if self.pre_process else None
+            self.vision_groups, self.out_dim = vision_groups, vision_config["out_hidden_size"]
+            self.vision = None
+            if self.pre_process:
+                from loongforge_megatron.engine.encoder_split import ENCODER_ATTR, EncoderTimer
+
+                self.vision = tower(vision_config, groups=vision_groups,
+                                    recompute=getattr(vision_groups, "recompute", "none"))
+                self.vision.encoder_timer = EncoderTimer()
+                if vision_groups is not None:
+                    vision_groups.mark_shards(self.vision)
+                    if vision_groups.hdp > 1:
+                        setattr(self.vision, ENCODER_ATTR, vision_groups)
             self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
             if self.vision is not None and deepstack:
                 n = len(vision_config.get("deepstack_visual_indexes", []))
@@ -113,7 +125,7 @@ def _gpt_model_class():
             NOTE: which tokens take which embedding is worked out on the host (the data pipeline keeps
             ``image_index`` there) and reaches the device as two index vectors, so neither this nor the deepstack
             layers read anything back from the device (a boolean-mask index would, forward and backward)."""
-            feats = self.vision(pixel_values, grid_thw)
+            feats = self._encode(pixel_values, grid_thw)
             # NOTE: hidden states are [s, b, h]: the tokens in sequence-major order
             index = image_index.cpu().t().reshape(-1)
             where = (index >= 0).nonzero().squeeze(1)
@@ -133,6 +145,39 @@ def _gpt_model_class():
             flat = emb.flatten(0, 1).index_copy(0, where, feats.index_select(0, rows).to(emb.dtype))
             return flat.view(emb.shape)
 
+        def _encode(self, pixel_values, grid_thw):
+            """The tower's output for every image: run here whole, or (encoder hetero-DP) this copy's share of the
+            images, shared by patch count, then every copy's embeddings gathered in image order."""
+            from loongforge_megatron.engine.encoder_split import gather_rows, share_images, timed
+
+            groups, timer, grid = self.vision_groups, self.vision.encoder_timer, grid_thw.cpu()
+            if groups is None or groups.hdp == 1:
+                return timed(self.vision, timer, grid.shape[0], pixel_values, grid_thw)
+            patches = grid.prod(-1).tolist()
+            shares = share_images(patches, groups.hdp)
+            mine, unit = shares[groups.hdp_rank], self.merge * self.merge
+            starts = [0]
+            for n in patches:
+                starts.append(starts[-1] + n)
+            deep = len(getattr(self.vision, "deepstack", ()))
+            if mine:
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine])
+                out = timed(self.vision, timer, len(mine), pixel_values.index_select(0, rows.to(pixel_values.device)),
+                            grid[mine])
+            else:
+                # NOTE: fewer images than copies: this copy encodes none and still takes part in the gathers; its
+                # (empty) rows require a gradient when the tower trains, so that every copy's autograd graph holds
+                # the same collectives downstream (a sequence-parallel scatter of the deepstack features)
+                trains = any(p.requires_grad for p in self.vision.parameters())
+                dtype = next(self.vision.parameters()).dtype
+                empty = torch.zeros(0, self.out_dim, dtype=dtype, device=pixel_values.device, requires_grad=trains)
+                out = (empty, [empty] * deep) if deep else empty
+            gather = functools.partial(gather_rows, rows_of=[n // unit for n in patches], shares=shares,
+                                       group=groups.hdp_group)
+            if isinstance(out, tuple):
+                return gather(out[0]), [gather(f) for f in out[1]]
+            return gather(out)
+
     return QwenVLModel
 
 
@@ -151,9 +196,10 @@ def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_t
 
 
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
-                  device: torch.device, vpp: int = 1, vision_tp: int = 1) -> list[torch.nn.Module]:
-    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage, whole
-    (``vision_tp`` 1) or split over the tensor-parallel ranks."""
+                  device: torch.device, vpp: int = 1, vision_groups: Any = None) -> list[torch.nn.Module]:
+    """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage, laid
+    out by ``vision_groups`` (:func:`~loongforge_megatron.engine.component_groups.component_groups`; None: whole,
+    each TP rank encoding every image)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
@@ -170,7 +216,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
             vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
             deepstack="deepstack_visual_indexes" in v["vision_config"],
-            rotary_base=arch.rope_theta, config=config, vision_tp=vision_tp,
+            rotary_base=arch.rope_theta, config=config, vision_groups=vision_groups,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),

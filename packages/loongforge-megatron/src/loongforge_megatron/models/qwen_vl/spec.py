@@ -22,6 +22,7 @@ from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, to
 from loongforge_megatron.models.qwen_vl import names
 from loongforge_megatron.models.qwen_vl.config import QwenVLDataConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
+from loongforge_megatron.models.vision_component import check_vision_component
 
 _TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
 _VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -157,24 +158,14 @@ class QwenVL(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
-        """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the tower
-        whole on every rank."""
+        """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the vision
+        component's own tp (a divisor of the language model's) and recompute."""
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
-        for name, comp in (recipe.parallel.components or {}).items():
-            if name != "vision" or comp.model_dump(exclude_none=True) not in ({}, {"tp": 1}, {"tp": plan.tp}):
-                raise RecipeError(f"Qwen-VL's vision tower runs whole on every rank (the default, vision: {{tp: 1}}) "
-                                  f"or split like the language model (vision: {{tp: {plan.tp}}}): parallel.components "
-                                  f"may only say one of those (got {name}: {comp.model_dump(exclude_none=True)})",
-                                  key=f"parallel.components.{name}")
-        if vision_tp(recipe, plan) > 1:
-            v = arch.vision["vision_config"]
-            for key, n in (("num_heads", v["num_heads"]), ("intermediate_size", v["intermediate_size"])):
-                if n % plan.tp:
-                    raise RecipeError(f"the vision tower's {key} {n} does not split over tp {plan.tp}; keep it whole "
-                                      "(parallel.components.vision.tp 1)", key="parallel.components.vision.tp")
+        check_vision_component(plan, heads=arch.vision["vision_config"]["num_heads"],
+                               ffn=arch.vision["vision_config"]["intermediate_size"])
         # NOTE: expert parallelism splits a MoE language model's experts (Qwen3-VL-MoE); the tower is replicated over ep
         if plan.ep != 1 and not arch.is_moe:
             raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
@@ -220,6 +211,7 @@ class QwenVL(HFCheckpoint):
 
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
+        from loongforge_megatron.engine.component_groups import component_groups
         from loongforge_megatron.engine.weights import seeded_init
         from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
@@ -238,12 +230,13 @@ class QwenVL(HFCheckpoint):
                           precision=precision) if arch.is_moe else None
         spec = decoder_layers(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
                           accelerator=accelerator, moe=moe)
-        tower_tp = vision_tp(recipe, plan)
+        # NOTE: a tower the plan does not lay out is whole, its copies in a TP group encoding different images
+        groups = component_groups(plan, "vision", default_tp=1)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
-                               device=device, vpp=plan.vpp, vision_tp=tower_tp)
+                               device=device, vpp=plan.vpp, vision_groups=groups)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
-        whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
+        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
             from loongforge_megatron.layers.output import fused_output_processor
@@ -251,14 +244,7 @@ class QwenVL(HFCheckpoint):
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups,
-                     whole=whole)
-
-
-def vision_tp(recipe: Any, plan: Any) -> int:
-    """The tower's tensor parallelism: 1 (whole on every rank) unless ``parallel.components.vision.tp`` says the
-    language model's."""
-    comp = (recipe.parallel.components or {}).get("vision")
-    return plan.tp if comp is not None and comp.tp == plan.tp else 1
+                     whole=whole, timed_encoder=True)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's vision tower as one plain torch module, whole on every rank or split over the tensor-parallel ranks
-(``tower_parallel.py``): a 3-D patch embedding (temporal x
+"""Qwen2.5-VL's vision tower as one plain torch module, whole on every rank or split over its component's tp group
+(``tower_parallel.py``), with its own recompute (``parallel.components.vision.recompute``: full / selective / none): a 3-D patch embedding (temporal x
 2-D patches), blocks of RMSNorm -> attention with 2-D rotary positions -> RMSNorm -> SwiGLU, where most blocks attend
 within windows of merged patches and a few (``fullatt_block_indexes``) over the whole image, and the 2x2 patch merger
 (RMSNorm, MLP) that turns four patches into one language-model embedding.
@@ -61,15 +61,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """``tp`` > 1: this rank's ``heads / tp`` heads (q / k / v rows of each, a column-parallel ``qkv``)."""
+    """Split over ``groups`` (tp > 1): this rank's ``heads / tp`` heads (q / k / v rows of each, a column-parallel
+    ``qkv``). ``recompute``: the attention itself recomputed in the backward (the tower's selective recompute)."""
 
-    def __init__(self, dim: int, heads: int, tp: int = 1):
+    def __init__(self, dim: int, heads: int, groups: Any = None, *, recompute: bool = False):
         super().__init__()
+        tp = 1 if groups is None else groups.tp
         if heads % tp:
             raise ValueError(f"vision tower: {heads} heads do not split over tp {tp}")
-        self.heads = heads // tp
-        self.qkv = column(dim, 3 * dim, tp=tp, stride=3)
-        self.proj = row(dim, dim, tp=tp)
+        self.heads, self.recompute = heads // tp, recompute
+        self.qkv = column(dim, 3 * dim, groups=groups, stride=3)
+        self.proj = row(dim, dim, groups=groups)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -79,26 +81,32 @@ class Attention(nn.Module):
         q, k = q.float(), k.float()
         cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
         q, k = (q * cos + _rotate_half(q) * sin).to(dtype), (k * cos + _rotate_half(k) * sin).to(dtype)
-        return self.proj(block_attention(q, k, v, cu_seqlens).reshape(t, -1))
+        if self.recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(block_attention, q, k, v, cu_seqlens, use_reentrant=False)
+        else:
+            out = block_attention(q, k, v, cu_seqlens)
+        return self.proj(out.reshape(t, -1))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, *, bias: bool = True, tp: int = 1):
+    def __init__(self, dim: int, hidden: int, *, bias: bool = True, groups: Any = None):
         super().__init__()
-        self.gate_proj = column(dim, hidden, bias=bias, tp=tp)
-        self.up_proj = column(dim, hidden, bias=bias, tp=tp)
-        self.down_proj = row(hidden, dim, bias=bias, tp=tp)
+        self.gate_proj = column(dim, hidden, bias=bias, groups=groups)
+        self.up_proj = column(dim, hidden, bias=bias, groups=groups)
+        self.down_proj = row(hidden, dim, bias=bias, groups=groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, tp: int = 1):
+    def __init__(self, dim: int, heads: int, hidden: int, groups: Any = None, *, recompute: str = "none"):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = Attention(dim, heads, tp)
-        self.mlp = SwiGLU(dim, hidden, tp=tp)
+        self.attn = Attention(dim, heads, groups, recompute=recompute == "selective")
+        self.mlp = SwiGLU(dim, hidden, groups=groups)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -118,11 +126,12 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, *, dim: int, context: int, merge: int, tp: int = 1):
+    def __init__(self, *, dim: int, context: int, merge: int, groups: Any = None):
         super().__init__()
         self.width = context * merge * merge
         self.ln_q = RMSNorm(context)
-        self.mlp = nn.Sequential(column(self.width, self.width, tp=tp), nn.GELU(), row(self.width, dim, tp=tp))
+        self.mlp = nn.Sequential(column(self.width, self.width, groups=groups), nn.GELU(),
+                                 row(self.width, dim, groups=groups))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).reshape(-1, self.width))
@@ -188,13 +197,23 @@ def image_bounds(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(sizes.cumsum(0), (1, 0)).to(torch.int32)
 
 
+def run_block(block: nn.Module, *args: Any, recompute: bool) -> torch.Tensor:
+    """One block, its activations recomputed in the backward when ``recompute`` (the tower's full recompute)."""
+    if recompute and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
+
+
 class VisionTower(nn.Module):
     """Qwen2.5-VL's ViT: ``pixel_values [patches, channels * temporal * patch * patch]`` (the processor's) and
     ``grid_thw [images, 3]`` -> one embedding per merged patch ``[patches / merge**2, out_hidden_size]``."""
 
-    def __init__(self, cfg: Mapping[str, Any], *, tp: int = 1):
+    def __init__(self, cfg: Mapping[str, Any], *, groups: Any = None, recompute: str = "none"):
         super().__init__()
         dim, heads = cfg["hidden_size"], cfg["num_heads"]
+        self.full_recompute = recompute == "full"
         self.merge = cfg.get("spatial_merge_size", 2)
         self.window = cfg.get("window_size", 112) // cfg.get("patch_size", 14) // self.merge
         self.full = set(cfg.get("fullatt_block_indexes", []))
@@ -202,8 +221,9 @@ class VisionTower(nn.Module):
                                       channels=cfg.get("in_channels", 3), dim=dim)
         self.theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.half = dim // heads // 2  # NOTE: each of the two axes rotates half of a head's channels
-        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], tp) for _ in range(cfg["depth"]))
-        self.merger = PatchMerger(dim=cfg["out_hidden_size"], context=dim, merge=self.merge, tp=tp)
+        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], groups, recompute=recompute)
+                                    for _ in range(cfg["depth"]))
+        self.merger = PatchMerger(dim=cfg["out_hidden_size"], context=dim, merge=self.merge, groups=groups)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(pixels)
@@ -216,5 +236,5 @@ class VisionTower(nn.Module):
         pos = patch_positions(grid, self.merge).to(dev, non_blocking=True)
         cos, sin = rotary_2d(pos, theta=self.theta, half=self.half, order=order, unit=unit)
         for i, block in enumerate(self.blocks):
-            x = block(x, images if i in self.full else windows, cos, sin)
+            x = run_block(block, x, images if i in self.full else windows, cos, sin, recompute=self.full_recompute)
         return self.merger(x)[restore]

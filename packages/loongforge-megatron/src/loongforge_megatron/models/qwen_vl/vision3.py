@@ -1,4 +1,4 @@
-"""Qwen3-VL's vision tower as one plain torch module, held whole on every rank: a 3-D patch embedding plus a
+"""Qwen3-VL's vision tower as one plain torch module, whole on every rank or split over its component's tp group: a 3-D patch embedding plus a
 learned position table resampled (bilinear, corners aligned) to each image's patch grid, blocks of LayerNorm ->
 full attention per image with 2-D rotary positions -> LayerNorm -> GELU MLP, the 2x2 patch merger, and the
 deepstack mergers that turn the outputs of some blocks (``deepstack_visual_indexes``) into features the language
@@ -25,29 +25,30 @@ from loongforge_megatron.models.qwen_vl.vision import (
     image_bounds,
     patch_positions,
     rotary_2d,
+    run_block,
 )
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, tp: int = 1):
+    def __init__(self, dim: int, hidden: int, act: str, groups: Any = None):
         super().__init__()
         if act not in _ACTS:
             raise ValueError(f"qwen3_vl: vision hidden_act '{act}' (supported: {', '.join(_ACTS)})")
         self.act = _ACTS[act]
-        self.linear_fc1, self.linear_fc2 = column(dim, hidden, tp=tp), row(hidden, dim, tp=tp)
+        self.linear_fc1, self.linear_fc2 = column(dim, hidden, groups=groups), row(hidden, dim, groups=groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, act: str, tp: int = 1):
+    def __init__(self, dim: int, heads: int, hidden: int, act: str, groups: Any = None, *, recompute: str = "none"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads, tp)
-        self.mlp = MLP(dim, hidden, act, tp)
+        self.attn = Attention(dim, heads, groups, recompute=recompute == "selective")
+        self.mlp = MLP(dim, hidden, act, groups)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -58,11 +59,12 @@ class Merger(nn.Module):
     """merge x merge patches -> one language-model embedding; ``postshuffle``: the norm after the patches are
     concatenated (the deepstack mergers) instead of before."""
 
-    def __init__(self, *, dim: int, context: int, merge: int, postshuffle: bool, tp: int = 1):
+    def __init__(self, *, dim: int, context: int, merge: int, postshuffle: bool, groups: Any = None):
         super().__init__()
         self.width, self.postshuffle = context * merge * merge, postshuffle
         self.norm = nn.LayerNorm(self.width if postshuffle else context, eps=1e-6)
-        self.linear_fc1, self.linear_fc2 = column(self.width, self.width, tp=tp), row(self.width, dim, tp=tp)
+        self.linear_fc1, self.linear_fc2 = (column(self.width, self.width, groups=groups),
+                                            row(self.width, dim, groups=groups))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.reshape(-1, self.width)) if self.postshuffle else self.norm(x).reshape(-1, self.width)
@@ -89,9 +91,10 @@ class VisionTower3(nn.Module):
     """``pixel_values``, ``grid_thw`` -> (one embedding per merged patch, the deepstack features: one such tensor
     per ``deepstack_visual_indexes`` block)."""
 
-    def __init__(self, cfg: Mapping[str, Any], *, tp: int = 1):
+    def __init__(self, cfg: Mapping[str, Any], *, groups: Any = None, recompute: str = "none"):
         super().__init__()
         dim, heads = cfg["hidden_size"], cfg["num_heads"]
+        self.full_recompute = recompute == "full"
         self.merge = cfg.get("spatial_merge_size", 2)
         self.patch_embed = PatchEmbed(patch=cfg.get("patch_size", 16), temporal=cfg.get("temporal_patch_size", 2),
                                       channels=cfg.get("in_channels", 3), dim=dim, bias=True)
@@ -100,12 +103,13 @@ class VisionTower3(nn.Module):
         self.theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.half = dim // heads // 2
         act = cfg.get("hidden_act", "gelu_pytorch_tanh")
-        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], act, tp) for _ in range(cfg["depth"]))
+        self.blocks = nn.ModuleList(Block(dim, heads, cfg["intermediate_size"], act, groups, recompute=recompute)
+                                    for _ in range(cfg["depth"]))
         out = cfg["out_hidden_size"]
-        self.merger = Merger(dim=out, context=dim, merge=self.merge, postshuffle=False, tp=tp)
+        self.merger = Merger(dim=out, context=dim, merge=self.merge, postshuffle=False, groups=groups)
         self.deepstack = list(cfg.get("deepstack_visual_indexes", []))
         self.deepstack_merger_list = nn.ModuleList(
-            Merger(dim=out, context=dim, merge=self.merge, postshuffle=True, tp=tp) for _ in self.deepstack)
+            Merger(dim=out, context=dim, merge=self.merge, postshuffle=True, groups=groups) for _ in self.deepstack)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.patch_embed(pixels)
@@ -118,7 +122,7 @@ class VisionTower3(nn.Module):
         bounds = blocks(image_bounds(grid), dev)
         features = []
         for i, block in enumerate(self.blocks):
-            x = block(x, bounds, cos, sin)
+            x = run_block(block, x, bounds, cos, sin, recompute=self.full_recompute)
             if i in self.deepstack:
                 features.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
         return self.merger(x), features
