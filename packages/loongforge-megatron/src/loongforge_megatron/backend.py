@@ -106,7 +106,7 @@ class MegatronBackend(Backend):
         """The shared sections, then each model kind's own ``model`` / ``data`` section where it adds keys (titled
         by the kind, e.g. ``"data (a vision-language model)"``: the keys it adds over the shared ones are listed under it)."""
         out = super().recipe_schemas()
-        for name, spec in sorted(registry.all_specs().items()):
+        for _name, spec in sorted(registry.all_specs().items()):
             for section in ("model", "data"):
                 schema = getattr(spec, f"{section}_section")
                 if schema is not out[section] and f"{section} ({spec.kind})" not in out:
