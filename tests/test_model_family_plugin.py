@@ -1,7 +1,7 @@
-"""A model family from another package: ``examples/megatron-phi3`` installs with pip into a temporary venv beside
-the workspace's packages (no index, no download), ``loongforge plugins`` lists it under
-``loongforge.megatron.models``, and its tiny recipe trains through ``loongforge train`` from an HF Phi-3 that
-transformers saved, exporting an HF directory that transformers loads with every tensor where it belongs."""
+"""A model family from another package: ``examples/megatron-phi3`` installs with ``uv pip`` (as docs/models.md
+says) into a temporary venv beside the workspace's packages (no index, no download), ``loongforge plugins`` lists
+it under ``loongforge.megatron.models``, and its tiny recipe trains through ``loongforge train`` from an HF Phi-3
+that transformers saved, exporting an HF directory that transformers loads with every tensor where it belongs."""
 
 from __future__ import annotations
 
@@ -58,10 +58,14 @@ def _run(cmd: list[str], *, ok: bool = True, **kw) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A fresh venv that sees the workspace's installed packages (its site dir added, editable installs too) and
-    has the example installed into it alone: ``pip install --no-index --no-deps``."""
+    has the example installed into it alone: ``uv pip install --offline --no-deps``."""
     root = tmp_path_factory.mktemp("plugin")
     env = root / "venv"
-    _run([sys.executable, "-m", "venv", str(env)])
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH")
+    # NOTE: uv's venv has no pip to bootstrap (python -m venv spends seconds on ensurepip)
+    _run([uv, "venv", "-q", str(env), "--python", sys.executable])
     py = env / "bin" / "python"
     ours = _run([str(py), "-c", "import site; print(site.getsitepackages()[0])"]).strip()
     # NOTE: an `import` line of a .pth runs at startup: addsitedir also reads the workspace's own .pth files
@@ -70,7 +74,7 @@ def venv(tmp_path_factory) -> Path:
                                                        for d in site.getsitepackages()))
     src = root / "src"
     shutil.copytree(EXAMPLE, src)  # NOTE: setuptools writes egg-info next to the sources: not into the checkout
-    _run([str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "--quiet", str(src)])
+    _run([uv, "pip", "install", "-q", "--offline", "--no-deps", "--no-build-isolation", "--python", str(py), str(src)])
     return env
 
 

@@ -122,7 +122,9 @@ def test_recipe_validates_trains_and_exports_through_the_cli(tmp_path, monkeypat
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
 
     from lerobot.policies.factory import get_policy_class
-    from loongforge_embodied.policies.groot.configuration_groot import GrootConfig  # noqa: F401  registers the type
+    from lerobot.utils.import_utils import register_third_party_plugins
+
+    register_third_party_plugins()  # LeRobot's own discovery registers the type (lerobot_policy_loongforge)
 
     policy = get_policy_class("loongforge_groot").from_pretrained(run / "hf")
     obs = {k: torch.rand(2, 3, 64, 64) for k in policy.config.camera_keys}

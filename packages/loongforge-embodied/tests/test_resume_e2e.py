@@ -64,12 +64,25 @@ def test_prepare_train_kill_resume_export(tmp_path, env):
     # Exact: same data position, RNG, optimizer and weights -> bit-identical losses.
     assert _losses(run) == expected
 
+    # a fresh interpreter that imports nothing of ours: LeRobot's own plugin discovery registers the policy type,
+    # its factory builds the policy from the export for the PushT env, with every tensor of the file in place
     check = subprocess.run([sys.executable, "-c", (
         "import sys, torch\n"
-        "from loongforge_embodied.policies.tiny_vla.configuration_tiny_vla import TinyVLAConfig  # registers the type\n"
-        "from lerobot.policies.factory import get_policy_class\n"
-        "cls = get_policy_class('loongforge_tiny_vla')\n"
-        "p = cls.from_pretrained(sys.argv[1])\n"
+        "from lerobot.utils.import_utils import register_third_party_plugins\n"
+        "register_third_party_plugins()\n"
+        "from lerobot.configs.policies import PreTrainedConfig\n"
+        "from lerobot.envs.configs import PushtEnv\n"
+        "from lerobot.policies.factory import get_policy_class, make_policy\n"
+        "from safetensors.torch import load_file\n"
+        "cfg = PreTrainedConfig.from_pretrained(sys.argv[1])\n"
+        "cfg.pretrained_path = sys.argv[1]\n"
+        "p = make_policy(cfg, env_cfg=PushtEnv())\n"
+        "strict = get_policy_class(cfg.type).from_pretrained(sys.argv[1], strict=True)  # no missing / unexpected\n"
+        "from loongforge_embodied.policies import siglip_names  # the loader's renaming of SigLIP's keys\n"
+        "got = p.state_dict()\n"
+        "want = siglip_names.match(load_file(sys.argv[1] + '/model.safetensors'), got.keys())\n"
+        "assert sorted(want) == sorted(got) == sorted(strict.state_dict()), sorted(set(want) ^ set(got))\n"
+        "assert all(torch.equal(got[k], want[k]) for k in want)\n"
         "b = {'observation.image': torch.rand(2, 3, 64, 64), 'observation.state': torch.rand(2, 2) * 500,\n"
         "     'task': ['Push the T-shaped block onto the target.'] * 2}\n"
         "a = p.select_action(b)\n"

@@ -167,8 +167,8 @@ def _forward_step_and_export(*, rank, world, tmp_path, hf_dir, ref_model, x, t, 
 def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path, ranks):
     """Converted from a diffusers DiT: our forward = diffusers' (fp32), our first CPT step's loss = diffusers' loss
     on the same noise / timesteps / labels; after the step the online export loads in diffusers and computes our
-    model's output."""
-    from diffusers import DiTTransformer2DModel
+    model's output, and as a DiTPipeline."""
+    from diffusers import DiTPipeline, DiTTransformer2DModel
 
     hf_dir = save_dit(tmp_path / "hf")
     ref_model = DiTTransformer2DModel.from_pretrained(hf_dir).eval()
@@ -176,9 +176,14 @@ def test_same_function_and_first_step_loss_as_diffusers_and_export(tmp_path, ran
     trained, ref = ranks(_forward_step_and_export, world=1, out=tmp_path / "ranks", tmp_path=tmp_path, hf_dir=hf_dir,
                          ref_model=ref_model, x=x, t=t, y=y)[0]
     files = sorted(p.name for p in (tmp_path / "exported").iterdir())
-    assert files == ["config.json", "diffusion_pytorch_model.safetensors"], files
+    assert files == ["config.json", "diffusion_pytorch_model.safetensors", "model_index.json", "scheduler",
+                     "transformer"], files
     exported, info = DiTTransformer2DModel.from_pretrained(tmp_path / "exported", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # the export is a DiTPipeline folder too (no model.vae: the index names none, the user passes one)
+    pipe = DiTPipeline.from_pretrained(tmp_path / "exported", vae=None)
+    got, want = pipe.transformer.state_dict(), exported.state_dict()
+    assert pipe.vae is None and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     with torch.no_grad():
         back = exported.eval()(x, t, y).sample
     assert rel_err(trained, back) <= RTOL, rel_err(trained, back)
@@ -216,17 +221,21 @@ def test_tp2_matches_one_process_and_the_loss_falls(tmp_path, ranks):
 _COMPILED_RUN = """
 import json, sys
 import loongforge
-recipe_path, out, compiled = sys.argv[1], sys.argv[2], sys.argv[3]
-over = ["accelerator=cpu", "logging.console=false", "train.steps=3", "train.warmup_steps=0", f"train.compile={compiled}"]
-job, runtime = loongforge.build_job(loongforge.load_recipe(recipe_path, over), output_dir=out)
-try:
-    losses = [job.step()["loss"] for _ in range(3)]
-    layers = job.model[0].module.decoder.layers
-    flags = [getattr(layer, "_compiled_call_impl", None) is not None for layer in layers]
-finally:
-    job.close()
-    runtime.logger.close()
-print(json.dumps({"losses": losses, "compiled": flags}))
+recipe_path, out = sys.argv[1], sys.argv[2]
+runs = {}
+for compiled in ("false", "true"):
+    over = ["accelerator=cpu", "logging.console=false", "train.steps=3", "train.warmup_steps=0",
+            f"train.compile={compiled}"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(recipe_path, over), output_dir=f"{out}/{compiled}")
+    try:
+        losses = [job.step()["loss"] for _ in range(3)]
+        layers = job.model[0].module.decoder.layers
+        flags = [getattr(layer, "_compiled_call_impl", None) is not None for layer in layers]
+    finally:
+        job.close()
+        runtime.logger.close()
+    runs[compiled] = {"losses": losses, "compiled": flags}
+print(json.dumps(runs))
 """
 
 
@@ -234,13 +243,12 @@ def test_compiled_layers_train_the_eager_losses(tmp_path, capsys):
     """``train.compile`` compiles each adaLN-Zero layer (one graph for all of them): the same losses as eager
     (fp32, CPU inductor). LLMs are refused: their speed comes from the fused-kernel spec."""
     # NOTE: a fresh interpreter, not a forked rank: earlier tests' torch.compile left inductor's compile-worker
-    # threads in pytest's process, and a fork that compiles again deadlocked on their locks (seen in CI)
-    runs = {}
-    for compiled in ("false", "true"):
-        proc = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(RECIPE), str(tmp_path / compiled), compiled],
-                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[compiled] = json.loads(proc.stdout.strip().splitlines()[-1])
+    # threads in pytest's process, and a fork that compiles again deadlocked on their locks (seen in CI). One
+    # interpreter runs eager then compiled: the eager job compiles nothing, so it cannot leave such threads.
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(RECIPE), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not any(runs["false"]["compiled"]) and runs["true"]["compiled"] and all(runs["true"]["compiled"]), runs
     assert runs["true"]["losses"] == pytest.approx(runs["false"]["losses"], rel=1e-5), runs
     assert main(["validate", str(RECIPE.parents[1] / "llm/tiny/llama_tiny.yaml"), "train.compile=true"]) == 2
@@ -355,14 +363,21 @@ def test_image_folder_encoded_by_the_vae_trains_like_diffusers(tmp_path, ranks):
     ref = diffusers_loss(DiTTransformer2DModel.from_pretrained(hf_dir).eval(), batches, latents)
     assert loss == pytest.approx(ref, rel=RTOL)
 
-    # the export is a DiTTransformer2DModel folder (no model_index.json): a DiTPipeline is assembled from it, the
-    # run's VAE and DiT's DDPM schedule, as docs/design/dit_on_megatron.md shows, and samples by class name
-    from diffusers import DDIMScheduler, DiTPipeline
+    # the export is a DiTPipeline folder too: the pipeline loads with every tensor of the exported transformer and
+    # of the run's VAE where it belongs, the training schedule and the class names, and samples by class name
+    from diffusers import DDPMScheduler, DiTPipeline
+    from safetensors.torch import load_file
 
-    pipe = DiTPipeline(transformer=DiTTransformer2DModel.from_pretrained(tmp_path / "exported"), vae=vae,
-                       scheduler=DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear"),
-                       id2label=json.loads((tmp_path / "exported" / "classes.json").read_text())["id2label"])
-    assert not (tmp_path / "exported" / "model_index.json").exists()
+    exported = tmp_path / "exported"
+    pipe = DiTPipeline.from_pretrained(exported)
+    for module, weights in ((pipe.transformer, exported / "diffusion_pytorch_model.safetensors"),
+                            (pipe.vae, vae_dir / "diffusion_pytorch_model.safetensors")):
+        want, got = load_file(weights), module.state_dict()
+        assert sorted(got) == sorted(want)  # no missing / unexpected tensor
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert isinstance(pipe.scheduler, DDPMScheduler) and pipe.scheduler.config.beta_schedule == "linear"
+    assert pipe.scheduler.config.num_train_timesteps == 1000
+    assert pipe.labels == {names[0]: 0, names[1]: 1}
     image = pipe(class_labels=pipe.get_label_ids([names[1]]), num_inference_steps=2, guidance_scale=1.0,
                  generator=torch.Generator().manual_seed(0), output_type="np").images
     assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()

@@ -7,68 +7,16 @@ import ast
 from pathlib import Path
 
 import pytest
+from import_graph import find_cycle
+from import_graph import import_graph as workspace_graph
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "loongforge_megatron"
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> the ``loongforge_megatron`` modules it imports, at module level AND inside functions (both count:
-    a function-level import that closes a loop is still a circle, only deferred). ``from pkg import name`` counts
-    as an import of ``pkg.name`` when that is a module, else of ``pkg``. TYPE_CHECKING-only imports count too."""
-    modules = {_module(p): p for p in PKG.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        is_pkg = path.name == "__init__.py"
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[: len(base) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
-            for t in targets:
-                while t and t not in modules:  # ``import a.b.c`` of a name inside a module: the module
-                    t = t.rpartition(".")[0]
-                if t.startswith("loongforge_megatron") and t != name:
-                    deps.add(t)
-        graph[name] = deps
-    return graph
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            # NOTE: a package's __init__ importing its own submodules is how packages hand names on, not a circle
-            if n.startswith(m + ".") or m.startswith(n + "."):
-                continue
-            if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
-            if m not in state and (found := visit(m)):
-                return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := visit(n)):
-            return found
-    return None
+def import_graph() -> dict[str, frozenset[str]]:
+    """module -> the ``loongforge_megatron`` modules it imports (the workspace's reader: at module level AND inside
+    functions, TYPE_CHECKING-only imports too)."""
+    return {name: deps for name, deps in workspace_graph().items() if name.split(".")[0] == PKG.name}
 
 
 def test_the_graph_reader_sees_imports():
@@ -78,11 +26,11 @@ def test_the_graph_reader_sees_imports():
     assert "loongforge_megatron.models.registry" in graph["loongforge_megatron.config"]
     # a function-level import is an edge
     assert "loongforge_megatron.job" in graph["loongforge_megatron.backend"]
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    cycle = _cycle(import_graph())
+    cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
 
 

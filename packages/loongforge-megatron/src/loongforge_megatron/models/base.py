@@ -12,7 +12,9 @@ from loongforge_megatron.models.spec import HFConfig, Supports
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
-                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json")
+                   "diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.bin.index.json",
+                   # NOTE: a diffusers pipeline's index names component sub-folders, which are not copied
+                   "model_index.json")
 
 
 def copy_assets(src: Path, dst: Path) -> None:

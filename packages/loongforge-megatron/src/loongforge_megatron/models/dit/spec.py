@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def class_labels_json(names: list[str]) -> str:
     """``{"id2label": {"0": name, ...}}``: the label ids a class-conditional model was trained with."""
-    import json
-
     return json.dumps({"id2label": {str(i): n for i, n in enumerate(names)}}, indent=1)
 
 
@@ -119,20 +118,23 @@ class DiT(HFCheckpoint):
     def data(self, *, recipe: Any, arch: DiTArch, runtime: Any, device: Any) -> Data:
         """Latents first, so a bad image folder or VAE fails before the model is built. An image folder's class
         names (sorted sub-folders = labels 0..n-1) go to OUTPUT/classes.json and into every export, so samples can
-        be asked for by name (DiTPipeline's id2label)."""
+        be asked for by name (DiTPipeline's id2label). Every export is also a ``DiTPipeline`` folder
+        (``pipeline.py``), with the run's VAE when it had one."""
         from loongforge_megatron.models.dit.data import build_latents
+        from loongforge_megatron.models.dit.pipeline import write_pipeline
 
         latents, encoder = build_latents(recipe, arch=arch, device=device)
         classes = getattr(latents, "classes", None)
-        assets = None
-        if classes:
-            if runtime.is_main:
-                from loongforge.checkpoint.atomic import write_atomic
+        labels = class_labels_json(classes) if classes else None
+        if labels and runtime.is_main:
+            from loongforge.checkpoint.atomic import write_atomic
 
-                write_atomic(runtime.output_dir / "classes.json", class_labels_json(classes))
+            write_atomic(runtime.output_dir / "classes.json", labels)
 
-            def assets(staging: Path) -> None:
-                (staging / "classes.json").write_text(class_labels_json(classes))
+        def assets(staging: Path) -> None:
+            if labels:
+                (staging / "classes.json").write_text(labels)
+            write_pipeline(staging, vae=recipe.model.vae, id2label=json.loads(labels)["id2label"] if labels else None)
 
         return Data(train=latents, seq_length=arch.num_patches, sample_unit="images", assets=assets, encoder=encoder)
 
