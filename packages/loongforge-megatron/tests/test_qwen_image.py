@@ -113,7 +113,7 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
     import os
 
     out = {}
-    for (name, hf_dir), port in zip(hf_dirs.items(), ports, strict=True):
+    for (name, hf_dir), port in zip(hf_dirs.items(), ports, strict=False):
         os.environ["MASTER_PORT"] = str(port)
         job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, cpt(hf_dir, name)),
                                             output_dir=tmp_path / f"run_{name}")
@@ -128,20 +128,32 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
             job.close()
             runtime.logger.close()
         out[name] = (ours, batches, loss)
+    os.environ["MASTER_PORT"] = str(ports[-1])
+    lora = [*cpt(hf_dirs["t2i"], "t2i"), "train.stage=lora", "train.steps=2", "train.lr=0.05", "train.lora.rank=4",
+            "train.lora.alpha=8"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, lora), output_dir=tmp_path / "lora")
+    try:
+        [job.step() for _ in range(2)]
+        job.export("peft", tmp_path / "lora_peft")
+        job.export("hf", tmp_path / "lora_merged")
+    finally:
+        job.close()
+        runtime.logger.close()
     return out
 
 
 def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative, text
     padding masked), the first flow-matching loss = the plain-torch reference around diffusers' model, the export
-    before training = the source files bitwise and loads in diffusers cleanly."""
+    before training = the source files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a
+    QwenImagePipeline and computes the merged weights' function."""
     from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
     refs = {name: QwenImageTransformer2DModel.from_pretrained(d).eval() for name, d in hf_dirs.items()}
     probes = {name: probe(name) for name in hf_dirs}
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in hf_dirs])
+                ports=[free_port() for _ in range(len(hf_dirs) + 1)])
     for name, hf_dir in hf_dirs.items():
         ours, batches, loss = got[0][name]
         assert got[1][name][2] == loss
@@ -156,6 +168,22 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
         model, info = QwenImageTransformer2DModel.from_pretrained(tmp_path / f"back_{name}", output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert sum(p.numel() for p in model.parameters()) == _arch(hf_dir).num_params(), name
+    _lora_export_loads_in_a_pipeline(tmp_path, hf_dirs["t2i"], probes["t2i"])
+
+
+def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
+    """The LoRA run's export (diffusers format) loads with ``QwenImagePipeline.load_lora_weights`` into a pipeline
+    built from the base checkpoint, and its transformer then computes the merged export's function."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                             transformer=QwenImageTransformer2DModel.from_pretrained(hf_dir).eval())
+    base = diffusers_forward(pipe.transformer, p, "t2i")
+    pipe.load_lora_weights(tmp_path / "lora_peft")
+    merged = diffusers_forward(QwenImageTransformer2DModel.from_pretrained(tmp_path / "lora_merged").eval(), p, "t2i")
+    adapted = diffusers_forward(pipe.transformer, p, "t2i")
+    assert rel_err(adapted, merged) <= RTOL, rel_err(adapted, merged)
+    assert rel_err(base, merged) > 1e-3  # the adapters changed the model
 
 
 def _arch(hf_dir: Path):
@@ -191,7 +219,6 @@ def test_preset_is_the_published_size():
 
 
 @pytest.mark.parametrize(("overrides", "key", "fragment"), [
-    (["parallel.tp=3"], "parallel.tp", "do not split"),
     (["data.height=7"], "data.height", "patches of 2"),
     (["data.seq_length=64"], "data.seq_length", "not used by Qwen-Image"),
     (["parallel.cp=2"], "parallel.cp", "Qwen-Image"),

@@ -143,6 +143,8 @@ KIND_WORDS = {
     "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
     "wan": ("wan", "t2v", "i2v", "ti2v", "umt5", "latent_frames", "latent_height", "latent_width", "boundary_ratio",
             "image_tokens", "rope_max_seq_len", "added_kv_proj_dim"),
+    "qwen_image": ("qwen_image", "qwen-image", "qwenimage", "joint_attention_dim", "axes_dims_rope", "zero_cond_t",
+                   "reference_images", "mmdit"),
 }
 
 

@@ -272,7 +272,7 @@ class QwenImageModel(MegatronModule):
 
 
 def pack(latent: torch.Tensor, patch: int) -> torch.Tensor:
-    """``[b, c, H, W]`` -> ``[b, (H / p) (W / p), c p p]`` (the pipeline's ``_pack_latents``, and the layout of the
+    """``[b, c, H, W]`` -> ``[b, (H / p) (W / p), c p p]`` (the pipeline's packing, and the layout of the
     output head's channels)."""
     b, c, h, w = latent.shape
     x = latent.view(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
