@@ -207,7 +207,12 @@ def test_offline_round_trip_through_tp2_is_bitwise(tmp_path, hf_dirs):
 def test_preset_is_the_published_size():
     """Qwen-Image's preset holds diffusers' parameter count (20B) and its config goes both ways."""
     from diffusers import QwenImageTransformer2DModel
-    from loongforge_megatron.models.qwen_image.arch import PRESETS, QwenImageArch, arch_from_diffusers, diffusers_config
+    from loongforge_megatron.models.qwen_image.arch import (
+        PRESETS,
+        QwenImageArch,
+        arch_from_diffusers,
+        diffusers_config,
+    )
 
     arch = QwenImageArch(**PRESETS["qwen-image-20b"])
     cfg = {k: v for k, v in diffusers_config(arch).items() if not k.startswith("_")}
