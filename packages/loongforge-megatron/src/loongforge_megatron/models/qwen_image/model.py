@@ -243,10 +243,15 @@ class QwenImageModel(MegatronModule):
         x = text * torch.rsqrt(text.to(torch.float32).pow(2).mean(-1, keepdim=True) + self.arch.norm_eps)
         return (x.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else x) * w
 
-    def _layer(self, layer: QwenImageLayer, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, layer: QwenImageLayer, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: Any,
+               mask: Any, temb_ref: Any, main: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recompute and torch.is_grad_enabled():
-            return tensor_parallel.checkpoint(layer, False, *args)
-        return layer(*args)
+            # NOTE: megatron's checkpoint saves its arguments for backward: tensors (or None) only
+            def run(img, txt, temb, img_rope, txt_rope, mask, temb_ref):
+                return layer(img, txt, temb, (img_rope, txt_rope), mask, temb_ref, main)
+
+            return tensor_parallel.checkpoint(run, False, img, txt, temb, *rope, mask, temb_ref)
+        return layer(img, txt, temb, rope, mask, temb_ref, main)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 text_mask: torch.Tensor | None = None, *, grids: Sequence[Grid]) -> torch.Tensor:
