@@ -19,6 +19,7 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "diffusion" / "qwen_i
 RTOL = 1e-5
 SIZE = (6, 8)  # latent rows, columns of the probes and batches
 TEXT = 5
+TINY_STEPS = 4
 CONFIGS = {
     "t2i": dict(zero_cond_t=False),
     "edit": dict(zero_cond_t=True),
@@ -139,21 +140,51 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
     finally:
         job.close()
         runtime.logger.close()
+    out["tiny_tp2"] = _tiny(tmp_path / "tiny_tp2", port=ports[-2], overrides=["parallel.tp=2"])
     return out
+
+
+def _tiny(out: Path, *, port: int, overrides: list[str]) -> tuple[list[float], torch.Tensor]:
+    """The tiny recipe's first ``TINY_STEPS`` losses and then the first block's per-head query norm weight (held
+    whole on every TP rank)."""
+    import os
+
+    os.environ["MASTER_PORT"] = str(port)
+    over = ["accelerator=cpu", "logging.console=false", f"train.steps={TINY_STEPS}", "train.warmup_steps=0",
+            *overrides]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=out)
+    try:
+        losses = [job.step()["loss"] for _ in range(TINY_STEPS)]
+        norm = next(p for n, p in job.chunks[0].named_parameters() if n.endswith("layers.0.attn.q_layernorm.weight"))
+        return losses, norm.detach().clone()
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def _tiny_one_process(*, rank, world, tmp_path, port):
+    return _tiny(tmp_path / "tiny_one", port=port, overrides=[])
 
 
 def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative, text
     padding masked), the first flow-matching loss = the plain-torch reference around diffusers' model, the export
     before training = the source files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a
-    QwenImagePipeline and computes the merged weights' function."""
+    QwenImagePipeline and computes the merged weights' function; the tiny recipe's first steps at TP 2 equal one
+    process's."""
     from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
     refs = {name: QwenImageTransformer2DModel.from_pretrained(d).eval() for name, d in hf_dirs.items()}
     probes = {name: probe(name) for name in hf_dirs}
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(len(hf_dirs) + 1)])
+                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+    one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
+    # NOTE: training steps after the first at TP 2 equal one process's (the per-head norms' gradients summed)
+    assert got[0]["tiny_tp2"][0] == pytest.approx(one[0], rel=RTOL)
+    assert one[0][-1] < one[0][0], one[0]
+    assert torch.equal(got[0]["tiny_tp2"][1], got[1]["tiny_tp2"][1])
+    assert rel_err(got[0]["tiny_tp2"][1] - 1, one[1] - 1) <= 1e-4  # NOTE: Adam's updates of the weight (from 1)
     for name, hf_dir in hf_dirs.items():
         ours, batches, loss = got[0][name]
         assert got[1][name][2] == loss

@@ -129,8 +129,10 @@ class JointAttention(MegatronModule):
             setattr(self, name, _column(config, h, h, tp_group))
         self.to_out, self.to_add_out = _row(config, h, h, tp_group), _row(config, h, h, tp_group)
         norm = dict(eps=config.layernorm_epsilon, dtype=config.params_dtype)
-        self.norm_q, self.norm_k = HeadRMSNorm(d, **norm), HeadRMSNorm(d, **norm)
-        self.norm_added_q, self.norm_added_k = HeadRMSNorm(d, **norm), HeadRMSNorm(d, **norm)
+        # NOTE: named as megatron's q / k layernorms: every rank holds them whole but sees only its heads, so
+        # megatron's finalize_model_grads sums their gradients over TP (config.qk_layernorm)
+        self.q_layernorm, self.k_layernorm = HeadRMSNorm(d, **norm), HeadRMSNorm(d, **norm)
+        self.added_q_layernorm, self.added_k_layernorm = HeadRMSNorm(d, **norm), HeadRMSNorm(d, **norm)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, -1))
@@ -138,10 +140,10 @@ class JointAttention(MegatronModule):
     def forward(self, img: torch.Tensor, txt: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         img_rope, txt_rope = rope
-        q = torch.cat([apply_rope(self.norm_added_q(self._heads(self.add_q_proj(txt)[0])), txt_rope),
-                       apply_rope(self.norm_q(self._heads(self.to_q(img)[0])), img_rope)], dim=1)
-        k = torch.cat([apply_rope(self.norm_added_k(self._heads(self.add_k_proj(txt)[0])), txt_rope),
-                       apply_rope(self.norm_k(self._heads(self.to_k(img)[0])), img_rope)], dim=1)
+        q = torch.cat([apply_rope(self.added_q_layernorm(self._heads(self.add_q_proj(txt)[0])), txt_rope),
+                       apply_rope(self.q_layernorm(self._heads(self.to_q(img)[0])), img_rope)], dim=1)
+        k = torch.cat([apply_rope(self.added_k_layernorm(self._heads(self.add_k_proj(txt)[0])), txt_rope),
+                       apply_rope(self.k_layernorm(self._heads(self.to_k(img)[0])), img_rope)], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)[0]), self._heads(self.to_v(img)[0])], dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask).transpose(1, 2).flatten(2)
@@ -288,13 +290,14 @@ def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusio
     """megatron-core ``TransformerConfig`` of a Qwen-Image model under ``plan``.
 
     NOTE: initialised on the CPU (``use_cpu_initialization``): megatron draws each parallel weight whole and splits
-    it, so every TP layout starts from the same weights.
+    it, so every TP layout starts from the same weights. ``qk_layernorm``: the per-head norms' gradients are summed
+    over TP.
     """
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_attention_heads,
-        kv_channels=arch.head_dim, normalization="LayerNorm", layernorm_epsilon=arch.norm_eps,
+        kv_channels=arch.head_dim, normalization="LayerNorm", layernorm_epsilon=arch.norm_eps, qk_layernorm=True,
         gated_linear_unit=False, activation_func=gelu_tanh, add_bias_linear=True, add_qkv_bias=True,
         hidden_dropout=0.0, attention_dropout=0.0,
         init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_,

@@ -64,8 +64,9 @@ def name_map(h: HFConfig, *, divisible_by: int = 128) -> NameMap:
         layers += _pair(f"{L}attn.{proj}", f"{H}attn.{proj}", col, col, square)
     layers += _pair(f"{L}attn.to_out", f"{H}attn.to_out.0", row, rep, square)
     layers += _pair(f"{L}attn.to_add_out", f"{H}attn.to_add_out", row, rep, square)
-    for norm in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-        layers.append(Entry(f"{L}attn.{norm}.weight", f"{H}attn.{norm}.weight", rep, shape=lambda c: (head(c),)))
+    for ours, theirs in (("q_layernorm", "norm_q"), ("k_layernorm", "norm_k"), ("added_q_layernorm", "norm_added_q"),
+                         ("added_k_layernorm", "norm_added_k")):
+        layers.append(Entry(f"{L}attn.{ours}.weight", f"{H}attn.{theirs}.weight", rep, shape=lambda c: (head(c),)))
     last = [
         *_pair("norm_out_linear", "norm_out.linear", rep, rep, _linear(lambda c: 2 * hid(c), hid), stage="last"),
         *_pair("proj_out", "proj_out", rep, rep, _linear(out, hid), stage="last"),
