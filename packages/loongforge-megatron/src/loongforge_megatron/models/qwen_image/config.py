@@ -1,0 +1,38 @@
+"""Qwen-Image's own recipe keys: the architecture beyond the shared ones in ``model``; the latent image shape, the
+text length and the reference images of the Edit variant in ``data`` (with the flow-matching values)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from loongforge_megatron.config import ModelConfig
+from loongforge_megatron.models.flow_matching import FlowMatchingData
+
+
+class QwenImageModelConfig(ModelConfig):
+    """``model`` of a Qwen-Image model: an HF directory is a diffusers ``QwenImageTransformer2DModel`` folder (a
+    pipeline's ``transformer``); the shared architecture keys (num_layers, hidden_size, num_attention_heads,
+    ffn_hidden_size) plus the ones below."""
+
+    patch_size: int | None = Field(None, ge=1)
+    in_channels: int | None = Field(None, ge=1, description="packed patch channels (latent channels x patch^2)")
+    out_channels: int | None = Field(None, ge=1)
+    joint_attention_dim: int | None = Field(None, ge=1, description="width of the text encoder's hidden states")
+    axes_dims_rope: tuple[int, int, int] | None = None
+    zero_cond_t: bool | None = None
+
+
+class QwenImageDataConfig(FlowMatchingData):
+    """``data`` of a Qwen-Image model: format ``synthetic``: seeded latent images with matching text-encoder hidden
+    states (each prompt its own length, padding masked), for tests and benchmarks."""
+
+    formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
+
+    format: str = Field("synthetic", description="synthetic")
+    height: int = Field(128, ge=1, description="latent rows per image (pixels / 8)")
+    width: int = Field(128, ge=1, description="latent columns per image")
+    text_length: int = Field(64, ge=1, description="text tokens per sample (padded; the mask marks the prompt's)")
+    reference_images: int = Field(0, ge=0, le=4, description="Edit: clean reference images (same size) whose "
+                                  "patches follow the noisy image's")
