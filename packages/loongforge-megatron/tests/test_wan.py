@@ -312,3 +312,22 @@ def test_noise_levels_follow_the_scheduler_and_the_expert():
         assert bool((hs >= 0.875).all() and (hs <= 1).all() and (ls < 0.875).all() and (ls >= 0).all()), sampling
     x0, noise, s = torch.randn(2, 3), torch.randn(2, 3), torch.tensor([0.0, 1.0])
     torch.testing.assert_close(fm.add_noise(x0, noise, s), torch.stack([x0[0], noise[1]]))
+
+
+def test_bf16_parameters_train_with_fp32_norms(tmp_path, hf_dirs):
+    """bf16 parameters (what a GPU run holds): the fp32 LayerNorms with weights (cross-attention norm, image
+    projector) take their fp32 input, and a step gives a finite loss (its own process: megatron's state)."""
+    import json
+    import subprocess
+    import sys
+
+    overrides = [f"model={{hf: {hf_dirs['i2v']}}}", f"checkpoint.load={hf_dirs['i2v']}", "train.stage=cpt",
+                 "train.steps=1", "train.warmup_steps=0", "train.precision=bf16", "accelerator=cpu",
+                 "train.global_batch_size=2", "train.micro_batch_size=2",
+                 f"data.text_length={TEXT_LENGTH['i2v']}", f"data.image_tokens={IMAGE_TOKENS}",
+                 "data.latent_frames=2", "data.latent_height=4", "data.latent_width=4"]
+    proc = subprocess.run([sys.executable, "-m", "loongforge", "train", str(RECIPE), *overrides, "--output",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 1 and math.isfinite(losses[0])

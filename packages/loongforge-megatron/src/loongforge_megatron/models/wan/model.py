@@ -104,6 +104,16 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+class FP32LayerNorm(torch.nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the weights' dtype (diffusers' ``FP32LayerNorm``): Wan normalises in fp32,
+    and with bf16 parameters a plain LayerNorm refuses the fp32 input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weight is not None else None
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).type_as(x)
+
+
 class HeadsRMSNorm(torch.nn.Module):
     """RMSNorm over all heads' channels (``hidden_size``) of a head-split projection: this rank holds
     ``hidden_size / tp`` of them, and the sum of squares is all-reduced over the TP group."""
@@ -238,7 +248,7 @@ class WanLayer(MegatronModule):
         h, eps, dtype = arch.hidden_size, arch.norm_eps, config.params_dtype
         self.norm1 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
         self.attn1 = WanAttention(config, tp_group=tp_group, cp_group=cp_group)
-        self.norm2 = (torch.nn.LayerNorm(h, eps=eps, elementwise_affine=True, dtype=dtype) if arch.cross_attn_norm
+        self.norm2 = (FP32LayerNorm(h, eps=eps, elementwise_affine=True, dtype=dtype) if arch.cross_attn_norm
                       else torch.nn.Identity())
         self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim)
         self.norm3 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
@@ -279,10 +289,10 @@ class ImageEmbedder(torch.nn.Module):
 
     def __init__(self, image_dim: int, hidden: int, *, pos_len: int | None, dtype: torch.dtype):
         super().__init__()
-        self.norm1 = torch.nn.LayerNorm(image_dim, dtype=dtype)
+        self.norm1 = FP32LayerNorm(image_dim, dtype=dtype)
         self.proj = torch.nn.Linear(image_dim, image_dim, dtype=dtype)
         self.out = torch.nn.Linear(image_dim, hidden, dtype=dtype)
-        self.norm2 = torch.nn.LayerNorm(hidden, dtype=dtype)
+        self.norm2 = FP32LayerNorm(hidden, dtype=dtype)
         self.pos_embed = torch.nn.Parameter(torch.zeros(1, pos_len, image_dim, dtype=dtype)) if pos_len else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
