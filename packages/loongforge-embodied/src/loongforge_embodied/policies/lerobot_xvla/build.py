@@ -69,18 +69,21 @@ def xvla_config(arch: LeRobotXVLAArch, *, cameras: list[str] | None = None, stat
 
 def build_xvla(arch: LeRobotXVLAArch, *, cameras: list[str] | None = None, florence: dict | None = None):
     """LeRobot's ``XVLAModel`` (random init) and its ``XVLAConfig``, as ``XVLAPolicy.__init__`` builds them; the
-    policy transformer's attention dropout set to ``arch.attention_dropout_percent``. ``florence``: the Florence-2
+    policy transformer's dropout set to ``arch.dropout_percent``. ``florence``: the Florence-2
     config dict (default: ``arch.florence``'s)."""
     from lerobot.policies.xvla.modeling_xvla import XVLAModel
 
     config = xvla_config(arch, cameras=cameras, florence=florence)
     config.validate_features()
     model = XVLAModel(config=config, florence_config=config.get_florence_config(), proprio_dim=config.max_state_dim)
-    set_attention_dropout(model, arch.attention_dropout_percent / 100)
+    set_dropout(model, arch.dropout_percent / 100)
     return model, config
 
 
-def set_attention_dropout(model, p: float) -> None:
-    """The dropout of every policy-transformer block's attention (LeRobot fixes it at 0.1)."""
-    for block in model.transformer.blocks:
-        block.attn.attn_drop.p = p
+def set_dropout(model, p: float) -> None:
+    """The dropout of the policy transformer (its attention and MLPs: LeRobot fixes them at 0.1)."""
+    from torch import nn
+
+    for module in model.transformer.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p

@@ -30,7 +30,7 @@ class LeRobotXVLAArch(ArchMixin):
     to ``resolution``; state is zero-padded to ``max_state_dim``, actions to the action space's width)."""
 
     may_be_zero: ClassVar[tuple[str, ...]] = ("resolution", "num_image_views", "use_hetero_proj", "domain_id",
-                                              "len_soft_prompts", "attention_dropout_percent")
+                                              "len_soft_prompts", "dropout_percent")
 
     image_size: int = 224
     num_cameras: int = 2
@@ -59,7 +59,7 @@ class LeRobotXVLAArch(ArchMixin):
     use_hetero_proj: int = 0
     domain_id: int = 0  # the embodiment's soft-prompt / projection slot (LeRobot's XVLAAddDomainIdProcessorStep)
     normalization: str = "identity"  # state and action (LeRobot's XVLA default: identity)
-    attention_dropout_percent: int = 10  # the policy transformer's attention dropout (LeRobot's fixed 0.1)
+    dropout_percent: int = 10  # the policy transformer's dropout, attention and MLP (LeRobot's fixed 0.1)
     num_steps: int = 10  # denoising steps of sampling
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -75,8 +75,8 @@ class LeRobotXVLAArch(ArchMixin):
             problems.append(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.domain_id >= self.num_domains:
             problems.append(f"domain_id {self.domain_id} is not below num_domains {self.num_domains}")
-        if self.attention_dropout_percent > 100:
-            problems.append(f"attention_dropout_percent {self.attention_dropout_percent} (allowed: 0..100)")
+        if self.dropout_percent > 100:
+            problems.append(f"dropout_percent {self.dropout_percent} (allowed: 0..100)")
         if self.num_image_views and self.num_image_views < self.num_cameras:
             problems.append(f"num_image_views {self.num_image_views} is below the camera count {self.num_cameras}")
         for name in ("florence", "tokenizer"):
@@ -111,7 +111,7 @@ PRESETS: dict[str, LeRobotXVLAArch] = {
     "tiny": LeRobotXVLAArch(image_size=32, num_cameras=1, state_dim=2, action_dim=2, chunk_size=4, resolution=32,
                             max_state_dim=4, max_action_dim=4, tokenizer_max_length=8, hidden_size=32, depth=2,
                             num_heads=2, num_domains=3, len_soft_prompts=4, dim_time=8, max_len_seq=64,
-                            attention_dropout_percent=0, num_steps=3),
+                            dropout_percent=0, num_steps=3),
 }
 
 
