@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from .test_lerobot_smolvla import make_dataset
-
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "embodied" / "lerobot_xvla_tiny.yaml"
 TOL = 1e-5
@@ -126,6 +124,21 @@ def test_loss_matches_lerobot_policy_forward(tiny):
     assert inp["images"].shape == (3, 2, 3, 32, 32) and inp["image_mask"].tolist() == [[True, False]] * 3
 
 
+def test_sampling_matches_lerobot_predict_action_chunk(tiny):
+    """Our ``sample_actions`` from the noise ``generate_actions`` draws equals ``predict_action_chunk`` (eval)."""
+    arch, model, raw, stats, inp = tiny
+    policy, pre, post = _lerobot(arch, model, stats)
+    frames = pre({CAM: raw["images"][:, 0], "observation.state": raw["state"], "task": raw["task"]})
+    torch.manual_seed(5)
+    noise = torch.randn(3, arch.chunk_size, arch.action_width)
+    torch.manual_seed(5)
+    theirs = post(policy.predict_action_chunk(frames))
+    ours = model.eval().unnormalize_actions(model.sample_actions(inp, noise=noise))
+    model.train()
+    assert ours.shape == theirs.shape == (3, arch.chunk_size, arch.action_dim)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
 def test_recompute_keeps_the_loss_and_gradients(tiny):
     from loongforge_embodied.policies.lerobot_xvla.modeling_lerobot_xvla import LeRobotXVLAModel
 
@@ -147,6 +160,28 @@ def test_recompute_keeps_the_loss_and_gradients(tiny):
     for name, g in out[0][1].items():
         torch.testing.assert_close(g, out[1][1][name], rtol=1e-4, atol=1e-6, msg=name)
     assert len(other.wrap_units()) == 2 + 2 + arch.depth
+
+
+def make_dataset(root: Path, *, episodes: int = 2, frames: int = 6) -> Path:
+    """A tiny LeRobotDataset v3 written by LeRobot itself (random 24x28 frames: resized with padding to 32²). The
+    camera is keyed ``observation.images.*``: LeRobot's X-VLA pre-processor ImageNet-normalises those keys only."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    features = {
+        CAM: {"dtype": "image", "shape": (24, 28, 3), "names": ["height", "width", "channel"]},
+        "observation.state": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]},
+        "action": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]},
+    }
+    ds = LeRobotDataset.create("local/tiny", fps=10, root=root, features=features, use_videos=False)
+    rng = np.random.default_rng(0)
+    for _ in range(episodes):
+        for _ in range(frames):
+            ds.add_frame({CAM: rng.integers(0, 255, (24, 28, 3), dtype=np.uint8),
+                          "observation.state": rng.standard_normal(2).astype(np.float32),
+                          "action": rng.standard_normal(2).astype(np.float32), "task": "push the block"})
+        ds.save_episode()
+    ds.finalize()
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -193,24 +228,24 @@ def test_recipe_trains_on_a_lerobot_dataset_exports_for_lerobot_and_serves(dirs,
         "observation.state": {"mean": stats["state_mean"], "std": stats["state_std"]},
         "action": {"mean": stats["action_mean"], "std": stats["action_std"]}})
     g = torch.Generator().manual_seed(3)
-    frame = {"observation.image": torch.rand(3, 24, 28, generator=g), "observation.state": torch.randn(2, generator=g),
+    frame = {CAM: torch.rand(3, 24, 28, generator=g), "observation.state": torch.randn(2, generator=g),
              "task": "push the block"}
     torch.manual_seed(11)
     noise = torch.randn(1, ours.arch.chunk_size, ours.arch.action_width)
     torch.manual_seed(11)
     first = post(policy.select_action(pre(dict(frame))))
-    raw = {"images": frame["observation.image"][None, None], "state": frame["observation.state"][None],
+    raw = {"images": frame[CAM][None, None], "state": frame["observation.state"][None],
            "task": [frame["task"]]}
     chunk = ours.unnormalize_actions(ours.sample_actions(prepare_batch(raw, arch=ours.arch, stats=stats), noise=noise))
     assert first.shape == (1, 2)
     torch.testing.assert_close(first, chunk[:, 0], rtol=0, atol=1e-5)
     # served: the openpi client gets the chunk of our model for the same request (noise seeded by the request)
     served = TrainedPolicy.load(out)
-    request = {"observation.image": (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8),
+    request = {CAM: (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8),
                "observation.state": np.array([0.5, -0.5], np.float32), "prompt": "push the block"}
     with PolicyServer(served, port=0, batch_wait_s=0.0) as server:
         client = WebsocketClientPolicy(host=server.address)
-        assert client.get_server_metadata()["features"]["observation.image"]["shape"] == [32, 32, 3]
+        assert client.get_server_metadata()["features"][CAM]["shape"] == [32, 32, 3]
         actions = client.infer(request)["actions"]
     assert actions.shape == (ours.arch.chunk_size, 2) and np.isfinite(actions).all()
     np.testing.assert_allclose(actions, served.infer_batch([request])[0]["actions"], rtol=0, atol=1e-6)

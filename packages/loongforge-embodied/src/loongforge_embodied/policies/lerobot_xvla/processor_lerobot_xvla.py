@@ -5,7 +5,9 @@ with their own steps and functions:
 - the task tokenized by ``TokenizerProcessorStep`` (right padding to ``tokenizer_max_length`` or the batch's longest
   prompt, truncation); no newline appended (X-VLA's pipeline has none);
 - images (in [0, 1]) ImageNet-normalised (``XVLAImageNetNormalizeProcessorStep``), then resized with padding (pad 0)
-  to ``resolution``; views past the cameras are zero images with a false mask;
+  to ``resolution``; views past the cameras are zero images with a false mask (NOTE: LeRobot's step finds cameras by
+  the ``observation.images.`` prefix and leaves a camera keyed otherwise, e.g. ``observation.image``, unnormalised:
+  we normalise every camera, so such a dataset's export needs ``image_keys`` given to LeRobot's step);
 - state and actions through ``NormalizerProcessorStep`` (identity, LeRobot's X-VLA default, or mean / std), state
   zero-padded to ``max_state_dim``, actions to the action space's width; flow noise drawn for the padded columns;
 - the embodiment's ``domain_id`` for every sample (``XVLAAddDomainIdProcessorStep``).
