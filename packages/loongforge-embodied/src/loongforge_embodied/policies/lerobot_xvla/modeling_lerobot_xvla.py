@@ -33,7 +33,7 @@ class _Stats(nn.Module):
 class LeRobotXVLAModel(nn.Module):
     """Components ``vision`` (Florence-2's DaViT tower + its projector), ``language`` (the BART encoder and the
     shared token embedding) and ``expert`` (the soft-prompted transformer: what LeRobot's X-VLA fine-tunes at full
-    rate). ``wrap_units()``: the DaViT stages, the BART encoder layers and the transformer blocks."""
+    rate). ``wrap_units()``: the DaViT blocks, the BART encoder layers and the transformer blocks."""
 
     def __init__(self, arch: LeRobotXVLAArch, *, florence: dict | None = None):
         super().__init__()
@@ -53,7 +53,8 @@ class LeRobotXVLAModel(nn.Module):
     def wrap_units(self) -> list[nn.Module]:
         """FSDP2 / recompute units in execution order."""
         vlm = self.model.vlm
-        return [*vlm.vision_tower.blocks, *vlm.language_model.encoder.layers, *self.model.transformer.blocks]
+        davit = [block for stage in vlm.vision_tower.blocks for block in stage]  # NOTE: a ModuleList per stage
+        return [*davit, *vlm.language_model.encoder.layers, *self.model.transformer.blocks]
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute in backward, per unit of :meth:`wrap_units` (LeRobot's X-VLA has no checkpointing of its own)."""
