@@ -280,3 +280,25 @@ def test_recipes_resolve_and_missing_directories_are_one_line(dirs, tmp_path, ca
     assert "key 'model.arch.tokenizer': '/nowhere/tok': no local folder" in capsys.readouterr().err
     assert main(["validate", str(RECIPE), "model.arch.action_mode=polar"]) == 2
     assert "action_mode 'polar' (allowed: auto, ee6d, joint)" in capsys.readouterr().err
+
+
+def test_published_size_is_xvla_0_9b(tmp_path):
+    """The ``xvla`` preset on Florence-2-large's sizes (written here by transformers), on the meta device: X-VLA-0.9B
+    (Florence-2-large's DaViT and BART-large encoder + the 24-layer, 1024-wide transformer)."""
+    from loongforge_embodied.policies.lerobot_xvla.configuration_lerobot_xvla import PRESETS
+    from loongforge_embodied.policies.lerobot_xvla.modeling_lerobot_xvla import LeRobotXVLAModel
+    from transformers import Florence2Config
+
+    Florence2Config(
+        vision_config={"depths": [1, 1, 9, 1], "embed_dim": [256, 512, 1024, 2048], "num_heads": [8, 16, 32, 64],
+                       "num_groups": [8, 16, 32, 64], "window_size": 12, "projection_dim": 1024},
+        text_config={"model_type": "bart", "vocab_size": 51289, "d_model": 1024, "encoder_layers": 12,
+                     "decoder_layers": 12, "encoder_attention_heads": 16, "decoder_attention_heads": 16,
+                     "encoder_ffn_dim": 4096, "decoder_ffn_dim": 4096, "max_position_embeddings": 1024},
+    ).save_pretrained(tmp_path / "florence-2-large")
+    with torch.device("meta"):
+        model = LeRobotXVLAModel(PRESETS["xvla"].with_overrides(florence=str(tmp_path / "florence-2-large")))
+    sizes = {k: sum(p.numel() for m in mods for p in m.parameters()) for k, mods in model.components().items()}
+    assert sum(sizes.values()) == sum(p.numel() for p in model.parameters())
+    assert round(sum(sizes.values()) / 1e8) == 9 and round(sizes["expert"] / 1e6) == 309
+    assert len(model.wrap_units()) == 12 + 12 + 24
