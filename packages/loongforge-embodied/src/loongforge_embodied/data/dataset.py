@@ -188,6 +188,8 @@ class FlowSamples(Dataset):
         # NOTE: pi0's flow time is Beta(1.5, 1) scaled into [0.001, 1]; Beta(a, 1) has the closed-form inverse
         # CDF u^(1/a), so the draw can use our seeded generator.
         item["time"] = torch.rand((), generator=g).pow(1.0 / 1.5) * 0.999 + 0.001
+        if getattr(self.arch, "flow_time", "beta") == "uniform":  # NOTE: a policy whose law is uniform in [0, 1)
+            item["time"] = torch.rand((), generator=g) * (1 - 1e-5)
         if self.shift:
             item["images"] = random_shift(item["images"], pad=self.shift, generator=g)
         return item
