@@ -172,6 +172,7 @@ class Llava(HFCheckpoint):
     def model(self, *, recipe: Any, arch: LlavaArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.models.gpt.translate import transformer_config
+        from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.models.llava.model import VISION_PREFIXES, build_llava, forward_step
 
         config = transformer_config(arch.language(), plan=plan, precision=precision,
@@ -188,6 +189,7 @@ class Llava(HFCheckpoint):
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
             whole_vision=bool(whole))
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
                      groups=self.groups)
 

@@ -221,6 +221,7 @@ class QwenVL(HFCheckpoint):
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
@@ -243,6 +244,7 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp, vision_tp=tower_tp)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         whole = VISION_PREFIXES if tower_tp == 1 and plan.tp > 1 else ()
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
