@@ -27,14 +27,14 @@ def mask_padded_vocab(chunks: list[torch.nn.Module], *, vocab_size: int) -> None
 
     NOTE: megatron pads the output layer to ``padded_vocab_size`` and lets the padded logits join the
     cross-entropy; a padded row then adds exp(logit) to the denominator (1 for the zero rows an HF import
-    makes) and learns, so the loss and training would depend on TP. The fused path reads ``vocab_size`` off
+    makes) and learns, so the loss and training would depend on TP. The fused path reads ``unpadded_vocab_size`` off
     the output layer and masks inside the kernel."""
     for chunk in chunks:
         for module in chunk.modules():
             layer = getattr(module, "output_layer", None)
-            if layer is None or getattr(layer, "vocab_size", None) is not None:
+            if layer is None or getattr(layer, "unpadded_vocab_size", None) is not None:
                 continue
-            layer.vocab_size = vocab_size
+            layer.unpadded_vocab_size = vocab_size
             layer.register_forward_hook(_mask_padded_logits)
 
 
@@ -52,7 +52,7 @@ def _mask_padded_logits(layer: Any, _inputs: Any, output: Any) -> Any:
     """Forward hook of an output layer: logits [..., V_local] of padded rows -> -inf."""
     logits, bias = output
     local = logits.shape[-1]
-    real = layer.vocab_size - _vocab_start(local, layer)
+    real = layer.unpadded_vocab_size - _vocab_start(local, layer)
     if real >= local:
         return output
     cols = torch.arange(local, device=logits.device) >= max(real, 0)
@@ -92,7 +92,7 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
         return compute_language_model_loss(labels, logits)
     group = tp_group if tp_size > 1 else None
     # NOTE: megatron's copy/gather region all-reduces the hidden gradient across TP itself.
-    vocab = getattr(output_layer, "vocab_size", None)
+    vocab = getattr(output_layer, "unpadded_vocab_size", None)
     masked = {}
     if vocab is not None and vocab < weight.shape[0] * tp_size:
         if not _takes(fn, "vocab_size"):  # NOTE: an op that cannot mask the padded rows: the masked logits path

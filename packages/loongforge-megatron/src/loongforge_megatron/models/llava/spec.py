@@ -171,8 +171,8 @@ class Llava(HFCheckpoint):
 
     def model(self, *, recipe: Any, arch: LlavaArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
-        from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.layers.output import mask_padded_vocab
+        from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.llava.model import VISION_PREFIXES, build_llava, forward_step
 
         config = transformer_config(arch.language(), plan=plan, precision=precision,
