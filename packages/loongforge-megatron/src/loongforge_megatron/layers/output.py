@@ -27,8 +27,8 @@ def mask_padded_vocab(chunks: list[torch.nn.Module], *, vocab_size: int) -> None
 
     NOTE: megatron pads the output layer to ``padded_vocab_size`` and lets the padded logits join the
     cross-entropy; a padded row then adds exp(logit) to the denominator (1 for the zero rows an HF import
-    makes) and learns, so the loss and training would depend on TP. The fused path reads ``unpadded_vocab_size`` off
-    the output layer and masks inside the kernel."""
+    makes) and learns, so the loss and training would depend on TP. The fused path reads
+    ``unpadded_vocab_size`` off the output layer and masks inside the kernel."""
     for chunk in chunks:
         for module in chunk.modules():
             layer = getattr(module, "output_layer", None)
