@@ -51,6 +51,27 @@ def test_flce_all_ignored_and_frozen_weight(triton_cpu):
     assert loss.item() == 0.0 and torch.count_nonzero(h.grad) == 0 and w.grad is None
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_padded_rows_take_no_mass(request, impl, reduction):
+    """``vocab_size`` below the weight's rows: the loss of the real rows alone, zero grad for the padded rows
+    (whatever they hold), as if they were not there."""
+    if impl == "triton":
+        request.getfixturevalue("triton_cpu")
+    h, w, labels = _problem(21, 16, 97, torch.float32)
+    padded = torch.cat([w, 5.0 * torch.ones(3, 16)])  # large padded logits would dominate an unmasked softmax
+    (loss_t, loss_r), [(dh_t, dh_r), (dw_t, dw_r)] = run_both(
+        lambda a, b: fused_linear_cross_entropy(a, b, labels, reduction=reduction, chunk_size=8, impl=impl,
+                                                vocab_size=97),
+        lambda a, b: linear_cross_entropy_ref(a, b, labels, reduction=reduction, vocab_size=97),
+        [h, padded],
+    )
+    assert_close(loss_t, loss_r, torch.float32, scale=CE_SCALE[torch.float32], name="loss")
+    assert_close(dh_t, dh_r, torch.float32, scale=CE_SCALE[torch.float32], name="dhidden")
+    assert_close(dw_t, dw_r, torch.float32, scale=CE_SCALE[torch.float32], name="dweight")
+    assert torch.count_nonzero(dw_t[97:]) == 0
+
+
 def test_flce_3d_input_and_bad_args(triton_cpu):
     h, w, labels = _problem(12, 16, 50, torch.float32)
     loss = fused_linear_cross_entropy(h.view(3, 4, 16), w, labels.view(3, 4), impl="triton")
@@ -136,7 +157,7 @@ def test_flce_no_grad_skips_the_grads(monkeypatch):
 def _flce_vocab_parallel(*, rank: int, world: int, configs: list[tuple[str, str]]) -> None:
     """A rank: vocab-sharded fused linear CE vs the full-vocab eager reference, per (impl, reduction) in
     ``configs``; a reduction ``"sum+weights"`` / ``"mean+weights"`` also passes per-token weights (megatron's
-    loss mask)."""
+    loss mask), ``"mean+vocabN"`` a real vocabulary of N rows (the rest padding)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -156,8 +177,11 @@ def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str)
     w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
     labels = torch.randint(0, vocab, (n,), generator=gen)
     labels[::5] = -100
-    reduction, _, weighted = reduction.partition("+")
-    kw = {"token_weights": (torch.arange(n) % 3 != 1).float() * 0.7} if weighted else {}
+    reduction, _, extra = reduction.partition("+")
+    kw = {"token_weights": (torch.arange(n) % 3 != 1).float() * 0.7} if extra == "weights" else {}
+    if extra.startswith("vocab"):  # the rows from vocab_size on are padding (maybe a whole shard of it)
+        kw = {"vocab_size": int(extra.removeprefix("vocab"))}
+        labels = torch.where(labels >= kw["vocab_size"], labels % kw["vocab_size"], labels)
     h_t, w_t = h.clone().requires_grad_(True), w.chunk(world)[rank].clone().requires_grad_(True)
     h_r, w_r = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     loss_t = fused_linear_cross_entropy(
@@ -186,11 +210,13 @@ def _flce_vocab_parallel_check(rank: int, world: int, impl: str, reduction: str)
 def test_flce_vocab_parallel_gloo(ranks, tmp_path):
     """Each rank holds half the vocab; loss and grads must equal the single-process full-vocab result."""
     ranks(_flce_vocab_parallel, world=2, out=tmp_path, timeout_s=120,
-          configs=[("torch", "none"), ("torch", "mean"), ("torch", "sum+weights")])
+          configs=[("torch", "none"), ("torch", "mean"), ("torch", "sum+weights"), ("torch", "mean+vocab599"),
+                   ("torch", "none+vocab250")])
 
 
 @pytest.mark.slow
 def test_flce_vocab_parallel_gloo_triton(triton_cpu, ranks, tmp_path):
     """The same with the Triton kernels (the ranks see this process's TRITON_INTERPRET)."""
     ranks(_flce_vocab_parallel, world=2, out=tmp_path, timeout_s=120,
-          configs=[("triton", "mean"), ("triton", "none"), ("triton", "sum+weights")])
+          configs=[("triton", "mean"), ("triton", "none"), ("triton", "sum+weights"), ("triton", "mean+vocab599"),
+                   ("triton", "none+vocab250")])

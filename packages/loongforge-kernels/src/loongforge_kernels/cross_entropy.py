@@ -11,6 +11,10 @@ logits GEMM); a caller that reduces with known per-token weights (a loss mask) p
 Vocab-parallel (tensor parallelism): ``weight`` is this rank's shard [V/tp, H] of rows
 ``[rank * V/tp, (rank + 1) * V/tp)``; the max, sum-exp and target logit are all-reduced over
 ``process_group`` per chunk, so every rank gets the full loss.
+
+Padded vocabulary: with ``vocab_size`` below the (global) rows of ``weight``, the rows from ``vocab_size`` on
+are padding (a vocabulary rounded up so tensor parallelism divides it): their logits count as -inf, so they
+take no probability mass and their weight rows get zero gradient.
 """
 
 from __future__ import annotations
@@ -128,6 +132,9 @@ def _row_launch(n_vocab: int, device: torch.device) -> tuple[int, int]:
 def _stats(logits, labels, *, vocab_start, ignore_index, impl):
     """Per row: max, sum of exp(x - max), and the target logit (0 when the target is in another shard)."""
     n, v = logits.shape
+    if v == 0:  # NOTE: a shard of padding only: no mass (max -inf, sum 0), no target
+        mx = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+        return mx, torch.zeros_like(mx), torch.zeros_like(mx)
     if impl == "triton":
         mx, se, tgt = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
         block, warps = _row_launch(v, logits.device)
@@ -157,6 +164,8 @@ def _stats(logits, labels, *, vocab_start, ignore_index, impl):
 def _grad_in_place(logits, labels, lse, scale, *, vocab_start, impl):
     """logits <- (softmax(logits) - onehot(label)) * scale[row], softmax taken with the global ``lse``."""
     n, v = logits.shape
+    if v == 0:
+        return
     if impl == "triton":
         block, warps = _row_launch(v, logits.device)
         _ce_grad_kernel[(n,)](
@@ -197,6 +206,7 @@ def _run_chunks(
     weight,
     labels,
     *,
+    vocab_size,
     ignore_index,
     group,
     grad_scale,
@@ -209,6 +219,8 @@ def _run_chunks(
     n, _ = hidden.shape
     v_local = weight.shape[0]
     vocab_start = dist.get_rank(group) * v_local if group is not None else 0
+    # NOTE: the columns of this shard that are real tokens; the padded ones are left out of the softmax (-inf)
+    n_real = v_local if vocab_size is None else min(max(vocab_size - vocab_start, 0), v_local)
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_h = (
         torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -225,22 +237,25 @@ def _run_chunks(
         lab = labels[start:end]
         del logits  # NOTE: free the previous chunk before allocating the next (one chunk alive at a time)
         logits = h @ w.t()
+        real = logits[:, :n_real]  # NOTE: a view with the same row stride, so the kernels read only real columns
+        if n_real < v_local and grad_scale is not None:
+            logits[:, n_real:] = 0  # d loss / d (padded logit) = softmax = 0
         if impl == "triton" and group is None and grad_scale is not None:
-            block, warps = _row_launch(v_local, logits.device)
+            block, warps = _row_launch(n_real, logits.device)
             _ce_loss_grad_kernel[(end - start,)](
-                logits,
+                real,
                 lab,
                 loss[start:end],
                 grad_scale[start:end].float().contiguous(),
                 logits.stride(0),
-                v_local,
+                n_real,
                 ignore_index,
                 BLOCK=block,
                 num_warps=warps,
             )
             _chunk_grads(logits, h, w, grad_h, grad_w, start, end)
             continue
-        mx, se, tgt = _stats(logits, lab, vocab_start=vocab_start, ignore_index=ignore_index, impl=impl)
+        mx, se, tgt = _stats(real, lab, vocab_start=vocab_start, ignore_index=ignore_index, impl=impl)
         if group is not None:
             m_glob = mx.clone()
             dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
@@ -253,7 +268,7 @@ def _run_chunks(
         if grad_scale is None:
             continue
         _grad_in_place(
-            logits, lab, lse, grad_scale[start:end].float().contiguous(), vocab_start=vocab_start, impl=impl
+            real, lab, lse, grad_scale[start:end].float().contiguous(), vocab_start=vocab_start, impl=impl
         )
         _chunk_grads(logits, h, w, grad_h, grad_w, start, end)
     return loss, grad_h, grad_w
@@ -288,7 +303,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, group, reduce_grad_input, chunk, impl,
-                token_weights=None, grad_enabled=True):
+                token_weights=None, grad_enabled=True, vocab_size=None):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         lab = labels.reshape(-1).contiguous()
         valid = lab != ignore_index
@@ -305,6 +320,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if reduction != "none" and (need_h or need_w):
             grad_scale = wts / n_valid if reduction == "mean" else wts
         kw = dict(
+            vocab_size=vocab_size,
             ignore_index=ignore_index,
             group=group,
             want_grad_hidden=need_h,
@@ -346,7 +362,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_h = _scale_by_upstream(grad_h, g, impl) if grad_h is not None else None
             grad_w = _scale_by_upstream(grad_w, g, impl) if grad_w is not None else None
         grad_h = grad_h.view(ctx.hidden_shape) if grad_h is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -361,6 +377,7 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     impl: str | None = None,
     token_weights: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` vs ``labels`` without materialising the [N, V] logits.
 
@@ -369,7 +386,8 @@ def fused_linear_cross_entropy(
     "mean" only; not differentiated) weights each token's loss: "sum" is sum(w * loss), "mean" divides that by
     the weights' sum over non-ignored tokens. With ``process_group`` the weight is the local vocab shard;
     ``reduce_grad_input=False`` leaves the hidden grad partial for a caller whose own communication op
-    (megatron's copy-to-TP-region) reduces it. ``chunk_size`` overrides the tokens per chunk.
+    (megatron's copy-to-TP-region) reduces it. ``chunk_size`` overrides the tokens per chunk. ``vocab_size``
+    (the real vocabulary, when the weight's rows are padded past it) keeps the padded rows out of the softmax.
     """
     _validate(hidden, weight, labels, reduction, token_weights)
     which = resolve(impl, hidden)
@@ -379,7 +397,7 @@ def fused_linear_cross_entropy(
         token_weights = token_weights.detach()
     return FusedLinearCrossEntropyFunction.apply(
         hidden, weight, labels, ignore_index, reduction, process_group, reduce_grad_input, chunk, which,
-        token_weights, torch.is_grad_enabled(),
+        token_weights, torch.is_grad_enabled(), vocab_size,
     )
 
 

@@ -60,8 +60,12 @@ def linear_cross_entropy_ref(
     ignore_index: int = -100,
     reduction: str = "mean",
     token_weights: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """The eager baseline: full [N, V] logits, fp32 cross-entropy (``token_weights``: see the fused op)."""
+    """The eager baseline: full [N, V] logits, fp32 cross-entropy (``token_weights`` / ``vocab_size``: see the
+    fused op; rows of ``weight`` past ``vocab_size`` are padding, dropped here)."""
+    if vocab_size is not None:
+        weight = weight[:vocab_size]
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
     labels = labels.reshape(-1)
     if token_weights is None:

@@ -12,12 +12,51 @@ import torch
 from loongforge_megatron.layers.modules import kernel
 
 
-def _takes_token_weights(fn: Any) -> bool:
-    """Whether a (possibly plugin-provided) fused CE accepts ``token_weights``."""
+def _takes(fn: Any, name: str) -> bool:
+    """Whether a (possibly plugin-provided) fused CE accepts the keyword ``name``."""
     try:
-        return "token_weights" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def mask_padded_vocab(chunks: list[torch.nn.Module], *, vocab_size: int) -> None:
+    """Keep the padded vocabulary rows (the vocabulary rounded up so TP divides it) out of every softmax: the
+    output layers' logits of those rows become -inf, so they take no probability mass, get no gradient, and
+    the loss equals an unpadded model's at any TP.
+
+    NOTE: megatron pads the output layer to ``padded_vocab_size`` and lets the padded logits join the
+    cross-entropy; a padded row then adds exp(logit) to the denominator (1 for the zero rows an HF import
+    makes) and learns, so the loss and training would depend on TP. The fused path reads
+    ``unpadded_vocab_size`` off the output layer and masks inside the kernel."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            layer = getattr(module, "output_layer", None)
+            if layer is None or getattr(layer, "unpadded_vocab_size", None) is not None:
+                continue
+            layer.unpadded_vocab_size = vocab_size
+            layer.register_forward_hook(_mask_padded_logits)
+
+
+def _vocab_start(local: int, layer: Any) -> int:
+    """The global index of this rank's first logit column (0 when the logits are whole)."""
+    from megatron.core import parallel_state as mpu
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp == 1 or getattr(layer, "gather_output", False):
+        return 0
+    return mpu.get_tensor_model_parallel_rank() * local
+
+
+def _mask_padded_logits(layer: Any, _inputs: Any, output: Any) -> Any:
+    """Forward hook of an output layer: logits [..., V_local] of padded rows -> -inf."""
+    logits, bias = output
+    local = logits.shape[-1]
+    real = layer.unpadded_vocab_size - _vocab_start(local, layer)
+    if real >= local:
+        return output
+    cols = torch.arange(local, device=logits.device) >= max(real, 0)
+    return logits.masked_fill(cols, float("-inf")), bias
 
 
 def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
@@ -53,14 +92,22 @@ def fused_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, ou
         return compute_language_model_loss(labels, logits)
     group = tp_group if tp_size > 1 else None
     # NOTE: megatron's copy/gather region all-reduces the hidden gradient across TP itself.
-    if context is not None and _takes_token_weights(fn):
+    vocab = getattr(output_layer, "unpadded_vocab_size", None)
+    masked = {}
+    if vocab is not None and vocab < weight.shape[0] * tp_size:
+        if not _takes(fn, "vocab_size"):  # NOTE: an op that cannot mask the padded rows: the masked logits path
+            logits, _ = output_layer(hidden_states, weight=output_weight)
+            return compute_language_model_loss(labels, logits)
+        masked = {"vocab_size": vocab}
+    if context is not None and _takes(fn, "token_weights"):
         total = fn(flat, weight, labels.reshape(-1), reduction="sum", process_group=group, reduce_grad_input=False,
-                   token_weights=context.reshape(-1))
+                   token_weights=context.reshape(-1), **masked)
         if total.numel() != 1:
             raise RuntimeError(f"fused_linear_cross_entropy(reduction='sum') returned shape {tuple(total.shape)}, "
                                "not one value")
         return total.reshape(()).float()  # NOTE: loss_func tells the summed loss from per-token ones by dim 0
-    loss = fn(flat, weight, labels.reshape(-1), reduction="none", process_group=group, reduce_grad_input=False)
+    loss = fn(flat, weight, labels.reshape(-1), reduction="none", process_group=group, reduce_grad_input=False,
+              **masked)
     return loss.view(b, s).float()
 
 

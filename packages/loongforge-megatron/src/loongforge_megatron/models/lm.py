@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from loongforge_megatron.models.gpt.arch import Arch
 
 
-# Vocabulary padding for TP: pad only to a multiple of tp, so logits over the real vocabulary equal an
-# unpadded model's (padded rows would otherwise join the softmax).
+# Vocabulary padding for TP: pad only to a multiple of tp (few rows); the padded rows' logits are -inf in every
+# cross-entropy (layers.output.mask_padded_vocab), so the loss equals an unpadded model's at any tp.
 VOCAB_DIVISIBLE_BY = 1
 
 

@@ -111,6 +111,7 @@ class GPTFamily(HFCheckpoint):
               data: Data) -> Model:
         from loongforge_megatron.engine.model import build_chunks
         from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.layers.output import mask_padded_vocab
 
         config = transformer_config(arch, plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
@@ -141,6 +142,7 @@ class GPTFamily(HFCheckpoint):
             position_embedding_type="yarn" if arch.rope_yarn and not arch.is_mla else "rope",
         )
         seeded_init(chunks, config=config, seed=recipe.train.seed)
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         forward_step = None
         if spec_name == "loongforge":
             from loongforge_megatron.layers.output import forward_step_with_fused_loss

@@ -95,6 +95,7 @@ class HybridFamily(GPTFamily):
               data: Data) -> Model:
         from loongforge_megatron.engine.model import build_chunks
         from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.layers.selection import grouped_experts
         from loongforge_megatron.models.hybrid.layers import block_spec
         from loongforge_megatron.models.lm import padded_vocab
@@ -115,4 +116,5 @@ class HybridFamily(GPTFamily):
             rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent,
             share_embeddings_and_output_weights=arch.tie_embeddings, vpp=plan.vpp, device=device)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         return Model(chunks=chunks, config=config, kernels="local")

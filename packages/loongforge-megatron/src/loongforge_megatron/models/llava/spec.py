@@ -174,6 +174,7 @@ class Llava(HFCheckpoint):
     def model(self, *, recipe: Any, arch: LlavaArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.engine.component_groups import component_groups
+        from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.llava.model import VISION_PREFIXES, build_llava, forward_step
 
@@ -192,6 +193,7 @@ class Llava(HFCheckpoint):
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
             vision_groups=groups)
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
                      groups=self.groups, timed_encoder=groups.hdp > 1)
 

@@ -213,6 +213,7 @@ class QwenVL(HFCheckpoint):
               data: Data) -> Model:
         from loongforge_megatron.engine.component_groups import component_groups
         from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
@@ -236,6 +237,7 @@ class QwenVL(HFCheckpoint):
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
                                device=device, vpp=plan.vpp, vision_groups=groups)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
+        mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
