@@ -112,6 +112,7 @@ POLICIES: dict[str, PolicySpec] = {
     "groot": PolicySpec("groot", "GrootModel"),
     "lerobot_pi05": PolicySpec("lerobot_pi05", "LeRobotPI05Model"),
     "lerobot_smolvla": PolicySpec("lerobot_smolvla", "LeRobotSmolVLAModel"),
+    "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
 }
 
 

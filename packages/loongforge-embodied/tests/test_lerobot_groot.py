@@ -1,0 +1,147 @@
+"""LeRobot's own GR00T N1.7 (``GR00TN17``) through our trainer, on a tiny Qwen3-VL saved by transformers, on the CPU
+(fp32).
+
+Parity: our loss (our processor + model) equals ``GrootPolicy.forward``'s on the batch LeRobot's own N1.7 processor
+steps make, from the same weights, noise and flow time; the export loads with LeRobot's plain
+``GrootPolicy.from_pretrained`` and ``select_action`` gives our model's actions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TOL = 1e-5
+SPECIAL = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
+           "vision_end_token": "<|vision_end|>"}
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == "
+            "'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+            "<|im_end|>\n{% endfor %}")
+
+
+def make_tiny_qwen3_vl(out: Path) -> Path:
+    """A tiny Qwen3-VL directory saved by transformers: config (4 text layers of 64, 2 vision blocks, patch 16,
+    merge 2) + processor (a character-level tokenizer with Qwen3-VL's special tokens and a minimal chat template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", *SPECIAL.values(), "\n", *map(chr, range(32, 127))]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
+                                 eos_token="<|im_end|>", extra_special_tokens=SPECIAL)
+    hf.chat_template = TEMPLATE
+    Qwen3VLConfig(text_config={"vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 16, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                "mrope_interleaved": True}},
+                  vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                 "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+                                 "temporal_patch_size": 2, "deepstack_visual_indexes": [1],
+                                 "num_position_embeddings": 64},
+                  image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+                  vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"],
+                  tie_word_embeddings=True).save_pretrained(out)
+    image = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                  size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    video = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    Qwen3VLProcessor(image_processor=image, tokenizer=hf, video_processor=video, chat_template=TEMPLATE).save_pretrained(out)
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3vl") / "tiny")
+
+
+STATS = {"state_min": torch.tensor([-1.0, -2.0]), "state_max": torch.tensor([1.5, 2.0]),
+         "action_min": torch.tensor([-1.0, -3.0]), "action_max": torch.tensor([2.0, 1.0])}
+
+
+@pytest.fixture(scope="module")
+def tiny(vlm):
+    from loongforge_embodied.policies.lerobot_groot.configuration_lerobot_groot import PRESETS
+    from loongforge_embodied.policies.lerobot_groot.modeling_lerobot_groot import LeRobotGrootModel
+
+    arch = PRESETS["tiny"].with_overrides(vlm=str(vlm))
+    torch.manual_seed(0)
+    model = LeRobotGrootModel(arch)
+    model.set_stats(STATS)
+    g = torch.Generator().manual_seed(1)
+    b = 3
+    # NOTE: 24x28 frames exercise the crop / resize; tasks of different lengths the prompt padding; the last
+    # sample's chunk runs past its episode (masked steps).
+    raw = {"images": torch.rand(b, 1, 3, 24, 28, generator=g), "state": torch.randn(b, 2, generator=g),
+           "actions": torch.randn(b, arch.chunk_size, 2, generator=g),
+           "action_pad": torch.tensor([[False] * 4, [False] * 4, [False, False, True, True]]),
+           "task": ["push it", "a much longer task than the others", "x"]}
+    return arch, model, raw
+
+
+def _lerobot(arch, model, base: Path):
+    """LeRobot's own ``GrootPolicy`` built from a GR00T N1.7 directory of our weights, and LeRobot's N1.7 pack /
+    VLM-encode steps as ``make_groot_pre_post_processors`` chains them (the backbone's processor from the tiny
+    directory)."""
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+    from lerobot.policies.groot.processor_groot import GrootN17PackInputsStep, GrootN17VLMEncodeStep
+    from lerobot.processor import AddBatchDimensionProcessorStep, PolicyProcessorPipeline
+    from loongforge_embodied.policies.lerobot_groot.build import policy_config
+
+    model._groot_model.save_pretrained(base)
+    policy = GrootPolicy(policy_config(arch, base=str(base), cameras=["observation.images.cam0"]))
+    policy.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("stats.")}, strict=True)
+    stats = {"observation.state": {"min": STATS["state_min"], "max": STATS["state_max"]},
+             "action": {"min": STATS["action_min"], "max": STATS["action_max"]}}
+    pre = PolicyProcessorPipeline(steps=[
+        AddBatchDimensionProcessorStep(),
+        GrootN17PackInputsStep(action_horizon=arch.chunk_size, valid_action_horizon=arch.chunk_size,
+                               max_state_dim=arch.max_state_dim, max_action_dim=arch.max_action_dim, stats=stats),
+        GrootN17VLMEncodeStep(model_name=arch.vlm, image_crop_size=[arch.image_crop_size] * 2,
+                              image_target_size=[arch.image_target_size] * 2)])
+    return policy, pre
+
+
+def _frames(raw) -> dict:
+    return {"observation.images.cam0": raw["images"][:, 0], "observation.state": raw["state"], "task": raw["task"]}
+
+
+def test_loss_matches_lerobot_groot_policy(tiny, tmp_path):
+    """Same weights, batch, noise and flow time: our per-sample losses, weighted by their valid entries, give
+    ``GrootPolicy.forward``'s loss (LeRobot's own policy and processor steps)."""
+    from torch.distributions import Beta
+
+    from loongforge_embodied.policies.lerobot_groot.processor_lerobot_groot import prepare_batch
+
+    arch, model, raw = tiny
+    policy, pre = _lerobot(arch, model, tmp_path / "base")
+    policy.train()
+    model.train()
+    theirs_in = pre({**_frames(raw), "action": raw["actions"], "action_is_pad": raw["action_pad"]})
+    b = len(raw["task"])
+    # NOTE: the action head draws its noise (randn) then its flow time (Beta(1.5, 1)): replay both under one seed
+    torch.manual_seed(7)
+    noise = torch.randn(b, arch.chunk_size, arch.max_action_dim)
+    s = Beta(torch.tensor(1.5), torch.tensor(1.0), validate_args=False).sample([b])
+    torch.manual_seed(7)
+    theirs, _ = policy.forward(theirs_in)
+    ours_in = prepare_batch({**raw, "noise": noise[..., :2], "time": 1 - (1 - s) * 0.999}, arch=arch, stats=STATS)
+    ours_in["noise"] = noise
+    for key in ("input_ids", "pixel_values", "state", "actions", "action_mask"):
+        expect = theirs_in["action" if key == "actions" else key]
+        assert torch.equal(ours_in[key], expect), key
+    per_sample = model(ours_in)
+    valid = ours_in["action_mask"].sum(dim=(1, 2))
+    ours = (per_sample * valid).sum() / valid.sum()
+    assert per_sample.shape == (b,)
+    ours_f, theirs_f = float(ours.detach()), float(theirs.detach())
+    assert abs(ours_f - theirs_f) <= TOL * abs(theirs_f), (ours_f, theirs_f)
+    ours.backward()
+    assert all(p.grad is not None for p in model._groot_model.action_head.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
