@@ -145,3 +145,36 @@ def test_loss_matches_lerobot_groot_policy(tiny, tmp_path):
     ours.backward()
     assert all(p.grad is not None for p in model._groot_model.action_head.parameters() if p.requires_grad)
     model.zero_grad(set_to_none=True)
+
+
+def test_export_loads_in_lerobot_and_select_action_matches(tiny, tmp_path):
+    """``GrootPolicy.from_pretrained(export)`` (LeRobot's plain loader) + LeRobot's N1.7 steps and post-processor
+    return our model's first action under the same sampling noise; our own loader round-trips the export."""
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+    from lerobot.policies.groot.processor_groot import GrootActionUnpackUnnormalizeStep
+    from lerobot.processor import PolicyProcessorPipeline
+    from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
+
+    from loongforge_embodied.policies.lerobot_groot.export import load_model, write_pretrained
+    from loongforge_embodied.policies.lerobot_groot.processor_lerobot_groot import prepare_batch
+
+    arch, model, raw = tiny
+    out = write_pretrained(tmp_path / "export", arch=arch, weights=model.state_dict(),
+                           features={"cameras": ["observation.images.cam0"]})
+    policy = GrootPolicy.from_pretrained(out)
+    _, pre = _lerobot(arch, model, tmp_path / "unused")
+    stats = {"action": {"min": STATS["action_min"], "max": STATS["action_max"]}}
+    post = PolicyProcessorPipeline(steps=[GrootActionUnpackUnnormalizeStep(
+        env_action_dim=2, stats=stats, normalize_min_max=True, clip_normalized_action=True)],
+        to_transition=policy_action_to_transition, to_output=transition_to_policy_action)
+    model.eval()
+    obs = {k: v for k, v in raw.items() if k not in ("actions", "action_pad")}
+    torch.manual_seed(3)
+    ours = model.unnormalize_actions(model.sample_actions(prepare_batch(obs, arch=arch, stats=STATS)))
+    torch.manual_seed(3)
+    theirs = post(policy.select_action(pre(_frames(raw))))
+    assert theirs.shape == (len(raw["task"]), 2)
+    torch.testing.assert_close(theirs, ours[:, 0], rtol=TOL, atol=TOL)
+    loaded = load_model(out)
+    sd = model.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())

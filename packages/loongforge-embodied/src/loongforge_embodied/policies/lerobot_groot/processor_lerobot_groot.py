@@ -85,8 +85,10 @@ def _processor_steps(arch: LeRobotGrootArch, stats: dict[str, torch.Tensor]):
 
 
 def unnormalize(x: torch.Tensor, key: str, *, stats: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Inverse of LeRobot's min-max normalisation of ``key`` (``state`` / ``action``) to [-1, 1]."""
+    """Inverse of LeRobot's min-max normalisation of ``key`` (``state`` / ``action``) to [-1, 1], clipped to
+    [-1, 1] first as LeRobot's N1.7 post-processor does (``clip_normalized_action``)."""
     lo, hi = stats[f"{key}_min"], stats[f"{key}_max"]
+    x = x.clamp(-1.0, 1.0)
     return torch.where(hi != lo, (x + 1) / 2 * (hi - lo) + lo, lo)
 
 
