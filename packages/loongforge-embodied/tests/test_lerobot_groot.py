@@ -115,9 +115,8 @@ def _frames(raw) -> dict:
 def test_loss_matches_lerobot_groot_policy(tiny, tmp_path):
     """Same weights, batch, noise and flow time: our per-sample losses, weighted by their valid entries, give
     ``GrootPolicy.forward``'s loss (LeRobot's own policy and processor steps)."""
-    from torch.distributions import Beta
-
     from loongforge_embodied.policies.lerobot_groot.processor_lerobot_groot import prepare_batch
+    from torch.distributions import Beta
 
     arch, model, raw = tiny
     policy, pre = _lerobot(arch, model, tmp_path / "base")
@@ -154,7 +153,6 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, tmp_path):
     from lerobot.policies.groot.processor_groot import GrootActionUnpackUnnormalizeStep
     from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
-
     from loongforge_embodied.policies.lerobot_groot.export import load_model, write_pretrained
     from loongforge_embodied.policies.lerobot_groot.processor_lerobot_groot import prepare_batch
 
@@ -178,3 +176,35 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, tmp_path):
     loaded = load_model(out)
     sd = model.state_dict()
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+
+
+def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tmp_path, monkeypatch, capsys):
+    """The tiny recipe trains through the CLI (synthetic frames) and writes an export LeRobot's ``GrootPolicy``
+    loads with our weights; the published recipe validates; training without the backbone directory is one line
+    naming ``model.arch.vlm``."""
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+    from loongforge.cli import main
+    from loongforge.metrics import read_metrics
+    from loongforge_embodied.policies.lerobot_groot.export import load_model
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "embodied" / "lerobot_groot_tiny.yaml"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["validate", str(recipe.with_name("lerobot_groot_pusht.yaml"))]) == 0
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(["train", str(recipe), "--output", str(out), f"model.arch.vlm={vlm}", "logging.tensorboard=false"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    ours = load_model(out / "hf")
+    theirs = GrootPolicy.from_pretrained(out / "hf").state_dict()
+    assert set(theirs) == {k for k in ours.state_dict() if not k.startswith("stats.")}
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in theirs.items())
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--output", str(tmp_path / "bad"), "model.arch.vlm=/nowhere/qwen3vl"]) == 2
+    err = capsys.readouterr().err
+    assert "key 'model.arch.vlm': '/nowhere/qwen3vl': no local folder" in err and err.count("\n") == 1, err

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
 from functools import cache, partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,9 +120,8 @@ class InMemorySource:
 
         import numpy as np
         import pyarrow.parquet as pq
-        from PIL import Image
-
         from loongforge.errors import RecipeError
+        from PIL import Image
 
         self.source, self.cameras, self.state_key = source, source.cameras, source.state_key
         meta = source.meta

@@ -35,7 +35,7 @@ class _Stats(nn.Module):
 
 class LeRobotGrootModel(nn.Module):
     """Components ``vision`` (Qwen3-VL's vision tower and merger), ``language`` (its text layers kept) and
-    ``action_head`` (VL layer norm + self-attention, DiT, state / action encoders, decoder). ``wrap_units()``: the
+    ``expert`` (the action head: VL layer norm + self-attention, DiT, state / action encoders, decoder). ``wrap_units()``: the
     vision blocks, the text layers and the DiT blocks, in execution order."""
 
     def __init__(self, arch: LeRobotGrootArch):
@@ -55,7 +55,7 @@ class LeRobotGrootModel(nn.Module):
         """Named parameter groups (``model.freeze`` takes these names)."""
         qwen = self._backbone.model
         return {"vision": [self._backbone.visual], "language": [self._backbone.language_model, qwen.lm_head],
-                "action_head": [self._groot_model.action_head]}
+                "expert": [self._groot_model.action_head]}
 
     def wrap_units(self) -> list[nn.Module]:
         """FSDP2 / recompute units in execution order: vision blocks, text layers, DiT blocks."""

@@ -32,7 +32,10 @@ def vlm_dir(arch: LeRobotGrootArch) -> str:
     """The backbone's local directory (never the network), or a one-line error naming ``model.arch.vlm``."""
     from loongforge.errors import RecipeError
 
-    from loongforge_embodied.policies.lerobot_groot.configuration_lerobot_groot import PUBLISHED_VLM, VLM_FILES
+    from loongforge_embodied.policies.lerobot_groot.configuration_lerobot_groot import (
+        PUBLISHED_VLM,
+        VLM_FILES,
+    )
 
     folder = local_vlm(arch.vlm)
     if folder is None:
