@@ -208,3 +208,19 @@ def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tm
     assert main(["train", str(recipe), "--output", str(tmp_path / "bad"), "model.arch.vlm=/nowhere/qwen3vl"]) == 2
     err = capsys.readouterr().err
     assert "key 'model.arch.vlm': '/nowhere/qwen3vl': no local folder" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_ddp_zero1_and_fsdp2_match_single_process(vlm, tmp_path, env, ranks):
+    """2 gloo ranks, ddp / zero1 / fsdp2 (units: vision blocks, text layers, DiT blocks), in one launch, reproduce
+    the one-process losses over 3 steps."""
+    from .strategy_losses import run_strategies
+
+    extra = (f"model.arch.vlm={vlm}",)
+    recipe = "lerobot_groot_tiny.yaml"
+    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600, extra=extra,
+                   recipe_name=recipe, steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
+    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600, extra=extra,
+                recipe_name=recipe, steps=3, strategies=["ddp", "zero1", "fsdp2"])[0]
+    for strategy, losses in two["losses"].items():
+        assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)

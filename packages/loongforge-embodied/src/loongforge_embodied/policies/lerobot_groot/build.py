@@ -45,6 +45,9 @@ def build_groot(arch: LeRobotGrootArch):
     _tie_unused_qwen_lm_head(model.backbone.model)  # NOTE: as GrootPolicy does: the unused LM head is the embeddings
     for p in model.parameters():
         p.requires_grad_(True)
+    # NOTE: the action head reads the last kept text layer's output before the final norm: that norm cannot reach
+    # the loss (a parameter without a gradient, which DDP refuses), so it stays frozen
+    model.backbone.language_model.norm.requires_grad_(False)
     return model, config
 
 
