@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,12 +181,16 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, tmp_path):
 
 def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tmp_path, monkeypatch, capsys):
     """The tiny recipe trains through the CLI (synthetic frames) and writes an export LeRobot's ``GrootPolicy``
-    loads with our weights; the published recipe validates; training without the backbone directory is one line
+    loads with our weights and ``loongforge serve``'s policy answers the openpi client; the published recipe
+    validates; training without the backbone directory is one line
     naming ``model.arch.vlm``."""
     from lerobot.policies.groot.modeling_groot import GrootPolicy
     from loongforge.cli import main
     from loongforge.metrics import read_metrics
+    from loongforge_embodied.eval.server import PolicyServer
+    from loongforge_embodied.eval.trained_policy import TrainedPolicy
     from loongforge_embodied.policies.lerobot_groot.export import load_model
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "embodied" / "lerobot_groot_tiny.yaml"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -204,6 +209,16 @@ def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tm
     theirs = GrootPolicy.from_pretrained(out / "hf").state_dict()
     assert set(theirs) == {k for k in ours.state_dict() if not k.startswith("stats.")}
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in theirs.items())
+    # served: the openpi client gets the chunk of our model for the same request (noise seeded by the request)
+    served = TrainedPolicy.load(out)
+    features = served.metadata()["features"]
+    request = {k: (np.random.default_rng(0).random(f["shape"]) * 255).astype(np.uint8) if len(f["shape"]) == 3
+               else np.linspace(-0.5, 0.5, f["shape"][0], dtype=np.float32) for k, f in features.items()}
+    request["prompt"] = "push the block"
+    with PolicyServer(served, port=0, batch_wait_s=0.0) as server:
+        actions = WebsocketClientPolicy(host=server.address).infer(request)["actions"]
+    assert actions.shape == (ours.arch.chunk_size, 2) and np.isfinite(actions).all()
+    np.testing.assert_allclose(actions, served.infer_batch([request])[0]["actions"], rtol=0, atol=1e-6)
     capsys.readouterr()
     assert main(["train", str(recipe), "--output", str(tmp_path / "bad"), "model.arch.vlm=/nowhere/qwen3vl"]) == 2
     err = capsys.readouterr().err
