@@ -174,9 +174,13 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, tmp_path):
     theirs = post(policy.select_action(pre(_frames(raw))))
     assert theirs.shape == (len(raw["task"]), 2)
     torch.testing.assert_close(theirs, ours[:, 0], rtol=TOL, atol=TOL)
-    loaded = load_model(out)
     sd = model.state_dict()
+    loaded = load_model(out)
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+    # a GR00T N1.7 model directory as transformers writes it (the published layout: model.load of its weights)
+    loaded = load_model(tmp_path / "unused")
+    assert loaded.arch == arch.with_overrides(image_size=256, num_cameras=2, state_dim=8, action_dim=8)
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items() if not k.startswith("stats."))
 
 
 def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tmp_path, monkeypatch, capsys):

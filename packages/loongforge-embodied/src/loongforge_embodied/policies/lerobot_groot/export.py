@@ -68,27 +68,68 @@ def serving_note(arch: LeRobotGrootArch) -> str:
 
 
 def arch_from_dir(path: str | Path) -> LeRobotGrootArch:
-    """Our arch of an exported dir (its ``loongforge.json``)."""
+    """Our arch of an exported dir (its ``loongforge.json``) or of a GR00T N1.7 model directory (a
+    ``GR00TN17Config``'s ``config.json``, as ``GR00TN17.save_pretrained`` writes it: e.g. the published N1.7)."""
     from loongforge.checkpoint.json_file import read_json_object
     from loongforge.errors import CheckpointError
 
-    sidecar = Path(path) / SIDECAR
-    if not sidecar.is_file():
-        raise CheckpointError(f"{sidecar}: missing (a lerobot_groot export keeps its arch there)")
-    arch = read_json_object(sidecar).get("arch")
+    path = Path(path)
+    sidecar = path / SIDECAR
+    if sidecar.is_file():
+        arch = read_json_object(sidecar).get("arch")
+        try:
+            if not isinstance(arch, dict):
+                raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
+            return LeRobotGrootArch(**arch)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
+    cfg = read_json_object(path / "config.json")
     try:
-        if not isinstance(arch, dict):
-            raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
-        return LeRobotGrootArch(**arch)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
+        return _arch_from_model_config(cfg)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'}: neither a lerobot_groot export ({SIDECAR}) nor a GR00T N1.7 "
+                              f"model config ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})") from None
+
+
+def _arch_from_model_config(cfg: dict[str, Any]) -> LeRobotGrootArch:
+    if cfg.get("model_type") != "Gr00tN1d7":
+        raise ValueError(f"model_type is {cfg.get('model_type')!r}, not 'Gr00tN1d7'")
+    dit, vl = cfg["diffusion_model_cfg"], cfg["vl_self_attention_cfg"]
+    # NOTE: the dataset's dims are not the model's (it pads to max_*_dim): the recipe's data sets them
+    return LeRobotGrootArch(
+        state_dim=int(cfg["max_state_dim"]), action_dim=int(cfg["max_action_dim"]), chunk_size=int(cfg["action_horizon"]), max_state_dim=int(cfg["max_state_dim"]),
+        max_action_dim=int(cfg["max_action_dim"]), vlm=cfg["model_name"], select_layer=int(cfg["select_layer"]),
+        backbone_embedding_dim=int(cfg["backbone_embedding_dim"]), hidden_size=int(cfg["hidden_size"]),
+        input_embedding_dim=int(cfg["input_embedding_dim"]), dit_layers=int(dit["num_layers"]),
+        dit_heads=int(dit["num_attention_heads"]), dit_head_dim=int(dit["attention_head_dim"]),
+        vl_layers=int(vl["num_layers"]), vl_heads=int(vl["num_attention_heads"]),
+        vl_head_dim=int(vl["attention_head_dim"]), dropout_percent=round(100 * float(dit["dropout"])),
+        state_dropout_percent=round(100 * float(cfg["state_dropout_prob"])),
+        num_embodiments=int(cfg["max_num_embodiments"]), image_crop_size=int(cfg["image_crop_size"][0]),
+        image_target_size=int(cfg["image_target_size"][0]), num_steps=int(cfg["num_inference_timesteps"]))
+
+
+def _weights(path: Path) -> tuple[dict[str, tuple[int, ...]], list[Path], str]:
+    """The shapes (under our names), files and name prefix to add of an export or a GR00T N1.7 model directory
+    (its ``*.safetensors`` shards)."""
+    from loongforge.checkpoint.safetensors_io import read_header
+    from loongforge.errors import CheckpointError
+
+    if (path / SIDECAR).is_file():
+        files, prefix = [path / "model.safetensors"], ""
+    else:
+        files, prefix = sorted(path.glob("*.safetensors")), PREFIX
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors next to its GR00T N1.7 config.json")
+    shapes = {prefix + k: tuple(v["shape"]) for f in files for k, v in read_header(f).items()}
+    return {k: v for k, v in shapes.items() if k != PREFIX + TIED}, files, prefix
 
 
 def load_model(path: str | Path):
-    """Our ``LeRobotGrootModel`` of an exported directory, strictly; the statistics from ``loongforge.json``."""
+    """Our ``LeRobotGrootModel`` of an exported directory (statistics from ``loongforge.json``) or of a GR00T N1.7
+    model directory (``model.load`` of the published weights), strictly."""
     from loongforge.checkpoint import check_shapes
     from loongforge.checkpoint.json_file import read_json_object
-    from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
@@ -100,12 +141,13 @@ def load_model(path: str | Path):
     if local_vlm(arch.vlm) is None:
         raise CheckpointError(f"{path}: its backbone '{arch.vlm}' is no local folder and not in the local Hugging Face "
                               "cache")
+    shapes, files, prefix = _weights(path)
     model = LeRobotGrootModel(arch)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
                 if k.startswith(PREFIX) and k != PREFIX + TIED}
-    weights = path / "model.safetensors"
-    check_shapes(expected, {k: tuple(v["shape"]) for k, v in read_header(weights).items()},
-                 where=f"{weights} (against {path / SIDECAR})")
-    model.load_state_dict(load_file(str(weights)), strict=False)  # NOTE: all but the tied head and stats, checked
-    model.set_stats({k: torch.tensor(v) for k, v in read_json_object(path / SIDECAR).get("stats", {}).items()})
+    check_shapes(expected, shapes, where=f"{path} (against its config)")
+    state = {prefix + k: v for f in files for k, v in load_file(str(f)).items() if prefix + k != PREFIX + TIED}
+    model.load_state_dict(state, strict=False)  # NOTE: every tensor but the tied head and the stats, checked above
+    if (path / SIDECAR).is_file():
+        model.set_stats({k: torch.tensor(v) for k, v in read_json_object(path / SIDECAR).get("stats", {}).items()})
     return model
