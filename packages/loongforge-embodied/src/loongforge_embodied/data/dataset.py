@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
 from functools import cache, partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,9 +96,10 @@ class LeRobotSource:
         sk = self.state_key
         out = {"state_mean": f(sk, "mean"), "state_std": f(sk, "std").clamp_min(1e-4),
                "action_mean": f("action", "mean"), "action_std": f("action", "std").clamp_min(1e-4)}
-        # NOTE: the 1st / 99th percentiles where recorded (pi05 normalises with them: LeRobot's QUANTILES mode).
+        # NOTE: the 1st / 99th percentiles where recorded (pi05 normalises with them: LeRobot's QUANTILES mode),
+        # and the min / max (GR00T N1.7 normalises with them: LeRobot's min-max mode).
         for ours, key in (("state", sk), ("action", "action")):
-            out.update({f"{ours}_{q}": f(key, q) for q in ("q01", "q99") if q in s[key]})
+            out.update({f"{ours}_{q}": f(key, q) for q in ("q01", "q99", "min", "max") if q in s[key]})
         return out
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
@@ -119,9 +120,8 @@ class InMemorySource:
 
         import numpy as np
         import pyarrow.parquet as pq
-        from PIL import Image
-
         from loongforge.errors import RecipeError
+        from PIL import Image
 
         self.source, self.cameras, self.state_key = source, source.cameras, source.state_key
         meta = source.meta

@@ -113,6 +113,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lerobot_pi05": PolicySpec("lerobot_pi05", "LeRobotPI05Model"),
     "lerobot_smolvla": PolicySpec("lerobot_smolvla", "LeRobotSmolVLAModel"),
     "lerobot_xvla": PolicySpec("lerobot_xvla", "LeRobotXVLAModel"),
+    "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
 }
 
 
