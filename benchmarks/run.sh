@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling"
+names="llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -64,6 +64,12 @@ case $name in
     step moe_throughput 450 python3 benchmarks/moe_throughput.py --preset qwen3-30b-a3b --layers 4 --seq 4096 \
       --mbs 2 --steps 20 --variants loongforge,hf_grouped_mm,hf_grouped_mm_compile --timeout 140 \
       --out "$out/moe_throughput.md"
+    ;;
+  dsa)
+    gpu_tests 120 packages/loongforge-megatron/tests/test_sparse_attention_gpu.py
+    step dsa_throughput 480 python3 benchmarks/dsa_throughput.py --preset deepseek-v3.2-lite --layers 4 --seq 32768 \
+      --steps 10 --warmup 3 --variants loongforge_sparse,loongforge_dense,loongforge_warmup --timeout 150 \
+      --out "$out/dsa_throughput.md"
     ;;
   fp8)
     gpu_tests 90 packages/loongforge-kernels/tests/test_gpu_fp8.py
