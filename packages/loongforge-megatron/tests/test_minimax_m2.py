@@ -143,14 +143,15 @@ def _even_vocab(hf_dir, out):
 
 @pytest.mark.slow
 def test_tp2_ep2_equals_one_process_over_5_steps(tmp_path, m2_hf, reference_loss, ranks):
-    """One 2-rank launch at tp 2 (sequence parallel) and ep 2 trains 5 steps with one process's losses and grad
+    """One 2-rank launch at tp 2 (sequence parallel) and ep 2 (expert tp 1: the experts fold onto the TP ranks) trains 5 steps with one process's losses and grad
     norms; it loads and exports the checkpoint bit-exact, and its first loss is transformers'."""
     from loongforge.checkpoint import SafetensorsReader
 
     hf = _even_vocab(m2_hf, tmp_path / "even")
     one = ranks(_train, world=1, out=tmp_path / "one", recipe_path=_recipe(tmp_path, hf, name="one", steps=STEPS),
                 run_dir=tmp_path / "run1")[0]
-    recipe = _recipe(tmp_path, hf, name="tp2ep2", parallel={"tp": 2, "ep": 2, "sp": True}, steps=STEPS)
+    recipe = _recipe(tmp_path, hf, name="tp2ep2", parallel={"tp": 2, "ep": 2, "etp": 1, "sp": True},
+                     steps=STEPS)
     out = ranks(_train, world=2, out=tmp_path / "two", recipe_path=recipe, run_dir=tmp_path / "run2",
                 export=tmp_path / "export")
     a, b = SafetensorsReader(hf), SafetensorsReader(tmp_path / "export")
