@@ -163,3 +163,18 @@ def test_tp2_ep2_equals_one_process_over_5_steps(tmp_path, m2_hf, reference_loss
         assert [m["loss"] for m in metrics] == pytest.approx(ref, rel=1e-5)
         assert [m["grad_norm"] for m in metrics] == pytest.approx([m["grad_norm"] for m in one[1]], rel=1e-4)
     assert ref[0] == pytest.approx(reference_loss(hf, one[0]), rel=1e-4)
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    (["parallel.tp=4", "--world-size", "4"], "not divisible by tp"),  # 2 kv heads: the k norm spans each once
+    (["model.qk_norm=false"], "model.qk_norm"),
+])
+def test_bad_settings_are_one_line_errors(capsys, args, key):
+    from pathlib import Path
+
+    from loongforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "llm" / "tiny" / "minimax_m2_tiny.yaml"
+    assert main(["validate", str(recipe), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and key in err, err

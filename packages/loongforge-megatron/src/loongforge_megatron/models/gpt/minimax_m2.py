@@ -14,7 +14,17 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.gpt.family import GPTFamily
 from loongforge_megatron.models.gpt.glm4_moe import partial_rotary
-from loongforge_megatron.models.gpt.names import H, HFConfig, L, ends, experts, gqa_attention, hd, kv_heads, norms
+from loongforge_megatron.models.gpt.names import (
+    H,
+    HFConfig,
+    L,
+    ends,
+    experts,
+    gqa_attention,
+    hd,
+    kv_heads,
+    norms,
+)
 
 _M2 = dict(family="minimax_m2", qk_norm=True, norm_eps=1e-6, rope_theta=5000000.0, moe_score_function="sigmoid",
            moe_expert_bias=True)
@@ -117,10 +127,6 @@ class MiniMaxM2(GPTFamily):
         if wrong:
             key, what = wrong[0]
             raise RecipeError(f"the minimax_m2 layout needs {what}", key=key)
-        if arch.kv_heads % plan.tp:
-            # NOTE: the k norm spans every kv head once; with fewer kv heads than TP ranks some ranks hold copies
-            raise RecipeError(f"parallel.tp {plan.tp} must divide the {arch.kv_heads} kv heads (num_query_groups): "
-                              "the whole-projection k norm sums each head once over TP", key="parallel.tp")
 
     def layers(self, spec: Any, *, arch: Arch) -> Any:
         from loongforge_megatron.layers.projection_norm import with_projection_qk_norm
