@@ -18,6 +18,11 @@ The restricted attention is exact plain torch (a boolean mask over SDPA) off CUD
 ``sparse_mla_attention`` (Triton / TileLang) on CUDA. The kernel takes MLA's absorbed form (q [T, H, D], kv
 [T, G, D], value = kv's first d_v channels); megatron's MLA gives per-head k and v, which map onto it exactly as
 ``q' = [0 | q]`` and ``kv' = [v | k]`` with one kv group per head (q' . kv' = q . k; value = v).
+
+Under context parallelism (megatron's load-balanced layout, ``layers/attention.py``) a rank holds two mirrored
+chunks of queries; the top-k needs every earlier key, so the indexer's keys and the attention's keys and values are
+all-gathered over the CP group in sequence order (megatron-core's DSA gathers its indexer keys the same way), and
+the causal masks use global positions. Each rank's indexer loss covers its own queries.
 """
 
 from __future__ import annotations
@@ -247,12 +252,12 @@ class SparseMLAttention(torch.nn.Module):
             # NOTE: context parallelism: each rank's queries (two mirrored chunks of the sequence) score and attend
             # to the whole sequence's keys, gathered over CP in sequence order (their gradients go back to the rank
             # that made them); the masks use global positions
-            from loongforge_megatron.layers.attention import _all_gather_seq, _cp_positions
+            from loongforge_megatron.layers.attention import all_gather_seq, cp_positions
 
             def gather(t: Tensor) -> Tensor:
-                return _all_gather_seq(t, cp)
+                return all_gather_seq(t, cp)
 
-            positions = _cp_positions(s, cp.size(), cp.rank(), x.device)
+            positions = cp_positions(s, cp.size(), cp.rank(), x.device)
             future = torch.arange(s * cp.size(), device=x.device)[None, :] > positions[:, None]
             key, value = gather(key), gather(value)
         if self.indexer is None:
