@@ -27,7 +27,7 @@ from torch import Tensor
 _AUTO_SCALE = object()
 
 
-def _cp_positions(seq_local: int, cp_size: int, cp_rank: int, device) -> Tensor:
+def cp_positions(seq_local: int, cp_size: int, cp_rank: int, device) -> Tensor:
     """Global positions of this CP rank's local tokens (two mirrored chunks)."""
     chunk = seq_local // 2
     first = torch.arange(chunk, device=device) + cp_rank * chunk
@@ -46,7 +46,7 @@ def _gather_ranks(x: Tensor, group) -> Tensor:
     return gather_from_sequence_parallel_region(x.contiguous(), tensor_parallel_output_grad=True, group=group)
 
 
-def _all_gather_seq(x: Tensor, group) -> Tensor:
+def all_gather_seq(x: Tensor, group) -> Tensor:
     """All-gather ``[s, b, h, d]`` along the sequence with autograd, returning keys in sequence order."""
     parts = _gather_ranks(x, group).chunk(group.size(), dim=0)
     cp = len(parts)
@@ -106,8 +106,8 @@ class SDPAttention(torch.nn.Module):
             return self._packed(query, key, value, packed_seq_params, causal=causal)
         s_q = query.shape[0]
         if self.cp_size > 1:
-            key = _all_gather_seq(key, self.cp_group)
-            value = _all_gather_seq(value, self.cp_group)
+            key = all_gather_seq(key, self.cp_group)
+            value = all_gather_seq(value, self.cp_group)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         gqa = q.shape[1] != k.shape[1]
@@ -118,7 +118,7 @@ class SDPAttention(torch.nn.Module):
             from torch.distributed import get_rank
 
             rank = get_rank(self.cp_group)
-            q_pos = _cp_positions(s_q, self.cp_size, rank, q.device)
+            q_pos = cp_positions(s_q, self.cp_size, rank, q.device)
             k_pos = torch.arange(k.shape[2], device=q.device)
             allowed = k_pos[None, :] <= q_pos[:, None]
             if attention_mask is not None:

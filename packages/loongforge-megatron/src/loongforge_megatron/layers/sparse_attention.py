@@ -18,6 +18,11 @@ The restricted attention is exact plain torch (a boolean mask over SDPA) off CUD
 ``sparse_mla_attention`` (Triton / TileLang) on CUDA. The kernel takes MLA's absorbed form (q [T, H, D], kv
 [T, G, D], value = kv's first d_v channels); megatron's MLA gives per-head k and v, which map onto it exactly as
 ``q' = [0 | q]`` and ``kv' = [v | k]`` with one kv group per head (q' . kv' = q . k; value = v).
+
+Under context parallelism (megatron's load-balanced layout, ``layers/attention.py``) a rank holds two mirrored
+chunks of queries; the top-k needs every earlier key, so the indexer's keys and the attention's keys and values are
+all-gathered over the CP group in sequence order (megatron-core's DSA gathers its indexer keys the same way), and
+the causal masks use global positions. Each rank's indexer loss covers its own queries.
 """
 
 from __future__ import annotations
@@ -72,17 +77,23 @@ class LightningIndexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
         self.linear_weights_proj = torch.nn.Linear(hidden_size, heads, bias=False, dtype=dtype)
 
-    def forward(self, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor) -> Tensor:
-        """Index scores ``[b, s, s]`` (fp32, causal -inf) from ``x`` [s, b, hidden] and ``qr`` [s, b, q_lora_rank]."""
+    def forward(self, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, gather: Any = None,
+                future: Tensor | None = None) -> Tensor:
+        """Index scores ``[b, s, keys]`` (fp32, causal -inf) from ``x`` [s, b, hidden] and ``qr`` [s, b, q_lora_rank]
+        (``cos`` / ``sin``: these tokens' rotations). Under context parallelism ``gather`` turns this rank's keys
+        into the whole sequence's and ``future`` [s, keys] masks the keys after each query; else keys = queries."""
         s, b, _ = x.shape
         q = self.linear_wq_b(qr).view(s, b, self.heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
         q = _rope(q, cos, sin, self.rope_dim, interleaved=self.interleaved)
         k = _rope(k, cos, sin, self.rope_dim, interleaved=self.interleaved).squeeze(2)
+        if gather is not None:
+            k = gather(k)
         w = self.linear_weights_proj(x).float() * self.heads**-0.5  # [s, b, H]
         scores = torch.einsum("sbhd,tbd->bsht", q.float(), k.float()) * self.head_dim**-0.5
         scores = torch.einsum("bsht,sbh->bst", F.relu(scores), w)
-        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        if future is None:
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         return scores.masked_fill(future, float("-inf"))
 
 
@@ -138,7 +149,7 @@ def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float,
 
 
 def restricted_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
-    """Exact attention over each query's allowed keys (``mask`` [b, s, s], True = attend; None: causal, SDPA's
+    """Exact attention over each query's allowed keys (``mask`` [b, s, keys], True = attend; None: causal, SDPA's
     flash path on GPU): SDPA, ``[s, b, h*dv]``."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     if mask is None:
@@ -154,9 +165,9 @@ def kernel_attention(op: Any, query: Tensor, key: Tensor, value: Tensor, idx: Te
     """The same attention through the sparse MLA kernel ``op`` (module docstring: ``q' = [0 | q]``, ``kv' = [v |
     k]``, one group per head); tokens are the flattened ``[s, b]`` rows."""
     s, b, h, dk = query.shape
-    dv = value.shape[-1]
+    dv, n_keys = value.shape[-1], key.shape[0]
     q = torch.cat([query.new_zeros(s, b, h, dv), query], dim=-1).reshape(s * b, h, dv + dk)
-    kv = torch.cat([value, key], dim=-1).reshape(s * b, h, dv + dk)
+    kv = torch.cat([value, key], dim=-1).reshape(n_keys * b, h, dv + dk)
     # key j of batch row r is token j * b + r; a masked slot is -1
     rows = torch.arange(b, device=idx.device).view(b, 1, 1)
     flat = torch.where(valid, idx * b + rows, -1).permute(1, 0, 2).reshape(s * b, 1, -1)
@@ -185,6 +196,9 @@ class SparseMLAttention(torch.nn.Module):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None)
+        if self.cp_group is not None and self.cp_group.size() == 1:
+            self.cp_group = None
         # NOTE: a layer in ``shared_layers`` (0-based) has no indexer: it attends to the keys the last layer with
         # one chose (GLM-5's cross-layer top-k sharing)
         self.indexer = None if layer_number - 1 in shared_layers else LightningIndexer(
@@ -195,7 +209,8 @@ class SparseMLAttention(torch.nn.Module):
         self._rope_cache: tuple[int, Tensor, Tensor] | None = None
 
     def _cos_sin(self, s: int, device) -> tuple[Tensor, Tensor]:
-        """cos / sin [s, rope_dim] of the MLA's rotary embedding (YaRN's mscale folded in), half-split layout."""
+        """cos / sin [tokens, rope_dim] of the MLA's rotary embedding (YaRN's mscale folded in), half-split layout,
+        for this rank's tokens of a sequence of ``s``."""
         if self._rope_cache is None or self._rope_cache[0] != s or self._rope_cache[1].device != device:
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
             from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
@@ -210,7 +225,8 @@ class SparseMLAttention(torch.nn.Module):
             else:
                 rope = RotaryEmbedding(dim, rotary_percent=1.0, rotary_base=c.rotary_base)
                 freqs, mscale = rope(s), 1.0
-            freqs = freqs.view(s, dim).to(device)
+            # NOTE: under context parallelism megatron's rotary embedding returns this CP rank's tokens only
+            freqs = freqs.view(-1, dim).to(device)
             self._rope_cache = (s, (freqs.cos() * mscale).float(), (freqs.sin() * mscale).float())
         return self._rope_cache[1], self._rope_cache[2]
 
@@ -231,20 +247,35 @@ class SparseMLAttention(torch.nn.Module):
             x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
         learn = self.training and torch.is_grad_enabled() and phase.loss_weight > 0 and self.indexer is not None
+        cp, future, gather = self.cp_group, None, None
+        if cp is not None:
+            # NOTE: context parallelism: each rank's queries (two mirrored chunks of the sequence) score and attend
+            # to the whole sequence's keys, gathered over CP in sequence order (their gradients go back to the rank
+            # that made them); the masks use global positions
+            from loongforge_megatron.layers.attention import all_gather_seq, cp_positions
+
+            def gather(t: Tensor) -> Tensor:
+                return all_gather_seq(t, cp)
+
+            positions = cp_positions(s, cp.size(), cp.rank(), x.device)
+            future = torch.arange(s * cp.size(), device=x.device)[None, :] > positions[:, None]
+            key, value = gather(key), gather(value)
         if self.indexer is None:
             if phase.selection is None:
                 raise ValueError("a DSA layer that shares the top-k of an earlier layer runs before any layer with an "
                                  "indexer (the first layer of a pipeline stage must have one)")
             idx, valid = phase.selection
         else:
-            cos, sin = self._cos_sin(s, x.device)
+            cos, sin = self._cos_sin(s if cp is None else s * cp.size(), x.device)
             with torch.enable_grad() if learn else torch.no_grad():
-                scores = self.indexer(x, qr, cos=cos, sin=sin)
+                scores = self.indexer(x, qr, cos=cos, sin=sin, gather=gather, future=future)
             idx, valid = phase.selection = select_topk(scores, phase.topk)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(idx.shape[0], s, s)
-        chosen = selection_mask(idx, valid, s)
+        n_keys = s if cp is None else key.shape[0]
+        causal = (torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if cp is None else
+                  ~future).expand(idx.shape[0], s, n_keys)
+        chosen = selection_mask(idx, valid, n_keys)
         if not phase.sparse:
-            out = restricted_attention(query, key, value, None, scale=self.softmax_scale)
+            out = restricted_attention(query, key, value, None if cp is None else causal, scale=self.softmax_scale)
         elif query.device.type == "cuda" and (op := self._kernel()) is not None:
             out = kernel_attention(op, query, key, value, idx, valid, scale=self.softmax_scale)
             phase.kernel_calls += 1

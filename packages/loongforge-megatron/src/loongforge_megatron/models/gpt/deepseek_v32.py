@@ -161,14 +161,13 @@ class DeepseekV32(DeepseekV3):
             raise RecipeError("deepseek_v32 needs its lightning indexer's sizes (dsa_index_heads, dsa_index_head_dim, "
                               "dsa_index_topk): use a deepseek-v3.2 preset or its HF config", key="model.family")
         refused = [(key, what) for key, what, on in (
-            ("parallel.cp", f"context parallelism (parallel.cp {plan.cp})", plan.cp > 1),
             ("data.format", "packed sequences (data.format sft)", recipe.data.format == "sft"),
             ("kernels.layers", "kernels.layers te (TransformerEngine's attention)", recipe.kernels.layers == "te"),
         ) if on]
         if refused:
             key, what = refused[0]
-            raise RecipeError(f"DeepSeek sparse attention does not run with {what} here; use parallel.cp 1, pretrain "
-                              "data and kernels.layers loongforge or local", key=key)
+            raise RecipeError(f"DeepSeek sparse attention does not run with {what} here; use pretrain data and "
+                              "kernels.layers loongforge or local", key=key)
 
     def layers(self, spec: Any, *, arch: Arch) -> Any:
         return _sparse_block(spec, arch)
