@@ -16,7 +16,6 @@ import json
 import os
 import stat
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 ErrorFactory = Callable[[str], Exception]

@@ -149,5 +149,6 @@ def load_model(path: str | Path):
     state = {prefix + k: v for f in files for k, v in load_file(str(f)).items() if prefix + k != PREFIX + TIED}
     model.load_state_dict(state, strict=False)  # NOTE: every tensor but the tied head and the stats, checked above
     if (path / SIDECAR).is_file():
-        model.set_stats({k: torch.tensor(v) for k, v in read_json_object(path / SIDECAR, error=CheckpointError).get("stats", {}).items()})
+        stats = read_json_object(path / SIDECAR, error=CheckpointError).get("stats", {})
+        model.set_stats({k: torch.tensor(v) for k, v in stats.items()})
     return model
