@@ -257,6 +257,26 @@ def test_recipe_trains_exports_for_lerobot_and_a_missing_vlm_is_one_line(vlm, tm
     assert "key 'model.arch.vlm': '/nowhere/qwen3vl': no local folder" in err and err.count("\n") == 1, err
 
 
+def test_eval_pusht_records_the_envs_episodes_and_a_missing_extra_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """``loongforge eval --env pusht`` of a GR00T N1.7 export runs the closed loop on the CPU: each episode's success,
+    return and length in ``summary.json`` are what gym-pusht gives for the policy's actions (the episodes rolled out
+    again here); without diffusers (``loongforge-embodied[groot]``) it is one line naming the extra."""
+    import sys
+
+    from .pusht_closed_loop import check_recorded, eval_pusht, export_for_pusht
+
+    _, model, _ = tiny
+    export = export_for_pusht(model, policy="lerobot_groot", out=tmp_path / "hf")
+    check_recorded(export, eval_pusht(export, tmp_path / "eval"), policy="lerobot_groot")
+    from loongforge.cli import main
+
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # NOTE: as if the [groot] extra were not installed
+    assert main(["eval", str(export), "--env", "pusht", "--episodes", "1", "--output", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'diffusers'" in err and "loongforge-embodied[groot]" in err, err
+
+
 @pytest.mark.slow
 def test_ddp_and_fsdp2_match_single_process(vlm, tmp_path, env, ranks):
     """2 gloo ranks, ddp and fsdp2 (units: vision blocks, text layers, DiT blocks), in one launch, reproduce the

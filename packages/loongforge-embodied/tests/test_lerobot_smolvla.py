@@ -242,6 +242,26 @@ def test_recipe_trains_on_a_lerobot_dataset_exports_for_lerobot_and_serves(vlm, 
     np.testing.assert_allclose(actions, served.infer_batch([request])[0]["actions"], rtol=0, atol=1e-6)
 
 
+def test_eval_pusht_records_the_envs_episodes_and_a_missing_extra_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """``loongforge eval --env pusht`` of a SmolVLA export runs the closed loop on the CPU: each episode's success,
+    return and length in ``summary.json`` are what gym-pusht gives for the policy's actions (the episodes rolled out
+    again here); without the ``[eval]`` extra it is one line naming it."""
+    import sys
+
+    from .pusht_closed_loop import check_recorded, eval_pusht, export_for_pusht
+
+    model = tiny[1]
+    export = export_for_pusht(model, policy="lerobot_smolvla", out=tmp_path / "hf")
+    check_recorded(export, eval_pusht(export, tmp_path / "eval"), policy="lerobot_smolvla")
+    from loongforge.cli import main
+
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "openpi_client", None)  # NOTE: as if the [eval] extra were not installed
+    assert main(["eval", str(export), "--env", "pusht", "--episodes", "1", "--output", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'openpi_client'" in err and "loongforge-embodied[eval]" in err, err
+
+
 @pytest.mark.slow
 def test_ddp_zero1_and_fsdp2_match_single_process(vlm, tmp_path, env, ranks):
     """2 gloo ranks, ddp / zero1 / fsdp2 (units: the vision layers; the rest in the root unit), in one launch,

@@ -2,18 +2,19 @@
 
 A policy is ``{"gemms": {KEY: {"fwd": {"fp8_faster": bool, ...}, "dgrad": {...}, "wgrad": {...}, "name": ...}},
 ...}`` with KEY ``MxNxK`` (a linear's GEMM) or ``expertsE:MxNxK`` (a grouped expert projection). The file is read
-as any file a recipe names (``loongforge.recipe.files``): a regular file of bounded size and nesting; a file that
+as any JSON file a user hands us (``loongforge.bounded_json``): a regular file of bounded size and nesting; a file that
 does not have this shape is refused in one line naming the entry, before any model is built.
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loongforge.bounded_json import read_json
 from loongforge.errors import RecipeError
-from loongforge.recipe.files import parse_json, read_regular_file
 
 KEY = "train.fp8.policy"
 MAX_BYTES = 16 * 2**20  # NOTE: a profiled model has a few dozen distinct GEMM shapes: a few KiB
@@ -23,8 +24,7 @@ _GEMMS = ("fwd", "dgrad", "wgrad")
 
 def load_policy(path: str | Path) -> dict[str, Any]:
     """The policy of ``path`` (RecipeError naming the file and what is wrong otherwise)."""
-    data = read_regular_file(path, key=KEY, max_bytes=MAX_BYTES, what="policy file")
-    policy = parse_json(data, where=f"policy file '{path}'", key=KEY)
+    policy = read_json(path, error=partial(RecipeError, key=KEY), max_bytes=MAX_BYTES, what="policy file")
     hint = "write it with: loongforge fp8 profile RECIPE"
     if not isinstance(policy, dict) or not isinstance(policy.get("gemms"), dict):
         raise RecipeError(f"'{path}' is not a policy file of 'loongforge fp8 profile' (no 'gemms' mapping); {hint}",

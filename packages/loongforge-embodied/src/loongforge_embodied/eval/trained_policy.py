@@ -81,14 +81,14 @@ class TrainedPolicy:
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", n_action_steps: int | None = None) -> TrainedPolicy:
         """From a run directory or an exported policy directory."""
-        from loongforge.checkpoint.json_file import read_json_object
-        from loongforge.errors import LoongForgeError
+        from loongforge.bounded_json import read_json_object
+        from loongforge.errors import CheckpointError, LoongForgeError
 
         from loongforge_embodied.policies import get_policy
 
         export = policy_dir(path)
         config = export / "config.json"
-        cfg = read_json_object(config)
+        cfg = read_json_object(config, error=CheckpointError)
         policy = EXPORT_TYPES.get(cfg.get("type")) if isinstance(cfg.get("type"), str) else None
         if policy is None:
             raise LoongForgeError(f"{config}: key 'type' is {str(cfg.get('type'))[:60]!r}; servable: "

@@ -70,15 +70,15 @@ def load_model(path: str | Path, *, arch_class: type[ArchMixin], model_class: ty
     tensor, with ``model.safetensors``'s header before anything is allocated: a config that disagrees with the
     weights, or a truncated file, is one line naming it."""
     import torch
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
     path = Path(path)
     config, weights = path / "config.json", path / "model.safetensors"
-    cfg = read_json_object(config)
+    cfg = read_json_object(config, error=CheckpointError)
     header = {k[len(PREFIX):]: tuple(v["shape"]) for k, v in read_header(weights).items() if k.startswith(PREFIX)}
     try:
         arch = arch_class().with_overrides(**{f.name: cfg[f.name] for f in arch_class.size_fields() if f.name in cfg})

@@ -62,11 +62,11 @@ def get_family(name: str | None = None, *, hf_config: HFConfig | None = None) ->
 def load_config_json(path: Path) -> dict[str, Any]:
     """A ``config.json`` as a dict: a file that is not a bounded JSON object (a regular file, size and nesting
     bounded, a string ``model_type``) is one CheckpointError naming it."""
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
 
     from loongforge_megatron.conversion.config_tree import check_config_tree
 
-    cfg = read_json_object(path)
+    cfg = read_json_object(path, error=CheckpointError)
     check_config_tree(cfg, where=path, limit=None)
     model_type = cfg.get("model_type", cfg.get("_class_name"))
     if model_type is not None and not isinstance(model_type, str):

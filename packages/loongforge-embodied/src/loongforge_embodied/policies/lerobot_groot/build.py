@@ -38,6 +38,12 @@ def model_config(arch: LeRobotGrootArch, *, vlm: str | None = None):
 
 def build_groot(arch: LeRobotGrootArch):
     """LeRobot's ``GR00TN17`` (random init unless ``load_vlm_weights``) and its ``GR00TN17Config``."""
+    from loongforge.errors import require_module
+
+    # NOTE: every path to the model (train, serve, eval, an export's load) builds it here; without diffusers
+    # LeRobot's action head raises a bare ImportError naming LeRobot's pip extra, not ours
+    require_module("diffusers", extra="loongforge-embodied[groot]",
+                   what="model.policy lerobot_groot (LeRobot's GR00T N1.7 action head)")
     from lerobot.policies.groot.groot_n1_7 import GR00TN17, _tie_unused_qwen_lm_head
 
     config = model_config(arch)

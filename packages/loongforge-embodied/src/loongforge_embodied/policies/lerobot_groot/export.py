@@ -70,20 +70,20 @@ def serving_note(arch: LeRobotGrootArch) -> str:
 def arch_from_dir(path: str | Path) -> LeRobotGrootArch:
     """Our arch of an exported dir (its ``loongforge.json``) or of a GR00T N1.7 model directory (a
     ``GR00TN17Config``'s ``config.json``, as ``GR00TN17.save_pretrained`` writes it: e.g. the published N1.7)."""
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.errors import CheckpointError
 
     path = Path(path)
     sidecar = path / SIDECAR
     if sidecar.is_file():
-        arch = read_json_object(sidecar).get("arch")
+        arch = read_json_object(sidecar, error=CheckpointError).get("arch")
         try:
             if not isinstance(arch, dict):
                 raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
             return LeRobotGrootArch(**arch)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
-    cfg = read_json_object(path / "config.json")
+    cfg = read_json_object(path / "config.json", error=CheckpointError)
     try:
         return _arch_from_model_config(cfg)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
@@ -128,8 +128,8 @@ def _weights(path: Path) -> tuple[dict[str, tuple[int, ...]], list[Path], str]:
 def load_model(path: str | Path):
     """Our ``LeRobotGrootModel`` of an exported directory (statistics from ``loongforge.json``) or of a GR00T N1.7
     model directory (``model.load`` of the published weights), strictly."""
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
@@ -149,5 +149,6 @@ def load_model(path: str | Path):
     state = {prefix + k: v for f in files for k, v in load_file(str(f)).items() if prefix + k != PREFIX + TIED}
     model.load_state_dict(state, strict=False)  # NOTE: every tensor but the tied head and the stats, checked above
     if (path / SIDECAR).is_file():
-        model.set_stats({k: torch.tensor(v) for k, v in read_json_object(path / SIDECAR).get("stats", {}).items()})
+        stats = read_json_object(path / SIDECAR, error=CheckpointError).get("stats", {})
+        model.set_stats({k: torch.tensor(v) for k, v in stats.items()})
     return model

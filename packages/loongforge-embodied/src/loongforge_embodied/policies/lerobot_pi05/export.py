@@ -76,20 +76,20 @@ def serving_note(arch: LeRobotPI05Arch) -> str:
 
 def arch_from_dir(path: str | Path) -> LeRobotPI05Arch:
     """Our arch of an exported dir, or of a LeRobot pi05 checkpoint (its ``config.json`` alone)."""
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.errors import CheckpointError
 
     path = Path(path)
     sidecar = path / SIDECAR
     if sidecar.exists():
-        arch = read_json_object(sidecar).get("arch")
+        arch = read_json_object(sidecar, error=CheckpointError).get("arch")
         try:
             if not isinstance(arch, dict):
                 raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
             return LeRobotPI05Arch(**arch)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
-    cfg = read_json_object(path / "config.json")
+    cfg = read_json_object(path / "config.json", error=CheckpointError)
     try:
         return _arch_from_config(cfg)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
@@ -143,10 +143,10 @@ def load_model(path: str | Path):
                               f"unexpected {unexpected[:5]})")
     sidecar = path / SIDECAR
     if sidecar.exists():
-        from loongforge.checkpoint.json_file import read_json_object
+        from loongforge.bounded_json import read_json_object
 
         try:
-            model.set_stats(read_json_object(sidecar)["stats"])
+            model.set_stats(read_json_object(sidecar, error=CheckpointError)["stats"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{sidecar}: key 'stats': {(str(exc).splitlines() or [''])[0][:200]}") from None
     return model

@@ -53,20 +53,20 @@ def serving_note(arch: LeRobotSmolVLAArch) -> str:
 
 def arch_from_dir(path: str | Path) -> LeRobotSmolVLAArch:
     """Our arch of an exported dir, or of a LeRobot SmolVLA checkpoint (its ``config.json`` alone)."""
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.errors import CheckpointError
 
     path = Path(path)
     sidecar = path / SIDECAR
     if sidecar.exists():
-        arch = read_json_object(sidecar).get("arch")
+        arch = read_json_object(sidecar, error=CheckpointError).get("arch")
         try:
             if not isinstance(arch, dict):
                 raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
             return LeRobotSmolVLAArch(**arch)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{sidecar}: key 'arch': {(str(exc).splitlines() or [''])[0][:300]}") from None
-    cfg = read_json_object(path / "config.json")
+    cfg = read_json_object(path / "config.json", error=CheckpointError)
     try:
         return _arch_from_config(cfg)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
@@ -96,8 +96,8 @@ def _arch_from_config(cfg: dict[str, Any]) -> LeRobotSmolVLAArch:
 def load_model(path: str | Path):
     """Our ``LeRobotSmolVLAModel`` of an exported directory (or a LeRobot SmolVLA checkpoint), strictly; the
     statistics from ``loongforge.json`` where it has them."""
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
@@ -116,7 +116,7 @@ def load_model(path: str | Path):
     check_shapes(expected, {k: tuple(v["shape"]) for k, v in read_header(weights).items()},
                  where=f"{weights} (against {path / 'config.json'})")
     state = load_file(str(weights))
-    stats = read_json_object(path / SIDECAR).get("stats", {}) if (path / SIDECAR).exists() else {}
+    stats = read_json_object(path / SIDECAR, error=CheckpointError).get("stats", {}) if (path / SIDECAR).exists() else {}
     model.load_state_dict({**state, **{k: v for k, v in model.state_dict().items() if k.startswith(STATS_PREFIX)}},
                           strict=True)
     model.set_stats({k: torch.tensor(v) for k, v in stats.items()})

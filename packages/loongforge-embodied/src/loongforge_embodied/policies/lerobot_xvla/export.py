@@ -57,8 +57,8 @@ def serving_note(arch: LeRobotXVLAArch) -> str:
 
 def load_model(path: str | Path):
     """Our ``LeRobotXVLAModel`` of an exported directory, strictly; the statistics from ``loongforge.json``."""
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
@@ -69,10 +69,10 @@ def load_model(path: str | Path):
     sidecar = path / SIDECAR
     if not sidecar.is_file():
         raise CheckpointError(f"{path}: no {SIDECAR} (the arch and statistics our X-VLA export writes)")
-    meta = read_json_object(sidecar)
+    meta = read_json_object(sidecar, error=CheckpointError)
     try:
         arch = LeRobotXVLAArch(**meta["arch"])
-        florence = read_json_object(path / "config.json")["florence_config"]
+        florence = read_json_object(path / "config.json", error=CheckpointError)["florence_config"]
         if not isinstance(florence, dict):
             raise TypeError("florence_config is not a JSON object")
     except (KeyError, TypeError, ValueError) as exc:

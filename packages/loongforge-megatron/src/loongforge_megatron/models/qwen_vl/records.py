@@ -16,11 +16,12 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loongforge.bounded_json import parse_json, read_regular_file
 from loongforge.errors import RecipeError
-from loongforge.recipe.files import parse_json, read_regular_file
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAX_FILE_BYTES = 8 * 2**30  # the records file is read whole
@@ -41,15 +42,17 @@ def read_records(path: str | Path) -> list[Any]:
     file = Path(path)
     if not file.is_file():
         raise RecipeError(f"'{path}' is not a file of conversation records (JSON list or JSONL)", key="data.path")
-    data = read_regular_file(file, key="data.path", max_bytes=MAX_FILE_BYTES, what="records file")
+    error = partial(RecipeError, key="data.path")
+    data = read_regular_file(file, error=error, max_bytes=MAX_FILE_BYTES, what="records file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise RecipeError(f"{path}: not UTF-8 text; expected a JSON list or JSONL of records", key="data.path") from None
+    # NOTE: allow_nan: a record's numbers (a video's fps) are checked by its schema, which names the record
     if text.lstrip().startswith("["):
-        records = parse_json(text, where=str(path), key="data.path")
+        records = parse_json(text, error=error, where=str(path), allow_nan=True)
     else:
-        records = [parse_json(line, where=f"{path}: line {n}", key="data.path")
+        records = [parse_json(line, error=error, where=f"{path}: line {n}", allow_nan=True)
                    for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not isinstance(records, list) or not records:
         raise RecipeError(f"{path}: no records (expected a JSON list or one JSON object per line)", key="data.path")
