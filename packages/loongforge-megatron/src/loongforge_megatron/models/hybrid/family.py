@@ -91,25 +91,33 @@ class HybridFamily(GPTFamily):
             if n % plan.tp:
                 raise RecipeError(f"model.{what} {n} does not split over parallel.tp {plan.tp}", key=f"model.{what}")
 
-    def model(self, *, recipe: Any, arch: HybridArch, plan: Any, accelerator: Any, device: Any, precision: str,
-              data: Data) -> Model:
-        from loongforge_megatron.engine.model import build_chunks
-        from loongforge_megatron.engine.weights import seeded_init
-        from loongforge_megatron.layers.output import mask_padded_vocab
+    def layer_spec(self, *, recipe: Any, arch: HybridArch, plan: Any, accelerator: Any, config: Any,
+                   precision: str) -> Any:
+        """The per-chunk block spec builder of ``arch``'s layers (a VLM on this language model builds it too); sets
+        the config's gated attention output (and MoE shared-expert gate)."""
         from loongforge_megatron.layers.selection import grouped_experts
         from loongforge_megatron.models.hybrid.layers import block_spec
-        from loongforge_megatron.models.lm import padded_vocab
 
-        config = transformer_config(arch, plan=plan, precision=precision,
-                                    cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
-                                    grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         config.attention_output_gate = True
         if arch.is_moe:
             config.moe_shared_expert_gate = True
         grouped = grouped_experts(recipe, arch, plan, accelerator=accelerator, config=config, spec_name="local",
                                   precision=precision)
-        spec = block_spec(config, layer_types=arch.layers, shape=arch.linear_shape,
+        return block_spec(config, layer_types=arch.layers, shape=arch.linear_shape,
                           num_experts=arch.num_experts, grouped_experts=grouped)
+
+    def model(self, *, recipe: Any, arch: HybridArch, plan: Any, accelerator: Any, device: Any, precision: str,
+              data: Data) -> Model:
+        from loongforge_megatron.engine.model import build_chunks
+        from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.layers.output import mask_padded_vocab
+        from loongforge_megatron.models.lm import padded_vocab
+
+        config = transformer_config(arch, plan=plan, precision=precision,
+                                    cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
+                                    grad_accum_fusion=recipe.kernels.grad_accum_fusion)
+        spec = self.layer_spec(recipe=recipe, arch=arch, plan=plan, accelerator=accelerator, config=config,
+                               precision=precision)
         chunks = build_chunks(
             transformer_config=config, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
             max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
