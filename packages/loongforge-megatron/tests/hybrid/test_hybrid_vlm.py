@@ -1,0 +1,98 @@
+"""The Qwen3.5 VLM (``Qwen3_5ForConditionalGeneration``) from a checkpoint transformers saved (GQA, both layer kinds,
+value heads twice the key heads, RoPE on a quarter of each head): HF -> megatron (tp 2 / pp 2) -> HF bit-exact and
+loaded back by transformers; ``loongforge train``'s first step on two records with images of two sizes gives the
+loss transformers computes on what its own processor makes of them.
+
+NOTE: every megatron job here runs in a rank (``ranks``), never in pytest's own process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import loongforge
+import pytest
+import torch
+from vl_records import TEXTS, make_records, processor_loss, save_processor
+
+RECIPE = Path(__file__).resolve().parents[4] / "recipes" / "vlm" / "qwen3_5_vl_tiny.yaml"
+
+
+def save_qwen3_5_vl(out: Path, *, vocab: int, ids: dict[str, int]) -> Path:
+    """A tiny Qwen3_5ForConditionalGeneration, every weight perturbed (no norm at its init value)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                         max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                          "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+        tie_word_embeddings=False, **ids)
+    torch.manual_seed(0)
+    model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # NOTE: the layer norms of the tower start at 1, the LM's zero-centred ones at 0, A_log around 1
+            base = 1.0 if name.endswith(("norm1.weight", "norm2.weight", "merger.norm.weight", "A_log")) else 0.0
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_5_vl") / "hf"
+    ids, vocab = save_processor(out, TEXTS, family="qwen3_vl")  # NOTE: Qwen3.5 ships Qwen3-VL's processor
+    # NOTE: transformers loads the processor with Qwen3.5's tokenizer class, which adds a token of its own
+    return save_qwen3_5_vl(out, vocab=vocab + 3, ids=ids)
+
+
+def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
+    """HF -> megatron at tp 2 / pp 2 -> HF gives the source's tensors bit for bit, and transformers loads the
+    export into the source's model."""
+    from loongforge.checkpoint import SafetensorsReader
+    from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf
+    from transformers import AutoModelForImageTextToText
+
+    layout = hf_to_megatron(hf_dir, tmp_path / "mg", tp=2, pp=2)
+    assert layout.family == "qwen3_5_vl"
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    a, b = SafetensorsReader(hf_dir), SafetensorsReader(tmp_path / "hf")
+    assert sorted(a.keys()) == sorted(b.keys())
+    assert any(k.startswith("model.visual.") for k in a.keys())
+    for k in a.keys():
+        assert torch.equal(a.get(k), b.get(k)), k
+    want = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    got = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _first_step(*, rank, world, overrides, run_dir):
+    """(step 1's micro-batches, its loss) of a job in a rank."""
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+        return batches, job.step()["loss"]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_sft_first_step_loss_equals_transformers(tmp_path, hf_dir, ranks):
+    """Both records in one micro-batch (rows padded): tokens and pixels are the processor's, and the first SFT step's
+    loss is transformers' on the processor's batch (its multimodal positions from get_rope_index)."""
+    records = make_records(tmp_path / "data")
+    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
+            f"data.path={records}", "data.seq_length=96", "data.pack=false", "train.stage=sft",
+            "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=1", "train.warmup_steps=0",
+            "accelerator=cpu", "logging.console=false"]
+    (b,), loss = ranks(_first_step, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over)[0]
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_5"
+    ref = processor_loss(hf_dir, records, b, pixels="pixel_values")
+    assert loss == pytest.approx(ref, rel=1e-4), (loss, ref)
