@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loongforge.errors import RecipeError
+
 from loongforge_megatron.models.hybrid import qwen3_5
 from loongforge_megatron.models.hybrid.arch import HybridArch
 from loongforge_megatron.models.hybrid.config import HybridModelConfig
@@ -96,7 +98,18 @@ class Qwen3_5VL(Qwen3VL):
                 "torch_dtype": torch_dtype}
 
     def name_map(self, cfg: HFConfig, *, divisible_by: int = 128):
-        return vl_names.with_tower(cfg, self.lm.name_map(vl_names.text_config(cfg), divisible_by=divisible_by))
+        # NOTE: the multi-token-prediction layer a checkpoint holds (the layout's count) is the language model's
+        text = {**vl_names.text_config(cfg), "num_nextn_predict_layers": cfg.get("num_nextn_predict_layers") or 0}
+        return vl_names.with_tower(cfg, self.lm.name_map(text, divisible_by=divisible_by))
+
+    def mtp_layers_in(self, cfg: HFConfig, names: list[str]) -> int:
+        return self.lm.mtp_layers_in(vl_names.text_config(cfg), names)
+
+    def check(self, recipe: Any, plan: Any, arch: HybridVLArch) -> None:
+        if arch.mtp_num_layers:
+            raise RecipeError(f"model.mtp_num_layers: the {self.name} model trains without its multi-token-prediction "
+                              "layer (a conversion keeps it); set 0", key="model.mtp_num_layers")
+        super().check(recipe, plan, arch)
 
     def num_experts(self, cfg: HFConfig) -> int:
         return self.lm.num_experts(vl_names.text_config(cfg))
