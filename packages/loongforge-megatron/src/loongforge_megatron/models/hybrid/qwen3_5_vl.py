@@ -65,6 +65,7 @@ class Qwen3_5VL(Qwen3VL):
     """``Qwen3_5ForConditionalGeneration`` <-> the Qwen-VL model with Qwen3.5's hybrid layers."""
 
     name = "qwen3_5_vl"
+    kind = "a hybrid (gated DeltaNet + attention) vision-language model"
     model_types = ("qwen3_5",)
     presets = PRESETS
     arch_type = HybridVLArch
