@@ -16,6 +16,12 @@ from loongforge_megatron.models.hybrid.config import HybridModelConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
 
+# NOTE: train.lora.targets qkv / proj take the gated DeltaNet's input / output projections too (their PEFT names
+# are HF's: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a or in_proj_qkvz / in_proj_ba, out_proj)
+LORA_TARGETS = {"qkv": ("linear_qkv", "in_proj_qkvz", "in_proj_ba"), "proj": ("linear_proj", "out_proj"),
+                "fc1": ("linear_fc1",), "fc2": ("linear_fc2",)}
+
+
 def _partial_rotary(cfg: HFConfig) -> float:
     params = cfg.get("rope_parameters") or {}
     return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
@@ -143,4 +149,4 @@ class HybridFamily(GPTFamily):
             share_embeddings_and_output_weights=arch.tie_embeddings, vpp=plan.vpp, device=device)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
         mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
-        return Model(chunks=chunks, config=config, kernels="local")
+        return Model(chunks=chunks, config=config, kernels="local", lora_targets=LORA_TARGETS)
