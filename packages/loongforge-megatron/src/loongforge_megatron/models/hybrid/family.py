@@ -15,7 +15,6 @@ from loongforge_megatron.models.hybrid.arch import HybridArch
 from loongforge_megatron.models.hybrid.config import HybridModelConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
 
-
 # NOTE: train.lora.targets qkv / proj take the gated DeltaNet's input / output projections too (their PEFT names
 # are HF's: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a or in_proj_qkvz / in_proj_ba, out_proj)
 LORA_TARGETS = {"qkv": ("linear_qkv", "in_proj_qkvz", "in_proj_ba"), "proj": ("linear_proj", "out_proj"),
