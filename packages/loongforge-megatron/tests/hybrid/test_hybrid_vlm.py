@@ -1,7 +1,8 @@
-"""The Qwen3.5 VLM (``Qwen3_5ForConditionalGeneration``) from a checkpoint transformers saved (GQA, both layer kinds,
-value heads twice the key heads, RoPE on a quarter of each head): HF -> megatron (tp 2 / pp 2) -> HF bit-exact and
-loaded back by transformers; ``loongforge train``'s first step on two records with images of two sizes gives the
-loss transformers computes on what its own processor makes of them.
+"""The Qwen3.5 VLMs (``Qwen3_5ForConditionalGeneration``; MoE: ``Qwen3_5MoeForConditionalGeneration``) from
+checkpoints transformers saved (GQA, both layer kinds, value heads twice the key heads, RoPE on a quarter of each
+head): HF -> megatron (tp 2 / pp 2, MoE: / ep 2) -> HF bit-exact and loaded back by transformers; ``loongforge
+train``'s first step on two records with images of two sizes gives the loss transformers computes on what its own
+processor makes of them.
 
 NOTE: every megatron job here runs in a rank (``ranks``), never in pytest's own process."""
 
@@ -18,12 +19,16 @@ from vl_records import TEXTS, make_records, processor_loss, save_processor
 RECIPE = Path(__file__).resolve().parents[4] / "recipes" / "vlm" / "qwen3_5_vl_tiny.yaml"
 
 
-def save_qwen3_5_vl(out: Path, *, vocab: int, ids: dict[str, int]) -> Path:
-    """A tiny Qwen3_5ForConditionalGeneration, every weight perturbed (no norm at its init value)."""
+def save_qwen3_5_vl(out: Path, *, vocab: int, ids: dict[str, int], moe: bool = False) -> Path:
+    """A tiny Qwen3_5ForConditionalGeneration, every weight perturbed (no norm at its init value); ``moe``: a
+    Qwen3_5MoeForConditionalGeneration (4 experts, top 2, a gated shared expert)."""
     import transformers as tf
 
-    cfg = tf.Qwen3_5Config(
-        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=24) if moe else dict(intermediate_size=96)
+    cfg = getattr(tf, prefix + "Config")(
+        text_config=dict(vocab_size=vocab, hidden_size=64, **experts, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
                          linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                          max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
@@ -34,7 +39,7 @@ def save_qwen3_5_vl(out: Path, *, vocab: int, ids: dict[str, int]) -> Path:
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
         tie_word_embeddings=False, **ids)
     torch.manual_seed(0)
-    model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    model = getattr(tf, prefix + "ForConditionalGeneration")(cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,15 +58,23 @@ def hf_dir(tmp_path_factory):
     return save_qwen3_5_vl(out, vocab=vocab + 3, ids=ids)
 
 
-def test_hf_megatron_hf_is_bit_exact(tmp_path, hf_dir):
-    """HF -> megatron at tp 2 / pp 2 -> HF gives the source's tensors bit for bit, and transformers loads the
-    export into the source's model."""
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    ids = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
+    return save_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_moe_vl") / "hf", vocab=317, ids=ids, moe=True)
+
+
+@pytest.mark.parametrize("which,ep", [("dense", 1), ("moe", 2)])
+def test_hf_megatron_hf_is_bit_exact(tmp_path, request, which, ep):
+    """HF -> megatron at tp 2 / pp 2 (MoE: / ep 2) -> HF gives the source's tensors bit for bit, and transformers
+    loads the export into the source's model."""
     from loongforge.checkpoint import SafetensorsReader
     from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf
     from transformers import AutoModelForImageTextToText
 
-    layout = hf_to_megatron(hf_dir, tmp_path / "mg", tp=2, pp=2)
-    assert layout.family == "qwen3_5_vl"
+    hf_dir = request.getfixturevalue("hf_dir" if which == "dense" else "moe_dir")
+    layout = hf_to_megatron(hf_dir, tmp_path / "mg", tp=2, pp=2, ep=ep)
+    assert layout.family == ("qwen3_5_vl" if which == "dense" else "qwen3_5_moe_vl")
     megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
     a, b = SafetensorsReader(hf_dir), SafetensorsReader(tmp_path / "hf")
     assert sorted(a.keys()) == sorted(b.keys())
