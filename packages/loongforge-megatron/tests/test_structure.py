@@ -119,7 +119,7 @@ def test_the_word_reader_sees_words():
 @pytest.mark.parametrize("kind", sorted(KIND_WORDS))
 def test_no_kind_is_named_outside_its_folder(kind):
     """A kind's name, data format and recipe keys live in ``models/<kind>/`` only (the entry points in the
-    pyproject name its spec)."""
+    pyproject name its spec), and in the folders of the kinds that declare they build on it (``BUILDS_ON``)."""
     folder = PKG / "models" / kind
     users = [PKG / "models" / k for k, uses in BUILDS_ON.items() if kind in uses]
     found = []

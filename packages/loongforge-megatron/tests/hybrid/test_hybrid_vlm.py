@@ -109,3 +109,33 @@ def test_sft_first_step_loss_equals_transformers(tmp_path, hf_dir, ranks):
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_5"
     ref = processor_loss(hf_dir, records, b, pixels="pixel_values")
     assert loss == pytest.approx(ref, rel=1e-4), (loss, ref)
+
+
+def test_the_mtp_layer_converts_both_ways(tmp_path, hf_dir):
+    """A checkpoint with the published multi-token-prediction layer (``mtp.*`` at the top level, its decoder
+    layer a full-attention one): kept bit for bit through megatron at tp 2 / pp 2."""
+    import shutil
+
+    from loongforge.checkpoint import SafetensorsReader
+    from loongforge_megatron.conversion import hf_to_megatron, megatron_to_hf
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    full = "model.language_model.layers.1."  # NOTE: the full-attention layer of the tiny config
+    g = torch.Generator().manual_seed(5)
+    tensors.update({"mtp.layers.0." + k[len(full):]: v + 0.1 * torch.randn(v.shape, generator=g)
+                    for k, v in tensors.items() if k.startswith(full)})
+    h = 64
+    tensors.update({"mtp.fc.weight": torch.randn(h, 2 * h, generator=g), "mtp.norm.weight": torch.randn(h, generator=g),
+                    "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=g),
+                    "mtp.pre_fc_norm_hidden.weight": torch.randn(h, generator=g)})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    layout = hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2)
+    assert layout.mtp_layers == 1
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    a, b = SafetensorsReader(src), SafetensorsReader(tmp_path / "hf")
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        assert torch.equal(a.get(k), b.get(k)), k
