@@ -86,29 +86,38 @@ def test_hf_megatron_hf_is_bit_exact(tmp_path, request, which, ep):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def _first_step(*, rank, world, overrides, run_dir):
-    """(step 1's micro-batches, its loss) of a job in a rank."""
-    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
-    try:
-        batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-        return batches, job.step()["loss"]
-    finally:
-        job.close()
-        runtime.logger.close()
+def _steps(*, rank, world, overrides, run_dir):
+    """Per data.pack false / true: (step 1's first micro-batch, every step's loss) of a job in a rank."""
+    out = []
+    for pack in ("false", "true"):
+        recipe = loongforge.load_recipe(RECIPE, [*overrides, f"data.pack={pack}"])
+        job, runtime = loongforge.build_job(recipe, output_dir=run_dir / pack)
+        try:
+            batch = job.schedule.microbatches(0, device=torch.device("cpu"))[0]
+            out.append((batch, [job.step()["loss"] for _ in range(job.recipe.train.steps)]))
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
 
 
-def test_sft_first_step_loss_equals_transformers(tmp_path, hf_dir, ranks):
+def test_sft_first_step_loss_equals_transformers_and_packed_equals_padded(tmp_path, hf_dir, ranks):
     """Both records in one micro-batch (rows padded): tokens and pixels are the processor's, and the first SFT step's
-    loss is transformers' on the processor's batch (its multimodal positions from get_rope_index)."""
+    loss is transformers' on the processor's batch (its multimodal positions from get_rope_index); packed into one
+    row (the DeltaNet's state and convolution restarting at the record boundary), the two steps' losses are the
+    padded rows'."""
     records = make_records(tmp_path / "data")
     over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
-            f"data.path={records}", "data.seq_length=96", "data.pack=false", "train.stage=sft",
-            "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=1", "train.warmup_steps=0",
-            "accelerator=cpu", "logging.console=false"]
-    (b,), loss = ranks(_first_step, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over)[0]
+            f"data.path={records}", "data.seq_length=96", "train.stage=sft", "train.global_batch_size=2",
+            "train.micro_batch_size=2", "train.steps=2", "train.warmup_steps=0", "accelerator=cpu",
+            "logging.console=false"]
+    (b, losses), (packed, p_losses) = ranks(_steps, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run",
+                                            overrides=over)[0]
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_5"
     ref = processor_loss(hf_dir, records, b, pixels="pixel_values")
-    assert loss == pytest.approx(ref, rel=1e-4), (loss, ref)
+    assert losses[0] == pytest.approx(ref, rel=1e-4), (losses[0], ref)
+    assert len(packed["packed_seq_params"].cu_seqlens_q) == 3 and packed["tokens"].shape[0] == 1
+    assert p_losses == pytest.approx(losses, rel=1e-5, abs=1e-6), (p_losses, losses)
 
 
 def test_the_mtp_layer_converts_both_ways(tmp_path, hf_dir):
