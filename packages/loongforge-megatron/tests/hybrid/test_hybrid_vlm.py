@@ -148,3 +148,25 @@ def test_the_mtp_layer_converts_both_ways(tmp_path, hf_dir):
     assert sorted(a.keys()) == sorted(b.keys())
     for k in a.keys():
         assert torch.equal(a.get(k), b.get(k)), k
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"mrope_section": [2, 2, 2]}, "sums to 6, not half the rotary dims (text_config.head_dim 32 x partial_rotary_factor 0.25: 4)"),
+    ({"partial_rotary_factor": "quarter"}, "partial_rotary_factor' must be a number in (0, 1], got 'quarter'"),
+])
+def test_convert_refuses_rotary_sections_the_partial_rope_cannot_hold(tmp_path, hf_dir, capsys, rope, message):
+    """A config whose multimodal rotary sections do not cover the rotated quarter of each head is one line."""
+    import shutil
+
+    from loongforge.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"].update(rope)
+    (src / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "mg"), "--to", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "text_config.rope_parameters" in err and message in err, err
