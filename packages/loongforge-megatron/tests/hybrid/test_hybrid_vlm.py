@@ -120,6 +120,58 @@ def test_sft_first_step_loss_equals_transformers_and_packed_equals_padded(tmp_pa
     assert p_losses == pytest.approx(losses, rel=1e-5, abs=1e-6), (p_losses, losses)
 
 
+def _lora_exports(*, rank, world, overrides, run_dir, export_root):
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, overrides), output_dir=run_dir)
+    try:
+        for _ in range(job.recipe.train.steps):
+            job.step()
+        job.export("hf", export_root / "hf")
+        job.export("peft", export_root / "peft")
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_lora_adapts_the_deltanet_projections_and_loads_in_peft(tmp_path, hf_dir, ranks):
+    """train.stage lora, targets [qkv, proj]: adapters on the language model's gated DeltaNet and gated attention
+    projections (the tower stays as it is); the HF export is W + (alpha/r)·B A of the PEFT export's factors, and PEFT
+    loads them into transformers' model, whose merged logits are our export's."""
+    import transformers as tf
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    records = make_records(tmp_path / "data")
+    over = [f"model={{hf: {hf_dir}}}", f"checkpoint.load={hf_dir}", "data.format=conversations",
+            f"data.path={records}", "data.seq_length=96", "train.stage=lora", "train.global_batch_size=2",
+            "train.micro_batch_size=2", "train.steps=2", "train.lr=0.05", "train.warmup_steps=0",
+            "train.lora={rank: 4, alpha: 8, targets: [qkv, proj]}", "accelerator=cpu", "logging.console=false"]
+    ranks(_lora_exports, world=1, out=tmp_path / "ranks", run_dir=tmp_path / "run", overrides=over,
+          export_root=tmp_path)
+    base, merged = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {m.split(".")[-1] for m in config["target_modules"]} == {
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"}
+    assert all(".language_model." in m for m in config["target_modules"])
+    assert merged.keys() == base.keys()
+    for name in sorted(base):
+        prefix = "base_model.model." + name[: -len("weight")]
+        if prefix + "lora_A.weight" not in adapters:
+            assert torch.equal(merged[name], base[name]), name
+            continue
+        a, b = adapters[prefix + "lora_A.weight"], adapters[prefix + "lora_B.weight"]
+        assert torch.allclose(merged[name], base[name] + (8 / 4) * b @ a, rtol=0, atol=1e-5), name
+    model = tf.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, tmp_path / "peft")
+    loaded = {k.replace(".default.weight", ".weight"): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    assert sorted(loaded) == sorted(adapters)
+    tokens = torch.randint(0, 290, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = ours(input_ids=tokens).logits, peft_model.merge_and_unload().eval()(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_mtp_layer_converts_both_ways(tmp_path, hf_dir):
     """A checkpoint with the published multi-token-prediction layer (``mtp.*`` at the top level, its decoder
     layer a full-attention one): kept bit for bit through megatron at tp 2 / pp 2."""

@@ -15,6 +15,7 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.models.hybrid import qwen3_5
 from loongforge_megatron.models.hybrid.arch import HybridArch
 from loongforge_megatron.models.hybrid.config import HybridModelConfig
+from loongforge_megatron.models.hybrid.family import LORA_TARGETS
 from loongforge_megatron.models.qwen_vl import names as vl_names
 from loongforge_megatron.models.qwen_vl.spec import Qwen3VL, QwenVLArch
 from loongforge_megatron.models.spec import HFConfig
@@ -74,6 +75,7 @@ class Qwen3_5VL(Qwen3VL):
     lm = qwen3_5.SPEC
     lm_family = "qwen3_5"
     text_model_type, vision_model_type = "qwen3_5_text", "qwen3_5_vision"
+    lora_targets = LORA_TARGETS
 
     def arch(self, fields: Any) -> HybridVLArch:
         return HybridVLArch(**{"family": self.lm_family, **fields})

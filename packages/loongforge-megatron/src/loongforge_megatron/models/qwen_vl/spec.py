@@ -98,6 +98,7 @@ class QwenVL(HFCheckpoint):
     hf_architecture = "Qwen2_5_VLForConditionalGeneration"
     lm = qwen2.SPEC
     lm_family = "qwen2"
+    lora_targets: dict[str, tuple[str, ...]] | None = None  # train.lora.targets -> the language model's linears
     text_model_type, vision_model_type = "qwen2_5_vl_text", "qwen2_5_vl_vision"
     vision_acts: tuple[str, ...] = ("silu",)
 
@@ -254,7 +255,7 @@ class QwenVL(HFCheckpoint):
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups,
-                     whole=whole, timed_encoder=True)
+                     whole=whole, timed_encoder=True, lora_targets=self.lora_targets)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
