@@ -5,7 +5,8 @@ The first ``*`` is a layer index (backend side: local to its pipeline chunk; HF 
 expert index (backend side: local to its EP rank; HF side: global, or none where HF fuses every expert into one
 3-D tensor: rule :class:`~loongforge.checkpoint.mapping.FusedExperts`). Entries without ``*`` live on the first
 (embedding) or last (head) pipeline stage. Entries of stage ``mtp`` are multi-token-prediction layers: the
-``*`` is the depth (backend: ``mtp.layers.<depth>``; HF: layer ``num_layers + depth``), all on the last stage.
+``*`` is the depth (backend: ``mtp.layers.<depth>``; HF: layer ``num_layers + depth``, or the depth itself for an
+entry with ``hf_depth``; an HF name without ``*`` is depth 0's), all on the last stage.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class Entry:
     global layer indices (e.g. DeepSeek's dense-then-MoE layers); ``export`` False skips the entry on HF export
     (tied output weights that duplicate the embedding). ``shape``: the HF tensor's shape as a function of the
     (size-tracking) HF config, one shape or role -> shape; a backend compares it with the files' headers so that a
-    config.json that disagrees with its weights is refused before anything is built.
+    config.json that disagrees with its weights is refused before anything is built. ``hf_depth``: an "mtp"
+    entry whose HF names count MTP depths from 0 (``mtp.layers.<depth>``) instead of following the decoder's layers.
     """
 
     megatron: str
@@ -38,6 +40,7 @@ class Entry:
     layers: Callable[[int], bool] | None = None
     export: bool = True
     shape: Callable[[Any], Any] | None = None
+    hf_depth: bool = False
 
     def hf_patterns(self) -> dict[str, str]:
         return {SINGLE: self.hf} if isinstance(self.hf, str) else dict(self.hf)
@@ -138,8 +141,9 @@ class NameMap:
             for e in self.entries:
                 if e.stage != stage or (e.layers is not None and not e.layers(layer)):
                     continue
+                index = local if e.hf_depth else layer
                 if not e.is_expert:
-                    hf = {r: _fill(p, [layer]) for r, p in e.hf_patterns().items()}
+                    hf = {r: _fill(p, [index]) if "*" in p or not e.hf_depth else p for r, p in e.hf_patterns().items()}
                     where = Placement(pp_rank, vpp_rank, None)
                     yield Param(_fill(e.megatron, [local]), hf, e.rule, where, e.export, e.shape)
                     continue
@@ -147,7 +151,7 @@ class NameMap:
                 for expert in range(num_experts):
                     ep_rank, local_e = rule.locate(expert, ep_size=ep)
                     # NOTE: a fused HF tensor holds every expert (FusedExperts): its name has the layer only
-                    hf_index = [layer] if rule.fused else [layer, expert]
+                    hf_index = [index] if rule.fused else [index, expert]
                     hf = {r: _fill(p, hf_index) for r, p in e.hf_patterns().items()}
                     where = Placement(pp_rank, vpp_rank, ep_rank)
                     yield Param(_fill(e.megatron, [local, local_e]), hf, rule.for_expert(expert), where, e.export, e.shape)

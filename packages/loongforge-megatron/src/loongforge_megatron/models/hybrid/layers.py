@@ -221,4 +221,5 @@ def block_spec(config: Any, *, layer_types: list[str], shape: LinearShape, num_e
         layers = [linear if layer_types[offset + i] == LINEAR else full for i in range(n)]
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
 
+    block.mtp_layer = full  # NOTE: a multi-token-prediction layer is a full-attention one (engine/mtp.py)
     return block

@@ -8,9 +8,11 @@ parameters (``layers.GatedDeltaNet``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from loongforge.checkpoint import ColumnParallel, Entry, GatedMLP, NameMap, Replicated, RowParallel
+from loongforge.errors import CheckpointError
 
 from loongforge_megatron.models.gpt.names import (
     H,
@@ -118,9 +120,53 @@ def shared_expert(*, layers: Callable[[int], bool] | None = None) -> list[Entry]
     ]
 
 
+MTP = "mtp."
+
+
+def mtp_layers_in(names: list[str]) -> int:
+    """The multi-token-prediction layers a checkpoint holds: ``mtp.layers.<k>`` (one ``mtp.fc`` for them all)."""
+    depths = {int(n.split(".")[2]) for n in names if n.startswith(MTP + "layers.") and n.split(".")[2].isdigit()}
+    if not depths:
+        return 0
+    if depths != {0} or MTP + "fc.weight" not in names:
+        raise CheckpointError(f"multi-token-prediction tensors of layers {sorted(depths)}"
+                              f"{'' if MTP + 'fc.weight' in names else ' without mtp.fc.weight'}: the HF layout "
+                              "holds one MTP layer (mtp.layers.0, mtp.fc, mtp.pre_fc_norm_*, mtp.norm)")
+    return 1
+
+
+def mtp(h: HFConfig, *, first: list[Entry], layer: list[Entry]) -> list[Entry]:
+    """The published checkpoints' multi-token-prediction layer (``mtp_num_hidden_layers`` 1) <-> megatron's
+    ``mtp.layers.0``: ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` (enorm / hnorm), ``fc`` (eh_proj, the
+    embedding's half first), a full-attention decoder layer (``layer``'s entries) and ``norm``; the embedding and
+    the head are the model's own (the last stage's copy of the embedding when the pipeline splits them)."""
+    if not h.get("num_nextn_predict_layers"):
+        return []
+    m = "mtp.layers.*."
+
+    def vec(c: Any) -> tuple:
+        return (c["hidden_size"],)
+
+    out = [replace(first[0], stage="mtp_copy", export=False),
+           Entry(m + "enorm.weight", MTP + "pre_fc_norm_embedding.weight", Replicated(), stage="mtp", shape=vec,
+                 hf_depth=True),
+           Entry(m + "hnorm.weight", MTP + "pre_fc_norm_hidden.weight", Replicated(), stage="mtp", shape=vec,
+                 hf_depth=True),
+           Entry(m + "eh_proj.weight", MTP + "fc.weight", ColumnParallel(), stage="mtp", hf_depth=True,
+                 shape=lambda c: (c["hidden_size"], 2 * c["hidden_size"])),
+           Entry(m + "final_layernorm.weight", MTP + "norm.weight", Replicated(), stage="mtp", shape=vec,
+                 hf_depth=True)]
+    for e in layer:
+        hf = {r: p.replace(H, m, 1) for r, p in e.hf_patterns().items()}
+        out.append(replace(e, megatron=e.megatron.replace(L, m + "mtp_model_layer.", 1), stage="mtp", layers=None,
+                           hf=hf[next(iter(hf))] if isinstance(e.hf, str) else hf, hf_depth=True))
+    return out
+
+
 def name_map(h: HFConfig, *, divisible_by: int, split: bool, fused: bool = False) -> NameMap:
-    """The whole decoder. MoE when ``num_experts`` > 0 (every layer); ``fused``: the routed experts as
-    transformers' 3-D ``gate_up_proj`` / ``down_proj``, else one tensor per expert."""
+    """The whole decoder (and the multi-token-prediction layer the checkpoint holds: ``num_nextn_predict_layers``).
+    MoE when ``num_experts`` > 0 (every layer); ``fused``: the routed experts as transformers' 3-D
+    ``gate_up_proj`` / ``down_proj``, else one tensor per expert."""
     types = layer_types(h)
     first, last = ends(h, divisible_by=divisible_by)
 
@@ -130,11 +176,13 @@ def name_map(h: HFConfig, *, divisible_by: int, split: bool, fused: bool = False
     def full(i: int) -> bool:
         return types[i] != "linear_attention"
 
-    body = norms() + gated_attention(h, layers=full) + gated_delta_net(h, layers=linear, split=split)
+    mlp: list[Entry]
     experts = h.get("num_experts") or 0
     if experts:
-        body += (fused_experts(experts, hidden=h["hidden_size"], ffn=h["moe_intermediate_size"]) if fused
-                 else routed_experts(experts)) + shared_expert()
+        mlp = (fused_experts(experts, hidden=h["hidden_size"], ffn=h["moe_intermediate_size"]) if fused
+               else routed_experts(experts)) + shared_expert()
     else:
-        body += dense_mlp()
-    return NameMap(first + body + last)
+        mlp = dense_mlp()
+    body = norms() + gated_attention(h, layers=full) + gated_delta_net(h, layers=linear, split=split) + mlp
+    extra = mtp(h, first=first, layer=norms() + gated_attention(h, layers=full) + mlp)
+    return NameMap(first + body + extra + last)

@@ -170,7 +170,8 @@ class Conversations(VisionBatches):
         self.video_text = getattr(processor, "video_token", "<|video_pad|>")
         # NOTE: Qwen3-VL's processor writes each temporal patch of a video as its own timestamped group, and its
         # get_rope_index gives each group the positions of a one-frame image
-        self.frame_groups = arch.spec_name == "qwen3_vl"
+        # NOTE: Qwen3-VL's processors (towers with deepstack_visual_indexes, possibly none) write timestamped frames
+        self.frame_groups = "deepstack_visual_indexes" in v["vision_config"]
         self.tokens_per_second = float(v["vision_config"].get("tokens_per_second", 2))
         eot = "<|im_end|>"
         self.end_of_turn = eot if self.tok.convert_tokens_to_ids(eot) not in (None, self.tok.unk_token_id) else (

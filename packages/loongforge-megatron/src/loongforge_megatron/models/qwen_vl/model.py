@@ -33,7 +33,7 @@ def _gpt_model_class():
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
                      mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
-                     vision_groups: Any = None, **gpt: Any):
+                     rotary_percent: float = 1.0, vision_groups: Any = None, **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
@@ -48,7 +48,7 @@ def _gpt_model_class():
             self.position_embedding_type = "mrope"
             self.mrope_section = list(mrope_section)
             self.rotary_pos_emb = MRoPE(kv_channels=self.config.kv_channels, rotary_base=rotary_base,
-                                        interleaved=mrope_interleaved)
+                                        interleaved=mrope_interleaved, rotary_percent=rotary_percent)
             self.image_token, self.video_token = image_token, video_token
             self.merge = vision_config.get("spatial_merge_size", 2)  # merged patches: merge x merge a token
             tower = VisionTower3 if deepstack else VisionTower
@@ -216,7 +216,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
             vision_config=v["vision_config"], image_token=v["image_token_id"], video_token=v.get("video_token_id"),
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
             deepstack="deepstack_visual_indexes" in v["vision_config"],
-            rotary_base=arch.rope_theta, config=config, vision_groups=vision_groups,
+            rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent, config=config, vision_groups=vision_groups,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),

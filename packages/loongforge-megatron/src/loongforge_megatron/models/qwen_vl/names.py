@@ -144,9 +144,16 @@ def config_checks(c: Sizes) -> None:
     if not isinstance(section, list) or not section or not all(type(s) is int and s > 0 for s in section):
         raise CheckpointError(f"{c.where}: key 'text_config.rope_parameters.mrope_section' must be a list of positive "
                               f"integers (the rotary sections for time, height, width), got {section!r:.40}")
-    if sum(section) != head.value // 2:
+    # NOTE: a partial rotary factor (a hybrid language model's 0.25) rotates the leading share of the head's dims only
+    partial = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
+    if type(partial) not in (int, float) or not 0 < partial <= 1:
+        raise CheckpointError(f"{c.where}: key 'text_config.rope_parameters.partial_rotary_factor' must be a number "
+                              f"in (0, 1], got {partial!r:.40}")
+    half = int(head.value * partial) // 2
+    if sum(section) != half:
         raise CheckpointError(f"{c.where}: key 'text_config.rope_parameters.mrope_section' {section} sums to "
-                              f"{sum(section)}, not half the head dim ({head.keys}: {head.value // 2})")
+                              f"{sum(section)}, not half the rotary dims ({head.keys} x partial_rotary_factor "
+                              f"{partial}: {half})")
     vocab = t["vocab_size"].value
     for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         v = c.raw(key)
@@ -189,6 +196,13 @@ def _language(entry: Entry) -> Entry:
 
     pats = {r: move(n) for r, n in entry.hf_patterns().items()}
     return replace(entry, hf=pats[next(iter(pats))] if isinstance(entry.hf, str) else pats)
+
+
+def with_tower(h: HFConfig, lm: NameMap) -> NameMap:
+    """A Qwen3-VL tower (``model.visual.``) in front of the language model map ``lm`` of ``text_config`` (its
+    ``model.*`` names moved under ``model.language_model.``): the map of a Qwen3-VL-style model whose language
+    model is another family's."""
+    return NameMap(_vision_3(h) + [_in_text_config(_language(e)) for e in lm.entries])
 
 
 def name_map_3(h: HFConfig, *, divisible_by: int = 128, moe: bool = False) -> NameMap:

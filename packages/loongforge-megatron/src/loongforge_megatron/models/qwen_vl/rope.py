@@ -16,18 +16,20 @@ from torch import nn
 
 
 class MRoPE(nn.Module):
-    """Frequencies ``[s, b, 1, head_dim]`` for ``position_ids [3, b, s]``. ``mrope_section`` splits the half head
-    dimension's frequencies among time / row / column: in consecutive blocks (Qwen2-VL / 2.5-VL), or
-    ``interleaved`` (Qwen3-VL: frequency j takes axis j % 3 while that axis has frequencies left, else time)."""
+    """Frequencies ``[s, b, 1, rotary dim]`` for ``position_ids [3, b, s]``. ``mrope_section`` splits the half
+    rotary dimension's frequencies among time / row / column: in consecutive blocks (Qwen2-VL / 2.5-VL), or
+    ``interleaved`` (Qwen3-VL: frequency j takes axis j % 3 while that axis has frequencies left, else time).
+    ``rotary_percent``: the leading share of each head's dims that rotates (the rest passes through)."""
 
-    def __init__(self, *, kv_channels: int, rotary_base: float, interleaved: bool = False):
+    def __init__(self, *, kv_channels: int, rotary_base: float, interleaved: bool = False,
+                 rotary_percent: float = 1.0):
         super().__init__()
-        self.dim, self.base, self.interleaved = kv_channels, float(rotary_base), interleaved
+        self.dim, self.base, self.interleaved = int(kv_channels * rotary_percent), float(rotary_base), interleaved
 
     def axis_of_frequency(self, section: Sequence[int], device: torch.device) -> torch.Tensor:
         half = self.dim // 2
         if sum(section) != half:
-            raise ValueError(f"mrope_section {list(section)} must sum to head_dim / 2 = {half}")
+            raise ValueError(f"mrope_section {list(section)} must sum to the rotary dims / 2 = {half}")
         if not self.interleaved:
             return torch.repeat_interleave(torch.arange(3, device=device), torch.tensor(section, device=device))
         axis = torch.zeros(half, dtype=torch.long, device=device)

@@ -98,6 +98,7 @@ class QwenVL(HFCheckpoint):
     hf_architecture = "Qwen2_5_VLForConditionalGeneration"
     lm = qwen2.SPEC
     lm_family = "qwen2"
+    lora_targets: dict[str, tuple[str, ...]] | None = None  # train.lora.targets -> the language model's linears
     text_model_type, vision_model_type = "qwen2_5_vl_text", "qwen2_5_vl_vision"
     vision_acts: tuple[str, ...] = ("silu",)
 
@@ -209,12 +210,26 @@ class QwenVL(HFCheckpoint):
         return Data(train=SyntheticImageText(arch=arch, seq_length=seq, seed=seed, side=recipe.data.image_size),
                     seq_length=seq)
 
+    def language_layers(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, config: Any,
+                        precision: str) -> tuple[Any, str]:
+        """(the language model's layer spec or per-chunk block spec builder, its layer set): the GPT layers of
+        ``kernels.layers``; a family with layers of its own (a hybrid language model) overrides this."""
+        from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
+
+        # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
+        # megatron's local one needs a [t, t] mask for them
+        spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
+        # NOTE: a MoE language model gets the GPT families' expert kernels (grouped experts, permute dispatch)
+        moe = moe_kernels(recipe, arch, plan, accelerator=accelerator, config=config, spec_name=spec_name,
+                          precision=precision) if arch.is_moe else None
+        return decoder_layers(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
+                              accelerator=accelerator, moe=moe), spec_name
+
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
         from loongforge_megatron.engine.component_groups import component_groups
         from loongforge_megatron.engine.weights import seeded_init
         from loongforge_megatron.layers.output import mask_padded_vocab
-        from loongforge_megatron.layers.selection import decoder_layers, moe_kernels
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
 
@@ -223,14 +238,8 @@ class QwenVL(HFCheckpoint):
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         # NOTE: tells the attention that the rotary frequencies are per token (multimodal RoPE)
         config.mrope_section = list(arch.vision["mrope_section"])
-        # NOTE: auto is the loongforge spec: its attention takes packed rows as cu_seqlens (varlen_attn on CUDA);
-        # megatron's local one needs a [t, t] mask for them
-        spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
-        # NOTE: a MoE language model gets the GPT families' expert kernels (grouped experts, permute dispatch)
-        moe = moe_kernels(recipe, arch, plan, accelerator=accelerator, config=config, spec_name=spec_name,
-                          precision=precision) if arch.is_moe else None
-        spec = decoder_layers(config, arch, spec_name=spec_name, provider=recipe.kernels.provider,
-                          accelerator=accelerator, moe=moe)
+        spec, spec_name = self.language_layers(recipe=recipe, arch=arch, plan=plan, accelerator=accelerator,
+                                               config=config, precision=precision)
         # NOTE: a tower the plan does not lay out is whole, its copies in a TP group encoding different images
         groups = component_groups(plan, "vision", default_tp=1)
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
@@ -246,7 +255,7 @@ class QwenVL(HFCheckpoint):
             step = functools.partial(forward_step, output_processor=functools.partial(
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups,
-                     whole=whole, timed_encoder=True)
+                     whole=whole, timed_encoder=True, lora_targets=self.lora_targets)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
