@@ -1,0 +1,121 @@
+"""Ring attention: full (non-causal) attention over a sequence split into contiguous chunks over a context-parallel
+group, without gathering the keys and values and without splitting heads (what Ulysses needs: heads >= cp).
+
+Rank r holds tokens ``[r*s, (r+1)*s)`` of every tensor. The keys / values travel around the ring (rank r sends to
+r+1, receives from r-1); at step i rank r attends its queries to chunk ``r - i`` and merges the partial results
+with the online softmax (each block's output and log-sum-exp)::
+
+    step 0: q_r x kv_r     step 1: q_r x kv_(r-1)    ...    out = sum_i exp(lse_i - lse) * out_i
+
+The backward runs the ring again: each rank adds its queries' share of the gradient of the chunk it holds to that
+chunk's ``dk / dv`` accumulator, which travels with the chunk and is home after ``cp`` exchanges.
+
+Packed samples (``segments``: each global token's sample index) attend only within their sample: a block whose
+queries and keys share no sample is skipped. The blocks are computed in fp32 with a ``[s, s]`` score matrix per
+block (the ring's point: memory per block, not per sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _exchange(tensors: list[Tensor], group: Any) -> list[Tensor]:
+    """Send ``tensors`` to the next rank of the ring, return the previous rank's (same shapes)."""
+    rank, size = group.rank(), group.size()
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return received
+
+
+def _mask(segments: Tensor | None, *, q_chunk: int, k_chunk: int, s: int) -> Tensor | None:
+    """``[s, s]`` True where query chunk ``q_chunk``'s token and key chunk ``k_chunk``'s share a sample."""
+    if segments is None:
+        return None
+    qs, ks = segments[q_chunk * s:(q_chunk + 1) * s], segments[k_chunk * s:(k_chunk + 1) * s]
+    return qs[:, None] == ks[None, :]
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One block's normalised output and log-sum-exp (``-inf`` for a query with no key in the block)."""
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.matmul(p, v), lse
+
+
+class _RingAttention(torch.autograd.Function):
+    """``[b, h, s, d]`` fp32 q / k / v of this rank -> its attention output; the backward is a second ring."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Any, segments: Tensor | None,
+                scale: float) -> Tensor:
+        rank, size, s = group.rank(), group.size(), q.shape[2]
+        out, lse = _block(q, k, v, scale, _mask(segments, q_chunk=rank, k_chunk=rank, s=s))
+        kv = (k, v)
+        for step in range(1, size):
+            kv = _exchange(list(kv), group)
+            mask = _mask(segments, q_chunk=rank, k_chunk=(rank - step) % size, s=s)
+            if mask is not None and not bool(mask.any()):
+                continue
+            o, l_ = _block(q, *kv, scale, mask)
+            # NOTE: the first block (the rank's own chunk) holds every query's own token, so lse stays finite
+            new = torch.logaddexp(lse, l_)
+            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(l_ - new)[..., None]
+            lse = new
+        ctx.save_for_backward(q, k, v, out, lse, segments)
+        ctx.group, ctx.scale, ctx.has_segments = group, scale, segments is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, segments = ctx.saved_tensors
+        segments = segments if ctx.has_segments else None
+        group, scale = ctx.group, ctx.scale
+        rank, size, s = group.rank(), group.size(), q.shape[2]
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        k_cur, v_cur, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(size):
+            mask = _mask(segments, q_chunk=rank, k_chunk=(rank - step) % size, s=s)
+            if mask is None or bool(mask.any()):
+                p = torch.exp(_scores(q, k_cur, scale, mask) - lse[..., None])
+                dv = dv + torch.matmul(p.transpose(-1, -2), dout)
+                ds = p * (torch.matmul(dout, v_cur.transpose(-1, -2)) - delta)
+                dq = dq + torch.matmul(ds, k_cur) * scale
+                dk = dk + torch.matmul(ds.transpose(-1, -2), q) * scale
+            if size == 1:
+                break
+            if step < size - 1:
+                k_cur, v_cur, dk, dv = _exchange([k_cur, v_cur, dk, dv], group)
+            else:  # NOTE: the accumulators go one step further than the chunks: home, with every rank's share
+                dk, dv = _exchange([dk, dv], group)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any, segments: Tensor | None = None,
+                   scale: float | None = None) -> Tensor:
+    """Attention of this rank's ``[b, s, heads, d]`` queries over the keys / values of every rank of ``group``
+    (rank r holds tokens ``[r*s, (r+1)*s)``) -> ``[b, s, heads, d]`` in ``q``'s dtype.
+
+    ``segments`` ``[cp * s]``: the sample each global token belongs to (packed samples attend only their own);
+    None: each batch row is one sequence."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
+    out = _RingAttention.apply(q32, k32, v32, group, segments, scale)
+    return out.transpose(1, 2).to(q.dtype)
