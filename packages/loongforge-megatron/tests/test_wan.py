@@ -216,6 +216,93 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     assert last < 0.8 * first, (first, last)
 
 
+PACKED_FRAMES = (2, 3, 1)  # a probe's videos: 8 + 12 + 4 tokens, so cp 2 cuts the second one
+PACKED_STEPS = 5
+
+
+def packed_probe(name: str) -> dict:
+    """Three videos of different lengths (the probe's height and width) with their own timesteps / texts / image
+    tokens: each alone (diffusers' input) and packed (ours: patch tokens joined, one grid row per video)."""
+    from loongforge_megatron.models.wan.model import patchify
+
+    cfg, g = CONFIGS[name], torch.Generator().manual_seed(11)
+    videos = [torch.randn(1, cfg["in_channels"], f, *GRID[1:], generator=g) for f in PACKED_FRAMES]
+    t = torch.tensor([0.0, 731.5, 250.0])
+    text = torch.randn(len(videos), TEXT_LENGTH[name], 16, generator=g)
+    image = torch.randn(len(videos), IMAGE_TOKENS, cfg["image_dim"], generator=g) if "image_dim" in cfg else None
+    return {"videos": videos, "t": t, "text": text, "image": image,
+            "patches": torch.cat([patchify(v, (1, 2, 2))[0] for v in videos]),
+            "grids": [(f, GRID[1] // 2, GRID[2] // 2) for f in PACKED_FRAMES]}
+
+
+def _packed_cp_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Packed videos at CP 2: I2V with the ring (p2p) and T2V with Ulysses (a2a): this rank's share of the packed
+    forward; the tiny recipe with packed variable-length samples: its first steps' losses with each."""
+    import os
+
+    out = {}
+    for (name, comm), port in zip((("i2v", "p2p"), ("t2v", "a2a")), ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dirs[name], name), "parallel.tp=1", "parallel.cp=2", f"model.cp_comm_type={comm}",
+                "data.packed_frames=[1,2,3]"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / name)
+        try:
+            p = probes[name]
+            with torch.no_grad():
+                out[name] = job.chunks[0](p["patches"], p["t"], p["text"], p["image"], grids=p["grids"])[0]
+        finally:
+            job.close()
+            runtime.logger.close()
+    for comm, port in zip(("p2p", "a2a"), ports[2:], strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        recipe = loongforge.load_recipe(RECIPE, [*TINY_PACKED, "parallel.cp=2", f"model.cp_comm_type={comm}"])
+        job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / f"tiny_{comm}")
+        try:
+            out[f"tiny_{comm}"] = [job.step()["loss"] for _ in range(PACKED_STEPS)]
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+TINY_PACKED = ["accelerator=cpu", "logging.console=false", f"train.steps={PACKED_STEPS}", "data.packed_frames=[1,2,3]"]
+
+
+def _tiny_packed_one_process(*, rank, world, tmp_path):
+    recipe = loongforge.load_recipe(RECIPE, TINY_PACKED)
+    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "tiny_packed_one")
+    try:
+        return [job.step()["loss"] for _ in range(PACKED_STEPS)]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_packed_videos_at_cp2_ring_and_ulysses_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Videos of different lengths packed into one sequence at CP 2 (the cut falls inside a video): the ring (I2V)
+    and Ulysses (T2V) forward equals diffusers' on each video alone (<= 1e-5 relative); the tiny recipe on packed
+    variable-length samples gives the one-process losses over 5 steps with either."""
+    from diffusers import WanTransformer3DModel
+    from loongforge_megatron.models.wan.model import patchify
+
+    probes = {name: packed_probe(name) for name in ("i2v", "t2v")}
+    got = ranks(_packed_cp_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(4)])
+    one = ranks(_tiny_packed_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
+    for name, p in probes.items():
+        ref = WanTransformer3DModel.from_pretrained(hf_dirs[name]).eval()
+        want = []
+        for i, video in enumerate(p["videos"]):
+            image = None if p["image"] is None else p["image"][i: i + 1]
+            single = {"x": video, "t": p["t"][i: i + 1], "text": p["text"][i: i + 1], "image": image}
+            want.append(patchify(diffusers_forward(ref, single), (1, 2, 2))[0])
+        ours = torch.cat([got[0][name], got[1][name]])
+        assert rel_err(ours, torch.cat(want)) <= RTOL, (name, rel_err(ours, torch.cat(want)))
+    for comm in ("p2p", "a2a"):
+        assert got[0][f"tiny_{comm}"] == pytest.approx(one, rel=RTOL), comm
+        assert got[1][f"tiny_{comm}"] == got[0][f"tiny_{comm}"]
+
+
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
     """The LoRA run's export (diffusers format) loads with ``WanPipeline.load_lora_weights`` into a pipeline built
     from the base checkpoint, and its transformer then computes the merged export's function."""
@@ -285,6 +372,10 @@ def test_presets_are_the_published_sizes():
     (["data.seq_length=64"], "data.seq_length", "not used by Wan"),
     (["parallel.recompute=selective"], "parallel.recompute", "full"),
     (["parallel.cp=8"], "parallel.cp", "tp x cp"),
+    (["parallel.cp=2", "data.packed_frames=[1,2]", "data.latent_height=6", "data.latent_width=6"], "parallel.cp",
+     "per latent frame"),
+    (["data.packed_frames=[1,0]"], "data.packed_frames", "greater than 0"),
+    (["model.cp_comm_type=ring"], "model.cp_comm_type", "p2p"),
     (["parallel.cp=2", "data.latent_frames=3", "data.latent_height=6", "data.latent_width=6"], "parallel.cp", "do not split over cp"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.flow_matching import FlowMatchingData
@@ -16,6 +16,12 @@ class WanModelConfig(ModelConfig):
     ``transformer`` / ``transformer_2``); the shared architecture keys (num_layers, hidden_size,
     num_attention_heads, ffn_hidden_size, norm_eps) plus the ones below."""
 
+    not_arch: ClassVar[tuple[str, ...]] = ("cp_comm_type",)
+
+    cp_comm_type: Literal["a2a", "p2p"] = Field(
+        "a2a", description="context parallelism's self-attention (megatron-core's names): a2a (Ulysses: all-to-all "
+        "of tokens for heads; heads must split over tp x cp) or p2p (ring: keys / values passed around the CP group; "
+        "any head count)")
     patch_size: tuple[int, int, int] | None = Field(None, description="latent patch (frames, height, width)")
     in_channels: int | None = Field(None, ge=1, description="input channels (noisy latent + an I2V condition)")
     out_channels: int | None = Field(None, ge=1)
@@ -39,6 +45,10 @@ class WanDataConfig(FlowMatchingData):
     latent_height: int = Field(60, ge=1, description="latent rows (pixels / 8; Wan2.2 TI2V-5B: / 16)")
     latent_width: int = Field(104, ge=1, description="latent columns")
     text_length: int = Field(512, ge=1, description="text tokens per sample (Wan pads prompts to 512)")
+    packed_frames: list[PositiveInt] = Field(
+        default_factory=list, description="variable-length samples: each sample draws its latent frame count from "
+        "this list (instead of latent_frames) and a micro-batch's samples are packed into one sequence (cu_seqlens "
+        "over their video tokens, RoPE per sample)")
     image_tokens: int = Field(257, ge=1, description="image-encoder tokens per sample (models with image_dim)")
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None, description="train one expert of a two-expert (A14B) model on its timesteps: high_noise at or above "
