@@ -202,6 +202,72 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
     _lora_export_loads_in_a_pipeline(tmp_path, hf_dirs["t2i"], probes["t2i"])
 
 
+CP_STEPS = 5
+
+
+def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Each config at CP 2 (ring attention over the image tokens; Edit: rank 1 holds only the reference image, so
+    it scores no tokens): this rank's share of the forward on the probe, the first step's batches and loss; the
+    tiny recipe's first ``CP_STEPS`` losses."""
+    import os
+
+    out = {}
+    for (name, hf_dir), port in zip(hf_dirs.items(), ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dir, name), "parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=p2p"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / name)
+        try:
+            p = probes[name]
+            with torch.no_grad():
+                ours = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids(name))
+            batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+            out[name] = (ours, batches, job.step()["loss"])
+        finally:
+            job.close()
+            runtime.logger.close()
+    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-1], overrides=["parallel.cp=2"])
+    return out
+
+
+def _tiny_steps(out: Path, *, port: int, overrides: list[str]) -> list[float]:
+    import os
+
+    os.environ["MASTER_PORT"] = str(port)
+    over = ["accelerator=cpu", "logging.console=false", f"train.steps={CP_STEPS}", *overrides]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=out)
+    try:
+        return [job.step()["loss"] for _ in range(CP_STEPS)]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def _tiny_steps_one_process(*, rank, world, tmp_path, port):
+    return _tiny_steps(tmp_path / "tiny_steps_one", port=port, overrides=[])
+
+
+def test_cp2_ring_equals_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Text-to-image and Edit at CP 2 with ring attention (one gloo launch): the ranks' image tokens joined equal
+    diffusers' forward (<= 1e-5 relative, text padding masked), the first loss equals the plain-torch reference
+    around diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's."""
+    from diffusers import QwenImageTransformer2DModel
+
+    probes = {name: probe(name) for name in hf_dirs}
+    got = ranks(_cp2_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(len(hf_dirs) + 1)])
+    one = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
+    for name, hf_dir in hf_dirs.items():
+        ref = QwenImageTransformer2DModel.from_pretrained(hf_dir).eval()
+        ours = torch.cat([got[0][name][0], got[1][name][0]], dim=1)
+        want = diffusers_forward(ref, probes[name], name)
+        assert rel_err(ours, want) <= RTOL, (name, rel_err(ours, want))
+        _, batches, loss = got[0][name]
+        assert got[1][name][2] == loss
+        assert loss == pytest.approx(reference_loss(ref, batches), rel=RTOL), name
+    assert got[0]["tiny_cp2"] == pytest.approx(one, rel=RTOL)
+    assert got[1]["tiny_cp2"] == got[0]["tiny_cp2"]
+
+
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
     """The LoRA run's export (diffusers format) loads with ``QwenImagePipeline.load_lora_weights`` into a pipeline
     built from the base checkpoint, and its transformer then computes the merged export's function."""

@@ -11,7 +11,8 @@ The backward runs the ring again: each rank adds its queries' share of the gradi
 chunk's ``dk / dv`` accumulator, which travels with the chunk and is home after ``cp`` exchanges.
 
 Packed samples (``segments``: each global token's sample index) attend only within their sample: a block whose
-queries and keys share no sample is skipped. The blocks are computed in fp32 with a ``[s, s]`` score matrix per
+queries and keys share no sample is skipped. Without ``segments`` the queries need not be the keys' tokens (a
+joint text-image attention sends only the image keys around, ``return_lse`` merging the text keys' block). The blocks are computed in fp32 with a ``[s, s]`` score matrix per
 block (the ring's point: memory per block, not per sequence).
 """
 
@@ -80,15 +81,18 @@ class _RingAttention(torch.autograd.Function):
             lse = new
         ctx.save_for_backward(q, k, v, out, lse, segments)
         ctx.group, ctx.scale, ctx.has_segments = group, scale, segments is not None
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, segments = ctx.saved_tensors
         segments = segments if ctx.has_segments else None
         group, scale = ctx.group, ctx.scale
         rank, size, s = group.rank(), group.size(), q.shape[2]
+        # NOTE: d lse / d scores = p, so the log-sum-exp's gradient only shifts every row's delta
         delta = (dout * out).sum(-1, keepdim=True)
+        if dlse is not None:
+            delta = delta - dlse[..., None]
         dq = torch.zeros_like(q)
         k_cur, v_cur, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for step in range(size):
@@ -109,13 +113,34 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any, segments: Tensor | None = None,
-                   scale: float | None = None) -> Tensor:
+                   scale: float | None = None, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of this rank's ``[b, s, heads, d]`` queries over the keys / values of every rank of ``group``
     (rank r holds tokens ``[r*s, (r+1)*s)``) -> ``[b, s, heads, d]`` in ``q``'s dtype.
 
     ``segments`` ``[cp * s]``: the sample each global token belongs to (packed samples attend only their own);
-    None: each batch row is one sequence."""
+    None: each batch row is one sequence. ``return_lse``: also the fp32 log-sum-exp ``[b, s, heads]`` of every
+    query's scores (to merge another block of keys with the online softmax), with its gradient."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
-    out = _RingAttention.apply(q32, k32, v32, group, segments, scale)
-    return out.transpose(1, 2).to(q.dtype)
+    out, lse = _RingAttention.apply(q32, k32, v32, group, segments, scale)
+    out = out.transpose(1, 2).to(q.dtype)
+    return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None,
+                  scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Plain attention of ``[b, s, heads, d]`` tensors with the fp32 log-sum-exp ``[b, s, heads]`` (a block of keys
+    every rank holds, to merge with :func:`ring_attention`'s); ``key_mask [b, sk]`` True for keys to attend."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
+    mask = None if key_mask is None else key_mask[:, None, None, :].to(torch.bool)
+    out, lse = _block(q32, k32, v32, scale, mask)
+    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
+
+
+def merge_attention(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tensor:
+    """The attention over two blocks of keys from each block's ``(out [b, s, heads, d], lse [b, s, heads])``."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    merged = out_a.float() * torch.exp(lse_a - lse)[..., None] + out_b.float() * torch.exp(lse_b - lse)[..., None]
+    return merged.to(out_a.dtype)

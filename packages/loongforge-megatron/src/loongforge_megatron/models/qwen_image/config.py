@@ -3,7 +3,7 @@ text length and the reference images of the Edit variant in ``data`` (with the f
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -16,6 +16,11 @@ class QwenImageModelConfig(ModelConfig):
     pipeline's ``transformer``); the shared architecture keys (num_layers, hidden_size, num_attention_heads,
     ffn_hidden_size) plus the ones below."""
 
+    not_arch: ClassVar[tuple[str, ...]] = ("cp_comm_type",)
+
+    cp_comm_type: Literal["p2p"] = Field(
+        "p2p", description="context parallelism's joint attention (megatron-core's names): p2p (ring: the image "
+        "keys / values passed around the CP group, the text on every rank)")
     patch_size: int | None = Field(None, ge=1)
     in_channels: int | None = Field(None, ge=1, description="packed patch channels (latent channels x patch^2)")
     out_channels: int | None = Field(None, ge=1)

@@ -17,7 +17,11 @@ linears, the text RMSNorm, the timestep MLP) and the output head are small and h
 RoPE: each image gets frame / row / column positions (rows and columns centred on 0, the frame is the image's
 index: 0 for the noisy image, 1, 2, ... for an Edit model's reference images), the text tokens continue the
 positions after the largest image half-size on all three axes; pairs of channels rotate as complex numbers, as
-diffusers does. Sequence, context and pipeline parallelism are not supported.
+diffusers does.
+
+Context parallelism (ring): each CP rank keeps its contiguous ``1 / cp`` of the image tokens and the whole text;
+the joint attention attends the text keys locally and the image keys around the ring
+(``layers/ring_attention.py``), merged by their log-sum-exps. Sequence and pipeline parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
+from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
 from loongforge_megatron.models import flow_matching as fm
@@ -121,9 +126,10 @@ class JointAttention(MegatronModule):
     ``to_q / to_k / to_v`` and text ``add_q_proj / add_k_proj / add_v_proj`` column-parallel, ``to_out`` (image)
     and ``to_add_out`` (text) row-parallel, per-head q / k RMSNorms for each stream."""
 
-    def __init__(self, config: Any, *, tp_group: Any):
+    def __init__(self, config: Any, *, tp_group: Any, cp_group: Any = None):
         super().__init__(config=config)
         h, d = config.hidden_size, config.kv_channels
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.heads = config.num_attention_heads // tp_group.size()
         for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
             setattr(self, name, _column(config, h, h, tp_group))
@@ -145,9 +151,22 @@ class JointAttention(MegatronModule):
         k = torch.cat([apply_rope(self.added_k_layernorm(self._heads(self.add_k_proj(txt)[0])), txt_rope),
                        apply_rope(self.k_layernorm(self._heads(self.to_k(img)[0])), img_rope)], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)[0]), self._heads(self.to_v(img)[0])], dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask).transpose(1, 2).flatten(2)
         n = txt.shape[1]
+        if self.cp_group is not None:
+            # NOTE: ring context parallelism: this rank's image tokens; the text (every rank's) is one more block
+            from loongforge_megatron.layers.ring_attention import (
+                attention_lse,
+                merge_attention,
+                ring_attention,
+            )
+
+            text_keys = None if mask is None else mask[:, 0, 0, :n]
+            out = merge_attention(attention_lse(q, k[:, :n], v[:, :n], key_mask=text_keys),
+                                  ring_attention(q, k[:, n:], v[:, n:], group=self.cp_group, return_lse=True))
+            out = out.flatten(2)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask).transpose(1, 2).flatten(2)
         return self.to_out(out[:, n:].contiguous())[0], self.to_add_out(out[:, :n].contiguous())[0]
 
 
@@ -157,15 +176,16 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
 
 class QwenImageLayer(MegatronModule):
     """One dual-stream block (see the module docstring). ``temb`` ``[b, 1, h]`` is the timestep embedding;
-    ``temb_ref`` (``zero_cond_t``) the timestep 0's, which modulates the image tokens after the first ``main``."""
+    ``temb_ref`` (``zero_cond_t``) the timestep 0's, which modulates the image tokens after the first ``main`` (of
+    this rank's)."""
 
-    def __init__(self, config: Any, *, arch: Any, tp_group: Any):
+    def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None):
         super().__init__(config=config)
         h, eps, dtype = arch.hidden_size, arch.norm_eps, config.params_dtype
         self.img_mod, self.txt_mod = (_column(config, h, 6 * h, tp_group, gather=True) for _ in range(2))
         self.img_norm1, self.img_norm2, self.txt_norm1, self.txt_norm2 = (
             torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype) for _ in range(4))
-        self.attn = JointAttention(config, tp_group=tp_group)
+        self.attn = JointAttention(config, tp_group=tp_group, cp_group=cp_group)
         sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=row_parallel_linear())
         self.img_mlp = MLP(config=config, submodules=sub, tp_group=tp_group)
         self.txt_mlp = MLP(config=config, submodules=sub, tp_group=tp_group)
@@ -181,6 +201,7 @@ class QwenImageLayer(MegatronModule):
         if temb_ref is not None:
             ref = self.img_mod(F.silu(temb_ref))[0]
             n = img.shape[1]
+            main = min(max(main, 0), n)
             img_params = torch.cat([img_params.expand(-1, main, -1), ref.expand(-1, n - main, -1)], dim=1)
         shift1, scale1, gate1, shift2, scale2, gate2 = img_params.chunk(6, dim=-1)
         tshift1, tscale1, tgate1, tshift2, tscale2, tgate2 = self.txt_mod(F.silu(temb))[0].chunk(6, dim=-1)
@@ -209,17 +230,19 @@ class QwenImageModel(MegatronModule):
     """``forward(x [b, tokens, in_channels], timesteps [b] (noise levels in [0, 1]), text [b, L, joint_attention_dim],
     text_mask [b, L] | None, *, grids) -> [b, tokens, patch^2 x out_channels]``: ``x`` holds the packed patches of
     the images ``grids`` (frames, rows, columns each) one after the other (the noisy image, then an Edit model's
-    reference images); ``text_mask`` marks the real (not padded) text tokens."""
+    reference images); ``text_mask`` marks the real (not padded) text tokens. Under context parallelism the output
+    is this rank's image tokens, ``[b, tokens / cp, ...]`` (:meth:`local_range`)."""
 
-    def __init__(self, config: Any, arch: Any, *, tp_group: Any, recompute: bool = False):
+    def __init__(self, config: Any, arch: Any, *, tp_group: Any, recompute: bool = False, cp_group: Any = None):
         super().__init__(config=config)
         self.arch, self.recompute = arch, recompute
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         h, dtype = arch.hidden_size, config.params_dtype
         self.img_in = torch.nn.Linear(arch.in_channels, h, dtype=dtype)
         self.txt_norm = torch.nn.RMSNorm(arch.joint_attention_dim, eps=arch.norm_eps, dtype=dtype)
         self.txt_in = torch.nn.Linear(arch.joint_attention_dim, h, dtype=dtype)
         self.time_embedder = TimestepEmbedder(h, dtype)
-        self.layers = torch.nn.ModuleList(QwenImageLayer(config, arch=arch, tp_group=tp_group)
+        self.layers = torch.nn.ModuleList(QwenImageLayer(config, arch=arch, tp_group=tp_group, cp_group=cp_group)
                                           for _ in range(arch.num_layers))
         self.norm_out = torch.nn.LayerNorm(h, eps=arch.norm_eps, elementwise_affine=False, dtype=dtype)
         self.norm_out_linear = torch.nn.Linear(h, 2 * h, dtype=dtype)
@@ -255,19 +278,27 @@ class QwenImageModel(MegatronModule):
             return tensor_parallel.checkpoint(run, False, img, txt, temb, *rope, mask, temb_ref)
         return layer(img, txt, temb, rope, mask, temb_ref, main)
 
+    def local_range(self, tokens: int) -> tuple[int, int]:
+        """This CP rank's image tokens ``[start, end)`` of ``tokens`` (all of them without context parallelism)."""
+        if self.cp_group is None:
+            return 0, tokens
+        n = tokens // self.cp_group.size()
+        return self.cp_group.rank() * n, (self.cp_group.rank() + 1) * n
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 text_mask: torch.Tensor | None = None, *, grids: Sequence[Grid]) -> torch.Tensor:
-        img = self.img_in(x)
+        start, end = self.local_range(x.shape[1])
+        img = self.img_in(x[:, start:end])
         dtype = img.dtype
         t = timesteps.to(dtype)
         temb = self.time_embedder(timestep_features(t).to(dtype))[:, None]  # [b, 1, h]
         temb_ref, main = None, 0
         if self.arch.zero_cond_t:
             temb_ref = self.time_embedder(timestep_features(t * 0).to(dtype))[:, None]
-            main = math.prod(grids[0])
+            main = math.prod(grids[0]) - start
         txt = self.txt_in(self._text_rms(text))
         img_rope, txt_rope = rope_freqs(axes=self.arch.axes_dims_rope, grids=grids, text_length=text.shape[1])
-        rope = (img_rope.to(x.device), txt_rope.to(x.device))
+        rope = (img_rope[start:end].to(x.device), txt_rope.to(x.device))
         mask = None
         if text_mask is not None:
             keep = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
@@ -313,7 +344,8 @@ def build_qwen_image(*, config: Any, arch: Any, device: torch.device, recompute:
     """``[QwenImageModel]`` for this rank, before DDP (one chunk). ``compile_mode`` compiles each block."""
     from megatron.core import parallel_state as mpu
 
-    model = QwenImageModel(config, arch, tp_group=mpu.get_tensor_model_parallel_group(), recompute=recompute)
+    model = QwenImageModel(config, arch, tp_group=mpu.get_tensor_model_parallel_group(), recompute=recompute,
+                           cp_group=mpu.get_context_parallel_group())
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it
     model.to(device=device)
     if compile_mode is not None:
@@ -342,5 +374,8 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
             grids.append((1, ref.shape[-2] // patch, ref.shape[-1] // patch))
     pred = model(torch.cat(tokens, dim=1).to(param.dtype), sigmas, batch["text"], batch.get("text_mask"),
                  grids=grids)
-    pred = pred[:, : noisy.shape[1]]
-    return fm.squared_error(pred, pack(x0, patch), pack(noise, patch)), fm.loss_func
+    # NOTE: this context-parallel rank's tokens of the noisy image (megatron sums the ranks' sums and counts)
+    start, end = unwrap(model).local_range(sum(t.shape[1] for t in tokens))
+    scored = slice(start, min(end, noisy.shape[1]))
+    pred = pred[:, : max(scored.stop - start, 0)]
+    return fm.squared_error(pred, pack(x0, patch)[:, scored], pack(noise, patch)[:, scored]), fm.loss_func
