@@ -235,30 +235,36 @@ def packed_probe(name: str) -> dict:
             "grids": [(f, GRID[1] // 2, GRID[2] // 2) for f in PACKED_FRAMES]}
 
 
-def _packed_cp_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
-    """Packed videos at CP 2: I2V with the ring (p2p) and T2V with Ulysses (a2a): this rank's share of the packed
-    forward; the tiny recipe with packed variable-length samples: its first steps' losses with each."""
+#: the packed layouts of one launch: (name, the probe's config, parallel overrides)
+PACKED_LAYOUTS = (("p2p", "i2v", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=p2p"]),
+                  ("a2a", "t2v", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=a2a"]),
+                  ("sp", "i2v", ["parallel.tp=2", "parallel.sp=true"]))
+
+
+def _packed_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Packed videos at CP 2 (I2V with the ring, T2V with Ulysses) and at TP 2 + sequence parallelism (I2V): this
+    rank's share of the packed forward; the tiny recipe with packed variable-length samples: its first steps'
+    losses in each layout."""
     import os
 
     out = {}
-    for (name, comm), port in zip((("i2v", "p2p"), ("t2v", "a2a")), ports, strict=False):
+    for (layout, name, parallel), port in zip(PACKED_LAYOUTS, ports, strict=False):
         os.environ["MASTER_PORT"] = str(port)
-        over = [*cpt(hf_dirs[name], name), "parallel.tp=1", "parallel.cp=2", f"model.cp_comm_type={comm}",
-                "data.packed_frames=[1,2,3]"]
-        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / name)
+        over = [*cpt(hf_dirs[name], name), *parallel, "data.packed_frames=[1,2,3]"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / layout)
         try:
             p = probes[name]
             with torch.no_grad():
-                out[name] = job.chunks[0](p["patches"], p["t"], p["text"], p["image"], grids=p["grids"])[0]
+                out[layout] = job.chunks[0](p["patches"], p["t"], p["text"], p["image"], grids=p["grids"])[0]
         finally:
             job.close()
             runtime.logger.close()
-    for comm, port in zip(("p2p", "a2a"), ports[2:], strict=True):
+    for (layout, _, parallel), port in zip(PACKED_LAYOUTS, ports[len(PACKED_LAYOUTS):], strict=True):
         os.environ["MASTER_PORT"] = str(port)
-        recipe = loongforge.load_recipe(RECIPE, [*TINY_PACKED, "parallel.cp=2", f"model.cp_comm_type={comm}"])
-        job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / f"tiny_{comm}")
+        recipe = loongforge.load_recipe(RECIPE, [*TINY_PACKED, *parallel])
+        job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / f"tiny_{layout}")
         try:
-            out[f"tiny_{comm}"] = [job.step()["loss"] for _ in range(PACKED_STEPS)]
+            out[f"tiny_{layout}"] = [job.step()["loss"] for _ in range(PACKED_STEPS)]
         finally:
             job.close()
             runtime.logger.close()
@@ -278,29 +284,34 @@ def _tiny_packed_one_process(*, rank, world, tmp_path):
         runtime.logger.close()
 
 
-def test_packed_videos_at_cp2_ring_and_ulysses_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
-    """Videos of different lengths packed into one sequence at CP 2 (the cut falls inside a video): the ring (I2V)
-    and Ulysses (T2V) forward equals diffusers' on each video alone (<= 1e-5 relative); the tiny recipe on packed
-    variable-length samples gives the one-process losses over 5 steps with either."""
+def test_packed_videos_at_cp2_and_tp2_sp_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Videos of different lengths packed into one sequence, split over 2 ranks (the cut falls inside a video):
+    at CP 2 with the ring (I2V) and Ulysses (T2V) and at TP 2 + sequence parallelism (I2V) the forward equals
+    diffusers' on each video alone (<= 1e-5 relative); the tiny recipe on packed variable-length samples gives the
+    one-process losses over 5 steps in each layout."""
     from diffusers import WanTransformer3DModel
     from loongforge_megatron.models.wan.model import patchify
 
     probes = {name: packed_probe(name) for name in ("i2v", "t2v")}
-    got = ranks(_packed_cp_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(4)])
+    got = ranks(_packed_jobs, world=2, out=tmp_path / "two", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(2 * len(PACKED_LAYOUTS))])
     one = ranks(_tiny_packed_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
+    want = {}
     for name, p in probes.items():
         ref = WanTransformer3DModel.from_pretrained(hf_dirs[name]).eval()
-        want = []
+        parts = []
         for i, video in enumerate(p["videos"]):
             image = None if p["image"] is None else p["image"][i: i + 1]
             single = {"x": video, "t": p["t"][i: i + 1], "text": p["text"][i: i + 1], "image": image}
-            want.append(patchify(diffusers_forward(ref, single), (1, 2, 2))[0])
-        ours = torch.cat([got[0][name], got[1][name]])
-        assert rel_err(ours, torch.cat(want)) <= RTOL, (name, rel_err(ours, torch.cat(want)))
-    for comm in ("p2p", "a2a"):
-        assert got[0][f"tiny_{comm}"] == pytest.approx(one, rel=RTOL), comm
-        assert got[1][f"tiny_{comm}"] == got[0][f"tiny_{comm}"]
+            parts.append(patchify(diffusers_forward(ref, single), (1, 2, 2))[0])
+        want[name] = torch.cat(parts)
+    for layout, name, _ in PACKED_LAYOUTS:
+        # NOTE: a CP rank returns its tokens; sequence parallelism gathers the TP ranks' for the loss
+        ours = got[0][layout] if layout == "sp" else torch.cat([got[0][layout], got[1][layout]])
+        assert rel_err(ours, want[name]) <= RTOL, (layout, rel_err(ours, want[name]))
+        assert got[0][f"tiny_{layout}"] == pytest.approx(one, rel=RTOL), layout
+        assert got[1][f"tiny_{layout}"] == got[0][f"tiny_{layout}"]
+    assert one[-1] != one[0]
 
 
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:

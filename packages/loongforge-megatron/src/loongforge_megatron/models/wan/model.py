@@ -15,8 +15,11 @@ each own a slice of the head's channels, pairs interleaved as diffusers does). T
 convolution, timestep, text, image-encoder tokens) and the output head are small and held whole on every rank.
 
 Context parallelism splits the video tokens over the CP group (Ulysses or ring: see :class:`WanModel`). Packed
-micro-batches of videos of different sizes attend sample by sample (``packing.py``). Sequence and pipeline
-parallelism are not supported.
+micro-batches of videos of different sizes attend sample by sample (``packing.py``). Sequence parallelism
+(``config.sequence_parallel``) splits the residual stream's tokens over the TP ranks as megatron does: the
+column-parallel projections of the video tokens all-gather them, the row-parallel ones reduce-scatter; the text /
+image-token projections of the cross-attention see whole inputs (no sequence split). Pipeline parallelism is not
+supported.
 """
 
 from __future__ import annotations
@@ -139,6 +142,32 @@ def _column(config: Any, size_in: int, size_out: int, tp_group: Any) -> ColumnPa
                                 gather_output=False, skip_bias_add=False, tp_group=tp_group)
 
 
+def _whole_input(config: Any) -> Any:
+    """``config`` for linears whose input every TP rank holds whole (text / image tokens): no sequence split."""
+    if not config.sequence_parallel:
+        return config
+    import copy
+
+    whole = copy.copy(config)
+    whole.sequence_parallel = False
+    return whole
+
+
+def _mark_sequence_parallel(module: torch.nn.Module) -> None:
+    """Parameters of ``module`` (held whole) that see only this rank's tokens under sequence parallelism: megatron
+    sums their gradients over TP (``finalize_model_grads``)."""
+    for p in module.parameters():
+        p.sequence_parallel = True
+
+
+def _seq_first(fn: Any, x: torch.Tensor, sp: bool) -> Any:
+    """``fn`` (a megatron linear / MLP) on ``[b, s, h]``: megatron's sequence-parallel exchange is on dim 0."""
+    if not sp:
+        return fn(x)
+    out, bias = fn(x.transpose(0, 1))
+    return out.transpose(0, 1), bias
+
+
 def _row(config: Any, size_in: int, size_out: int, tp_group: Any) -> Any:
     return row_parallel_linear()(size_in, size_out, config=config, init_method=config.output_layer_init_method,
                                  bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
@@ -203,20 +232,22 @@ class WanAttention(MegatronModule):
     ``norm_added_k``) and the two results are summed before ``to_out``."""
 
     def __init__(self, config: Any, *, tp_group: Any, image_dim: int | None = None, cp_group: Any = None,
-                 cp_comm_type: str = "a2a"):
+                 cp_comm_type: str = "a2a", cross: bool = False):
         super().__init__(config=config)
         h, tp = config.hidden_size, tp_group.size()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
-        self.cp_comm_type = cp_comm_type
+        self.cp_comm_type, self.sp = cp_comm_type, bool(config.sequence_parallel)
         self.heads = config.num_attention_heads // tp
-        self.to_q, self.to_k, self.to_v = (_column(config, h, h, tp_group) for _ in range(3))
+        kv_config = _whole_input(config) if cross else config
+        self.to_q = _column(config, h, h, tp_group)
+        self.to_k, self.to_v = _column(kv_config, h, h, tp_group), _column(kv_config, h, h, tp_group)
         self.to_out = _row(config, h, h, tp_group)
         norm = dict(eps=config.layernorm_epsilon, tp_group=tp_group, dtype=config.params_dtype)
         self.norm_q, self.norm_k = HeadsRMSNorm(h, **norm), HeadsRMSNorm(h, **norm)
         self.add_k_proj = self.add_v_proj = self.norm_added_k = None
         if image_dim is not None:
-            self.add_k_proj = _column(config, image_dim, h, tp_group)
-            self.add_v_proj = _column(config, image_dim, h, tp_group)
+            self.add_k_proj = _column(kv_config, image_dim, h, tp_group)
+            self.add_v_proj = _column(kv_config, image_dim, h, tp_group)
             self.norm_added_k = HeadsRMSNorm(h, **norm)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -245,9 +276,10 @@ class WanAttention(MegatronModule):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, rope: Any = None,
                 image: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         kv = x if context is None else context
-        q = self._heads(self.norm_q(self.to_q(x)[0]))
-        k = self._heads(self.norm_k(self.to_k(kv)[0]))
-        v = self._heads(self.to_v(kv)[0])
+        kv_sp = self.sp and context is None
+        q = self._heads(self.norm_q(_seq_first(self.to_q, x, self.sp)[0]))
+        k = self._heads(self.norm_k(_seq_first(self.to_k, kv, kv_sp)[0]))
+        v = self._heads(_seq_first(self.to_v, kv, kv_sp)[0])
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
@@ -260,7 +292,7 @@ class WanAttention(MegatronModule):
             ki = self._heads(self.norm_added_k(self.add_k_proj(image)[0]))
             vi = self._heads(self.add_v_proj(image)[0])
             out = out + cross(ki, vi)
-        return self.to_out(out)[0]
+        return _seq_first(self.to_out, out, self.sp)[0]
 
 
 class WanLayer(MegatronModule):
@@ -274,11 +306,15 @@ class WanLayer(MegatronModule):
         self.attn1 = WanAttention(config, tp_group=tp_group, cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.norm2 = (FP32LayerNorm(h, eps=eps, elementwise_affine=True, dtype=dtype) if arch.cross_attn_norm
                       else torch.nn.Identity())
-        self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim)
+        self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim, cross=True)
         self.norm3 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
         self.mlp = MLP(config=config, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                linear_fc2=row_parallel_linear()), tp_group=tp_group)
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 6, h, dtype=dtype) / h**0.5)
+        self.sp = bool(config.sequence_parallel)
+        if self.sp:
+            _mark_sequence_parallel(self.norm2)
+            self.scale_shift_table.sequence_parallel = True
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, modulation: torch.Tensor, rope: Any,
                 image: torch.Tensor | None, packing: Packing | None = None) -> torch.Tensor:
@@ -289,7 +325,7 @@ class WanLayer(MegatronModule):
         x = (x.float() + self.attn1(y, rope=rope, packing=packing) * gate1).type_as(x)
         x = x + self.attn2(self.norm2(x.float()).type_as(x), text, image=image, packing=packing)
         y = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        out, bias = self.mlp(y)
+        out, bias = _seq_first(self.mlp, y, self.sp)
         out = out if bias is None else out + bias
         return (x.float() + out.float() * gate2).type_as(x)
 
@@ -331,7 +367,8 @@ class ImageEmbedder(torch.nn.Module):
 class WanModel(MegatronModule):
     """``forward(x [b, in_channels, F, H, W], timesteps [b] or [b, tokens], text [b, L, text_dim],
     image [b, Li, image_dim] | None) -> velocity [b, out_channels, F, H, W]`` (or, ``tokens_out``, this context-
-    parallel rank's tokens ``[b, tokens / cp, pt * ph * pw * out_channels]``: what the loss reads).
+    parallel rank's tokens ``[b, tokens / cp, pt * ph * pw * out_channels]``: what the loss reads; sequence
+    parallelism's split gathered).
 
     Context parallelism (``cp_group`` of size cp): after the patch embedding each rank keeps its contiguous
     ``1 / cp`` of the video tokens (with their RoPE and per-token modulation); self-attention exchanges tokens for
@@ -345,6 +382,7 @@ class WanModel(MegatronModule):
         super().__init__(config=config)
         self.arch, self.recompute = arch, recompute
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.tp_group, self.sp = tp_group, bool(config.sequence_parallel)
         h, dtype = arch.hidden_size, config.params_dtype
         self.patch_embedding = torch.nn.Conv3d(arch.in_channels, h, kernel_size=arch.patch_size,
                                                stride=arch.patch_size, dtype=dtype)
@@ -362,6 +400,12 @@ class WanModel(MegatronModule):
         self.proj_out = torch.nn.Linear(h, arch.out_channels * math.prod(arch.patch_size), dtype=dtype)
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 2, h, dtype=dtype) / h**0.5)
         self._init_weights()
+        if self.sp:
+            # NOTE: these see only this rank's tokens (the text / image embedders feed whole-input projections,
+            # whose backward already sums over TP)
+            for m in (self.patch_embedding, self.time_embedder, self.time_proj, self.proj_out):
+                _mark_sequence_parallel(m)
+            self.scale_shift_table.sequence_parallel = True
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -387,12 +431,34 @@ class WanModel(MegatronModule):
             return tensor_parallel.checkpoint(run, False, hidden, context, modulation, *rope, tokens)
         return layer(hidden, context, modulation, rope, tokens, packing)
 
-    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+    def cp_local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This context-parallel rank's share of ``[b, tokens, ...]`` (all of it without context parallelism)."""
         if self.cp_group is None:
             return tokens
         n = tokens.shape[1] // self.cp_group.size()
         return tokens[:, self.cp_group.rank() * n: (self.cp_group.rank() + 1) * n]
+
+    def sp_local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of ``[b, tokens, ...]`` under sequence parallelism (all of it without)."""
+        if not self.sp:
+            return tokens
+        n = tokens.shape[1] // self.tp_group.size()
+        return tokens[:, self.tp_group.rank() * n: (self.tp_group.rank() + 1) * n]
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens of ``[b, tokens, ...]`` this rank's residual stream holds (context, then sequence split)."""
+        return self.sp_local(self.cp_local(tokens))
+
+    def sp_gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`sp_local`: every TP rank's tokens of ``[b, tokens / tp, ...]``; the backward
+        keeps this rank's part of the gradient (every TP rank computes the same loss from the gathered tokens)."""
+        if not self.sp:
+            return tokens
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        out = gather_from_sequence_parallel_region(tokens.transpose(0, 1).contiguous(), group=self.tp_group,
+                                                   tensor_parallel_output_grad=False)
+        return out.transpose(0, 1)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 image: torch.Tensor | None = None, *, tokens_out: bool = False, grids: Any = None) -> torch.Tensor:
@@ -403,9 +469,9 @@ class WanModel(MegatronModule):
         grid = (frames // pt, height // ph, width // pw)
         rope = rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=grid)
         hidden = self.local(self.patch_embedding(x).flatten(2).transpose(1, 2)).contiguous()  # [b, tokens, h]
-        if self.cp_group is not None:
-            rope = tuple(t.transpose(0, 1) for t in (self.local(r.transpose(0, 1)) for r in rope))
-            timesteps = self.local(timesteps) if timesteps.dim() == 2 else timesteps
+        if self.cp_group is not None:  # NOTE: attention sees the CP rank's tokens (sequence parallelism gathers)
+            rope = tuple(t.transpose(0, 1) for t in (self.cp_local(r.transpose(0, 1)) for r in rope))
+        timesteps = self.local(timesteps) if timesteps.dim() == 2 else timesteps
         dtype = self.time_proj.weight.dtype
         temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))
         modulation = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))  # [b, (tokens,) 6, h]
@@ -423,6 +489,7 @@ class WanModel(MegatronModule):
             shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         out = self.proj_out(hidden)
+        out = self.sp_gather(out)
         if tokens_out:
             return out
         if self.cp_group is not None:
@@ -452,12 +519,12 @@ class WanModel(MegatronModule):
         conv = self.patch_embedding
         # NOTE: a patch convolution is a linear map of each patch's values, in patchify's (pt, ph, pw, c) order
         weight = conv.weight.permute(0, 2, 3, 4, 1).flatten(1)
-        hidden = F.linear(packing.local(patches).to(weight.dtype), weight, conv.bias)[None]  # [1, T / cp, h]
+        hidden = self.sp_local(F.linear(packing.local(patches).to(weight.dtype), weight, conv.bias)[None])
         ropes = [rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=g) for g in grid_rows]
         rope = tuple(packing.local(torch.cat(parts)) for parts in zip(*ropes, strict=True))
         dtype = self.time_proj.weight.dtype
         temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))  # [n, h]
-        modulation = packing.per_token(self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)))[None]
+        modulation = self.sp_local(packing.per_token(self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)))[None])
         context = packing.present(self.text_embedder(text.to(dtype)))
         tokens = None
         if self.image_embedder is not None:
@@ -466,9 +533,10 @@ class WanModel(MegatronModule):
             tokens = packing.present(self.image_embedder(image.to(dtype)))
         for layer in self.layers:
             hidden = self._layer(layer, hidden, context, modulation, rope, tokens, packing)
-        shift, scale = (self.scale_shift_table + packing.per_token(temb)[:, None]).unbind(-2)  # [T / cp, h] each
+        temb = self.sp_local(packing.per_token(temb)[None])[0]
+        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(-2)  # [tokens of this rank, h] each
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-        return self.proj_out(hidden)
+        return self.sp_gather(self.proj_out(hidden))
 
 
 def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusion: bool = False) -> TransformerConfig:
@@ -489,6 +557,7 @@ def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusio
         gradient_accumulation_fusion=grad_accum_fusion, persist_layer_norm=False, tensor_model_parallel_size=plan.tp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
         use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=False,
+        sequence_parallel=plan.sp,
     )
 
 
@@ -523,9 +592,10 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     pred = model(noisy.to(param.dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"),
                  tokens_out=True)
     # NOTE: the loss over this context-parallel rank's tokens (the same elements as the video's, in token order);
-    # megatron sums the ranks' sums and counts
+    # megatron sums the ranks' sums and counts. Sequence parallelism gathered the TP ranks' tokens: every TP rank
+    # computes the same loss, as without it
     inner = unwrap(model)
-    patch, local = inner.arch.patch_size, inner.local
+    patch, local = inner.arch.patch_size, inner.cp_local
     return fm.squared_error(pred, local(patchify(x0, patch)), local(patchify(noise, patch))), fm.loss_func
 
 

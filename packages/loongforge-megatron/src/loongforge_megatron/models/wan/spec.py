@@ -43,7 +43,7 @@ class Wan(HFCheckpoint):
     model_section = WanModelConfig
     data_section = WanDataConfig
     supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
-                        sft_formats=(), parallel=("tp", "cp"), layers=("auto", "loongforge", "local"))
+                        sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata (module paths: the
     # attention output is "to_out.0", and a bare "0" would match every block)
@@ -89,7 +89,7 @@ class Wan(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: WanArch) -> None:
-        """What the Wan path supports: TP / CP (Ulysses or ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
+        """What the Wan path supports: TP (+ SP) / CP (Ulysses or ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
         synthetic samples, resumable checkpoints, diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Wan models use no fused kernels (SDPA attention only); leave kernels.provider auto",
@@ -125,16 +125,19 @@ class Wan(HFCheckpoint):
             if size // p > arch.rope_max_seq_len:
                 raise RecipeError(f"{size // p} patches along {axis} exceed the model's RoPE table "
                                   f"(rope_max_seq_len {arch.rope_max_seq_len})", key=key)
+        # NOTE: the tokens split over cp, then (sequence parallelism) over tp
+        parts, what = (plan.cp * plan.tp, "cp x tp (sequence parallel)") if plan.sp else (plan.cp, "cp")
+        key = "parallel.sp" if plan.sp else "parallel.cp"
         if data.packed_frames:
-            # NOTE: every sample's tokens are whole frames: frames of tokens splitting over cp split any packing
+            # NOTE: every sample's tokens are whole frames: frames of tokens that split split any packing
             per_frame = arch.tokens(arch.patch_size[0], data.latent_height, data.latent_width)
-            if per_frame % plan.cp:
-                raise RecipeError(f"{per_frame} video tokens per latent frame do not split over cp = {plan.cp} "
-                                  "(packed samples)", key="parallel.cp")
+            if per_frame % parts:
+                raise RecipeError(f"{per_frame} video tokens per latent frame do not split over {what} = {parts} "
+                                  "(packed samples)", key=key)
             return
         tokens = arch.tokens(data.latent_frames, data.latent_height, data.latent_width)
-        if tokens % plan.cp:
-            raise RecipeError(f"{tokens} video tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
+        if tokens % parts:
+            raise RecipeError(f"{tokens} video tokens per sample do not split over {what} = {parts}", key=key)
 
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: WanArch, runtime: Any, device: Any) -> Data:
