@@ -323,7 +323,9 @@ def test_preset_is_the_published_size():
 @pytest.mark.parametrize(("overrides", "key", "fragment"), [
     (["data.height=7"], "data.height", "patches of 2"),
     (["data.seq_length=64"], "data.seq_length", "not used by Qwen-Image"),
-    (["parallel.cp=2"], "parallel.cp", "Qwen-Image"),
+    # NOTE: context parallelism (ring) splits the image tokens: a split that does not divide them is refused
+    (["parallel.cp=2", "data.height=6", "data.width=6"], "parallel.cp", "do not split over cp"),
+    (["parallel.sp=true", "parallel.tp=2"], "parallel.sp", "Qwen-Image"),
     (["model.ffn_hidden_size=100"], "model", "4 x hidden_size"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

@@ -36,11 +36,18 @@ class WanModelConfig(ModelConfig):
 
 class WanDataConfig(FlowMatchingData):
     """``data`` of a Wan model: format ``synthetic``: seeded latent videos with matching text embeddings (and
-    image tokens / condition channels where the model takes them), for tests and benchmarks."""
+    image tokens / condition channels where the model takes them), for tests and benchmarks; ``latent_cache``: the
+    clips ``loongforge data prepare`` encoded into ``data.path`` from ``data.frames`` (text-to-video models)."""
 
     formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
 
-    format: str = Field("synthetic", description="synthetic")
+    format: str = Field("synthetic", description="synthetic | latent_cache")
+    frames: str | None = Field(None, description="data prepare: a folder with one sub-folder per clip, its frames "
+                               "as *.png (name order, one size, 1 + 4k of them) and its caption.txt")
+    autoencoder: str | None = Field(None, description="data prepare: a diffusers AutoencoderKLWan folder (a "
+                                    "pipeline's autoencoder) that encodes the frames")
+    text_encoder: str | None = Field(None, description="data prepare: a transformers UMT5 / T5 encoder folder with "
+                                     "its tokenizer, which encodes the captions")
     latent_frames: int = Field(21, ge=1, description="latent frames per sample ((video frames - 1) / 4 + 1: 81 -> 21)")
     latent_height: int = Field(60, ge=1, description="latent rows (pixels / 8; Wan2.2 TI2V-5B: / 16)")
     latent_width: int = Field(104, ge=1, description="latent columns")

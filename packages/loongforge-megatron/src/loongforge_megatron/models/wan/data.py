@@ -71,15 +71,17 @@ class SyntheticVideo:
             sample["image"] = self._prompt(prompt, 2, self.image_shape)
         if self.cond_channels > 0:
             sample["condition"] = self._field(prompt, 3, self.cond_channels, shape[1:])
-        return self._packed(sample) if self.packed_frames else sample
+        return as_packed(sample, self.patch) if self.packed_frames else sample
 
-    def _packed(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One sample as the rows of a packed micro-batch."""
-        from loongforge_megatron.models.wan.model import patchify
 
-        grid = [n // p for n, p in zip(sample["x0"].shape[1:], self.patch, strict=True)]
-        out = {k: patchify(sample[k][None], self.patch)[0] for k in ("x0", "noise", "condition") if k in sample}
-        out["grid"] = torch.tensor([grid])
-        out["sigmas"] = sample["sigmas"].reshape(1)
-        out.update({k: sample[k][None] for k in ("text", "image") if k in sample})
-        return out
+def as_packed(sample: dict[str, torch.Tensor], patch: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """One sample as the rows of a packed micro-batch: its videos as patch tokens, its patch ``grid [1, 3]``, one
+    row of per-sample values (``sigmas [1]``, ``text [1, L, dim]``, ``image [1, tokens, dim]``)."""
+    from loongforge_megatron.models.wan.model import patchify
+
+    grid = [n // p for n, p in zip(sample["x0"].shape[1:], patch, strict=True)]
+    out = {k: patchify(sample[k][None], patch)[0] for k in ("x0", "noise", "condition") if k in sample}
+    out["grid"] = torch.tensor([grid])
+    out["sigmas"] = sample["sigmas"].reshape(1)
+    out.update({k: sample[k][None] for k in ("text", "image") if k in sample})
+    return out

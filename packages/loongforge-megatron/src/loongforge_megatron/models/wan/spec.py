@@ -42,7 +42,7 @@ class Wan(HFCheckpoint):
     arch_type = WanArch
     model_section = WanModelConfig
     data_section = WanDataConfig
-    supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
+    supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic", "latent_cache"),
                         sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata (module paths: the
@@ -111,10 +111,16 @@ class Wan(HFCheckpoint):
             raise RecipeError("Wan models take text embeddings, not tokens: remove model.tokenizer",
                               key="model.tokenizer")
         defaults = type(data).model_fields
-        for key in ("path", "seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split"):
+        cache = data.format == "latent_cache"
+        for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split", *(() if cache else (
+                "path", "frames", "autoencoder", "text_encoder"))):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
-                raise RecipeError("not used by Wan models (synthetic samples of data.latent_frames x "
-                                  "data.latent_height x data.latent_width)", key=f"data.{key}")
+                raise RecipeError(f"not used by Wan models' data.format {data.format}", key=f"data.{key}")
+        if cache and (arch.in_channels != arch.out_channels or arch.image_dim is not None):
+            raise RecipeError("a latent cache holds text-to-video clips; this model takes image conditions (I2V)",
+                              key="data.format")
+        if cache:  # NOTE: the clips' sizes are in the cache, checked when it is opened
+            return
         sizes = [("frames", f, arch.patch_size[0], "data.packed_frames") for f in data.packed_frames] or [
             ("frames", data.latent_frames, arch.patch_size[0], "data.latent_frames")]
         sizes += [("height", data.latent_height, arch.patch_size[1], "data.latent_height"),
@@ -139,11 +145,28 @@ class Wan(HFCheckpoint):
         if tokens % parts:
             raise RecipeError(f"{tokens} video tokens per sample do not split over {what} = {parts}", key=key)
 
+    def prepare_data(self, recipe: Any, *, force: bool = False) -> Path:
+        """``loongforge data prepare``: encode ``data.frames``' clips into the latent cache at ``data.path``."""
+        from loongforge_megatron.models.wan.cache import prepare
+
+        if recipe.data.format != "latent_cache":
+            raise RecipeError(f"data.format {recipe.data.format} needs no preparation (prepare writes a "
+                              "latent_cache)", key="data.format")
+        return prepare(recipe, force=force)
+
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: WanArch, runtime: Any, device: Any) -> Data:
         from loongforge_megatron.models.wan.data import SyntheticVideo
 
         d = recipe.data
+        if d.format == "latent_cache":
+            from loongforge_megatron.models.wan.cache import LatentCache
+
+            p = recipe.parallel
+            cache = LatentCache(path=d.path, arch=arch, data=d, objective=objective_of(d), seed=recipe.train.seed,
+                                parts=p.cp * (p.tp if p.sp else 1))
+            return Data(train=cache, seq_length=arch.tokens(d.latent_frames, d.latent_height, d.latent_width),
+                        sample_unit="videos")
         dataset = SyntheticVideo(arch=arch, data=d, objective=objective_of(d), seed=recipe.train.seed)
         frames = max(d.packed_frames, default=d.latent_frames)
         return Data(train=dataset, seq_length=arch.tokens(frames, d.latent_height, d.latent_width),
