@@ -203,6 +203,20 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
 
 
 CP_STEPS = 5
+PACKED_SIZES = [(6, 8), (4, 4), (2, 8)]  # latent sizes of the packed probe: 12 + 4 + 4 tokens, cut by cp 2 in the first
+TINY_PACKED = ["data.packed_sizes=[[8,8],[4,8],[4,4]]"]
+
+
+def packed_probe() -> dict:
+    """Three images of different sizes with their own noise levels and texts (one padded): each alone (diffusers'
+    input) and packed (ours: patches joined, one grid row per image)."""
+    g = torch.Generator().manual_seed(5)
+    images = [torch.randn(1, (h // 2) * (w // 2), 16, generator=g) for h, w in PACKED_SIZES]
+    mask = torch.ones(len(images), TEXT, dtype=torch.bool)
+    mask[1, 2:] = False
+    return {"images": images, "t": torch.tensor([0.1, 0.7315, 0.5]), "mask": mask,
+            "text": torch.randn(len(images), TEXT, 16, generator=g), "patches": torch.cat([i[0] for i in images]),
+            "grids": [(1, h // 2, w // 2) for h, w in PACKED_SIZES]}
 
 
 def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
@@ -220,12 +234,16 @@ def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
             p = probes[name]
             with torch.no_grad():
                 ours = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids(name))
+                p = probes["packed"]
+                packed = job.chunks[0](p["patches"], p["t"], p["text"], p["mask"], grids=p["grids"])[0]
             batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-            out[name] = (ours, batches, job.step()["loss"])
+            out[name] = (ours, batches, job.step()["loss"], packed)
         finally:
             job.close()
             runtime.logger.close()
-    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-1], overrides=["parallel.cp=2"])
+    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-2], overrides=["parallel.cp=2"])
+    out["tiny_packed_cp2"] = _tiny_steps(tmp_path / "tiny_packed_cp2", port=ports[-1],
+                                         overrides=["parallel.cp=2", *TINY_PACKED])
     return out
 
 
@@ -242,30 +260,43 @@ def _tiny_steps(out: Path, *, port: int, overrides: list[str]) -> list[float]:
         runtime.logger.close()
 
 
-def _tiny_steps_one_process(*, rank, world, tmp_path, port):
-    return _tiny_steps(tmp_path / "tiny_steps_one", port=port, overrides=[])
+def _tiny_steps_one_process(*, rank, world, tmp_path, ports):
+    return (_tiny_steps(tmp_path / "tiny_steps_one", port=ports[0], overrides=[]),
+            _tiny_steps(tmp_path / "tiny_packed_one", port=ports[1], overrides=TINY_PACKED))
 
 
 def test_cp2_ring_equals_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit at CP 2 with ring attention (one gloo launch): the ranks' image tokens joined equal
-    diffusers' forward (<= 1e-5 relative, text padding masked), the first loss equals the plain-torch reference
-    around diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's."""
+    diffusers' forward (<= 1e-5 relative, text padding masked), also for images of three sizes packed into one
+    sequence (each against diffusers on it alone), the first loss equals the plain-torch reference around
+    diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's, also on packed variable-size
+    samples."""
     from diffusers import QwenImageTransformer2DModel
 
     probes = {name: probe(name) for name in hf_dirs}
+    probes["packed"] = packed_probe()
     got = ranks(_cp2_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(len(hf_dirs) + 1)])
-    one = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
+                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+    one, one_packed = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path,
+                            ports=[free_port(), free_port()])[0]
+    p = probes["packed"]
     for name, hf_dir in hf_dirs.items():
         ref = QwenImageTransformer2DModel.from_pretrained(hf_dir).eval()
         ours = torch.cat([got[0][name][0], got[1][name][0]], dim=1)
         want = diffusers_forward(ref, probes[name], name)
         assert rel_err(ours, want) <= RTOL, (name, rel_err(ours, want))
-        _, batches, loss = got[0][name]
+        _, batches, loss, _ = got[0][name]
         assert got[1][name][2] == loss
         assert loss == pytest.approx(reference_loss(ref, batches), rel=RTOL), name
+        with torch.no_grad():
+            want = torch.cat([ref(x, p["text"][i: i + 1], p["mask"][i: i + 1], p["t"][i: i + 1],
+                                  img_shapes=[[p["grids"][i]]]).sample[0] for i, x in enumerate(p["images"])])
+        ours = torch.cat([got[0][name][3], got[1][name][3]])
+        assert rel_err(ours, want) <= RTOL, (name, "packed", rel_err(ours, want))
     assert got[0]["tiny_cp2"] == pytest.approx(one, rel=RTOL)
     assert got[1]["tiny_cp2"] == got[0]["tiny_cp2"]
+    assert got[0]["tiny_packed_cp2"] == pytest.approx(one_packed, rel=RTOL)
+    assert one_packed[-1] != one_packed[0]
 
 
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
@@ -326,6 +357,9 @@ def test_preset_is_the_published_size():
     # NOTE: context parallelism (ring) splits the image tokens: a split that does not divide them is refused
     (["parallel.cp=2", "data.height=6", "data.width=6"], "parallel.cp", "do not split over cp"),
     (["parallel.sp=true", "parallel.tp=2"], "parallel.sp", "Qwen-Image"),
+    (["data.packed_sizes=[[8,8]]", "data.reference_images=1"], "data.reference_images", "no reference images"),
+    (["data.packed_sizes=[[6,6]]", "parallel.cp=2"], "data.packed_sizes", "do not split over cp"),
+    (["data.packed_sizes=[[8,7]]"], "data.packed_sizes", "patches of 2"),
     (["model.ffn_hidden_size=100"], "model", "4 x hidden_size"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

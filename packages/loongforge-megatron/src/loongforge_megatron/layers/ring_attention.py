@@ -11,8 +11,8 @@ The backward runs the ring again: each rank adds its queries' share of the gradi
 chunk's ``dk / dv`` accumulator, which travels with the chunk and is home after ``cp`` exchanges.
 
 Packed samples (``segments``: each global token's sample index) attend only within their sample: a block whose
-queries and keys share no sample is skipped. Without ``segments`` the queries need not be the keys' tokens (a
-joint text-image attention sends only the image keys around, ``return_lse`` merging the text keys' block). The blocks are computed in fp32 with a ``[s, s]`` score matrix per
+queries and keys share no sample is skipped. The queries need not be the keys' tokens (``q_segments``: a joint
+text-image attention sends only the image keys around, ``return_lse`` merging the text keys' block). The blocks are computed in fp32 with a ``[s, s]`` score matrix per
 block (the ring's point: memory per block, not per sequence).
 """
 
@@ -39,12 +39,13 @@ def _exchange(tensors: list[Tensor], group: Any) -> list[Tensor]:
     return received
 
 
-def _mask(segments: Tensor | None, *, q_chunk: int, k_chunk: int, s: int) -> Tensor | None:
-    """``[s, s]`` True where query chunk ``q_chunk``'s token and key chunk ``k_chunk``'s share a sample."""
+def _mask(segments: tuple[Tensor, Tensor] | None, *, k_chunk: int, s: int) -> Tensor | None:
+    """``[sq, s]`` True where a query and key chunk ``k_chunk``'s token (``segments``: the queries' samples, every
+    key's) share a sample."""
     if segments is None:
         return None
-    qs, ks = segments[q_chunk * s:(q_chunk + 1) * s], segments[k_chunk * s:(k_chunk + 1) * s]
-    return qs[:, None] == ks[None, :]
+    q_seg, k_seg = segments
+    return q_seg[:, None] == k_seg[k_chunk * s:(k_chunk + 1) * s][None, :]
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
@@ -64,31 +65,33 @@ class _RingAttention(torch.autograd.Function):
     """``[b, h, s, d]`` fp32 q / k / v of this rank -> its attention output; the backward is a second ring."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Any, segments: Tensor | None,
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Any, q_seg: Tensor | None, k_seg: Tensor | None,
                 scale: float) -> Tensor:
-        rank, size, s = group.rank(), group.size(), q.shape[2]
-        out, lse = _block(q, k, v, scale, _mask(segments, q_chunk=rank, k_chunk=rank, s=s))
+        rank, size, s = group.rank(), group.size(), k.shape[2]
+        segments = None if q_seg is None else (q_seg, k_seg)
+        out, lse = _block(q, k, v, scale, _mask(segments, k_chunk=rank, s=s))
         kv = (k, v)
         for step in range(1, size):
             kv = _exchange(list(kv), group)
-            mask = _mask(segments, q_chunk=rank, k_chunk=(rank - step) % size, s=s)
+            mask = _mask(segments, k_chunk=(rank - step) % size, s=s)
             if mask is not None and not bool(mask.any()):
                 continue
             o, l_ = _block(q, *kv, scale, mask)
-            # NOTE: the first block (the rank's own chunk) holds every query's own token, so lse stays finite
+            # NOTE: a query with no key yet has lse -inf: its weight is taken as 0, not exp(-inf + inf)
             new = torch.logaddexp(lse, l_)
-            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(l_ - new)[..., None]
+            safe = torch.where(torch.isinf(new), 0.0, new)
+            out = out * torch.exp(lse - safe)[..., None] + o * torch.exp(l_ - safe)[..., None]
             lse = new
-        ctx.save_for_backward(q, k, v, out, lse, segments)
-        ctx.group, ctx.scale, ctx.has_segments = group, scale, segments is not None
+        ctx.save_for_backward(q, k, v, out, lse, q_seg, k_seg)
+        ctx.group, ctx.scale, ctx.has_segments = group, scale, q_seg is not None
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, segments = ctx.saved_tensors
-        segments = segments if ctx.has_segments else None
+        q, k, v, out, lse, q_seg, k_seg = ctx.saved_tensors
+        segments = (q_seg, k_seg) if ctx.has_segments else None
         group, scale = ctx.group, ctx.scale
-        rank, size, s = group.rank(), group.size(), q.shape[2]
+        rank, size, s = group.rank(), group.size(), k.shape[2]
         # NOTE: d lse / d scores = p, so the log-sum-exp's gradient only shifts every row's delta
         delta = (dout * out).sum(-1, keepdim=True)
         if dlse is not None:
@@ -96,9 +99,9 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         k_cur, v_cur, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for step in range(size):
-            mask = _mask(segments, q_chunk=rank, k_chunk=(rank - step) % size, s=s)
+            mask = _mask(segments, k_chunk=(rank - step) % size, s=s)
             if mask is None or bool(mask.any()):
-                p = torch.exp(_scores(q, k_cur, scale, mask) - lse[..., None])
+                p = torch.exp(_scores(q, k_cur, scale, mask) - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
                 dv = dv + torch.matmul(p.transpose(-1, -2), dout)
                 ds = p * (torch.matmul(dout, v_cur.transpose(-1, -2)) - delta)
                 dq = dq + torch.matmul(ds, k_cur) * scale
@@ -109,31 +112,39 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur, dk, dv = _exchange([k_cur, v_cur, dk, dv], group)
             else:  # NOTE: the accumulators go one step further than the chunks: home, with every rank's share
                 dk, dv = _exchange([dk, dv], group)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any, segments: Tensor | None = None,
-                   scale: float | None = None, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   q_segments: Tensor | None = None, scale: float | None = None,
+                   return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of this rank's ``[b, s, heads, d]`` queries over the keys / values of every rank of ``group``
     (rank r holds tokens ``[r*s, (r+1)*s)``) -> ``[b, s, heads, d]`` in ``q``'s dtype.
 
     ``segments`` ``[cp * s]``: the sample each global token belongs to (packed samples attend only their own);
-    None: each batch row is one sequence. ``return_lse``: also the fp32 log-sum-exp ``[b, s, heads]`` of every
-    query's scores (to merge another block of keys with the online softmax), with its gradient."""
+    None: each batch row is one sequence. ``q_segments`` ``[sq]``: the samples of queries that are not this
+    rank's key tokens (with ``segments`` then the keys' only). ``return_lse``: also the fp32 log-sum-exp
+    ``[b, sq, heads]`` of every query's scores (to merge another block of keys with the online softmax; -inf for a
+    query with no key here), with its gradient."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
-    out, lse = _RingAttention.apply(q32, k32, v32, group, segments, scale)
+    if segments is not None and q_segments is None:
+        s = k.shape[1]
+        q_segments = segments[group.rank() * s:(group.rank() + 1) * s]
+    out, lse = _RingAttention.apply(q32, k32, v32, group, q_segments, segments, scale)
     out = out.transpose(1, 2).to(q.dtype)
     return (out, lse.transpose(1, 2)) if return_lse else out
 
 
-def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None,
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None = None, mask: Tensor | None = None,
                   scale: float | None = None) -> tuple[Tensor, Tensor]:
     """Plain attention of ``[b, s, heads, d]`` tensors with the fp32 log-sum-exp ``[b, s, heads]`` (a block of keys
-    every rank holds, to merge with :func:`ring_attention`'s); ``key_mask [b, sk]`` True for keys to attend."""
+    every rank holds, to merge with :func:`ring_attention`'s); ``key_mask [b, sk]`` True for keys to attend, or
+    ``mask [sq, sk]`` True where a query attends a key."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
-    mask = None if key_mask is None else key_mask[:, None, None, :].to(torch.bool)
+    if key_mask is not None:
+        mask = key_mask[:, None, None, :].to(torch.bool)
     out, lse = _block(q32, k32, v32, scale, mask)
     return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
 
@@ -142,5 +153,6 @@ def merge_attention(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tenso
     """The attention over two blocks of keys from each block's ``(out [b, s, heads, d], lse [b, s, heads])``."""
     (out_a, lse_a), (out_b, lse_b) = a, b
     lse = torch.logaddexp(lse_a, lse_b)
+    lse = torch.where(torch.isinf(lse), 0.0, lse)  # NOTE: a query no key of either block takes: zeros
     merged = out_a.float() * torch.exp(lse_a - lse)[..., None] + out_b.float() * torch.exp(lse_b - lse)[..., None]
     return merged.to(out_a.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.flow_matching import FlowMatchingData
@@ -39,5 +39,9 @@ class QwenImageDataConfig(FlowMatchingData):
     height: int = Field(128, ge=1, description="latent rows per image (pixels / 8)")
     width: int = Field(128, ge=1, description="latent columns per image")
     text_length: int = Field(64, ge=1, description="text tokens per sample (padded; the mask marks the prompt's)")
+    packed_sizes: list[tuple[PositiveInt, PositiveInt]] = Field(
+        default_factory=list, description="variable-size samples: each sample draws its latent (height, width) from "
+        "this list (instead of height / width) and a micro-batch's images are packed into one sequence, each "
+        "attending only its own text and image")
     reference_images: int = Field(0, ge=0, le=4, description="Edit: clean reference images (same size) whose "
                                   "patches follow the noisy image's")

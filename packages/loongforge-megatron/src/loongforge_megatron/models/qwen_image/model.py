@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,17 @@ from loongforge_megatron.models import flow_matching as fm
 from loongforge_megatron.models.qwen_image.arch import ROPE_THETA, TIME_FEATURES
 
 Grid = tuple[int, int, int]  # frames, rows, columns of one image's patches
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Which sample each token of a packed micro-batch belongs to: this rank's queries (texts, then its image
+    tokens), every image token, every text token, and which text tokens are real (not padding)."""
+
+    q_seg: torch.Tensor
+    img_seg: torch.Tensor
+    txt_seg: torch.Tensor
+    txt_ok: torch.Tensor
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +102,10 @@ def rope_freqs(*, axes: Sequence[int], grids: Sequence[Grid], text_length: int) 
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs of ``x`` ``[b, tokens, heads, d]`` by ``freqs`` ``[tokens, d / 2]`` (complex)."""
+    """Rotate channel pairs of ``x`` ``[b, tokens, heads, d]`` by ``freqs`` ``[tokens, d / 2]`` (complex; or
+    ``[b, tokens, d / 2]``: each row its own)."""
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
+    return torch.view_as_real(xc * freqs.unsqueeze(-2)).flatten(3).type_as(x)
 
 
 class HeadRMSNorm(torch.nn.Module):
@@ -144,7 +157,9 @@ class JointAttention(MegatronModule):
         return x.unflatten(-1, (self.heads, -1))
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if packed is not None:
+            return self._packed(img, txt, rope=rope, packed=packed)
         img_rope, txt_rope = rope
         q = torch.cat([apply_rope(self.added_q_layernorm(self._heads(self.add_q_proj(txt)[0])), txt_rope),
                        apply_rope(self.q_layernorm(self._heads(self.to_q(img)[0])), img_rope)], dim=1)
@@ -168,6 +183,42 @@ class JointAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask).transpose(1, 2).flatten(2)
         return self.to_out(out[:, n:].contiguous())[0], self.to_add_out(out[:, :n].contiguous())[0]
+
+    def _packed(self, img: torch.Tensor, txt: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor],
+                packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed images ``img [1, tokens, h]`` (this CP rank's) with their texts ``txt [n, L, h]``: the texts'
+        tokens join the sequence first, and every token attends only its own sample's (valid) text and image."""
+        img_rope, txt_rope = rope
+        n, length = txt.shape[:2]
+
+        def joint(txt_proj: Any, img_proj: Any, txt_norm: Any = None, img_norm: Any = None) -> torch.Tensor:
+            t, i = self._heads(txt_proj(txt)[0]), self._heads(img_proj(img)[0])
+            if txt_norm is not None:
+                t, i = apply_rope(txt_norm(t), txt_rope), apply_rope(img_norm(i), img_rope)
+            return torch.cat([t.flatten(0, 1)[None], i], dim=1)
+
+        q = joint(self.add_q_proj, self.to_q, self.added_q_layernorm, self.q_layernorm)
+        k = joint(self.add_k_proj, self.to_k, self.added_k_layernorm, self.k_layernorm)
+        v = joint(self.add_v_proj, self.to_v)
+        nl = n * length
+        text_mask = (packed.q_seg[:, None] == packed.txt_seg[None, :]) & packed.txt_ok[None, :]
+        if self.cp_group is not None:
+            from loongforge_megatron.layers.ring_attention import (
+                attention_lse,
+                merge_attention,
+                ring_attention,
+            )
+
+            out = merge_attention(attention_lse(q, k[:, :nl], v[:, :nl], mask=text_mask),
+                                  ring_attention(q, k[:, nl:], v[:, nl:], group=self.cp_group,
+                                                 segments=packed.img_seg, q_segments=packed.q_seg, return_lse=True))
+            out = out.flatten(2)
+        else:
+            mask = torch.cat([text_mask, packed.q_seg[:, None] == packed.img_seg[None, :]], dim=1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask).transpose(1, 2).flatten(2)
+        txt_out = self.to_add_out(out[:, :nl].contiguous())[0].view(n, length, -1)
+        return self.to_out(out[:, nl:].contiguous())[0], txt_out
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -196,7 +247,9 @@ class QwenImageLayer(MegatronModule):
         return out if bias is None else out + bias
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: Any, mask: Any,
-                temb_ref: torch.Tensor | None = None, main: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                temb_ref: torch.Tensor | None = None, main: int = 0, packed: Packed | None = None,
+                txt_temb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        txt_temb = temb if txt_temb is None else txt_temb  # NOTE: packed samples: one per image token, one per text
         img_params = self.img_mod(F.silu(temb))[0]  # [b, 1, 6h]
         if temb_ref is not None:
             ref = self.img_mod(F.silu(temb_ref))[0]
@@ -204,9 +257,10 @@ class QwenImageLayer(MegatronModule):
             main = min(max(main, 0), n)
             img_params = torch.cat([img_params.expand(-1, main, -1), ref.expand(-1, n - main, -1)], dim=1)
         shift1, scale1, gate1, shift2, scale2, gate2 = img_params.chunk(6, dim=-1)
-        tshift1, tscale1, tgate1, tshift2, tscale2, tgate2 = self.txt_mod(F.silu(temb))[0].chunk(6, dim=-1)
+        tshift1, tscale1, tgate1, tshift2, tscale2, tgate2 = self.txt_mod(F.silu(txt_temb))[0].chunk(6, dim=-1)
         img_attn, txt_attn = self.attn(_modulate(self.img_norm1(img), shift1, scale1),
-                                       _modulate(self.txt_norm1(txt), tshift1, tscale1), rope=rope, mask=mask)
+                                       _modulate(self.txt_norm1(txt), tshift1, tscale1), rope=rope, mask=mask,
+                                       packed=packed)
         img = img + gate1 * img_attn
         txt = txt + tgate1 * txt_attn
         img = img + gate2 * self._mlp(self.img_mlp, _modulate(self.img_norm2(img), shift2, scale2))
@@ -287,6 +341,8 @@ class QwenImageModel(MegatronModule):
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 text_mask: torch.Tensor | None = None, *, grids: Sequence[Grid]) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.forward_packed(x, timesteps, text, text_mask, grids=grids)
         start, end = self.local_range(x.shape[1])
         img = self.img_in(x[:, start:end])
         dtype = img.dtype
@@ -306,6 +362,39 @@ class QwenImageModel(MegatronModule):
         for layer in self.layers:
             img, txt = self._layer(layer, img, txt, temb, rope, mask, temb_ref, main)
         scale, shift = self.norm_out_linear(F.silu(temb).to(dtype)).chunk(2, dim=-1)
+        return self.proj_out(self.norm_out(img) * (1 + scale) + shift)
+
+    def forward_packed(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+                       text_mask: torch.Tensor | None, *, grids: Any) -> torch.Tensor:
+        """Packed images of different sizes: ``x [T, in_channels]`` (every image's packed patches, joined), one
+        ``grids`` row, timestep, ``text [n, L, dim]`` and ``text_mask [n, L]`` row per image -> this CP rank's
+        ``[1, T / cp, patch^2 x out_channels]``; each image is the same function as :meth:`forward` of it alone."""
+        rows = [tuple(int(v) for v in g) for g in (grids.tolist() if isinstance(grids, torch.Tensor) else grids)]
+        counts = torch.tensor([math.prod(g) for g in rows], device=x.device)
+        start, end = self.local_range(x.shape[0])
+        n, length = text.shape[:2]
+        img = self.img_in(x[start:end])[None]
+        dtype = img.dtype
+        temb = self.time_embedder(timestep_features(timesteps.to(dtype)).to(dtype))  # [n, h]
+        img_temb = temb.repeat_interleave(counts, dim=0)[start:end][None]  # [1, T / cp, h]
+        txt = self.txt_in(self._text_rms(text))
+        ropes = [rope_freqs(axes=self.arch.axes_dims_rope, grids=[g], text_length=length) for g in rows]
+        rope = (torch.cat([r[0] for r in ropes])[start:end].to(x.device),
+                torch.stack([r[1] for r in ropes]).to(x.device))
+        samples = torch.arange(n, device=x.device)
+        img_seg, txt_seg = samples.repeat_interleave(counts), samples.repeat_interleave(length)
+        ok = (text_mask.to(torch.bool) if text_mask is not None
+              else torch.ones(n, length, dtype=torch.bool, device=x.device)).flatten()
+        packed = Packed(q_seg=torch.cat([txt_seg, img_seg[start:end]]), img_seg=img_seg, txt_seg=txt_seg, txt_ok=ok)
+        for layer in self.layers:
+            if self.recompute and torch.is_grad_enabled():
+                def run(img, txt, img_temb, txt_temb, img_rope, txt_rope, layer=layer):
+                    return layer(img, txt, img_temb, (img_rope, txt_rope), None, packed=packed, txt_temb=txt_temb)
+
+                img, txt = tensor_parallel.checkpoint(run, False, img, txt, img_temb, temb[:, None], *rope)
+            else:
+                img, txt = layer(img, txt, img_temb, rope, None, packed=packed, txt_temb=temb[:, None])
+        scale, shift = self.norm_out_linear(F.silu(img_temb).to(dtype)).chunk(2, dim=-1)
         return self.proj_out(self.norm_out(img) * (1 + scale) + shift)
 
 
@@ -363,6 +452,12 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     param = next(model.parameters())
     batch = _to_device(next(data_iterator), param.device)
     x0, noise, sigmas = batch["x0"], batch["noise"], batch["sigmas"]
+    if "grid" in batch:  # packed images of different sizes: x0 / noise are their joined patch tokens
+        counts = torch.tensor([math.prod(int(v) for v in g) for g in batch["grid"].tolist()], device=x0.device)
+        noisy = fm.add_noise(x0, noise, sigmas.repeat_interleave(counts))
+        pred = model(noisy.to(param.dtype), sigmas, batch["text"], batch.get("text_mask"), grids=batch["grid"])
+        start, end = unwrap(model).local_range(x0.shape[0])
+        return fm.squared_error(pred[0], x0[start:end], noise[start:end]), fm.loss_func
     noisy = pack(fm.add_noise(x0, noise, sigmas), patch)
     grid = (1, x0.shape[-2] // patch, x0.shape[-1] // patch)
     grids, tokens = [grid], [noisy]
