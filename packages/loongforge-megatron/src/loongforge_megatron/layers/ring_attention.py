@@ -48,14 +48,14 @@ def _mask(segments: tuple[Tensor, Tensor] | None, *, k_chunk: int, s: int) -> Te
     return q_seg[:, None] == k_seg[k_chunk * s:(k_chunk + 1) * s][None, :]
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+def _scores(q: Tensor, k: Tensor, *, scale: float, mask: Tensor | None) -> Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+def _block(q: Tensor, k: Tensor, v: Tensor, *, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """One block's normalised output and log-sum-exp (``-inf`` for a query with no key in the block)."""
-    s = _scores(q, k, scale, mask)
+    s = _scores(q, k, scale=scale, mask=mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return torch.matmul(p, v), lse
@@ -69,14 +69,14 @@ class _RingAttention(torch.autograd.Function):
                 scale: float) -> Tensor:
         rank, size, s = group.rank(), group.size(), k.shape[2]
         segments = None if q_seg is None else (q_seg, k_seg)
-        out, lse = _block(q, k, v, scale, _mask(segments, k_chunk=rank, s=s))
+        out, lse = _block(q, k, v, scale=scale, mask=_mask(segments, k_chunk=rank, s=s))
         kv = (k, v)
         for step in range(1, size):
             kv = _exchange(list(kv), group)
             mask = _mask(segments, k_chunk=(rank - step) % size, s=s)
             if mask is not None and not bool(mask.any()):
                 continue
-            o, l_ = _block(q, *kv, scale, mask)
+            o, l_ = _block(q, *kv, scale=scale, mask=mask)
             # NOTE: a query with no key yet has lse -inf: its weight is taken as 0, not exp(-inf + inf)
             new = torch.logaddexp(lse, l_)
             safe = torch.where(torch.isinf(new), 0.0, new)
@@ -101,7 +101,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             mask = _mask(segments, k_chunk=(rank - step) % size, s=s)
             if mask is None or bool(mask.any()):
-                p = torch.exp(_scores(q, k_cur, scale, mask) - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+                finite = torch.where(torch.isinf(lse), 0.0, lse)  # NOTE: a query without keys: p = 0
+                p = torch.exp(_scores(q, k_cur, scale=scale, mask=mask) - finite[..., None])
                 dv = dv + torch.matmul(p.transpose(-1, -2), dout)
                 ds = p * (torch.matmul(dout, v_cur.transpose(-1, -2)) - delta)
                 dq = dq + torch.matmul(ds, k_cur) * scale
@@ -145,7 +146,7 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None = 
     q32, k32, v32 = (t.transpose(1, 2).float() for t in (q, k, v))
     if key_mask is not None:
         mask = key_mask[:, None, None, :].to(torch.bool)
-    out, lse = _block(q32, k32, v32, scale, mask)
+    out, lse = _block(q32, k32, v32, scale=scale, mask=mask)
     return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
 
 

@@ -160,7 +160,7 @@ def _mark_sequence_parallel(module: torch.nn.Module) -> None:
         p.sequence_parallel = True
 
 
-def _seq_first(fn: Any, x: torch.Tensor, sp: bool) -> Any:
+def _seq_first(fn: Any, x: torch.Tensor, *, sp: bool) -> Any:
     """``fn`` (a megatron linear / MLP) on ``[b, s, h]``: megatron's sequence-parallel exchange is on dim 0."""
     if not sp:
         return fn(x)
@@ -277,9 +277,9 @@ class WanAttention(MegatronModule):
                 image: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         kv = x if context is None else context
         kv_sp = self.sp and context is None
-        q = self._heads(self.norm_q(_seq_first(self.to_q, x, self.sp)[0]))
-        k = self._heads(self.norm_k(_seq_first(self.to_k, kv, kv_sp)[0]))
-        v = self._heads(_seq_first(self.to_v, kv, kv_sp)[0])
+        q = self._heads(self.norm_q(_seq_first(self.to_q, x, sp=self.sp)[0]))
+        k = self._heads(self.norm_k(_seq_first(self.to_k, kv, sp=kv_sp)[0]))
+        v = self._heads(_seq_first(self.to_v, kv, sp=kv_sp)[0])
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
@@ -292,7 +292,7 @@ class WanAttention(MegatronModule):
             ki = self._heads(self.norm_added_k(self.add_k_proj(image)[0]))
             vi = self._heads(self.add_v_proj(image)[0])
             out = out + cross(ki, vi)
-        return _seq_first(self.to_out, out, self.sp)[0]
+        return _seq_first(self.to_out, out, sp=self.sp)[0]
 
 
 class WanLayer(MegatronModule):
@@ -325,7 +325,7 @@ class WanLayer(MegatronModule):
         x = (x.float() + self.attn1(y, rope=rope, packing=packing) * gate1).type_as(x)
         x = x + self.attn2(self.norm2(x.float()).type_as(x), text, image=image, packing=packing)
         y = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        out, bias = _seq_first(self.mlp, y, self.sp)
+        out, bias = _seq_first(self.mlp, y, sp=self.sp)
         out = out if bias is None else out + bias
         return (x.float() + out.float() * gate2).type_as(x)
 
