@@ -104,8 +104,8 @@ def cpt(hf_dir: Path, name: str) -> list[str]:
 
 def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     """Each config at TP 2: forward on the probe, an export before training, the first step's batches and loss;
-    a LoRA run's exports; TI2V at CP 2 (forward, first loss); the tiny recipe's first ``steps`` losses at TP 2 and
-    at CP 2.
+    a LoRA run's exports; TI2V at CP 2 (forward, first loss); the tiny recipe's first ``steps`` losses at TP 2, at
+    CP 2 and at TP 2 + sequence parallelism.
 
     NOTE: each job starts its own process group, on a port of its own (a torn-down store's port refuses the next)."""
     import os
@@ -149,9 +149,10 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     finally:
         job.close()
         runtime.logger.close()
-    for layout, port in (("tp", ports[-2]), ("cp", ports[-1])):
+    for layout, port, parallel in (("tp", ports[-2], ["parallel.tp=2"]), ("cp", ports[-1], ["parallel.cp=2"]),
+                                   ("sp", ports[len(hf_dirs)], ["parallel.tp=2", "parallel.sp=true"])):
         os.environ["MASTER_PORT"] = str(port)
-        over = ["accelerator=cpu", "logging.console=false", f"parallel.{layout}=2", f"train.steps={steps}"]
+        over = ["accelerator=cpu", "logging.console=false", *parallel, f"train.steps={steps}"]
         job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / f"{layout}2")
         try:
             out[f"tiny_{layout}2"] = [job.step()["loss"] for _ in range(steps)]
@@ -179,8 +180,8 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     """T2V / I2V / TI2V loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative), the first
     flow-matching loss = the plain-torch reference around diffusers' model, the export before training = the source
     files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a WanPipeline and computes the merged
-    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2, at CP 2 and with full recompute
-    gives the one-process losses, which fall."""
+    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2, at CP 2, at TP 2 + sequence
+    parallelism and with full recompute gives the one-process losses, which fall."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
@@ -188,7 +189,7 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     probes = {name: probe(name) for name in hf_dirs}
     steps = 4
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 4)])
+                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 5)])
     single = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, steps=steps)[0]
     one = single["eager"]
     assert single["recompute"] == pytest.approx(one[:steps], rel=RTOL)
@@ -212,6 +213,7 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     assert loss == pytest.approx(reference_loss(refs["ti2v"], batches), rel=RTOL)
     assert got[0]["tiny_tp2"] == pytest.approx(one[:steps], rel=RTOL)
     assert got[0]["tiny_cp2"] == pytest.approx(one[:steps], rel=RTOL)
+    assert got[0]["tiny_sp2"] == pytest.approx(one[:steps], rel=RTOL)  # TP 2 + sequence parallelism
     first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
     assert last < 0.8 * first, (first, last)
 
