@@ -40,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.ulysses import heads_to_tokens, tokens_to_heads
 from loongforge_megatron.models import flow_matching as fm
 from loongforge_megatron.models.wan.packing import Packing, attend_segments
 
@@ -171,44 +172,6 @@ def _seq_first(fn: Any, x: torch.Tensor, *, sp: bool) -> Any:
 def _row(config: Any, size_in: int, size_out: int, tp_group: Any) -> Any:
     return row_parallel_linear()(size_in, size_out, config=config, init_method=config.output_layer_init_method,
                                  bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all of dim 0 over ``group`` (chunk i goes to rank i); its own inverse, so the backward
-    is the same exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        # NOTE: both buffers contiguous: empty_like keeps a permuted input's strides, which the exchange ignores
-        x = x.contiguous()
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def tokens_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Ulysses: ``[b, tokens / cp, heads, d]`` (this rank's tokens, all heads) -> ``[b, tokens, heads / cp, d]``
-    (every token, this rank's heads)."""
-    cp = group.size()
-    b, s, heads, d = x.shape
-    x = _AllToAll.apply(x.reshape(b, s, cp, heads // cp, d).permute(2, 0, 1, 3, 4), group)
-    return x.permute(1, 0, 2, 3, 4).reshape(b, cp * s, heads // cp, d)
-
-
-def heads_to_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """The inverse of :func:`tokens_to_heads`."""
-    cp = group.size()
-    b, s, heads, d = x.shape
-    x = _AllToAll.apply(x.reshape(b, cp, s // cp, heads, d).permute(1, 0, 2, 3, 4), group)
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * heads, d)
 
 
 def patchify(video: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
