@@ -141,6 +141,18 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
         job.close()
         runtime.logger.close()
     out["tiny_tp2"] = _tiny(tmp_path / "tiny_tp2", port=ports[-2], overrides=["parallel.tp=2"])
+    # TP 2 + sequence parallelism: Edit's forward (the reference image's tokens on rank 1), the tiny recipe's steps
+    os.environ["MASTER_PORT"] = str(ports[-3])
+    over = [*cpt(hf_dirs["edit"], "edit"), "parallel.sp=true"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "sp_edit")
+    try:
+        p = probes["edit"]
+        with torch.no_grad():
+            out["sp_edit"] = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids("edit"))
+    finally:
+        job.close()
+        runtime.logger.close()
+    out["tiny_sp2"] = _tiny(tmp_path / "tiny_sp2", port=ports[-4], overrides=["parallel.tp=2", "parallel.sp=true"])
     return out
 
 
@@ -170,18 +182,22 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative, text
     padding masked), the first flow-matching loss = the plain-torch reference around diffusers' model, the export
     before training = the source files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a
-    QwenImagePipeline and computes the merged weights' function; the tiny recipe's first steps at TP 2 equal one
-    process's."""
+    QwenImagePipeline and computes the merged weights' function; the tiny recipe's first steps at TP 2 and at TP 2
+    + sequence parallelism equal one process's (Edit's forward with sequence parallelism = diffusers')."""
     from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
     refs = {name: QwenImageTransformer2DModel.from_pretrained(d).eval() for name, d in hf_dirs.items()}
     probes = {name: probe(name) for name in hf_dirs}
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+                ports=[free_port() for _ in range(len(hf_dirs) + 4)])
     one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
     # NOTE: training steps after the first at TP 2 equal one process's (the per-head norms' gradients summed)
     assert got[0]["tiny_tp2"][0] == pytest.approx(one[0], rel=RTOL)
+    assert got[0]["tiny_sp2"][0] == pytest.approx(one[0], rel=RTOL)  # TP 2 + sequence parallelism
+    assert got[1]["tiny_sp2"][0] == got[0]["tiny_sp2"][0]
+    sp_want = diffusers_forward(refs["edit"], probes["edit"], "edit")
+    assert rel_err(got[0]["sp_edit"], sp_want) <= RTOL, rel_err(got[0]["sp_edit"], sp_want)
     assert one[0][-1] < one[0][0], one[0]
     assert torch.equal(got[0]["tiny_tp2"][1], got[1]["tiny_tp2"][1])
     assert rel_err(got[0]["tiny_tp2"][1] - 1, one[1] - 1) <= 1e-4  # NOTE: Adam's updates of the weight (from 1)
@@ -356,7 +372,8 @@ def test_preset_is_the_published_size():
     (["data.seq_length=64"], "data.seq_length", "not used by Qwen-Image"),
     # NOTE: context parallelism (ring) splits the image tokens: a split that does not divide them is refused
     (["parallel.cp=2", "data.height=6", "data.width=6"], "parallel.cp", "do not split over cp"),
-    (["parallel.sp=true", "parallel.tp=2"], "parallel.sp", "Qwen-Image"),
+    (["parallel.sp=true", "parallel.tp=2", "data.packed_sizes=[[8,8]]"], "parallel.sp", "packed"),
+    (["parallel.sp=true", "parallel.tp=2", "data.height=6", "data.width=6"], "parallel.sp", "do not split over tp"),
     (["data.packed_sizes=[[8,8]]", "data.reference_images=1"], "data.reference_images", "no reference images"),
     (["data.packed_sizes=[[6,6]]", "parallel.cp=2"], "data.packed_sizes", "do not split over cp"),
     (["data.packed_sizes=[[8,7]]"], "data.packed_sizes", "patches of 2"),

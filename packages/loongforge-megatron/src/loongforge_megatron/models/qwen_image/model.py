@@ -21,7 +21,9 @@ diffusers does.
 
 Context parallelism (ring): each CP rank keeps its contiguous ``1 / cp`` of the image tokens and the whole text;
 the joint attention attends the text keys locally and the image keys around the ring
-(``layers/ring_attention.py``), merged by their log-sum-exps. Sequence and pipeline parallelism are not supported.
+(``layers/ring_attention.py``), merged by their log-sum-exps. Sequence parallelism (``config.sequence_parallel``)
+splits the image stream's tokens over TP (``layers/sequence_parallel.py``); the text stream and the modulations
+see whole inputs. Pipeline parallelism is not supported.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.sequence_parallel import (
+    gather_tokens,
+    mark_sequence_parallel,
+    seq_first,
+    sum_grad_over_tp,
+    whole_input,
+)
 from loongforge_megatron.models import flow_matching as fm
 from loongforge_megatron.models.qwen_image.arch import ROPE_THETA, TIME_FEATURES
 
@@ -144,9 +153,12 @@ class JointAttention(MegatronModule):
         h, d = config.hidden_size, config.kv_channels
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.heads = config.num_attention_heads // tp_group.size()
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+        self.sp, whole = bool(config.sequence_parallel), whole_input(config)
+        for name in ("to_q", "to_k", "to_v"):
             setattr(self, name, _column(config, h, h, tp_group))
-        self.to_out, self.to_add_out = _row(config, h, h, tp_group), _row(config, h, h, tp_group)
+        for name in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            setattr(self, name, _column(whole, h, h, tp_group))
+        self.to_out, self.to_add_out = _row(config, h, h, tp_group), _row(whole, h, h, tp_group)
         norm = dict(eps=config.layernorm_epsilon, dtype=config.params_dtype)
         # NOTE: named as megatron's q / k layernorms: every rank holds them whole but sees only its heads, so
         # megatron's finalize_model_grads sums their gradients over TP (config.qk_layernorm)
@@ -161,11 +173,15 @@ class JointAttention(MegatronModule):
         if packed is not None:
             return self._packed(img, txt, rope=rope, packed=packed)
         img_rope, txt_rope = rope
+
+        def image(proj: Any) -> torch.Tensor:  # NOTE: sequence parallelism gathers the image tokens here
+            return self._heads(seq_first(proj, img, sp=self.sp)[0])
+
         q = torch.cat([apply_rope(self.added_q_layernorm(self._heads(self.add_q_proj(txt)[0])), txt_rope),
-                       apply_rope(self.q_layernorm(self._heads(self.to_q(img)[0])), img_rope)], dim=1)
+                       apply_rope(self.q_layernorm(image(self.to_q)), img_rope)], dim=1)
         k = torch.cat([apply_rope(self.added_k_layernorm(self._heads(self.add_k_proj(txt)[0])), txt_rope),
-                       apply_rope(self.k_layernorm(self._heads(self.to_k(img)[0])), img_rope)], dim=1)
-        v = torch.cat([self._heads(self.add_v_proj(txt)[0]), self._heads(self.to_v(img)[0])], dim=1)
+                       apply_rope(self.k_layernorm(image(self.to_k)), img_rope)], dim=1)
+        v = torch.cat([self._heads(self.add_v_proj(txt)[0]), image(self.to_v)], dim=1)
         n = txt.shape[1]
         if self.cp_group is not None:
             # NOTE: ring context parallelism: this rank's image tokens; the text (every rank's) is one more block
@@ -182,7 +198,7 @@ class JointAttention(MegatronModule):
         else:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask).transpose(1, 2).flatten(2)
-        return self.to_out(out[:, n:].contiguous())[0], self.to_add_out(out[:, :n].contiguous())[0]
+        return seq_first(self.to_out, out[:, n:].contiguous(), sp=self.sp)[0], self.to_add_out(out[:, :n].contiguous())[0]
 
     def _packed(self, img: torch.Tensor, txt: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor],
                 packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,26 +249,29 @@ class QwenImageLayer(MegatronModule):
     def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None):
         super().__init__(config=config)
         h, eps, dtype = arch.hidden_size, arch.norm_eps, config.params_dtype
-        self.img_mod, self.txt_mod = (_column(config, h, 6 * h, tp_group, gather=True) for _ in range(2))
+        whole = whole_input(config)  # NOTE: the modulations and the text stream see whole inputs
+        self.tp_group, self.sp = tp_group, bool(config.sequence_parallel)
+        self.img_mod, self.txt_mod = (_column(whole, h, 6 * h, tp_group, gather=True) for _ in range(2))
         self.img_norm1, self.img_norm2, self.txt_norm1, self.txt_norm2 = (
             torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype) for _ in range(4))
         self.attn = JointAttention(config, tp_group=tp_group, cp_group=cp_group)
         sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=row_parallel_linear())
         self.img_mlp = MLP(config=config, submodules=sub, tp_group=tp_group)
-        self.txt_mlp = MLP(config=config, submodules=sub, tp_group=tp_group)
+        self.txt_mlp = MLP(config=whole, submodules=sub, tp_group=tp_group)
 
     @staticmethod
-    def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-        out, bias = mlp(x)
+    def _mlp(mlp: MLP, x: torch.Tensor, *, sp: bool = False) -> torch.Tensor:
+        out, bias = seq_first(mlp, x, sp=sp)
         return out if bias is None else out + bias
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: Any, mask: Any,
                 temb_ref: torch.Tensor | None = None, main: int = 0, packed: Packed | None = None,
                 txt_temb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         txt_temb = temb if txt_temb is None else txt_temb  # NOTE: packed samples: one per image token, one per text
-        img_params = self.img_mod(F.silu(temb))[0]  # [b, 1, 6h]
+        # NOTE: sequence parallelism: the image modulation serves this rank's tokens only; its gradient is summed
+        img_params = sum_grad_over_tp(self.img_mod(F.silu(temb))[0], self.tp_group, sp=self.sp)  # [b, 1, 6h]
         if temb_ref is not None:
-            ref = self.img_mod(F.silu(temb_ref))[0]
+            ref = sum_grad_over_tp(self.img_mod(F.silu(temb_ref))[0], self.tp_group, sp=self.sp)
             n = img.shape[1]
             main = min(max(main, 0), n)
             img_params = torch.cat([img_params.expand(-1, main, -1), ref.expand(-1, n - main, -1)], dim=1)
@@ -263,7 +282,7 @@ class QwenImageLayer(MegatronModule):
                                        packed=packed)
         img = img + gate1 * img_attn
         txt = txt + tgate1 * txt_attn
-        img = img + gate2 * self._mlp(self.img_mlp, _modulate(self.img_norm2(img), shift2, scale2))
+        img = img + gate2 * self._mlp(self.img_mlp, _modulate(self.img_norm2(img), shift2, scale2), sp=self.sp)
         txt = txt + tgate2 * self._mlp(self.txt_mlp, _modulate(self.txt_norm2(txt), tshift2, tscale2))
         return img, txt
 
@@ -291,6 +310,7 @@ class QwenImageModel(MegatronModule):
         super().__init__(config=config)
         self.arch, self.recompute = arch, recompute
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.tp_group, self.sp = tp_group, bool(config.sequence_parallel)
         h, dtype = arch.hidden_size, config.params_dtype
         self.img_in = torch.nn.Linear(arch.in_channels, h, dtype=dtype)
         self.txt_norm = torch.nn.RMSNorm(arch.joint_attention_dim, eps=arch.norm_eps, dtype=dtype)
@@ -302,6 +322,9 @@ class QwenImageModel(MegatronModule):
         self.norm_out_linear = torch.nn.Linear(h, 2 * h, dtype=dtype)
         self.proj_out = torch.nn.Linear(h, arch.patch_size**2 * arch.out_channels, dtype=dtype)
         self._init_weights()
+        if self.sp:  # NOTE: they see only this rank's image tokens
+            mark_sequence_parallel(self.img_in)
+            mark_sequence_parallel(self.proj_out)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -344,25 +367,30 @@ class QwenImageModel(MegatronModule):
         if x.dim() == 2:
             return self.forward_packed(x, timesteps, text, text_mask, grids=grids)
         start, end = self.local_range(x.shape[1])
-        img = self.img_in(x[:, start:end])
+        first = start  # NOTE: the residual stream's first token (sequence parallelism splits the CP rank's again)
+        if self.sp:
+            n = (end - start) // self.tp_group.size()
+            first = start + self.tp_group.rank() * n
+        img = self.img_in(x[:, first:first + n] if self.sp else x[:, start:end])
         dtype = img.dtype
         t = timesteps.to(dtype)
         temb = self.time_embedder(timestep_features(t).to(dtype))[:, None]  # [b, 1, h]
         temb_ref, main = None, 0
         if self.arch.zero_cond_t:
             temb_ref = self.time_embedder(timestep_features(t * 0).to(dtype))[:, None]
-            main = math.prod(grids[0]) - start
+            main = math.prod(grids[0]) - first
         txt = self.txt_in(self._text_rms(text))
         img_rope, txt_rope = rope_freqs(axes=self.arch.axes_dims_rope, grids=grids, text_length=text.shape[1])
         rope = (img_rope[start:end].to(x.device), txt_rope.to(x.device))
         mask = None
         if text_mask is not None:
-            keep = torch.ones(img.shape[:2], dtype=torch.bool, device=img.device)
+            keep = torch.ones(img.shape[0], end - start, dtype=torch.bool, device=img.device)
             mask = torch.cat([text_mask.to(torch.bool), keep], dim=1)[:, None, None, :]
         for layer in self.layers:
             img, txt = self._layer(layer, img, txt, temb, rope, mask, temb_ref, main)
-        scale, shift = self.norm_out_linear(F.silu(temb).to(dtype)).chunk(2, dim=-1)
-        return self.proj_out(self.norm_out(img) * (1 + scale) + shift)
+        out_mod = sum_grad_over_tp(self.norm_out_linear(F.silu(temb).to(dtype)), self.tp_group, sp=self.sp)
+        scale, shift = out_mod.chunk(2, dim=-1)
+        return gather_tokens(self.proj_out(self.norm_out(img) * (1 + scale) + shift), self.tp_group, sp=self.sp)
 
     def forward_packed(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                        text_mask: torch.Tensor | None, *, grids: Any) -> torch.Tensor:
@@ -425,6 +453,7 @@ def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusio
         gradient_accumulation_fusion=grad_accum_fusion, persist_layer_norm=False, tensor_model_parallel_size=plan.tp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
         use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=False,
+        sequence_parallel=plan.sp,
     )
 
 

@@ -37,7 +37,7 @@ class QwenImage(HFCheckpoint):
     model_section = QwenImageModelConfig
     data_section = QwenImageDataConfig
     supports = Supports(models="Qwen-Image models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
-                        sft_formats=(), parallel=("tp", "cp"), layers=("auto", "loongforge", "local"))
+                        sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata
     peft_prefix = "transformer."
@@ -81,7 +81,7 @@ class QwenImage(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenImageArch) -> None:
-        """What the Qwen-Image path supports: TP / CP (ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or
+        """What the Qwen-Image path supports: TP (+ SP) / CP (ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or
         LoRA on synthetic samples (Edit: reference images), diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Qwen-Image models use no fused kernels (SDPA attention only); leave kernels.provider "
@@ -112,6 +112,9 @@ class QwenImage(HFCheckpoint):
                 raise RecipeError(f"{size // arch.patch_size} patches along {axis} and {data.text_length} text tokens "
                                   f"exceed the model's {ROPE_POSITIONS} RoPE positions", key=f"data.{axis}")
         if data.packed_sizes:
+            if plan.sp:
+                raise RecipeError("packed samples (data.packed_sizes) take no sequence parallelism yet",
+                                  key="parallel.sp")
             if data.reference_images:
                 raise RecipeError("packed samples (data.packed_sizes) take no reference images",
                                   key="data.reference_images")
@@ -129,6 +132,9 @@ class QwenImage(HFCheckpoint):
         tokens = arch.tokens(data.height, data.width) * (1 + data.reference_images)
         if tokens % plan.cp and not data.packed_sizes:
             raise RecipeError(f"{tokens} image tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
+        if plan.sp and (tokens // plan.cp) % plan.tp:
+            raise RecipeError(f"{tokens // plan.cp} image tokens per CP rank do not split over tp = {plan.tp} "
+                              "(sequence parallelism)", key="parallel.sp")
         if arch.in_channels != arch.out_channels * arch.patch_size**2:
             raise RecipeError(f"the model's in_channels ({arch.in_channels}) are not out_channels x patch^2 "
                               f"({arch.out_channels * arch.patch_size**2}): synthetic samples pack the latent "

@@ -40,6 +40,12 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.sequence_parallel import (
+    gather_tokens,
+    mark_sequence_parallel,
+    seq_first,
+    whole_input,
+)
 from loongforge_megatron.layers.ulysses import heads_to_tokens, tokens_to_heads
 from loongforge_megatron.models import flow_matching as fm
 from loongforge_megatron.models.wan.packing import Packing, attend_segments
@@ -143,32 +149,6 @@ def _column(config: Any, size_in: int, size_out: int, tp_group: Any) -> ColumnPa
                                 gather_output=False, skip_bias_add=False, tp_group=tp_group)
 
 
-def _whole_input(config: Any) -> Any:
-    """``config`` for linears whose input every TP rank holds whole (text / image tokens): no sequence split."""
-    if not config.sequence_parallel:
-        return config
-    import copy
-
-    whole = copy.copy(config)
-    whole.sequence_parallel = False
-    return whole
-
-
-def _mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Parameters of ``module`` (held whole) that see only this rank's tokens under sequence parallelism: megatron
-    sums their gradients over TP (``finalize_model_grads``)."""
-    for p in module.parameters():
-        p.sequence_parallel = True
-
-
-def _seq_first(fn: Any, x: torch.Tensor, *, sp: bool) -> Any:
-    """``fn`` (a megatron linear / MLP) on ``[b, s, h]``: megatron's sequence-parallel exchange is on dim 0."""
-    if not sp:
-        return fn(x)
-    out, bias = fn(x.transpose(0, 1))
-    return out.transpose(0, 1), bias
-
-
 def _row(config: Any, size_in: int, size_out: int, tp_group: Any) -> Any:
     return row_parallel_linear()(size_in, size_out, config=config, init_method=config.output_layer_init_method,
                                  bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
@@ -201,7 +181,7 @@ class WanAttention(MegatronModule):
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.cp_comm_type, self.sp = cp_comm_type, bool(config.sequence_parallel)
         self.heads = config.num_attention_heads // tp
-        kv_config = _whole_input(config) if cross else config
+        kv_config = whole_input(config) if cross else config
         self.to_q = _column(config, h, h, tp_group)
         self.to_k, self.to_v = _column(kv_config, h, h, tp_group), _column(kv_config, h, h, tp_group)
         self.to_out = _row(config, h, h, tp_group)
@@ -240,9 +220,9 @@ class WanAttention(MegatronModule):
                 image: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         kv = x if context is None else context
         kv_sp = self.sp and context is None
-        q = self._heads(self.norm_q(_seq_first(self.to_q, x, sp=self.sp)[0]))
-        k = self._heads(self.norm_k(_seq_first(self.to_k, kv, sp=kv_sp)[0]))
-        v = self._heads(_seq_first(self.to_v, kv, sp=kv_sp)[0])
+        q = self._heads(self.norm_q(seq_first(self.to_q, x, sp=self.sp)[0]))
+        k = self._heads(self.norm_k(seq_first(self.to_k, kv, sp=kv_sp)[0]))
+        v = self._heads(seq_first(self.to_v, kv, sp=kv_sp)[0])
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
@@ -255,7 +235,7 @@ class WanAttention(MegatronModule):
             ki = self._heads(self.norm_added_k(self.add_k_proj(image)[0]))
             vi = self._heads(self.add_v_proj(image)[0])
             out = out + cross(ki, vi)
-        return _seq_first(self.to_out, out, sp=self.sp)[0]
+        return seq_first(self.to_out, out, sp=self.sp)[0]
 
 
 class WanLayer(MegatronModule):
@@ -276,7 +256,7 @@ class WanLayer(MegatronModule):
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 6, h, dtype=dtype) / h**0.5)
         self.sp = bool(config.sequence_parallel)
         if self.sp:
-            _mark_sequence_parallel(self.norm2)
+            mark_sequence_parallel(self.norm2)
             self.scale_shift_table.sequence_parallel = True
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, modulation: torch.Tensor, rope: Any,
@@ -288,7 +268,7 @@ class WanLayer(MegatronModule):
         x = (x.float() + self.attn1(y, rope=rope, packing=packing) * gate1).type_as(x)
         x = x + self.attn2(self.norm2(x.float()).type_as(x), text, image=image, packing=packing)
         y = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        out, bias = _seq_first(self.mlp, y, sp=self.sp)
+        out, bias = seq_first(self.mlp, y, sp=self.sp)
         out = out if bias is None else out + bias
         return (x.float() + out.float() * gate2).type_as(x)
 
@@ -367,7 +347,7 @@ class WanModel(MegatronModule):
             # NOTE: these see only this rank's tokens (the text / image embedders feed whole-input projections,
             # whose backward already sums over TP)
             for m in (self.patch_embedding, self.time_embedder, self.time_proj, self.proj_out):
-                _mark_sequence_parallel(m)
+                mark_sequence_parallel(m)
             self.scale_shift_table.sequence_parallel = True
 
     @torch.no_grad()
@@ -413,15 +393,8 @@ class WanModel(MegatronModule):
         return self.sp_local(self.cp_local(tokens))
 
     def sp_gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`sp_local`: every TP rank's tokens of ``[b, tokens / tp, ...]``; the backward
-        keeps this rank's part of the gradient (every TP rank computes the same loss from the gathered tokens)."""
-        if not self.sp:
-            return tokens
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        out = gather_from_sequence_parallel_region(tokens.transpose(0, 1).contiguous(), group=self.tp_group,
-                                                   tensor_parallel_output_grad=False)
-        return out.transpose(0, 1)
+        """The inverse of :meth:`sp_local` (every TP rank then computes the same loss)."""
+        return gather_tokens(tokens, self.tp_group, sp=self.sp)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 image: torch.Tensor | None = None, *, tokens_out: bool = False, grids: Any = None) -> torch.Tensor:
