@@ -1,7 +1,8 @@
 """Generated bad input on the megatron backend's data surfaces, each held to the CLI's contract: a one-line
 ``LoongForgeError`` (exit 2 through the CLI) naming the file (and record / key), never a traceback, never a hang.
 
-Conversations records (their schema, the image / frame files they name), FP8 policy files (``train.fp8.policy``)
+Conversations records (their schema, the image / frame files they name), video clip folders of a latent cache
+(frames + caption), FP8 policy files (``train.fp8.policy``)
 and recipe values that can only fail later. Records are read by the dataset itself with a tiny Qwen3-VL processor;
 policy files by the reader ``validate`` uses (a few through ``validate`` itself); recipe values through ``validate``.
 """
@@ -251,6 +252,103 @@ def test_intact_records_encode(convo):
 
 
 # ---- FP8 policy files (train.fp8.policy) ------------------------------------------------------------------------------
+
+# ---- video clip folders (frames + caption) of a latent cache ------------------------------------------------------
+
+def _frame(path: Path, w: int = 16, h: int = 16) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (w, h), (200, 10, 10)).save(path)
+
+
+def _clip_good(folder: Path) -> None:
+    for i in range(5):
+        _frame(folder / f"{i:03d}.png")
+    (folder / "caption.txt").write_text("a red square")
+
+
+def _clip_case(folder: Path, case: str) -> str:
+    """Make clip folder ``case`` (one defect on a good clip); return the path the error must name."""
+    _clip_good(folder)
+    first, cap = folder / "000.png", folder / "caption.txt"
+    if case == "no frames":
+        for p in folder.glob("*.png"):
+            p.unlink()
+        return str(folder)
+    if case == "frame count 4":
+        (folder / "004.png").unlink()
+        return str(folder)
+    if case == "mixed sizes":
+        _frame(folder / "003.png", 32, 16)
+        return str(folder / "003.png")
+    if case == "size not a multiple":
+        for i in range(5):
+            _frame(folder / f"{i:03d}.png", 24, 16)
+        return str(first)
+    if case == "truncated png":
+        first.write_bytes(first.read_bytes()[:40])
+    elif case == "text as png":
+        first.write_text("not an image")
+    elif case == "header only png":
+        _png(first, 16, 16)
+    elif case == "png is a folder":
+        first.unlink()
+        first.mkdir()
+    elif case == "png links to /dev/zero":
+        first.unlink()
+        first.symlink_to("/dev/zero")
+    elif case == "png link loop":
+        first.unlink()
+        first.symlink_to(first.name)
+    elif case == "binary png":
+        first.write_bytes(random.Random(0).randbytes(500))
+    else:
+        if case == "no caption":
+            cap.unlink()
+            return str(folder)
+        if case == "empty caption":
+            cap.write_text("  \n")
+        elif case == "non-utf8 caption":
+            cap.write_bytes(b"caption \xff\xfe")
+        elif case == "NUL in caption":
+            cap.write_bytes(b"a\0b")
+        elif case == "caption is a folder":
+            cap.unlink()
+            cap.mkdir()
+        elif case == "caption links to /dev/zero":
+            cap.unlink()
+            cap.symlink_to("/dev/zero")
+        return str(cap)
+    return str(first)
+
+
+CLIP_CASES = ["no frames", "frame count 4", "mixed sizes", "size not a multiple", "truncated png", "text as png",
+              "header only png", "png is a folder", "png links to /dev/zero", "png link loop", "binary png",
+              "no caption", "empty caption", "non-utf8 caption", "NUL in caption", "caption is a folder",
+              "caption links to /dev/zero"]
+
+
+@pytest.mark.parametrize("case", CLIP_CASES)
+def test_bad_clip_folder_is_one_line(tmp_path, case):
+    """A latent cache's clip folder with one defect is refused in one line naming the folder / file."""
+    from loongforge_megatron.models.wan.cache import read_clip
+
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    named = _clip_case(folder, case)
+    with pytest.raises(Exception) as err:
+        read_clip(folder, temporal=4, multiple=16)
+    one_line(err.value, named, "data.frames")
+
+
+def test_intact_clip_folder_reads(tmp_path):
+    from loongforge_megatron.models.wan.cache import read_clip
+
+    _clip_good(tmp_path)
+    video, caption = read_clip(tmp_path, temporal=4, multiple=16)
+    assert video.shape == (3, 5, 16, 16) and caption == "a red square"
+    assert float(video[0].min()) > 0.5 and float(video[1].max()) < -0.5  # red, scaled to [-1, 1]
+
 
 GOOD_POLICY = {"version": 1, "device": "x", "recipe": "tensorwise", "gemms": {
     "128x192x64": {"name": "qkv", "fwd": {"bf16_ms": 0.1, "fp8_ms": 0.05, "fp8_faster": True},

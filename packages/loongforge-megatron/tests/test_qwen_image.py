@@ -141,6 +141,18 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
         job.close()
         runtime.logger.close()
     out["tiny_tp2"] = _tiny(tmp_path / "tiny_tp2", port=ports[-2], overrides=["parallel.tp=2"])
+    # TP 2 + sequence parallelism: Edit's forward (the reference image's tokens on rank 1), the tiny recipe's steps
+    os.environ["MASTER_PORT"] = str(ports[-3])
+    over = [*cpt(hf_dirs["edit"], "edit"), "parallel.sp=true"]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / "sp_edit")
+    try:
+        p = probes["edit"]
+        with torch.no_grad():
+            out["sp_edit"] = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids("edit"))
+    finally:
+        job.close()
+        runtime.logger.close()
+    out["tiny_sp2"] = _tiny(tmp_path / "tiny_sp2", port=ports[-4], overrides=["parallel.tp=2", "parallel.sp=true"])
     return out
 
 
@@ -170,18 +182,22 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative, text
     padding masked), the first flow-matching loss = the plain-torch reference around diffusers' model, the export
     before training = the source files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a
-    QwenImagePipeline and computes the merged weights' function; the tiny recipe's first steps at TP 2 equal one
-    process's."""
+    QwenImagePipeline and computes the merged weights' function; the tiny recipe's first steps at TP 2 and at TP 2
+    + sequence parallelism equal one process's (Edit's forward with sequence parallelism = diffusers')."""
     from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import load_file
 
     refs = {name: QwenImageTransformer2DModel.from_pretrained(d).eval() for name, d in hf_dirs.items()}
     probes = {name: probe(name) for name in hf_dirs}
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+                ports=[free_port() for _ in range(len(hf_dirs) + 4)])
     one = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
     # NOTE: training steps after the first at TP 2 equal one process's (the per-head norms' gradients summed)
     assert got[0]["tiny_tp2"][0] == pytest.approx(one[0], rel=RTOL)
+    assert got[0]["tiny_sp2"][0] == pytest.approx(one[0], rel=RTOL)  # TP 2 + sequence parallelism
+    assert got[1]["tiny_sp2"][0] == got[0]["tiny_sp2"][0]
+    sp_want = diffusers_forward(refs["edit"], probes["edit"], "edit")
+    assert rel_err(got[0]["sp_edit"], sp_want) <= RTOL, rel_err(got[0]["sp_edit"], sp_want)
     assert one[0][-1] < one[0][0], one[0]
     assert torch.equal(got[0]["tiny_tp2"][1], got[1]["tiny_tp2"][1])
     assert rel_err(got[0]["tiny_tp2"][1] - 1, one[1] - 1) <= 1e-4  # NOTE: Adam's updates of the weight (from 1)
@@ -200,6 +216,103 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert sum(p.numel() for p in model.parameters()) == _arch(hf_dir).num_params(), name
     _lora_export_loads_in_a_pipeline(tmp_path, hf_dirs["t2i"], probes["t2i"])
+
+
+CP_STEPS = 5
+PACKED_SIZES = [(6, 8), (4, 4), (2, 8)]  # latent sizes of the packed probe: 12 + 4 + 4 tokens, cut by cp 2 in the first
+TINY_PACKED = ["data.packed_sizes=[[8,8],[4,8],[4,4]]"]
+
+
+def packed_probe() -> dict:
+    """Three images of different sizes with their own noise levels and texts (one padded): each alone (diffusers'
+    input) and packed (ours: patches joined, one grid row per image)."""
+    g = torch.Generator().manual_seed(5)
+    images = [torch.randn(1, (h // 2) * (w // 2), 16, generator=g) for h, w in PACKED_SIZES]
+    mask = torch.ones(len(images), TEXT, dtype=torch.bool)
+    mask[1, 2:] = False
+    return {"images": images, "t": torch.tensor([0.1, 0.7315, 0.5]), "mask": mask,
+            "text": torch.randn(len(images), TEXT, 16, generator=g), "patches": torch.cat([i[0] for i in images]),
+            "grids": [(1, h // 2, w // 2) for h, w in PACKED_SIZES]}
+
+
+def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Each config at CP 2 (ring attention over the image tokens; Edit: rank 1 holds only the reference image, so
+    it scores no tokens): this rank's share of the forward on the probe, the first step's batches and loss; the
+    tiny recipe's first ``CP_STEPS`` losses."""
+    import os
+
+    out = {}
+    for (name, hf_dir), port in zip(hf_dirs.items(), ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dir, name), "parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=p2p"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / name)
+        try:
+            p = probes[name]
+            with torch.no_grad():
+                ours = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids(name))
+                p = probes["packed"]
+                packed = job.chunks[0](p["patches"], p["t"], p["text"], p["mask"], grids=p["grids"])[0]
+            batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+            out[name] = (ours, batches, job.step()["loss"], packed)
+        finally:
+            job.close()
+            runtime.logger.close()
+    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-2], overrides=["parallel.cp=2"])
+    out["tiny_packed_cp2"] = _tiny_steps(tmp_path / "tiny_packed_cp2", port=ports[-1],
+                                         overrides=["parallel.cp=2", *TINY_PACKED])
+    return out
+
+
+def _tiny_steps(out: Path, *, port: int, overrides: list[str]) -> list[float]:
+    import os
+
+    os.environ["MASTER_PORT"] = str(port)
+    over = ["accelerator=cpu", "logging.console=false", f"train.steps={CP_STEPS}", *overrides]
+    job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=out)
+    try:
+        return [job.step()["loss"] for _ in range(CP_STEPS)]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def _tiny_steps_one_process(*, rank, world, tmp_path, ports):
+    return (_tiny_steps(tmp_path / "tiny_steps_one", port=ports[0], overrides=[]),
+            _tiny_steps(tmp_path / "tiny_packed_one", port=ports[1], overrides=TINY_PACKED))
+
+
+def test_cp2_ring_equals_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Text-to-image and Edit at CP 2 with ring attention (one gloo launch): the ranks' image tokens joined equal
+    diffusers' forward (<= 1e-5 relative, text padding masked), also for images of three sizes packed into one
+    sequence (each against diffusers on it alone), the first loss equals the plain-torch reference around
+    diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's, also on packed variable-size
+    samples."""
+    from diffusers import QwenImageTransformer2DModel
+
+    probes = {name: probe(name) for name in hf_dirs}
+    probes["packed"] = packed_probe()
+    got = ranks(_cp2_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
+    one, one_packed = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path,
+                            ports=[free_port(), free_port()])[0]
+    p = probes["packed"]
+    for name, hf_dir in hf_dirs.items():
+        ref = QwenImageTransformer2DModel.from_pretrained(hf_dir).eval()
+        ours = torch.cat([got[0][name][0], got[1][name][0]], dim=1)
+        want = diffusers_forward(ref, probes[name], name)
+        assert rel_err(ours, want) <= RTOL, (name, rel_err(ours, want))
+        _, batches, loss, _ = got[0][name]
+        assert got[1][name][2] == loss
+        assert loss == pytest.approx(reference_loss(ref, batches), rel=RTOL), name
+        with torch.no_grad():
+            want = torch.cat([ref(x, p["text"][i: i + 1], p["mask"][i: i + 1], p["t"][i: i + 1],
+                                  img_shapes=[[p["grids"][i]]]).sample[0] for i, x in enumerate(p["images"])])
+        ours = torch.cat([got[0][name][3], got[1][name][3]])
+        assert rel_err(ours, want) <= RTOL, (name, "packed", rel_err(ours, want))
+    assert got[0]["tiny_cp2"] == pytest.approx(one, rel=RTOL)
+    assert got[1]["tiny_cp2"] == got[0]["tiny_cp2"]
+    assert got[0]["tiny_packed_cp2"] == pytest.approx(one_packed, rel=RTOL)
+    assert one_packed[-1] != one_packed[0]
 
 
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
@@ -257,7 +370,13 @@ def test_preset_is_the_published_size():
 @pytest.mark.parametrize(("overrides", "key", "fragment"), [
     (["data.height=7"], "data.height", "patches of 2"),
     (["data.seq_length=64"], "data.seq_length", "not used by Qwen-Image"),
-    (["parallel.cp=2"], "parallel.cp", "Qwen-Image"),
+    # NOTE: context parallelism (ring) splits the image tokens: a split that does not divide them is refused
+    (["parallel.cp=2", "data.height=6", "data.width=6"], "parallel.cp", "do not split over cp"),
+    (["parallel.sp=true", "parallel.tp=2", "data.packed_sizes=[[8,8]]"], "parallel.sp", "packed"),
+    (["parallel.sp=true", "parallel.tp=2", "data.height=6", "data.width=6"], "parallel.sp", "do not split over tp"),
+    (["data.packed_sizes=[[8,8]]", "data.reference_images=1"], "data.reference_images", "no reference images"),
+    (["data.packed_sizes=[[6,6]]", "parallel.cp=2"], "data.packed_sizes", "do not split over cp"),
+    (["data.packed_sizes=[[8,7]]"], "data.packed_sizes", "patches of 2"),
     (["model.ffn_hidden_size=100"], "model", "4 x hidden_size"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

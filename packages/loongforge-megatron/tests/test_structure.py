@@ -90,10 +90,10 @@ KIND_WORDS = {
     "llava": ("llava", "CLIP"),
     "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
     "wan": ("wan", "t2v", "i2v", "ti2v", "umt5", "latent_frames", "latent_height", "latent_width", "boundary_ratio",
-            "image_tokens", "rope_max_seq_len", "added_kv_proj_dim"),
+            "image_tokens", "rope_max_seq_len", "added_kv_proj_dim", "packed_frames", "latent_cache"),
     "hybrid": ("qwen3_next", "qwen3-next", "qwen3_5", "qwen3.5", "deltanet", "linear_attention", "full_attention"),
     "qwen_image": ("qwen_image", "qwen-image", "qwenimage", "joint_attention_dim", "axes_dims_rope", "zero_cond_t",
-                   "reference_images", "mmdit"),
+                   "reference_images", "mmdit", "packed_sizes"),
 }
 
 

@@ -104,8 +104,8 @@ def cpt(hf_dir: Path, name: str) -> list[str]:
 
 def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     """Each config at TP 2: forward on the probe, an export before training, the first step's batches and loss;
-    a LoRA run's exports; TI2V at CP 2 (forward, first loss); the tiny recipe's first ``steps`` losses at TP 2 and
-    at CP 2.
+    a LoRA run's exports; TI2V at CP 2 (forward, first loss); the tiny recipe's first ``steps`` losses at TP 2, at
+    CP 2 and at TP 2 + sequence parallelism.
 
     NOTE: each job starts its own process group, on a port of its own (a torn-down store's port refuses the next)."""
     import os
@@ -149,9 +149,10 @@ def _tp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, steps, ports):
     finally:
         job.close()
         runtime.logger.close()
-    for layout, port in (("tp", ports[-2]), ("cp", ports[-1])):
+    for layout, port, parallel in (("tp", ports[-2], ["parallel.tp=2"]), ("cp", ports[-1], ["parallel.cp=2"]),
+                                   ("sp", ports[len(hf_dirs)], ["parallel.tp=2", "parallel.sp=true"])):
         os.environ["MASTER_PORT"] = str(port)
-        over = ["accelerator=cpu", "logging.console=false", f"parallel.{layout}=2", f"train.steps={steps}"]
+        over = ["accelerator=cpu", "logging.console=false", *parallel, f"train.steps={steps}"]
         job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / f"{layout}2")
         try:
             out[f"tiny_{layout}2"] = [job.step()["loss"] for _ in range(steps)]
@@ -179,8 +180,8 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     """T2V / I2V / TI2V loaded at TP 2 (one gloo launch): our forward = diffusers' (<= 1e-5 relative), the first
     flow-matching loss = the plain-torch reference around diffusers' model, the export before training = the source
     files bitwise and loads in diffusers cleanly; a LoRA run's export loads in a WanPipeline and computes the merged
-    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2, at CP 2 and with full recompute
-    gives the one-process losses, which fall."""
+    weights' function; TI2V at CP 2 (Ulysses) = diffusers; the tiny recipe at TP 2, at CP 2, at TP 2 + sequence
+    parallelism and with full recompute gives the one-process losses, which fall."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
@@ -188,7 +189,7 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     probes = {name: probe(name) for name in hf_dirs}
     steps = 4
     got = ranks(_tp2_jobs, world=2, out=tmp_path / "tp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 4)])
+                steps=steps, ports=[free_port() for _ in range(len(hf_dirs) + 5)])
     single = ranks(_tiny_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, steps=steps)[0]
     one = single["eager"]
     assert single["recompute"] == pytest.approx(one[:steps], rel=RTOL)
@@ -212,8 +213,107 @@ def test_tp2_and_cp2_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, f
     assert loss == pytest.approx(reference_loss(refs["ti2v"], batches), rel=RTOL)
     assert got[0]["tiny_tp2"] == pytest.approx(one[:steps], rel=RTOL)
     assert got[0]["tiny_cp2"] == pytest.approx(one[:steps], rel=RTOL)
+    assert got[0]["tiny_sp2"] == pytest.approx(one[:steps], rel=RTOL)  # TP 2 + sequence parallelism
     first, last = sum(one[:5]) / 5, sum(one[-5:]) / 5
     assert last < 0.8 * first, (first, last)
+
+
+PACKED_FRAMES = (2, 3, 1)  # a probe's videos: 8 + 12 + 4 tokens, so cp 2 cuts the second one
+PACKED_STEPS = 5
+
+
+def packed_probe(name: str) -> dict:
+    """Three videos of different lengths (the probe's height and width) with their own timesteps / texts / image
+    tokens: each alone (diffusers' input) and packed (ours: patch tokens joined, one grid row per video)."""
+    from loongforge_megatron.models.wan.model import patchify
+
+    cfg, g = CONFIGS[name], torch.Generator().manual_seed(11)
+    videos = [torch.randn(1, cfg["in_channels"], f, *GRID[1:], generator=g) for f in PACKED_FRAMES]
+    t = torch.tensor([0.0, 731.5, 250.0])
+    text = torch.randn(len(videos), TEXT_LENGTH[name], 16, generator=g)
+    image = torch.randn(len(videos), IMAGE_TOKENS, cfg["image_dim"], generator=g) if "image_dim" in cfg else None
+    return {"videos": videos, "t": t, "text": text, "image": image,
+            "patches": torch.cat([patchify(v, (1, 2, 2))[0] for v in videos]),
+            "grids": [(f, GRID[1] // 2, GRID[2] // 2) for f in PACKED_FRAMES]}
+
+
+#: the packed layouts of one launch: (name, the probe's config, parallel overrides)
+PACKED_LAYOUTS = (("p2p", "i2v", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=p2p"]),
+                  ("a2a", "t2v", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=a2a"]),
+                  ("sp", "i2v", ["parallel.tp=2", "parallel.sp=true"]))
+
+
+def _packed_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Packed videos at CP 2 (I2V with the ring, T2V with Ulysses) and at TP 2 + sequence parallelism (I2V): this
+    rank's share of the packed forward; the tiny recipe with packed variable-length samples: its first steps'
+    losses in each layout."""
+    import os
+
+    out = {}
+    for (layout, name, parallel), port in zip(PACKED_LAYOUTS, ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dirs[name], name), *parallel, "data.packed_frames=[1,2,3]"]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / layout)
+        try:
+            p = probes[name]
+            with torch.no_grad():
+                out[layout] = job.chunks[0](p["patches"], p["t"], p["text"], p["image"], grids=p["grids"])[0]
+        finally:
+            job.close()
+            runtime.logger.close()
+    for (layout, _, parallel), port in zip(PACKED_LAYOUTS, ports[len(PACKED_LAYOUTS):], strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        recipe = loongforge.load_recipe(RECIPE, [*TINY_PACKED, *parallel])
+        job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / f"tiny_{layout}")
+        try:
+            out[f"tiny_{layout}"] = [job.step()["loss"] for _ in range(PACKED_STEPS)]
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+TINY_PACKED = ["accelerator=cpu", "logging.console=false", f"train.steps={PACKED_STEPS}", "data.packed_frames=[1,2,3]"]
+
+
+def _tiny_packed_one_process(*, rank, world, tmp_path):
+    recipe = loongforge.load_recipe(RECIPE, TINY_PACKED)
+    job, runtime = loongforge.build_job(recipe, output_dir=tmp_path / "tiny_packed_one")
+    try:
+        return [job.step()["loss"] for _ in range(PACKED_STEPS)]
+    finally:
+        job.close()
+        runtime.logger.close()
+
+
+def test_packed_videos_at_cp2_and_tp2_sp_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Videos of different lengths packed into one sequence, split over 2 ranks (the cut falls inside a video):
+    at CP 2 with the ring (I2V) and Ulysses (T2V) and at TP 2 + sequence parallelism (I2V) the forward equals
+    diffusers' on each video alone (<= 1e-5 relative); the tiny recipe on packed variable-length samples gives the
+    one-process losses over 5 steps in each layout."""
+    from diffusers import WanTransformer3DModel
+    from loongforge_megatron.models.wan.model import patchify
+
+    probes = {name: packed_probe(name) for name in ("i2v", "t2v")}
+    got = ranks(_packed_jobs, world=2, out=tmp_path / "two", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(2 * len(PACKED_LAYOUTS))])
+    one = ranks(_tiny_packed_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path)[0]
+    want = {}
+    for name, p in probes.items():
+        ref = WanTransformer3DModel.from_pretrained(hf_dirs[name]).eval()
+        parts = []
+        for i, video in enumerate(p["videos"]):
+            image = None if p["image"] is None else p["image"][i: i + 1]
+            single = {"x": video, "t": p["t"][i: i + 1], "text": p["text"][i: i + 1], "image": image}
+            parts.append(patchify(diffusers_forward(ref, single), (1, 2, 2))[0])
+        want[name] = torch.cat(parts)
+    for layout, name, _ in PACKED_LAYOUTS:
+        # NOTE: a CP rank returns its tokens; sequence parallelism gathers the TP ranks' for the loss
+        ours = got[0][layout] if layout == "sp" else torch.cat([got[0][layout], got[1][layout]])
+        assert rel_err(ours, want[name]) <= RTOL, (layout, rel_err(ours, want[name]))
+        assert got[0][f"tiny_{layout}"] == pytest.approx(one, rel=RTOL), layout
+        assert got[1][f"tiny_{layout}"] == got[0][f"tiny_{layout}"]
+    assert one[-1] != one[0]
 
 
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
@@ -285,6 +385,10 @@ def test_presets_are_the_published_sizes():
     (["data.seq_length=64"], "data.seq_length", "not used by Wan"),
     (["parallel.recompute=selective"], "parallel.recompute", "full"),
     (["parallel.cp=8"], "parallel.cp", "tp x cp"),
+    (["parallel.cp=2", "data.packed_frames=[1,2]", "data.latent_height=6", "data.latent_width=6"], "parallel.cp",
+     "per latent frame"),
+    (["data.packed_frames=[1,0]"], "data.packed_frames", "greater than 0"),
+    (["model.cp_comm_type=ring"], "model.cp_comm_type", "p2p"),
     (["parallel.cp=2", "data.latent_frames=3", "data.latent_height=6", "data.latent_width=6"], "parallel.cp", "do not split over cp"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

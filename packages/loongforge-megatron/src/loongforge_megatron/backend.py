@@ -242,6 +242,12 @@ class MegatronBackend(Backend):
     def prepare_data(self, recipe: Recipe, *, force: bool = False) -> Path:
         from loongforge_megatron.data.prepare import prepare
 
+        if recipe.data.format not in ("pretrain", "sft"):
+            # NOTE: a model kind with a data format of its own prepares it (its spec); the rest need no preparation
+            own = getattr(recipe.model.spec(), "prepare_data", None)
+            path = own(recipe, force=force) if own is not None else None
+            if path is not None:
+                return path
         return prepare(recipe, force=force)
 
     def convert(self, src: str, dst: str, *, to: str, **layout: Any) -> None:

@@ -87,3 +87,7 @@ class HFCheckpoint:
     def adaptations(self, *, arch: Any, accelerator: Any) -> list:
         """Patches of megatron-core the model needs for the run (none: megatron's layers as they are)."""
         return []
+
+    def prepare_data(self, recipe: Any, *, force: bool = False) -> Path | None:
+        """No data format of its own to prepare: the backend tokenizes pretrain / sft data."""
+        return None

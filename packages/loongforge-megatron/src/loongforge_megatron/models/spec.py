@@ -148,6 +148,10 @@ class ModelSpec(Protocol):
 
     def data(self, *, recipe: Recipe, arch: Any, runtime: Runtime, device: torch.device) -> Data: ...
 
+    def prepare_data(self, recipe: Recipe, *, force: bool = False) -> Path | None:
+        """``loongforge data prepare`` of this family's own data format (its prepared directory), or None: the
+        backend's tokenized pretrain / sft preparation."""
+
     def model(self, *, recipe: Recipe, arch: Any, plan: ParallelPlan, accelerator: Any, device: torch.device,
               precision: str, data: Data) -> Model:
         """This rank's chunks with a seeded, layout-invariant random init (the job loads HF weights over it)."""

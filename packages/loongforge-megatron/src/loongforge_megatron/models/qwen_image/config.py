@@ -3,9 +3,9 @@ text length and the reference images of the Edit variant in ``data`` (with the f
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.flow_matching import FlowMatchingData
@@ -16,6 +16,11 @@ class QwenImageModelConfig(ModelConfig):
     pipeline's ``transformer``); the shared architecture keys (num_layers, hidden_size, num_attention_heads,
     ffn_hidden_size) plus the ones below."""
 
+    not_arch: ClassVar[tuple[str, ...]] = ("cp_comm_type",)
+
+    cp_comm_type: Literal["p2p"] = Field(
+        "p2p", description="context parallelism's joint attention (megatron-core's names): p2p (ring: the image "
+        "keys / values passed around the CP group, the text on every rank)")
     patch_size: int | None = Field(None, ge=1)
     in_channels: int | None = Field(None, ge=1, description="packed patch channels (latent channels x patch^2)")
     out_channels: int | None = Field(None, ge=1)
@@ -34,5 +39,9 @@ class QwenImageDataConfig(FlowMatchingData):
     height: int = Field(128, ge=1, description="latent rows per image (pixels / 8)")
     width: int = Field(128, ge=1, description="latent columns per image")
     text_length: int = Field(64, ge=1, description="text tokens per sample (padded; the mask marks the prompt's)")
+    packed_sizes: list[tuple[PositiveInt, PositiveInt]] = Field(
+        default_factory=list, description="variable-size samples: each sample draws its latent (height, width) from "
+        "this list (instead of height / width) and a micro-batch's images are packed into one sequence, each "
+        "attending only its own text and image")
     reference_images: int = Field(0, ge=0, le=4, description="Edit: clean reference images (same size) whose "
                                   "patches follow the noisy image's")

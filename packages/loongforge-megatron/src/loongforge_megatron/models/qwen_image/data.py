@@ -25,6 +25,10 @@ class SyntheticImages:
 
     def __init__(self, *, arch: Any, data: Any, objective: FlowMatching, seed: int):
         self.shape = (arch.out_channels, data.height, data.width)
+        self.sizes, self.patch = [tuple(s) for s in data.packed_sizes], arch.patch_size
+        if self.sizes:
+            self.concat_keys = ("x0", "noise", "grid", "sigmas", "text", "text_mask")
+            self.host_keys = ("grid",)  # NOTE: the model reads the images' sizes on the host
         self.text_shape = (data.text_length, arch.joint_attention_dim)
         self.references = data.reference_images
         self.objective, self.seed, self.text_dropout = objective, seed, data.text_dropout
@@ -32,16 +36,19 @@ class SyntheticImages:
     def __len__(self) -> int:
         return 1 << 40
 
-    def _field(self, prompt: int, salt: int) -> torch.Tensor:
+    def _field(self, prompt: int, salt: int, size: tuple[int, int] | None = None) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 7919 + prompt * 31 + salt + 1)
         low = torch.randn((1, self.shape[0], 4, 4), generator=g)
-        return F.interpolate(low, size=self.shape[1:], mode="bilinear", align_corners=False)[0]
+        return F.interpolate(low, size=size or self.shape[1:], mode="bilinear", align_corners=False)[0]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
         prompt = int(torch.randint(0, PROMPTS, (), generator=g))
-        x0 = self._field(prompt, 0) + 0.1 * torch.randn(self.shape, generator=g)
-        sample = {"x0": x0, "noise": torch.randn(self.shape, generator=g), "sigmas": self.objective.draw_sigma(g)}
+        shape = self.shape
+        if self.sizes:
+            shape = (shape[0], *self.sizes[int(torch.randint(0, len(self.sizes), (), generator=g))])
+        x0 = self._field(prompt, 0, shape[1:]) + 0.1 * torch.randn(shape, generator=g)
+        sample = {"x0": x0, "noise": torch.randn(shape, generator=g), "sigmas": self.objective.draw_sigma(g)}
         length, width = self.text_shape
         pg = torch.Generator().manual_seed(self.seed * 104729 + prompt * 31)
         real = 1 + int(torch.randint(0, length, (), generator=pg))
@@ -54,4 +61,15 @@ class SyntheticImages:
         sample["text"], sample["text_mask"] = text, mask
         if self.references:
             sample["reference"] = torch.stack([self._field(prompt, 2 + i) for i in range(self.references)])
-        return sample
+        return self._packed(sample) if self.sizes else sample
+
+    def _packed(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One sample as the rows of a packed micro-batch: its image as packed patches and its ``grid``."""
+        from loongforge_megatron.models.qwen_image.model import pack
+
+        h, w = sample["x0"].shape[1:]
+        out = {k: pack(sample[k][None], self.patch)[0] for k in ("x0", "noise")}
+        out["grid"] = torch.tensor([[1, h // self.patch, w // self.patch]])
+        out["sigmas"] = sample["sigmas"].reshape(1)
+        out["text"], out["text_mask"] = sample["text"][None], sample["text_mask"][None]
+        return out

@@ -37,7 +37,7 @@ class QwenImage(HFCheckpoint):
     model_section = QwenImageModelConfig
     data_section = QwenImageDataConfig
     supports = Supports(models="Qwen-Image models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
-                        sft_formats=(), parallel=("tp",), layers=("auto", "loongforge", "local"))
+                        sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata
     peft_prefix = "transformer."
@@ -81,7 +81,7 @@ class QwenImage(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenImageArch) -> None:
-        """What the Qwen-Image path supports: TP / DP / distributed optimizer (+ full recompute), pretrain, CPT or
+        """What the Qwen-Image path supports: TP (+ SP) / CP (ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or
         LoRA on synthetic samples (Edit: reference images), diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Qwen-Image models use no fused kernels (SDPA attention only); leave kernels.provider "
@@ -111,6 +111,30 @@ class QwenImage(HFCheckpoint):
             if size // arch.patch_size // 2 + data.text_length > ROPE_POSITIONS:
                 raise RecipeError(f"{size // arch.patch_size} patches along {axis} and {data.text_length} text tokens "
                                   f"exceed the model's {ROPE_POSITIONS} RoPE positions", key=f"data.{axis}")
+        if data.packed_sizes:
+            if plan.sp:
+                raise RecipeError("packed samples (data.packed_sizes) take no sequence parallelism yet",
+                                  key="parallel.sp")
+            if data.reference_images:
+                raise RecipeError("packed samples (data.packed_sizes) take no reference images",
+                                  key="data.reference_images")
+            for h, w in data.packed_sizes:
+                if h % arch.patch_size or w % arch.patch_size:
+                    raise RecipeError(f"{h} x {w} latent pixels do not split into patches of {arch.patch_size}",
+                                      key="data.packed_sizes")
+                if max(h, w) // arch.patch_size // 2 + data.text_length > ROPE_POSITIONS:
+                    raise RecipeError(f"{h} x {w} latent pixels and {data.text_length} text tokens exceed the "
+                                      f"model's {ROPE_POSITIONS} RoPE positions", key="data.packed_sizes")
+                # NOTE: every image's tokens split over cp, so any packing of them does
+                if arch.tokens(h, w) % plan.cp:
+                    raise RecipeError(f"{arch.tokens(h, w)} image tokens of {h} x {w} do not split over cp = "
+                                      f"{plan.cp}", key="data.packed_sizes")
+        tokens = arch.tokens(data.height, data.width) * (1 + data.reference_images)
+        if tokens % plan.cp and not data.packed_sizes:
+            raise RecipeError(f"{tokens} image tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
+        if plan.sp and (tokens // plan.cp) % plan.tp:
+            raise RecipeError(f"{tokens // plan.cp} image tokens per CP rank do not split over tp = {plan.tp} "
+                              "(sequence parallelism)", key="parallel.sp")
         if arch.in_channels != arch.out_channels * arch.patch_size**2:
             raise RecipeError(f"the model's in_channels ({arch.in_channels}) are not out_channels x patch^2 "
                               f"({arch.out_channels * arch.patch_size**2}): synthetic samples pack the latent "
@@ -123,7 +147,8 @@ class QwenImage(HFCheckpoint):
 
         d = recipe.data
         dataset = SyntheticImages(arch=arch, data=d, objective=FlowMatching.from_data(d), seed=recipe.train.seed)
-        tokens = arch.tokens(d.height, d.width) * (1 + d.reference_images) + d.text_length
+        tokens = max(arch.tokens(h, w) for h, w in d.packed_sizes or [(d.height, d.width)])
+        tokens = tokens * (1 + d.reference_images) + d.text_length
         return Data(train=dataset, seq_length=tokens, sample_unit="images")
 
     def model(self, *, recipe: Any, arch: QwenImageArch, plan: Any, accelerator: Any, device: Any, precision: str,

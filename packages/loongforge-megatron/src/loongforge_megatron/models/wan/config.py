@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from loongforge_megatron.config import ModelConfig
 from loongforge_megatron.models.flow_matching import FlowMatchingData
@@ -16,6 +16,12 @@ class WanModelConfig(ModelConfig):
     ``transformer`` / ``transformer_2``); the shared architecture keys (num_layers, hidden_size,
     num_attention_heads, ffn_hidden_size, norm_eps) plus the ones below."""
 
+    not_arch: ClassVar[tuple[str, ...]] = ("cp_comm_type",)
+
+    cp_comm_type: Literal["a2a", "p2p"] = Field(
+        "a2a", description="context parallelism's self-attention (megatron-core's names): a2a (Ulysses: all-to-all "
+        "of tokens for heads; heads must split over tp x cp) or p2p (ring: keys / values passed around the CP group; "
+        "any head count)")
     patch_size: tuple[int, int, int] | None = Field(None, description="latent patch (frames, height, width)")
     in_channels: int | None = Field(None, ge=1, description="input channels (noisy latent + an I2V condition)")
     out_channels: int | None = Field(None, ge=1)
@@ -30,15 +36,26 @@ class WanModelConfig(ModelConfig):
 
 class WanDataConfig(FlowMatchingData):
     """``data`` of a Wan model: format ``synthetic``: seeded latent videos with matching text embeddings (and
-    image tokens / condition channels where the model takes them), for tests and benchmarks."""
+    image tokens / condition channels where the model takes them), for tests and benchmarks; ``latent_cache``: the
+    clips ``loongforge data prepare`` encoded into ``data.path`` from ``data.frames`` (text-to-video models)."""
 
     formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
 
-    format: str = Field("synthetic", description="synthetic")
+    format: str = Field("synthetic", description="synthetic | latent_cache")
+    frames: str | None = Field(None, description="data prepare: a folder with one sub-folder per clip, its frames "
+                               "as *.png (name order, one size, 1 + 4k of them) and its caption.txt")
+    autoencoder: str | None = Field(None, description="data prepare: a diffusers AutoencoderKLWan folder (a "
+                                    "pipeline's autoencoder) that encodes the frames")
+    text_encoder: str | None = Field(None, description="data prepare: a transformers UMT5 / T5 encoder folder with "
+                                     "its tokenizer, which encodes the captions")
     latent_frames: int = Field(21, ge=1, description="latent frames per sample ((video frames - 1) / 4 + 1: 81 -> 21)")
     latent_height: int = Field(60, ge=1, description="latent rows (pixels / 8; Wan2.2 TI2V-5B: / 16)")
     latent_width: int = Field(104, ge=1, description="latent columns")
     text_length: int = Field(512, ge=1, description="text tokens per sample (Wan pads prompts to 512)")
+    packed_frames: list[PositiveInt] = Field(
+        default_factory=list, description="variable-length samples: each sample draws its latent frame count from "
+        "this list (instead of latent_frames) and a micro-batch's samples are packed into one sequence (cu_seqlens "
+        "over their video tokens, RoPE per sample)")
     image_tokens: int = Field(257, ge=1, description="image-encoder tokens per sample (models with image_dim)")
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None, description="train one expert of a two-expert (A14B) model on its timesteps: high_noise at or above "

@@ -14,8 +14,12 @@ the TP group (:class:`HeadsRMSNorm`). Self-attention rotates queries and keys by
 each own a slice of the head's channels, pairs interleaved as diffusers does). The embedders (3-D patch
 convolution, timestep, text, image-encoder tokens) and the output head are small and held whole on every rank.
 
-Context parallelism splits the video tokens over the CP group (Ulysses: see :class:`WanModel`). Sequence and
-pipeline parallelism are not supported.
+Context parallelism splits the video tokens over the CP group (Ulysses or ring: see :class:`WanModel`). Packed
+micro-batches of videos of different sizes attend sample by sample (``packing.py``). Sequence parallelism
+(``config.sequence_parallel``) splits the residual stream's tokens over the TP ranks as megatron does: the
+column-parallel projections of the video tokens all-gather them, the row-parallel ones reduce-scatter; the text /
+image-token projections of the cross-attention see whole inputs (no sequence split). Pipeline parallelism is not
+supported.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.sequence_parallel import (
+    gather_tokens,
+    mark_sequence_parallel,
+    seq_first,
+    whole_input,
+)
+from loongforge_megatron.layers.ulysses import heads_to_tokens, tokens_to_heads
 from loongforge_megatron.models import flow_matching as fm
+from loongforge_megatron.models.wan.packing import Packing, attend_segments
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -142,44 +154,6 @@ def _row(config: Any, size_in: int, size_out: int, tp_group: Any) -> Any:
                                  bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all of dim 0 over ``group`` (chunk i goes to rank i); its own inverse, so the backward
-    is the same exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        # NOTE: both buffers contiguous: empty_like keeps a permuted input's strides, which the exchange ignores
-        x = x.contiguous()
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def tokens_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Ulysses: ``[b, tokens / cp, heads, d]`` (this rank's tokens, all heads) -> ``[b, tokens, heads / cp, d]``
-    (every token, this rank's heads)."""
-    cp = group.size()
-    b, s, heads, d = x.shape
-    x = _AllToAll.apply(x.reshape(b, s, cp, heads // cp, d).permute(2, 0, 1, 3, 4), group)
-    return x.permute(1, 0, 2, 3, 4).reshape(b, cp * s, heads // cp, d)
-
-
-def heads_to_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """The inverse of :func:`tokens_to_heads`."""
-    cp = group.size()
-    b, s, heads, d = x.shape
-    x = _AllToAll.apply(x.reshape(b, cp, s // cp, heads, d).permute(1, 0, 2, 3, 4), group)
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * heads, d)
-
-
 def patchify(video: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
     """``[b, c, F, H, W]`` -> ``[b, tokens, pt * ph * pw * c]`` in the output head's layout (tokens frame-major)."""
     b, c, f, h, w = video.shape
@@ -200,72 +174,101 @@ class WanAttention(MegatronModule):
     I2V) the queries also attend the image-encoder tokens through ``add_k_proj / add_v_proj`` (keys normed by
     ``norm_added_k``) and the two results are summed before ``to_out``."""
 
-    def __init__(self, config: Any, *, tp_group: Any, image_dim: int | None = None, cp_group: Any = None):
+    def __init__(self, config: Any, *, tp_group: Any, image_dim: int | None = None, cp_group: Any = None,
+                 cp_comm_type: str = "a2a", cross: bool = False):
         super().__init__(config=config)
         h, tp = config.hidden_size, tp_group.size()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.cp_comm_type, self.sp = cp_comm_type, bool(config.sequence_parallel)
         self.heads = config.num_attention_heads // tp
-        self.to_q, self.to_k, self.to_v = (_column(config, h, h, tp_group) for _ in range(3))
+        kv_config = whole_input(config) if cross else config
+        self.to_q = _column(config, h, h, tp_group)
+        self.to_k, self.to_v = _column(kv_config, h, h, tp_group), _column(kv_config, h, h, tp_group)
         self.to_out = _row(config, h, h, tp_group)
         norm = dict(eps=config.layernorm_epsilon, tp_group=tp_group, dtype=config.params_dtype)
         self.norm_q, self.norm_k = HeadsRMSNorm(h, **norm), HeadsRMSNorm(h, **norm)
         self.add_k_proj = self.add_v_proj = self.norm_added_k = None
         if image_dim is not None:
-            self.add_k_proj = _column(config, image_dim, h, tp_group)
-            self.add_v_proj = _column(config, image_dim, h, tp_group)
+            self.add_k_proj = _column(kv_config, image_dim, h, tp_group)
+            self.add_v_proj = _column(kv_config, image_dim, h, tp_group)
             self.norm_added_k = HeadsRMSNorm(h, **norm)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, -1))
 
+    def _self_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     packing: Packing | None) -> torch.Tensor:
+        """Self-attention of this rank's video tokens (of every packed sample, each over its own)."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if packing is None:
+                return _attend(q, k, v)
+            return attend_segments(q, k, v, bounds_q=packing.bounds, bounds_k=packing.bounds)
+
+        if self.cp_group is None:
+            return attend(q, k, v)
+        if self.cp_comm_type == "p2p":
+            # NOTE: ring context parallelism: the keys / values pass around the CP group, heads stay whole
+            from loongforge_megatron.layers.ring_attention import ring_attention
+
+            segments = None if packing is None else packing.segments(q.device)
+            return ring_attention(q, k, v, group=self.cp_group, segments=segments).flatten(2)
+        # NOTE: Ulysses context parallelism: trade the token split for a head split, attend, trade back
+        q, k, v = (tokens_to_heads(t, self.cp_group) for t in (q, k, v))
+        return heads_to_tokens(attend(q, k, v).unflatten(-1, (q.shape[2], -1)), self.cp_group).flatten(2)
+
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, rope: Any = None,
-                image: torch.Tensor | None = None) -> torch.Tensor:
+                image: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         kv = x if context is None else context
-        q = self._heads(self.norm_q(self.to_q(x)[0]))
-        k = self._heads(self.norm_k(self.to_k(kv)[0]))
-        v = self._heads(self.to_v(kv)[0])
+        kv_sp = self.sp and context is None
+        q = self._heads(self.norm_q(seq_first(self.to_q, x, sp=self.sp)[0]))
+        k = self._heads(self.norm_k(seq_first(self.to_k, kv, sp=kv_sp)[0]))
+        v = self._heads(seq_first(self.to_v, kv, sp=kv_sp)[0])
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if context is None and self.cp_group is not None:
-            # NOTE: Ulysses context parallelism: trade the token split for a head split, attend, trade back
-            q, k, v = (tokens_to_heads(t, self.cp_group) for t in (q, k, v))
-            out = heads_to_tokens(_attend(q, k, v).unflatten(-1, (q.shape[2], -1)), self.cp_group).flatten(2)
-        else:
-            out = _attend(q, k, v)
+
+        def cross(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # NOTE: a packed sample's tokens attend its own text / image tokens only
+            return _attend(q, k, v) if packing is None else attend_segments(q, k, v, bounds_q=packing.local_bounds)
+
+        out = self._self_attend(q, k, v, packing) if context is None else cross(k, v)
         if image is not None and self.add_k_proj is not None:
             ki = self._heads(self.norm_added_k(self.add_k_proj(image)[0]))
             vi = self._heads(self.add_v_proj(image)[0])
-            out = out + _attend(q, ki, vi)
-        return self.to_out(out)[0]
+            out = out + cross(ki, vi)
+        return seq_first(self.to_out, out, sp=self.sp)[0]
 
 
 class WanLayer(MegatronModule):
     """One Wan block (see the module docstring); ``modulation`` ``[b, 6, h]`` or ``[b, tokens, 6, h]`` (a
     timestep per token) is the timestep embedding's projection."""
 
-    def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None):
+    def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None, cp_comm_type: str = "a2a"):
         super().__init__(config=config)
         h, eps, dtype = arch.hidden_size, arch.norm_eps, config.params_dtype
         self.norm1 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
-        self.attn1 = WanAttention(config, tp_group=tp_group, cp_group=cp_group)
+        self.attn1 = WanAttention(config, tp_group=tp_group, cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.norm2 = (FP32LayerNorm(h, eps=eps, elementwise_affine=True, dtype=dtype) if arch.cross_attn_norm
                       else torch.nn.Identity())
-        self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim)
+        self.attn2 = WanAttention(config, tp_group=tp_group, image_dim=arch.added_kv_proj_dim, cross=True)
         self.norm3 = torch.nn.LayerNorm(h, eps=eps, elementwise_affine=False, dtype=dtype)
         self.mlp = MLP(config=config, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                linear_fc2=row_parallel_linear()), tp_group=tp_group)
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 6, h, dtype=dtype) / h**0.5)
+        self.sp = bool(config.sequence_parallel)
+        if self.sp:
+            mark_sequence_parallel(self.norm2)
+            self.scale_shift_table.sequence_parallel = True
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, modulation: torch.Tensor, rope: Any,
-                image: torch.Tensor | None) -> torch.Tensor:
+                image: torch.Tensor | None, packing: Packing | None = None) -> torch.Tensor:
         table = self.scale_shift_table if modulation.dim() == 3 else self.scale_shift_table.unsqueeze(0)
         mod = (table + modulation.float()).unbind(-2)  # 6 x [b, 1 | tokens, h]
         shift1, scale1, gate1, shift2, scale2, gate2 = (m if modulation.dim() == 4 else m.unsqueeze(1) for m in mod)
         y = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
-        x = (x.float() + self.attn1(y, rope=rope) * gate1).type_as(x)
-        x = x + self.attn2(self.norm2(x.float()).type_as(x), text, image=image)
+        x = (x.float() + self.attn1(y, rope=rope, packing=packing) * gate1).type_as(x)
+        x = x + self.attn2(self.norm2(x.float()).type_as(x), text, image=image, packing=packing)
         y = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        out, bias = self.mlp(y)
+        out, bias = seq_first(self.mlp, y, sp=self.sp)
         out = out if bias is None else out + bias
         return (x.float() + out.float() * gate2).type_as(x)
 
@@ -307,16 +310,22 @@ class ImageEmbedder(torch.nn.Module):
 class WanModel(MegatronModule):
     """``forward(x [b, in_channels, F, H, W], timesteps [b] or [b, tokens], text [b, L, text_dim],
     image [b, Li, image_dim] | None) -> velocity [b, out_channels, F, H, W]`` (or, ``tokens_out``, this context-
-    parallel rank's tokens ``[b, tokens / cp, pt * ph * pw * out_channels]``: what the loss reads).
+    parallel rank's tokens ``[b, tokens / cp, pt * ph * pw * out_channels]``: what the loss reads; sequence
+    parallelism's split gathered).
 
     Context parallelism (``cp_group`` of size cp): after the patch embedding each rank keeps its contiguous
     ``1 / cp`` of the video tokens (with their RoPE and per-token modulation); self-attention exchanges tokens for
-    heads (Ulysses all-to-all), cross-attention needs no exchange (every rank holds the text)."""
+    heads (``cp_comm_type`` a2a: Ulysses all-to-all) or passes the keys / values around the group (p2p: ring
+    attention), cross-attention needs no exchange (every rank holds the text).
 
-    def __init__(self, config: Any, arch: Any, *, tp_group: Any, cp_group: Any = None, recompute: bool = False):
+    :meth:`forward_packed` (``forward(..., grids=)``) takes a packed micro-batch of videos of different sizes."""
+
+    def __init__(self, config: Any, arch: Any, *, tp_group: Any, cp_group: Any = None, recompute: bool = False,
+                 cp_comm_type: str = "a2a"):
         super().__init__(config=config)
         self.arch, self.recompute = arch, recompute
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.tp_group, self.sp = tp_group, bool(config.sequence_parallel)
         h, dtype = arch.hidden_size, config.params_dtype
         self.patch_embedding = torch.nn.Conv3d(arch.in_channels, h, kernel_size=arch.patch_size,
                                                stride=arch.patch_size, dtype=dtype)
@@ -328,12 +337,18 @@ class WanModel(MegatronModule):
         cos, sin = rope_tables(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = torch.nn.ModuleList(WanLayer(config, arch=arch, tp_group=tp_group, cp_group=cp_group)
-                                          for _ in range(arch.num_layers))
+        self.layers = torch.nn.ModuleList(WanLayer(config, arch=arch, tp_group=tp_group, cp_group=cp_group,
+                                                   cp_comm_type=cp_comm_type) for _ in range(arch.num_layers))
         self.norm_out = torch.nn.LayerNorm(h, eps=arch.norm_eps, elementwise_affine=False, dtype=dtype)
         self.proj_out = torch.nn.Linear(h, arch.out_channels * math.prod(arch.patch_size), dtype=dtype)
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 2, h, dtype=dtype) / h**0.5)
         self._init_weights()
+        if self.sp:
+            # NOTE: these see only this rank's tokens (the text / image embedders feed whole-input projections,
+            # whose backward already sums over TP)
+            for m in (self.patch_embedding, self.time_embedder, self.time_proj, self.proj_out):
+                mark_sequence_parallel(m)
+            self.scale_shift_table.sequence_parallel = True
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -349,32 +364,50 @@ class WanModel(MegatronModule):
         """megatron's schedules call this on every model (only stages after the first use it: none here)."""
 
     def _layer(self, layer: WanLayer, hidden: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor | None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor | None,
+               packing: Packing | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             # NOTE: megatron's checkpoint saves its tensor arguments one by one: the RoPE pair goes in as two
             def run(h, c, m, cos, sin, i):
-                return layer(h, c, m, (cos, sin), i)
+                return layer(h, c, m, (cos, sin), i, packing)
 
             return tensor_parallel.checkpoint(run, False, hidden, context, modulation, *rope, tokens)
-        return layer(hidden, context, modulation, rope, tokens)
+        return layer(hidden, context, modulation, rope, tokens, packing)
 
-    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+    def cp_local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This context-parallel rank's share of ``[b, tokens, ...]`` (all of it without context parallelism)."""
         if self.cp_group is None:
             return tokens
         n = tokens.shape[1] // self.cp_group.size()
         return tokens[:, self.cp_group.rank() * n: (self.cp_group.rank() + 1) * n]
 
+    def sp_local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of ``[b, tokens, ...]`` under sequence parallelism (all of it without)."""
+        if not self.sp:
+            return tokens
+        n = tokens.shape[1] // self.tp_group.size()
+        return tokens[:, self.tp_group.rank() * n: (self.tp_group.rank() + 1) * n]
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens of ``[b, tokens, ...]`` this rank's residual stream holds (context, then sequence split)."""
+        return self.sp_local(self.cp_local(tokens))
+
+    def sp_gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`sp_local` (every TP rank then computes the same loss)."""
+        return gather_tokens(tokens, self.tp_group, sp=self.sp)
+
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
-                image: torch.Tensor | None = None, *, tokens_out: bool = False) -> torch.Tensor:
+                image: torch.Tensor | None = None, *, tokens_out: bool = False, grids: Any = None) -> torch.Tensor:
+        if grids is not None:  # a packed micro-batch (what a DDP-wrapped model passes on)
+            return self.forward_packed(x, grids, timesteps, text, image)
         b, _, frames, height, width = x.shape
         pt, ph, pw = self.arch.patch_size
         grid = (frames // pt, height // ph, width // pw)
         rope = rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=grid)
         hidden = self.local(self.patch_embedding(x).flatten(2).transpose(1, 2)).contiguous()  # [b, tokens, h]
-        if self.cp_group is not None:
-            rope = tuple(t.transpose(0, 1) for t in (self.local(r.transpose(0, 1)) for r in rope))
-            timesteps = self.local(timesteps) if timesteps.dim() == 2 else timesteps
+        if self.cp_group is not None:  # NOTE: attention sees the CP rank's tokens (sequence parallelism gathers)
+            rope = tuple(t.transpose(0, 1) for t in (self.cp_local(r.transpose(0, 1)) for r in rope))
+        timesteps = self.local(timesteps) if timesteps.dim() == 2 else timesteps
         dtype = self.time_proj.weight.dtype
         temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))
         modulation = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))  # [b, (tokens,) 6, h]
@@ -392,6 +425,7 @@ class WanModel(MegatronModule):
             shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         out = self.proj_out(hidden)
+        out = self.sp_gather(out)
         if tokens_out:
             return out
         if self.cp_group is not None:
@@ -401,6 +435,44 @@ class WanModel(MegatronModule):
                                                        tensor_parallel_output_grad=False).transpose(0, 1)
         out = out.reshape(b, *grid, pt, ph, pw, -1)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, frames, height, width)
+
+    def packing(self, grids: Any) -> Packing:
+        """The :class:`Packing` of samples with patch ``grids`` ``[n, 3]`` on this CP rank."""
+        rows = [tuple(int(v) for v in g) for g in (grids.tolist() if isinstance(grids, torch.Tensor) else grids)]
+        if self.cp_group is None:
+            return Packing.of(rows)
+        return Packing.of(rows, cp_rank=self.cp_group.rank(), cp_size=self.cp_group.size())
+
+    def forward_packed(self, patches: torch.Tensor, grids: Any, timesteps: torch.Tensor, text: torch.Tensor,
+                       image: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed videos of different sizes: ``patches [T, pt * ph * pw * in_channels]`` (every sample's
+        :func:`patchify` tokens, joined), their patch ``grids`` ``[n, 3]``, ``timesteps [n]``, ``text [n, L,
+        text_dim]``, ``image [n, Li, image_dim]`` -> this CP rank's ``[1, T / cp, pt * ph * pw * out_channels]``.
+
+        Every sample is the same function as :meth:`forward` of it alone: its own RoPE grid, timestep, text."""
+        packing = self.packing(grids)
+        grid_rows = [tuple(int(v) for v in g) for g in (grids.tolist() if isinstance(grids, torch.Tensor) else grids)]
+        conv = self.patch_embedding
+        # NOTE: a patch convolution is a linear map of each patch's values, in patchify's (pt, ph, pw, c) order
+        weight = conv.weight.permute(0, 2, 3, 4, 1).flatten(1)
+        hidden = self.sp_local(F.linear(packing.local(patches).to(weight.dtype), weight, conv.bias)[None])
+        ropes = [rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=g) for g in grid_rows]
+        rope = tuple(packing.local(torch.cat(parts)) for parts in zip(*ropes, strict=True))
+        dtype = self.time_proj.weight.dtype
+        temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))  # [n, h]
+        modulation = self.sp_local(packing.per_token(self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)))[None])
+        context = packing.present(self.text_embedder(text.to(dtype)))
+        tokens = None
+        if self.image_embedder is not None:
+            if image is None:
+                raise ValueError("this Wan model attends image-encoder tokens: give image [n, tokens, image_dim]")
+            tokens = packing.present(self.image_embedder(image.to(dtype)))
+        for layer in self.layers:
+            hidden = self._layer(layer, hidden, context, modulation, rope, tokens, packing)
+        temb = self.sp_local(packing.per_token(temb)[None])[0]
+        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(-2)  # [tokens of this rank, h] each
+        hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        return self.sp_gather(self.proj_out(hidden))
 
 
 def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusion: bool = False) -> TransformerConfig:
@@ -421,16 +493,18 @@ def transformer_config(arch: Any, *, plan: Any, precision: str, grad_accum_fusio
         gradient_accumulation_fusion=grad_accum_fusion, persist_layer_norm=False, tensor_model_parallel_size=plan.tp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
         use_cpu_initialization=True, calculate_per_token_loss=True, variable_seq_lengths=False,
+        sequence_parallel=plan.sp,
     )
 
 
 def build_wan(*, config: Any, arch: Any, device: torch.device, recompute: bool = False,
-              compile_mode: str | None = None) -> list[torch.nn.Module]:
-    """``[WanModel]`` for this rank, before DDP (one chunk). ``compile_mode`` compiles each block."""
+              compile_mode: str | None = None, cp_comm_type: str = "a2a") -> list[torch.nn.Module]:
+    """``[WanModel]`` for this rank, before DDP (one chunk). ``compile_mode`` compiles each block;
+    ``cp_comm_type`` picks the context-parallel self-attention (a2a: Ulysses, p2p: ring)."""
     from megatron.core import parallel_state as mpu
 
     model = WanModel(config, arch, tp_group=mpu.get_tensor_model_parallel_group(),
-                     cp_group=mpu.get_context_parallel_group(), recompute=recompute)
+                     cp_group=mpu.get_context_parallel_group(), recompute=recompute, cp_comm_type=cp_comm_type)
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it
     model.to(device=device)
     if compile_mode is not None:
@@ -445,6 +519,8 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ``condition`` channels are concatenated to the noisy input, its ``image`` tokens go to the cross-attention."""
     param = next(model.parameters())
     batch = _to_device(next(data_iterator), param.device)
+    if "grid" in batch:
+        return _packed_step(batch, model, objective=objective, dtype=param.dtype)
     x0, noise, sigmas = batch["x0"], batch["noise"], batch["sigmas"]
     noisy = fm.add_noise(x0, noise, sigmas)
     if "condition" in batch:
@@ -452,7 +528,25 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     pred = model(noisy.to(param.dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"),
                  tokens_out=True)
     # NOTE: the loss over this context-parallel rank's tokens (the same elements as the video's, in token order);
-    # megatron sums the ranks' sums and counts
+    # megatron sums the ranks' sums and counts. Sequence parallelism gathered the TP ranks' tokens: every TP rank
+    # computes the same loss, as without it
     inner = unwrap(model)
-    patch, local = inner.arch.patch_size, inner.local
+    patch, local = inner.arch.patch_size, inner.cp_local
     return fm.squared_error(pred, local(patchify(x0, patch)), local(patchify(noise, patch))), fm.loss_func
+
+
+def _packed_step(batch: dict[str, Any], model: torch.nn.Module, *, objective: fm.FlowMatching, dtype: torch.dtype):
+    """:func:`forward_step` of a packed micro-batch (``x0`` / ``noise`` / ``condition`` as joined patch tokens,
+    one ``grid`` row per sample): each token is noised at its sample's level."""
+    x0, noise, sigmas, grids = batch["x0"], batch["noise"], batch["sigmas"], batch["grid"]
+    inner = unwrap(model)
+    packing = inner.packing(grids)
+    counts = torch.tensor(packing.counts, device=x0.device)
+    noisy = fm.add_noise(x0, noise, sigmas.repeat_interleave(counts))
+    if "condition" in batch:
+        # NOTE: channels join inside each patch: patchify's values are (pt, ph, pw, channels)
+        patch = math.prod(inner.arch.patch_size)
+        noisy = torch.cat([noisy.unflatten(-1, (patch, -1)), batch["condition"].unflatten(-1, (patch, -1))],
+                          dim=-1).flatten(1)
+    pred = model(noisy.to(dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"), grids=grids)
+    return fm.squared_error(pred[0], packing.local(x0), packing.local(noise)), fm.loss_func

@@ -42,8 +42,8 @@ class Wan(HFCheckpoint):
     arch_type = WanArch
     model_section = WanModelConfig
     data_section = WanDataConfig
-    supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
-                        sft_formats=(), parallel=("tp", "cp"), layers=("auto", "loongforge", "local"))
+    supports = Supports(models="Wan models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic", "latent_cache"),
+                        sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata (module paths: the
     # attention output is "to_out.0", and a bare "0" would match every block)
@@ -89,7 +89,7 @@ class Wan(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: WanArch) -> None:
-        """What the Wan path supports: TP / CP (Ulysses) / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
+        """What the Wan path supports: TP (+ SP) / CP (Ulysses or ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or LoRA on
         synthetic samples, resumable checkpoints, diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Wan models use no fused kernels (SDPA attention only); leave kernels.provider auto",
@@ -97,9 +97,10 @@ class Wan(HFCheckpoint):
         for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
             if n % plan.tp:
                 raise RecipeError(f"Wan {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
-        if plan.cp > 1 and arch.num_attention_heads % (plan.tp * plan.cp):
+        if plan.cp > 1 and recipe.model.cp_comm_type == "a2a" and arch.num_attention_heads % (plan.tp * plan.cp):
             raise RecipeError(f"Wan's {arch.num_attention_heads} attention heads do not split over tp x cp = "
-                              f"{plan.tp * plan.cp} (context parallelism exchanges tokens for heads)", key="parallel.cp")
+                              f"{plan.tp * plan.cp} (context parallelism a2a exchanges tokens for heads; "
+                              "model.cp_comm_type p2p passes keys / values around a ring instead)", key="parallel.cp")
         if plan.recompute == "selective":
             raise RecipeError("Wan models recompute whole blocks: use parallel.recompute full", key="parallel.recompute")
         t, data, model = recipe.train, recipe.data, recipe.model
@@ -110,29 +111,65 @@ class Wan(HFCheckpoint):
             raise RecipeError("Wan models take text embeddings, not tokens: remove model.tokenizer",
                               key="model.tokenizer")
         defaults = type(data).model_fields
-        for key in ("path", "seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split"):
+        cache = data.format == "latent_cache"
+        for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split", *(() if cache else (
+                "path", "frames", "autoencoder", "text_encoder"))):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
-                raise RecipeError("not used by Wan models (synthetic samples of data.latent_frames x "
-                                  "data.latent_height x data.latent_width)", key=f"data.{key}")
-        for axis, size, p in zip(("frames", "height", "width"),
-                                 (data.latent_frames, data.latent_height, data.latent_width), arch.patch_size,
-                                 strict=True):
+                raise RecipeError(f"not used by Wan models' data.format {data.format}", key=f"data.{key}")
+        if cache and (arch.in_channels != arch.out_channels or arch.image_dim is not None):
+            raise RecipeError("a latent cache holds text-to-video clips; this model takes image conditions (I2V)",
+                              key="data.format")
+        if cache:  # NOTE: the clips' sizes are in the cache, checked when it is opened
+            return
+        sizes = [("frames", f, arch.patch_size[0], "data.packed_frames") for f in data.packed_frames] or [
+            ("frames", data.latent_frames, arch.patch_size[0], "data.latent_frames")]
+        sizes += [("height", data.latent_height, arch.patch_size[1], "data.latent_height"),
+                  ("width", data.latent_width, arch.patch_size[2], "data.latent_width")]
+        for axis, size, p, key in sizes:
             if size % p:
-                raise RecipeError(f"{size} latent {axis} do not split into patches of {p}", key=f"data.latent_{axis}")
+                raise RecipeError(f"{size} latent {axis} do not split into patches of {p}", key=key)
             if size // p > arch.rope_max_seq_len:
                 raise RecipeError(f"{size // p} patches along {axis} exceed the model's RoPE table "
-                                  f"(rope_max_seq_len {arch.rope_max_seq_len})", key=f"data.latent_{axis}")
+                                  f"(rope_max_seq_len {arch.rope_max_seq_len})", key=key)
+        # NOTE: the tokens split over cp, then (sequence parallelism) over tp
+        parts, what = (plan.cp * plan.tp, "cp x tp (sequence parallel)") if plan.sp else (plan.cp, "cp")
+        key = "parallel.sp" if plan.sp else "parallel.cp"
+        if data.packed_frames:
+            # NOTE: every sample's tokens are whole frames: frames of tokens that split split any packing
+            per_frame = arch.tokens(arch.patch_size[0], data.latent_height, data.latent_width)
+            if per_frame % parts:
+                raise RecipeError(f"{per_frame} video tokens per latent frame do not split over {what} = {parts} "
+                                  "(packed samples)", key=key)
+            return
         tokens = arch.tokens(data.latent_frames, data.latent_height, data.latent_width)
-        if tokens % plan.cp:
-            raise RecipeError(f"{tokens} video tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
+        if tokens % parts:
+            raise RecipeError(f"{tokens} video tokens per sample do not split over {what} = {parts}", key=key)
+
+    def prepare_data(self, recipe: Any, *, force: bool = False) -> Path:
+        """``loongforge data prepare``: encode ``data.frames``' clips into the latent cache at ``data.path``."""
+        from loongforge_megatron.models.wan.cache import prepare
+
+        if recipe.data.format != "latent_cache":
+            raise RecipeError(f"data.format {recipe.data.format} needs no preparation (prepare writes a "
+                              "latent_cache)", key="data.format")
+        return prepare(recipe, force=force)
 
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: WanArch, runtime: Any, device: Any) -> Data:
         from loongforge_megatron.models.wan.data import SyntheticVideo
 
         d = recipe.data
+        if d.format == "latent_cache":
+            from loongforge_megatron.models.wan.cache import LatentCache
+
+            p = recipe.parallel
+            cache = LatentCache(path=d.path, arch=arch, data=d, objective=objective_of(d), seed=recipe.train.seed,
+                                parts=p.cp * (p.tp if p.sp else 1))
+            return Data(train=cache, seq_length=arch.tokens(d.latent_frames, d.latent_height, d.latent_width),
+                        sample_unit="videos")
         dataset = SyntheticVideo(arch=arch, data=d, objective=objective_of(d), seed=recipe.train.seed)
-        return Data(train=dataset, seq_length=arch.tokens(d.latent_frames, d.latent_height, d.latent_width),
+        frames = max(d.packed_frames, default=d.latent_frames)
+        return Data(train=dataset, seq_length=arch.tokens(frames, d.latent_height, d.latent_width),
                     sample_unit="videos")
 
     def model(self, *, recipe: Any, arch: WanArch, plan: Any, accelerator: Any, device: Any, precision: str,
@@ -143,7 +180,8 @@ class Wan(HFCheckpoint):
         config = wan.transformer_config(arch, plan=plan, precision=precision,
                                         grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         chunks = wan.build_wan(config=config, arch=arch, device=device, recompute=plan.recompute == "full",
-                               compile_mode=recipe.train.compile_mode if recipe.train.compile else None)
+                               compile_mode=recipe.train.compile_mode if recipe.train.compile else None,
+                               cp_comm_type=recipe.model.cp_comm_type)
         step = functools.partial(wan.forward_step, objective=objective_of(recipe.data))
         return Model(chunks=chunks, config=config, kernels="loongforge", forward_step=step, loss_key=LOSS_KEY,
                      lora_targets=self.LORA_TARGETS)

@@ -1,0 +1,257 @@
+"""Wan's latent cache: ``loongforge data prepare`` encodes clips of frames once, training reads them many times.
+
+Input (``data.frames``): one folder per clip, its frames as ``*.png`` (in name order, all one size, ``1 + 4k``
+of them for a temporal compression of 4) and its ``caption.txt``::
+
+    frames/clip_a/000.png 001.png ... caption.txt
+    frames/clip_b/...
+
+Output (``data.path``): ``clips/<clip>.safetensors`` holding ``x0`` (the clip's latent video ``[C, F, H, W]``:
+the autoencoder's posterior mode, normalised by its per-channel mean / std as Wan's pipelines do) and ``text``
+(the text encoder's hidden states of the caption ``[data.text_length, dim]``, zero after the prompt's tokens, as
+Wan's pipelines pad them); ``index.json`` lists the clips; ``prepared.json`` last, as the completion marker.
+Bad input stops with one line naming the clip / file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+from loongforge.errors import RecipeError
+
+MAX_FRAME_BYTES = 64 << 20
+MAX_CAPTION_BYTES = 1 << 20
+INDEX, DONE = "index.json", "prepared.json"
+
+
+def _bad(where: Path | str, what: str) -> RecipeError:
+    return RecipeError(f"{where}: {what}", key="data.frames")
+
+
+def _regular(path: Path, *, limit: int) -> None:
+    """``path`` is a regular file (not a link out, a device or a folder) of at most ``limit`` bytes."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise _bad(path, f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise _bad(path, "is not a regular file")
+    if info.st_size > limit:
+        raise _bad(path, f"is {info.st_size:,} bytes, more than the {limit:,} allowed")
+
+
+def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tensor, str]:
+    """A clip folder's frames ``[3, F, H, W]`` in [-1, 1] and its caption; ``temporal``: F must be 1 + k *
+    temporal; ``multiple``: H and W must be multiples of it."""
+    from PIL import Image
+
+    names = sorted(p.name for p in folder.iterdir() if p.suffix.lower() == ".png")
+    if not names:
+        raise _bad(folder, "holds no frames (*.png)")
+    if (len(names) - 1) % temporal:
+        raise _bad(folder, f"holds {len(names)} frames; a clip has 1 + {temporal} k frames (1, {1 + temporal}, "
+                   f"{1 + 2 * temporal}, ...)")
+    frames, size = [], None
+    for name in names:
+        path = folder / name
+        _regular(path, limit=MAX_FRAME_BYTES)
+        try:
+            with Image.open(path) as im:
+                if size is None:
+                    size = im.size
+                    w, h = size
+                    if w % multiple or h % multiple:
+                        raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
+                elif im.size != size:
+                    raise _bad(path, f"is {im.size[0]} x {im.size[1]} pixels, the clip's first frame "
+                               f"{size[0]} x {size[1]} (a clip's frames are one size)")
+                rgb = im.convert("RGB")
+                rgb.load()
+        except RecipeError:
+            raise
+        except (OSError, ValueError, SyntaxError) as exc:  # NOTE: PIL's unreadable / truncated files, bad headers
+            detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise _bad(path, f"is not a readable PNG ({detail})") from None
+        frames.append(torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size[1], size[0], 3))
+    caption_file = folder / "caption.txt"
+    if not caption_file.exists():
+        raise _bad(folder, "has no caption.txt (a clip's caption, UTF-8 text)")
+    _regular(caption_file, limit=MAX_CAPTION_BYTES)
+    try:
+        caption = caption_file.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise _bad(caption_file, f"is not UTF-8 text (byte {exc.start})") from None
+    if not caption or "\0" in caption:
+        raise _bad(caption_file, "is empty (a clip needs a caption)" if not caption else "holds a NUL byte")
+    video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+    return video, caption
+
+
+class Encoders:
+    """The autoencoder and the text encoder (with its tokenizer) of ``data.autoencoder`` / ``data.text_encoder``,
+    loaded once."""
+
+    def __init__(self, *, autoencoder: str, text_encoder: str, text_length: int):
+        import diffusers.utils.logging
+        import transformers
+        from diffusers import AutoencoderKLWan
+
+        # NOTE: the loaders' progress bars would break the one-line error contract of a later failure
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
+
+        self.autoencoder = _load(AutoencoderKLWan.from_pretrained, autoencoder, key="data.autoencoder",
+                                 what="a diffusers AutoencoderKLWan folder")
+        cfg = self.autoencoder.config
+        # NOTE: the config's per-channel statistics of the latent space (diffusers' Wan pipelines normalise with them)
+        stats = {k.rsplit("_", 1)[1]: v for k, v in cfg.items() if k.endswith(("_mean", "_std"))}
+        shape = (-1, 1, 1, 1)
+        self.mean = torch.tensor(stats["mean"]).view(shape)
+        self.std = torch.tensor(stats["std"]).view(shape)
+        self.temporal, self.spatial = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
+        config = _load(transformers.AutoConfig.from_pretrained, text_encoder, key="data.text_encoder",
+                       what="a transformers UMT5 / T5 encoder folder")
+        classes = {"umt5": transformers.UMT5EncoderModel, "t5": transformers.T5EncoderModel}
+        if config.model_type not in classes:
+            raise RecipeError(f"{text_encoder}: a {config.model_type!r} model; the text encoder is a UMT5 or T5 "
+                              "encoder", key="data.text_encoder")
+        self.text_encoder = _load(classes[config.model_type].from_pretrained, text_encoder, key="data.text_encoder",
+                                  what="a UMT5 / T5 encoder's weights")
+        self.tokenizer = _load(transformers.AutoTokenizer.from_pretrained, text_encoder, key="data.text_encoder",
+                               what="a folder with the text encoder's tokenizer")
+        self.autoencoder.eval()
+        self.text_encoder.eval()
+        self.text_length = text_length
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """``[3, F, H, W]`` in [-1, 1] -> the normalised latent video ``[C, F', H', W']``."""
+        z = self.autoencoder.encode(video[None]).latent_dist.mode()[0]
+        return (z - self.mean) / self.std
+
+    @torch.no_grad()
+    def decode_video(self, x0: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`encode_video` (through the decoder): ``[3, F, H, W]``."""
+        return self.autoencoder.decode((x0 * self.std + self.mean)[None]).sample[0]
+
+    @torch.no_grad()
+    def encode_text(self, caption: str) -> torch.Tensor:
+        """``[text_length, dim]``: the encoder's hidden states of the caption's tokens, zeros after them."""
+        tok = self.tokenizer([caption], padding="max_length", max_length=self.text_length, truncation=True,
+                             add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        hidden = self.text_encoder(tok.input_ids, tok.attention_mask).last_hidden_state[0]
+        n = int(tok.attention_mask.sum())
+        out = torch.zeros_like(hidden)
+        out[:n] = hidden[:n]
+        return out
+
+
+def _load(fn: Any, path: str, *, key: str, what: str) -> Any:
+    if not Path(path).is_dir():
+        raise RecipeError(f"{path} is not a folder ({what})", key=key)
+    try:
+        return fn(path, local_files_only=True)  # NOTE: a local folder, never the hub
+    except (OSError, ValueError, KeyError) as exc:
+        detail = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise RecipeError(f"{path}: not {what} ({detail})", key=key) from None
+
+
+def prepare(recipe: Any, *, force: bool = False) -> Path:
+    """Encode ``data.frames``' clips into the cache at ``data.path`` (a no-op when complete, unless ``force``)."""
+    from safetensors.torch import save_file
+
+    data = recipe.data
+    for key in ("path", "frames", "autoencoder", "text_encoder"):
+        if not getattr(data, key):
+            raise RecipeError(f"data prepare of a Wan latent cache needs data.{key}", key=f"data.{key}")
+    out, root = Path(data.path), Path(data.frames)
+    if (out / DONE).is_file() and not force:
+        return out
+    if not root.is_dir():
+        raise RecipeError(f"{root} is not a folder (one sub-folder of frames per clip)", key="data.frames")
+    clips = sorted(p for p in root.iterdir() if p.is_dir())
+    if not clips:
+        raise _bad(root, "holds no clip folders (one sub-folder of *.png frames and caption.txt per clip)")
+    arch = recipe.model.arch()
+    enc = Encoders(autoencoder=data.autoencoder, text_encoder=data.text_encoder, text_length=data.text_length)
+    multiple = enc.spatial * max(arch.patch_size[1:])
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    (out / DONE).unlink(missing_ok=True)
+    records = []
+    for folder in clips:
+        video, caption = read_clip(folder, temporal=enc.temporal, multiple=multiple)
+        x0 = enc.encode_video(video)
+        if x0.shape[0] != arch.out_channels:
+            raise RecipeError(f"{data.autoencoder}: {x0.shape[0]} latent channels, the model's out_channels are "
+                              f"{arch.out_channels}", key="data.autoencoder")
+        text = enc.encode_text(caption)
+        if text.shape[-1] != arch.text_dim:
+            raise RecipeError(f"{data.text_encoder}: {text.shape[-1]}-wide hidden states, the model's text_dim is "
+                              f"{arch.text_dim}", key="data.text_encoder")
+        file = f"clips/{folder.name}.safetensors"
+        save_file({"x0": x0.contiguous(), "text": text.contiguous()}, out / file)
+        records.append({"clip": folder.name, "file": file, "shape": list(x0.shape), "caption": caption})
+    (out / INDEX).write_text(json.dumps({"clips": records}, indent=1))
+    (out / DONE).write_text(json.dumps({"clips": len(records), "text_length": data.text_length}))
+    return out
+
+
+class LatentCache:
+    """``data.format: latent_cache``: the prepared clips as packed samples (videos may differ in size): ``x0`` from
+    the cache, noise and noise level drawn per sample index (resume is exact), the text dropped to zeros with
+    probability ``data.text_dropout``."""
+
+    host_keys = ("grid",)
+    concat_keys = ("x0", "noise", "grid", "sigmas", "text")
+
+    def __init__(self, *, path: str, arch: Any, data: Any, objective: Any, seed: int, parts: int):
+        root = Path(path)
+        if not (root / DONE).is_file():
+            raise RecipeError(f"{root} is not a prepared latent cache (run loongforge data prepare with this recipe)",
+                              key="data.path")
+        try:
+            records = json.loads((root / INDEX).read_text())["clips"]
+            shapes = [tuple(int(n) for n in r["shape"]) for r in records]
+            files = [root / str(r["file"]) for r in records]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RecipeError(f"{root / INDEX}: not a latent cache index ({str(exc)[:120]})", key="data.path") from None
+        for file, shape in zip(files, shapes, strict=True):
+            if len(shape) != 4 or shape[0] != arch.out_channels:
+                raise RecipeError(f"{file}: a latent video of shape {list(shape)}; the model takes "
+                                  f"[{arch.out_channels}, frames, height, width]", key="data.path")
+            if any(n % p for n, p in zip(shape[1:], arch.patch_size, strict=True)):
+                raise RecipeError(f"{file}: latent frames x height x width {list(shape[1:])} do not split into "
+                                  f"patches of {list(arch.patch_size)}", key="data.path")
+            per_frame = arch.tokens(arch.patch_size[0], *shape[2:])
+            if per_frame % parts:
+                raise RecipeError(f"{file}: {per_frame} video tokens per latent frame do not split over the "
+                                  f"{parts} ranks of the token split (cp, x tp with sequence parallelism)",
+                                  key="data.path")
+        self.files, self.patch, self.objective, self.seed = files, arch.patch_size, objective, seed
+        self.text_dropout = data.text_dropout
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        from loongforge_megatron.models.wan.data import as_packed
+
+        try:
+            stored = load_file(self.files[idx])
+            x0, text = stored["x0"].float(), stored["text"].float()
+        except (OSError, KeyError, RuntimeError) as exc:
+            raise RecipeError(f"{self.files[idx]}: unreadable ({str(exc).splitlines()[0][:120]})",
+                              key="data.path") from None
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
+        sample = {"x0": x0, "noise": torch.randn(x0.shape, generator=g), "sigmas": self.objective.draw_sigma(g)}
+        if self.text_dropout > 0 and float(torch.rand((), generator=g)) < self.text_dropout:
+            text = torch.zeros_like(text)
+        sample["text"] = text
+        return as_packed(sample, self.patch)
