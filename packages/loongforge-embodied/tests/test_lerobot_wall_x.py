@@ -195,7 +195,9 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, export):
     assert all(torch.equal(v, sd[k].to(v.dtype)) for k, v in theirs_sd.items())
     loaded = load_model(export)
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+    # NOTE: LeRobot's order: cast to its mixed precision, then load (the fp32 parts keep every bit)
     loaded.model.to_bfloat16_for_selected_params()
+    loaded.load_state_dict(sd)
     loaded.eval()
     obs = {k: v for k, v in raw.items() if k != "actions"}
     torch.manual_seed(3)
@@ -204,3 +206,66 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, export):
     theirs = post(policy.select_action(pre(_frames(raw))))
     assert theirs.shape == (len(raw["task"]), 2)
     torch.testing.assert_close(theirs, ours[:, 0], rtol=TOL, atol=TOL)
+
+
+def test_recipe_trains_exports_for_lerobot_serves_and_a_missing_base_is_one_line(base, tmp_path, monkeypatch, capsys):
+    """The tiny recipe trains through the CLI (synthetic frames) and writes an export LeRobot's ``WallXPolicy`` loads
+    with our weights and ``loongforge serve``'s policy answers the openpi client; the published recipe validates;
+    training without the Wall-X directory, or with widths it does not have, is one line naming the key."""
+    from lerobot.policies.wall_x.modeling_wall_x import WallXPolicy
+    from loongforge.cli import main
+    from loongforge.metrics import read_metrics
+    from loongforge_embodied.eval.server import PolicyServer
+    from loongforge_embodied.eval.trained_policy import TrainedPolicy
+    from loongforge_embodied.policies.lerobot_wall_x.adaptations import adapted
+    from loongforge_embodied.policies.lerobot_wall_x.export import load_model
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["validate", str(RECIPE.with_name("lerobot_wall_x_pusht.yaml"))]) == 0
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(["train", str(RECIPE), "--output", str(out), f"model.arch.base={base}", "logging.tensorboard=false"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    ours = load_model(out / "hf").state_dict()
+    with adapted():
+        theirs = WallXPolicy.from_pretrained(out / "hf").state_dict()
+    assert set(theirs) == {k for k in ours if not k.startswith("stats.")}
+    assert all(torch.equal(v, ours[k].to(v.dtype)) for k, v in theirs.items())
+    # served: the openpi client gets the chunk of our model for the same request (noise seeded by the request)
+    served = TrainedPolicy.load(out)
+    features = served.metadata()["features"]
+    request = {k: (np.random.default_rng(0).random(f["shape"]) * 255).astype(np.uint8) if len(f["shape"]) == 3
+               else np.linspace(-0.5, 0.5, f["shape"][0], dtype=np.float32) for k, f in features.items()}
+    request["prompt"] = "push the block"
+    with adapted(), PolicyServer(served, port=0, batch_wait_s=0.0) as server:
+        actions = WebsocketClientPolicy(host=server.address).infer(request)["actions"]
+        np.testing.assert_allclose(actions, served.infer_batch([request])[0]["actions"], rtol=0, atol=1e-6)
+    assert actions.shape == (4, 2) and np.isfinite(actions).all()
+    capsys.readouterr()
+    for override, expect in ((f"model.arch.base={tmp_path / 'nowhere'}", "key 'model.arch.base': '"),
+                             ("model.arch.max_action_dim=6", "key 'model.arch.max_action_dim': 6 is not the width")):
+        assert main(["train", str(RECIPE), "--output", str(tmp_path / "bad"), f"model.arch.base={base}", override]) == 2
+        err = capsys.readouterr().err
+        assert expect in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_ddp_zero1_and_fsdp2_match_single_process(base, tmp_path, env, ranks):
+    """2 gloo ranks, ddp / zero1 / fsdp2 (units: vision blocks, decoder layers), in one launch, reproduce the
+    one-process losses over 3 steps."""
+    from .strategy_losses import run_strategies
+
+    extra = (f"model.arch.base={base}",)
+    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600, extra=extra,
+                   recipe_name=RECIPE.name, steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
+    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600, extra=extra,
+                recipe_name=RECIPE.name, steps=3, strategies=["ddp", "zero1", "fsdp2"])[0]
+    for strategy, losses in two["losses"].items():
+        assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)

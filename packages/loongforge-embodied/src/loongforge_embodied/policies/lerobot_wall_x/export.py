@@ -28,9 +28,9 @@ HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 def _network(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``Qwen2_5_VLMoEForAction``'s weights (no prefix), contiguous; the LM head left out where it is the embeddings
-    (tied: LeRobot's loader restores it)."""
+    (tied: LeRobot's loader restores it). NOTE: tied by value, not storage: a gathered state dict holds copies."""
     net = {k[len(PREFIX):]: v for k, v in weights.items() if k.startswith(PREFIX)}
-    if HEAD in net and EMBED in net and net[HEAD].data_ptr() == net[EMBED].data_ptr():
+    if HEAD in net and EMBED in net and net[HEAD].shape == net[EMBED].shape and torch.equal(net[HEAD], net[EMBED]):
         del net[HEAD]
     return {k: v.contiguous() for k, v in net.items()}
 
@@ -107,8 +107,7 @@ def load_model(path: str | Path):
     except RecipeError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     weights = path / "model.safetensors"
-    expected = {PREFIX + k: tuple(v.shape) for k, v in _network(
-        {k: v for k, v in model.state_dict(keep_vars=True).items()}).items()}
+    expected = {PREFIX + k: tuple(v.shape) for k, v in _network(model.state_dict()).items()}
     check_shapes(expected, {k: tuple(v["shape"]) for k, v in read_header(weights).items()},
                  where=f"{weights} (against {path / SIDECAR})")
     state = load_file(str(weights))
