@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge_embodied.policies.lerobot_wall_x.configuration_lerobot_wall_x import NUM_STEPS, LeRobotWallXArch
+from loongforge_embodied.policies.lerobot_wall_x.configuration_lerobot_wall_x import (
+    NUM_STEPS,
+    LeRobotWallXArch,
+)
 
 STAT_KEYS = ("state_mean", "state_std", "action_mean", "action_std")
 
