@@ -256,6 +256,33 @@ def test_recipe_trains_exports_for_lerobot_serves_and_a_missing_base_is_one_line
         assert expect in err and err.count("\n") == 1, err
 
 
+def test_camera_keys_come_from_the_dataset_and_name_the_cameras_in_the_prompt(base, tmp_path):
+    """On a LeRobot dataset the arch takes the run's camera keys (``data.cameras`` or every image feature): Wall-X's
+    prompt names them, as LeRobot's prompt does for the export's keys."""
+    import json
+    from types import SimpleNamespace
+
+    from loongforge_embodied.policies import resolve_arch
+    from loongforge_embodied.policies.lerobot_wall_x.processor_lerobot_wall_x import _Preprocessor
+
+    feats = {"observation.images.face_view": {"dtype": "video", "shape": [3, 32, 32]},
+             "observation.images.top": {"dtype": "image", "shape": [3, 32, 32]},
+             "observation.state": {"dtype": "float32", "shape": [2]}, "action": {"dtype": "float32", "shape": [2]}}
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "info.json").write_text(json.dumps({"features": feats}))
+    model = SimpleNamespace(policy="lerobot_wall_x", preset="tiny", arch={"base": str(base)})
+    data = SimpleNamespace(format="lerobot", root=str(tmp_path), cameras=None, state_key="observation.state")
+    arch = resolve_arch(model, data)
+    assert arch.cameras() == ["observation.images.face_view", "observation.images.top"] and arch.num_cameras == 2
+    data.cameras = ["observation.images.top"]
+    arch = resolve_arch(model, data)
+    assert arch.cameras() == ["observation.images.top"] and arch.num_cameras == 1
+    prep = _Preprocessor(arch)
+    batch = {"observation.images.top": torch.rand(1, 3, 32, 32), "observation.state": torch.zeros(1, 2),
+             "task": ["push it."]}
+    text = "".join(prep.model.processor.tokenizer.convert_ids_to_tokens(prep(batch)["input_ids"][0].tolist()))
+    assert "Observation: top view: <|vision_start|>" in text, text
+
 @pytest.mark.slow
 def test_ddp_zero1_and_fsdp2_match_single_process(base, tmp_path, env, ranks):
     """2 gloo ranks, ddp / zero1 / fsdp2 (units: vision blocks, decoder layers), in one launch, reproduce the
