@@ -199,6 +199,8 @@ def test_export_loads_in_lerobot_and_select_action_matches(tiny, export):
     loaded.model.to_bfloat16_for_selected_params()
     loaded.load_state_dict(sd)
     loaded.eval()
+    # NOTE: two samples of different prompt lengths (padding) keep LeRobot's 10 bf16 sampling steps cheap
+    raw = {k: v[1:] for k, v in raw.items()}
     obs = {k: v for k, v in raw.items() if k != "actions"}
     torch.manual_seed(3)
     ours = loaded.unnormalize_actions(loaded.sample_actions(prepare_batch(obs, arch=arch, stats=STATS)))
