@@ -85,8 +85,14 @@ def tiny(base):
     raw = {"images": torch.rand(b, 1, 3, 24, 28, generator=g), "state": torch.randn(b, 2, generator=g),
            "actions": torch.randn(b, arch.chunk_size, 2, generator=g),
            "task": ["push it", "a much longer task than the others.", "x"]}
-    with adapted():  # NOTE: LeRobot 0.6.1's Wall-X under the installed transformers (what a job applies)
-        yield arch, model, raw
+    # NOTE: one thread: on a shared 2-core machine more threads make these tiny matmuls far slower (spin-waiting)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with adapted():  # NOTE: LeRobot 0.6.1's Wall-X under the installed transformers (what a job applies)
+            yield arch, model, raw
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _lerobot(path: Path, model=None):
