@@ -114,6 +114,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lerobot_smolvla": PolicySpec("lerobot_smolvla", "LeRobotSmolVLAModel"),
     "lerobot_xvla": PolicySpec("lerobot_xvla", "LeRobotXVLAModel"),
     "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
+    "lerobot_wall_x": PolicySpec("lerobot_wall_x", "LeRobotWallXModel"),
 }
 
 
@@ -126,6 +127,9 @@ def resolve_arch(model: PolicyChoice, data: DatasetChoice | None = None) -> Poli
     arch = get_policy(model.policy).presets[model.preset].with_overrides(**model.arch)
     if data is not None and data.format == "lerobot":
         shapes = dataset_shapes(data)
+        if "camera_keys" in arch.to_dict() and "num_cameras" in shapes:
+            # NOTE: a policy whose prompt names its cameras (Wall-X) also takes the dataset's camera keys
+            shapes["camera_keys"] = ",".join(dataset_cameras(data))
         try:
             arch = arch.with_overrides(**shapes)
         except ValueError as exc:
@@ -134,6 +138,14 @@ def resolve_arch(model: PolicyChoice, data: DatasetChoice | None = None) -> Poli
             raise RecipeError(f"{exc}, with the dataset at '{data.root}' ({', '.join(f'{k} {v}' for k, v in shapes.items())})"
                               f"; raise the preset's limits in model.arch or pick another preset", key="model.arch") from None
     return arch
+
+
+def dataset_cameras(data: DatasetChoice) -> list[str]:
+    """The camera keys a run reads (``data.cameras``, or every image / video feature of ``meta/info.json``)."""
+    from loongforge_embodied.data.lerobot_files import load_info
+
+    feats = load_info(data.root)["features"]
+    return list(data.cameras or [k for k, f in feats.items() if f["dtype"] in ("image", "video")])
 
 
 def dataset_shapes(data: DatasetChoice) -> dict[str, Any]:
