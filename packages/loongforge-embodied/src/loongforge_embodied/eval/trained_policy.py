@@ -15,7 +15,7 @@ from loongforge_embodied.eval.served_policy import request_seed
 # config.json "type" → our policy name
 EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05",
                 "smolvla": "lerobot_smolvla",
-                "xvla": "lerobot_xvla", "groot": "lerobot_groot"}
+                "xvla": "lerobot_xvla", "groot": "lerobot_groot", "fastwam": "lerobot_fastwam"}
 
 
 def policy_dir(path: str | Path) -> Path:

@@ -114,6 +114,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lerobot_smolvla": PolicySpec("lerobot_smolvla", "LeRobotSmolVLAModel"),
     "lerobot_xvla": PolicySpec("lerobot_xvla", "LeRobotXVLAModel"),
     "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
+    "lerobot_fastwam": PolicySpec("lerobot_fastwam", "LeRobotFastWAMModel"),
 }
 
 
