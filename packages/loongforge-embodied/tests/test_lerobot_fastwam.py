@@ -336,3 +336,27 @@ def test_published_size_is_wan2_2_ti2v_5b():
     with torch.device("meta"):
         sizes = [sum(p.numel() for p in m.parameters()) for m in (WanVideoDiT(**video), ActionDiT(**action))]
     assert round(sizes[0] / 1e9) == 5 and round(sizes[1] / 1e8) == 10, sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_loss_and_actions_are_the_cpu_ones(tiny):
+    """Moved to the GPU, the model feeds FastWAM's inputs to the GPU (its ``device`` follows the weights, the frozen
+    VAE and text encoder with them): fp32 loss and sampled actions equal the CPU's."""
+    from loongforge_embodied.policies.lerobot_fastwam.modeling_lerobot_fastwam import LeRobotFastWAMModel
+
+    arch, model, _, _, inp = tiny
+    torch.backends.cuda.matmul.allow_tf32 = False
+    inp = {**inp, **_draws(5, b=3, arch=arch)}
+    gpu = LeRobotFastWAMModel(arch)
+    gpu.load_state_dict(model.state_dict())
+    gpu.to("cuda")
+    assert gpu.model.device.type == "cuda" and next(gpu.model.vae.parameters()).is_cuda
+    with torch.no_grad():
+        cpu_loss = model(inp)
+        loss = gpu({k: v.cuda() for k, v in inp.items()})
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-6)
+    noise = inp["noise"]
+    ours = gpu.eval().sample_actions({k: v.cuda() for k, v in inp.items()}, noise=noise.cuda())
+    torch.testing.assert_close(ours.cpu(), model.eval().sample_actions(inp, noise=noise), rtol=1e-4, atol=1e-5)
+    model.train()
