@@ -187,6 +187,21 @@ def test_recompute_keeps_the_loss_and_gradients(tiny):
     assert sum(sizes.values()) == sum(p.numel() for p in model.parameters())
 
 
+def test_bf16_frozen_parts_keep_the_loss_close(tiny):
+    """``frozen_dtype: bfloat16`` (the published preset's) holds the VAE and text encoder in bf16; the experts stay
+    fp32 and the loss stays within bf16's precision of the fp32 one."""
+    from loongforge_embodied.policies.lerobot_fastwam.modeling_lerobot_fastwam import LeRobotFastWAMModel
+
+    arch, model, _, _, inp = tiny
+    inp = {**inp, **_draws(4, b=3, arch=arch)}
+    half = LeRobotFastWAMModel(arch.with_overrides(frozen_dtype="bfloat16"))
+    half.load_state_dict(model.state_dict())
+    assert next(half.model.vae.parameters()).dtype == next(half.model.text_encoder.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in half.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(half(inp), model(inp), rtol=0.05, atol=1e-3)
+
+
 def make_dataset(root: Path, *, episodes: int = 2, frames: int = 6) -> Path:
     """A tiny LeRobotDataset v3 written by LeRobot itself (random 24x28 frames: resized to 32x64)."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset

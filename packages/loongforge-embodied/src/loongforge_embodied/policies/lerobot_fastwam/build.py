@@ -115,17 +115,19 @@ def build_fastwam(arch: LeRobotFastWAMArch):
     action_expert = ActionDiT(**config.action_dit_config)
     mot = MoT(mixtures={"video": video_expert, "action": action_expert},
               mot_checkpoint_mixed_attn=config.mot_checkpoint_mixed_attn)
-    text_encoder = load_pretrained_wan_text_encoder(model_id=folder, torch_dtype=dtype, device=device)
+    # NOTE: only the frozen parts take arch.frozen_dtype; the experts train in fp32 (the recipe's precision autocasts)
+    frozen = getattr(torch, arch.frozen_dtype)
+    text_encoder = load_pretrained_wan_text_encoder(model_id=folder, torch_dtype=frozen, device=device)
     if text_encoder.dim != arch.text_dim:
         raise RecipeError(f"text_dim {arch.text_dim} is not the width of the text encoder of '{arch.wan}' "
                           f"({text_encoder.dim})", key="model.arch.text_dim")
-    vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=dtype)
+    vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=frozen)
     if vae.config.z_dim != LATENT_CHANNELS:
         raise RecipeError(f"the VAE of '{arch.wan}' has {vae.config.z_dim} latent channels; FastWAM's Wan2.2 VAE has "
                           f"{LATENT_CHANNELS}", key="model.arch.wan")
     model = FastWAM(
         video_expert=video_expert, action_expert=action_expert, mot=mot,
-        vae=WanVideoVAE38(dtype=dtype, device=device, pretrained=vae), text_encoder=text_encoder,
+        vae=WanVideoVAE38(dtype=frozen, device=device, pretrained=vae), text_encoder=text_encoder,
         tokenizer=build_wan_tokenizer(model_id=config.tokenizer_model_id, tokenizer_max_len=config.tokenizer_max_len),
         text_dim=arch.text_dim, proprio_dim=config.proprio_dim, device=device, torch_dtype=dtype,
         video_train_shift=float(arch.video_shift), video_infer_shift=float(arch.video_shift),

@@ -20,6 +20,7 @@ PUBLISHED_WAN = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"  # LeRobot's FastWAMConfig.tex
 PUBLISHED_TOKENIZER = "google/umt5-xxl"  # LeRobot's FastWAMConfig.tokenizer_model_id
 NORMALIZATIONS = ("identity", "mean_std")
 VIDEO_MASKS = ("first_frame_causal", "per_frame_causal", "bidirectional")
+FROZEN_DTYPES = ("float32", "bfloat16")
 LATENT_CHANNELS = 48  # the Wan2.2 VAE's (LeRobot's adapter fixes it)
 SPATIAL_FACTOR, TEMPORAL_FACTOR, PATCH = 16, 4, 2  # the VAE's compression and the video DiT's spatial patch
 
@@ -62,11 +63,14 @@ class LeRobotFastWAMArch(ArchMixin):
     video_loss_percent: int = 100  # LeRobot's loss.lambda_video, in percent (lambda_action is 1)
     normalization: str = "mean_std"  # state and action (LeRobot's FastWAM default)
     num_steps: int = 10  # denoising steps of sampling
+    # The frozen VAE's and text encoder's weights (LeRobot's torch_dtype: bfloat16; UMT5-XXL is 5.7B)
+    frozen_dtype: str = "bfloat16"
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         problems = []
-        for name, allowed in (("normalization", NORMALIZATIONS), ("video_mask", VIDEO_MASKS)):
+        for name, allowed in (("normalization", NORMALIZATIONS), ("video_mask", VIDEO_MASKS),
+                              ("frozen_dtype", FROZEN_DTYPES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} '{getattr(self, name)}' (allowed: {', '.join(allowed)})")
         if self.proprio not in (0, 1):
@@ -125,7 +129,7 @@ PRESETS: dict[str, LeRobotFastWAMArch] = {
     "tiny": LeRobotFastWAMArch(image_size=32, num_cameras=1, state_dim=2, action_dim=2, chunk_size=4, height=32,
                                width=64, video_frames=5, frame_stride=1, tokenizer_max_length=16, num_layers=2,
                                num_heads=2, head_dim=8, video_ffn=32, action_hidden=16, action_ffn=32, text_dim=16,
-                               freq_dim=16, num_steps=3),
+                               freq_dim=16, num_steps=3, frozen_dtype="float32"),
 }
 
 

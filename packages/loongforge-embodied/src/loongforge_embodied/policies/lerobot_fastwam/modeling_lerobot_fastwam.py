@@ -89,7 +89,7 @@ class LeRobotFastWAMModel(nn.Module):
     def _encode_prompt(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``FastWAM.encode_prompt`` after its tokenizer: padding embeddings zeroed, a full-length mask."""
         m = self.model
-        emb = m.text_encoder(ids.to(m.device), mask.to(m.device))
+        emb = m.text_encoder(ids.to(m.device), mask.to(m.device)).to(m.torch_dtype)
         emb = emb * mask.to(emb.device).unsqueeze(-1)
         return emb, torch.ones_like(mask, dtype=torch.bool, device=emb.device)
 
