@@ -7,7 +7,8 @@ from typing import Literal
 from loongforge.recipe.schema import ParallelConfig, Section
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-COMPONENTS = ("vision", "language", "expert")
+# NOTE: a VLA's components are vision / language / expert; a world-action model's video / action
+COMPONENTS = ("vision", "language", "expert", "video", "action")
 # torch.compile modes that replay CUDA graphs (torch._inductor.list_mode_options: "triton.cudagraphs": True)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -26,17 +27,19 @@ class ModelConfig(Section):
     State / action sizes and the camera count come from the dataset."""
 
     policy: Literal["tiny_vla", "groot", "lerobot_pi05", "lerobot_smolvla",
-                    "lerobot_xvla", "lerobot_groot", "lerobot_wall_x"] = "tiny_vla"
+                    "lerobot_xvla", "lerobot_groot", "lerobot_wall_x", "lerobot_fastwam"] = "tiny_vla"
     preset: str = Field("tiny", description="named size of the policy (tiny_vla: tiny | pi05; groot: tiny | n1.5; "
                         "lerobot_pi05: tiny | pi05; lerobot_smolvla: tiny | smolvla; "
-                        "lerobot_xvla: tiny | xvla; lerobot_groot: tiny | n1_7; lerobot_wall_x: tiny | wall_oss)")
+                        "lerobot_xvla: tiny | xvla; lerobot_groot: tiny | n1_7; lerobot_wall_x: tiny | wall_oss; "
+                        "lerobot_fastwam: tiny | fastwam)")
     arch: dict[str, int | str | None] = Field(
         default_factory=dict, description="overrides of the preset's fields (sizes; lerobot_pi05 also its tokenizer "
         "and prompt padding; lerobot_smolvla and lerobot_groot their VLM directory; lerobot_wall_x its Wall-X "
-        "directory; lerobot_xvla its "
-        "Florence-2 and tokenizer directories), each checked against the field's type")
-    freeze: list[Literal["vision", "language", "expert"]] = Field(
-        default_factory=list, description="components kept frozen (and unsharded under fsdp2/hsdp)")
+        "directory; lerobot_xvla its Florence-2 and tokenizer directories; lerobot_fastwam its Wan2.2 and tokenizer "
+        "directories), each checked against the field's type")
+    freeze: list[Literal["vision", "language", "expert", "video", "action"]] = Field(
+        default_factory=list, description="components kept frozen (and unsharded under fsdp2/hsdp); a VLA's are "
+        "vision, language, expert, a world-action model's video, action")
     load: str | None = Field(None, description="exported policy dir (config.json + model.safetensors) to start from")
     comm_hook: Literal["none", "bf16"] = Field("none", description="ddp/zero1: compress gradient all-reduce to bf16")
     reshard_after_forward: bool = Field(True, description="fsdp2/hsdp: free gathered params after forward (ZeRO-3)")

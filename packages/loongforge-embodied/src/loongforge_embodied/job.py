@@ -102,8 +102,15 @@ class EmbodiedJob(Job):
         if r.model.load:
             self._load_initial(raw, policy, r.model.load)
         raw.set_stats(stats)
+        components = raw.components()
+        unknown = [n for n in r.model.freeze if n not in components]
+        if unknown:
+            raise RecipeError(f"{r.model.policy} has no component {', '.join(unknown)}; allowed: "
+                              f"{', '.join(components)}", key="model.freeze")
+        if set(r.model.freeze) >= set(components):
+            raise RecipeError("every component is frozen: nothing to train", key="model.freeze")
         for name in r.model.freeze:
-            for m in raw.components()[name]:
+            for m in components[name]:
                 m.requires_grad_(False)
         raw.to(self.device)
         if t.fp8 is not None:

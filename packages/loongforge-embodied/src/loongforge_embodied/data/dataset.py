@@ -1,5 +1,9 @@
 """Training samples: a source (LeRobotDataset v3 or synthetic) + per-sample flow noise, augmentation, collate.
 
+A sample's ``images`` are (cameras, 3, H, W); a policy whose arch has ``frame_offsets`` (a world-action model's clip:
+the current frame and later ones) gets (cameras, frames, 3, H, W), frames past the episode's end repeating its last
+(LeRobot's delta-timestamp padding).
+
 Every random draw of a sample (flow noise, flow time, image shift) comes from a generator seeded by the
 sample's stream position, so a sample is identical whichever rank or micro-batch it lands in.
 """
@@ -18,6 +22,11 @@ from torch.utils.data import DataLoader, Dataset
 
 if TYPE_CHECKING:
     from loongforge_embodied.policies import PolicyArch as Arch
+
+
+def frame_offsets(arch: Arch) -> tuple[int, ...]:
+    """The dataset frames of a sample's images, relative to its own (``(0,)``: the frame alone)."""
+    return tuple(getattr(arch, "frame_offsets", (0,)))
 
 
 class SyntheticSource:
@@ -40,7 +49,8 @@ class SyntheticSource:
         state = torch.randn(a.state_dim, generator=g)
         t = torch.arange(a.chunk_size, dtype=torch.float32)[:, None] / a.chunk_size
         base = state[torch.arange(a.action_dim) % a.state_dim]
-        return {"images": torch.rand(a.num_cameras, 3, a.image_size, a.image_size, generator=g),
+        clip = () if frame_offsets(a) == (0,) else (len(frame_offsets(a)),)
+        return {"images": torch.rand(a.num_cameras, *clip, 3, a.image_size, a.image_size, generator=g),
                 "state": state, "actions": base[None] * (1 - t) + torch.tanh(base)[None] * t,
                 "action_pad": torch.zeros(a.chunk_size, dtype=torch.bool), "task": self.task}
 
@@ -73,12 +83,14 @@ class LeRobotSource:
 
         # NOTE: first, so that LeRobot never meets a missing file (it would download data.repo_id from the Hub)
         check_dataset(root, state_key=state_key)
-        self.state_key, self.chunk_size = state_key, arch.chunk_size
+        self.state_key, self.chunk_size, self.arch = state_key, arch.chunk_size, arch
         try:
             meta = LeRobotDatasetMetadata(repo_id, root=root)
             self.cameras = cameras or list(meta.camera_keys)
             self.meta = meta
             window = {"action": [i / meta.fps for i in range(arch.chunk_size)]}
+            if frame_offsets(arch) != (0,):
+                window.update({k: [o / meta.fps for o in frame_offsets(arch)] for k in self.cameras})
             self.ds = LeRobotDataset(repo_id, root=root, delta_timestamps=window, download_videos=False,
                                      video_backend=video_backend())
         except Exception as exc:  # NOTE: pyarrow / datasets / json errors of a file our checks could not see
@@ -157,6 +169,7 @@ class InMemorySource:
         by_index = {int(i): str(t) for t, i in zip(tasks.index, tasks["task_index"], strict=True)}
         self.tasks = [by_index[int(i)] for i in np.asarray(table.column("task_index"))]
         self.chunk = source.chunk_size
+        self.offsets = frame_offsets(source.arch)
 
     def __len__(self) -> int:
         return len(self.state)
@@ -167,7 +180,11 @@ class InMemorySource:
     def __getitem__(self, idx: int) -> dict[str, Any]:
         want = torch.arange(idx, idx + self.chunk)
         rows = want.clamp(max=int(self.last[idx]))
-        return {"images": self.images[idx].float().div(255.0), "state": self.state[idx],
+        if self.offsets == (0,):
+            images = self.images[idx]
+        else:
+            images = self.images[(idx + torch.tensor(self.offsets)).clamp(max=int(self.last[idx]))].transpose(0, 1)
+        return {"images": images.float().div(255.0), "state": self.state[idx],
                 "actions": self.actions[rows], "action_pad": want > self.last[idx], "task": self.tasks[idx]}
 
 

@@ -15,7 +15,8 @@ from loongforge_embodied.eval.served_policy import request_seed
 # config.json "type" → our policy name
 EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05",
                 "smolvla": "lerobot_smolvla",
-                "xvla": "lerobot_xvla", "groot": "lerobot_groot", "wall_x": "lerobot_wall_x"}
+                "xvla": "lerobot_xvla", "groot": "lerobot_groot", "wall_x": "lerobot_wall_x",
+                "fastwam": "lerobot_fastwam"}
 
 
 def policy_dir(path: str | Path) -> Path:

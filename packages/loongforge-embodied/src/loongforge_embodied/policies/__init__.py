@@ -15,7 +15,8 @@ another's modules, and validating a recipe imports no torch):
   ``serving_note(arch) -> str`` (logged after an export: what serving the export in LeRobot must match);
 - where LeRobot loads our export (tiny_vla, groot), the same two modules also hold LeRobot's config and policy
   classes (``from_pretrained``, ``select_action``), made on first access so that choosing a preset imports no
-  lerobot (lerobot_pi05 and lerobot_smolvla export LeRobot's own ``pi05`` / ``smolvla`` types instead).
+  lerobot (the lerobot_* policies export LeRobot's own types instead: ``pi05``, ``smolvla``, ``xvla``, ``groot``,
+  ``fastwam``).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
 dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``flow_noise`` (noise for padded action
@@ -115,6 +116,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lerobot_xvla": PolicySpec("lerobot_xvla", "LeRobotXVLAModel"),
     "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
     "lerobot_wall_x": PolicySpec("lerobot_wall_x", "LeRobotWallXModel"),
+    "lerobot_fastwam": PolicySpec("lerobot_fastwam", "LeRobotFastWAMModel"),
 }
 
 
