@@ -15,8 +15,8 @@ another's modules, and validating a recipe imports no torch):
   ``serving_note(arch) -> str`` (logged after an export: what serving the export in LeRobot must match);
 - where LeRobot loads our export (tiny_vla, groot), the same two modules also hold LeRobot's config and policy
   classes (``from_pretrained``, ``select_action``), made on first access so that choosing a preset imports no
-  lerobot (the lerobot_* policies export LeRobot's own types instead: ``pi05``, ``smolvla``, ``xvla``, ``groot``, ``wall_x``,
-  ``fastwam``).
+  lerobot (the lerobot_* policies export LeRobot's own types instead: ``pi05``, ``smolvla``, ``xvla``, ``groot``,
+  ``wall_x``, ``fastwam``).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
 dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``flow_noise`` (noise for padded action
