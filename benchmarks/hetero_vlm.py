@@ -218,7 +218,9 @@ MEASURED = {  # name: (processes, overrides)
     "cpu_one": (1, []),
     "cpu_tp2": (2, ["parallel.tp=2", "parallel.components.vision.tp=2"]),
     "cpu_tp2_vtp1": (2, ["parallel.tp=2", "parallel.components.vision.tp=1"]),
-    "cpu_pp2_decoupled": (2, ["parallel.pp=2", "train.micro_batch_size=1"]),
+    "cpu_pp2_inline": (2, ["parallel.pp=2", "train.micro_batch_size=1"]),
+    "cpu_pp2_decoupled": (2, ["parallel.pp=2", "parallel.components.vision.decoupled=true",
+                              "train.micro_batch_size=1"]),
     "cpu_dp2_balanced": (2, ["data.balance=true"]),
 }
 
@@ -264,7 +266,8 @@ def _num(key: str, fmt: str) -> callable:
 BENCH = HeteroBench(
     name="hetero_vlm", script=__file__, unit="samples/s",
     variants={**{k: run_measured for k in MEASURED}, **{k: model_layout for k in MODELLED}},
-    pairs=[("cpu_tp2_vtp1", "cpu_tp2"), ("cpu_pp2_decoupled", "cpu_one"), ("cpu_dp2_balanced", "cpu_one"),
+    pairs=[("cpu_tp2_vtp1", "cpu_tp2"), ("cpu_pp2_inline", "cpu_one"), ("cpu_pp2_decoupled", "cpu_pp2_inline"),
+           ("cpu_dp2_balanced", "cpu_one"),
            ("model_tp2_vtp1_dp4", "model_tp2_dp4"), ("model_tp2_vtp1_dp4_balanced", "model_tp2_vtp1_dp4"),
            ("model_tp2_pp2_decoupled", "model_tp2_pp2_inline"),
            ("model_tp2_pp2_decoupled_shared", "model_tp2_pp2_inline"), ("model_disjoint_v2_lm6", "model_tp2_dp4")],

@@ -224,7 +224,8 @@ def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports):
 
 
 def test_decoupled_encoder_under_pp2_equals_one_process(tmp_path, ranks, free_port):
-    """Language pp 2: the first stage runs the CLIP tower on all four micro-batches of a step before the pipeline
+    """Language pp 2 with parallel.components.vision.decoupled: the first stage runs the CLIP tower on all four
+    micro-batches of a step before the pipeline
     schedule's first forward (each image once; the second stage encodes none) and sends the embeddings' gradients
     back through it after the last backward; 5 steps equal one process's losses, trained and with train.freeze
     [vision]."""
@@ -234,7 +235,8 @@ def test_decoupled_encoder_under_pp2_equals_one_process(tmp_path, ranks, free_po
     layouts = [("whole", over), ("frozen", frozen)]
     one = ranks(_layouts_and_encoded_images, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one",
                 layouts=layouts, ports=[free_port() for _ in layouts])[0]
-    pp2 = [(f"pp2_{name}", [*o, "parallel.pp=2"]) for name, o in layouts]
+    pp2 = [(f"pp2_{name}", [*o, "parallel.pp=2", "parallel.components.vision.decoupled=true"])
+           for name, o in layouts]
     two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
                 layouts=pp2, ports=[free_port() for _ in pp2], timeout_s=150)
     assert one["whole"][2] == "td" * 4  # NOTE: one process encodes inside each micro-batch's forward

@@ -747,7 +747,8 @@ def test_encoder_hetero_dp_and_decoupled_encoder_equal_one_process(tmp_path, hf_
     """Vision tp 1 under language tp 2: the two towers encode different images of each micro-batch (each image on
     exactly one rank, split by patch count) and gather the embeddings; 5 steps equal one process's losses, with the
     tower's own full / selective recompute (the language model's off) and with train.freeze [vision]; each rank's
-    encoder time is in the metrics. Language pp 2 with the decoupled encoder: the first stage encodes every
+    encoder time is in the metrics. Language pp 2 with the decoupled encoder (parallel.components.vision.decoupled):
+    the first stage encodes every
     micro-batch of a step before the pipeline schedule's first forward, each image once (the second stage none);
     5 steps equal one process's, trained and frozen."""
     records = make_records(tmp_path / "data")
@@ -762,7 +763,7 @@ def test_encoder_hetero_dp_and_decoupled_encoder_equal_one_process(tmp_path, hf_
                ("selective", [*over, *hetero, "parallel.components.vision.recompute=selective"]),
                ("frozen", [*frozen, *hetero])]
     # NOTE: two micro-batches of one record each: the global batch (and the token-weighted loss) is the same
-    pp2 = ["parallel.pp=2", "train.micro_batch_size=1"]
+    pp2 = ["parallel.pp=2", "parallel.components.vision.decoupled=true", "train.micro_batch_size=1"]
     decoupled = [("pp2", [*over, *pp2]), ("pp2_frozen", [*frozen, *pp2])]
     two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
                 layouts=layouts + decoupled, ports=[free_port() for _ in layouts + decoupled], timeout_s=150)

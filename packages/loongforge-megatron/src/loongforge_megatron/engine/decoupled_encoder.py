@@ -7,9 +7,13 @@ copies), the schedule's first-stage forwards read those embeddings as leaves of 
 after the schedule's last backward one backward pass runs the accumulated embedding gradients through the tower,
 before the gradients' data-parallel reduction. The numbers are the inline ones: the same operations, only moved.
 
-A model takes part by giving its (unwrapped) chunk two things: ``encode_ahead(batch) -> output | None`` (the
-tower's output for one micro-batch: a tensor or a tuple / list of them; None without images) and an
-``encoder_cache`` attribute its forward reads (:meth:`EncoderCache.take`, one per micro-batch, in order).
+A model takes part (``parallel.components.vision.decoupled``) by giving its first-stage chunk (unwrapped) three
+things: ``decoupled = True``, ``encode_ahead(batch) -> output | None`` (the tower's output for one micro-batch: a
+tensor or a tuple / list of them; None without images) and an ``encoder_cache`` attribute its forward reads
+(:meth:`EncoderCache.take`, one per micro-batch, in order).
+
+NOTE: only the first stage's ranks encode, so the later stages wait for the encoding as they would inside the
+schedule: at pp 2 the step takes about as long as with the tower inline (``benchmarks/hetero_vlm.py`` models it).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class DecoupledEncoders:
         from loongforge_megatron.engine.model import unwrap
 
         self.models = [m for m in (unwrap(c) for c in chunks)
-                       if getattr(m, "pre_process", False) and callable(getattr(m, "encode_ahead", None))]
+                       if getattr(m, "pre_process", False) and getattr(m, "decoupled", False)]
 
     def __bool__(self) -> bool:
         return bool(self.models)

@@ -195,8 +195,9 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             from loongforge_megatron.engine.encoder_split import split_batch
 
             split_batch(model.vision_model, vision_groups)
-    if first:  # NOTE: under pipeline parallelism the CLIP tower runs before the schedule (engine/decoupled_encoder.py)
-        model.encoder_cache = None
+    if first and vision_groups is not None and vision_groups.decoupled:
+        # NOTE: the CLIP tower runs before the pipeline schedule (engine/decoupled_encoder.py)
+        model.decoupled, model.encoder_cache = True, None
         model.encode_ahead = functools.partial(_encode_ahead, model)
     from megatron.core.enums import ModelType
 

@@ -69,6 +69,7 @@ def _gpt_model_class():
             # NOTE: under pipeline parallelism the tower's outputs are made before the schedule
             # (engine/decoupled_encoder.py): the forward reads them here, one micro-batch at a time
             self.encoder_cache, self._ahead = None, None
+            self.decoupled = self.vision is not None and bool(getattr(vision_groups, "decoupled", False))
             if self.vision is not None and deepstack:
                 n = len(vision_config.get("deepstack_visual_indexes", []))
                 if n > len(self.decoder.layers):
