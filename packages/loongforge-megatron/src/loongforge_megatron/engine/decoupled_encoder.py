@@ -107,7 +107,7 @@ class DecoupledEncoders:
 @contextlib.contextmanager
 def replaying(tower: torch.nn.Module, output: Any) -> Iterator[None]:
     """Within the block, calling ``tower`` returns ``output`` (an encoding made ahead) instead of running it; a
-    tower whose forward is inside a model we do not own (megatron's LLaVAModel) reads its cache this way.
+    tower whose forward is inside a model we do not own (one of megatron-core's) reads its cache this way.
     ``output`` None: the tower runs as usual."""
     if output is None:
         yield
