@@ -204,11 +204,12 @@ def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports):
         try:
             seen, order = [], []
             chunk = job.chunks[0]
-            hooks = [chunk.language_model.decoder.register_forward_pre_hook(lambda m, args: order.append("d"))]
+            hooks = [chunk.language_model.decoder.register_forward_pre_hook(
+                lambda m, args, order=order: order.append("d"))]
             if chunk.add_encoder:  # NOTE: the patch convolution runs only when the tower really encodes
                 hooks.append(chunk.vision_model.conv1.register_forward_pre_hook(
-                    lambda m, args: seen.extend(round(float(x), 3) for x in args[0].flatten(1).sum(1))
-                    or order.append("t")))
+                    lambda m, args, seen=seen, order=order:
+                    seen.extend(round(float(x), 3) for x in args[0].flatten(1).sum(1)) or order.append("t")))
             losses, metrics = [], {}
             for i in range(job.recipe.train.steps):
                 metrics = job.step()

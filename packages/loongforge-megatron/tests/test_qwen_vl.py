@@ -723,10 +723,10 @@ def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports, export=
                 job.export("hf", run_dir / name / "hf")
             seen, order = [], []
             tower = job.chunks[0].vision  # NOTE: None off the first pipeline stage
-            hooks = [job.chunks[0].decoder.register_forward_pre_hook(lambda m, args: order.append("d"))]
+            hooks = [job.chunks[0].decoder.register_forward_pre_hook(lambda m, args, order=order: order.append("d"))]
             if tower is not None:
                 hooks.append(tower.register_forward_pre_hook(
-                    lambda m, args: seen.append(args[1].cpu().tolist()) or order.append("t")))
+                    lambda m, args, seen=seen, order=order: seen.append(args[1].cpu().tolist()) or order.append("t")))
             losses, metrics = [], {}
             for i in range(job.recipe.train.steps):
                 metrics = job.step()
