@@ -142,7 +142,7 @@ def test_hetero_vlm_benchmark_smoke(load, tmp_path):
     # NOTE: the lognormal batch is uneven over 4 DP ranks; the balancer evens it (the same samples)
     assert rows["model_tp2_vtp1_dp4"]["dp_imbalance"] > 1.2 > 1.05 > rows["model_tp2_vtp1_dp4_balanced"]["dp_imbalance"]
     table = [line.split(" | ") for line in _table_rows(tmp_path / "hetero_vlm.md")]
-    kinds = {r[3]: r[9] for r in table}  # date | hardware | setup | variant | samples/s | MFU | peak | loss | kind
+    kinds = {r[3]: r[8] for r in table}  # date | hardware | setup | variant | samples/s | MFU | peak | loss | kind
     assert kinds["cpu_one"].startswith("measured") and kinds["model_tp2_dp4"].startswith("modelled"), kinds
     report = (tmp_path / "report.md").read_text()
     assert report.rstrip().splitlines()[-1].startswith("model_disjoint_v2_lm6 / model_tp2_dp4: ")
