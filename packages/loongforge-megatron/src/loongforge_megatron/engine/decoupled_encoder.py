@@ -1,19 +1,22 @@
 """Decoupled encoder: under pipeline parallelism a VLM's vision tower runs outside megatron's pipeline schedule.
 
-Inline, the tower runs inside the first stage's forward of every micro-batch, so that stage is slower than the
-others and every pipeline fill and drain waits for the tower too. Decoupled, the first stage encodes all of the
-step's micro-batches *before* the schedule starts (each image once; with encoder hetero-DP split over the tower's
-copies), the schedule's first-stage forwards read those embeddings as leaves of their own autograd graphs, and
-after the schedule's last backward one backward pass runs the accumulated embedding gradients through the tower,
-before the gradients' data-parallel reduction. The numbers are the inline ones: the same operations, only moved.
+Inline, the tower runs inside the first stage's forward of every micro-batch, so that stage's micro-batches are
+slower than the others' (and uneven, with the images). Decoupled, the first stage encodes all of the step's
+micro-batches *before* the schedule starts (each image once; with encoder hetero-DP split over the tower's copies),
+the schedule's first-stage forwards read those embeddings as leaves of their own autograd graphs (the schedule's
+stages then run the language model alone), and after the schedule's last backward one backward pass runs the
+accumulated embedding gradients through the tower, before the gradients' data-parallel reduction. The numbers are
+the inline ones: the same operations, only moved.
 
 A model takes part (``parallel.components.vision.decoupled``) by giving its first-stage chunk (unwrapped) three
 things: ``decoupled = True``, ``encode_ahead(batch) -> output | None`` (the tower's output for one micro-batch: a
 tensor or a tuple / list of them; None without images) and an ``encoder_cache`` attribute its forward reads
 (:meth:`EncoderCache.take`, one per micro-batch, in order).
 
-NOTE: only the first stage's ranks encode, so the later stages wait for the encoding as they would inside the
-schedule: at pp 2 the step takes about as long as with the tower inline (``benchmarks/hetero_vlm.py`` models it).
+NOTE: only the first stage's ranks encode, and the later stages wait while they do: at pp 2 the step is no
+faster than with the tower inline, and with uneven images slower (``benchmarks/hetero_vlm.py`` models both; the
+later stages encoding a share too is what would make it faster). The tower's activations of every micro-batch are
+held until the schedule ends.
 """
 
 from __future__ import annotations
@@ -75,8 +78,8 @@ class EncoderCache:
 
 
 class DecoupledEncoders:
-    """The decoupled towers of this rank's model chunks (none off the first pipeline stage, or for a model without
-    ``encode_ahead``)."""
+    """The decoupled towers of this rank's model chunks (none off the first pipeline stage, or where the plan does
+    not decouple the tower)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         from loongforge_megatron.engine.model import unwrap
