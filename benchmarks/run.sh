@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling | hetero_vlm   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling"
+names="llm | moe | dsa | fp8 | vlm | dit | wan | vla | smolvla | eval | kernels | convert | scaling | hetero_vlm"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -130,6 +130,9 @@ case $name in
     export NCCL_NVLS_ENABLE=0  # NVLink multicast off
     step scaling 1200 python3 benchmarks/scaling.py --preset llama3.2-1b --seq 4096 --mbs 2 --steps 12 --warmup 4 \
       --timeout 140 --out "$out/scaling.md"
+    ;;
+  hetero_vlm)  # the modelled 8-GPU rows need no GPU; pass --vit-tflops / --lm-tflops from one GPU's vlm rows
+    step hetero_vlm 900 python3 benchmarks/hetero_vlm.py --out "$out/hetero_vlm.md"
     ;;
   convert)
     step checkpoint_convert_memory 400 python3 benchmarks/checkpoint_convert_memory.py --workdir "$out/convert"

@@ -126,3 +126,24 @@ def test_scaling_benchmark_smoke(load, tmp_path):
     assert report.rstrip().splitlines()[-1].startswith("loongforge_dp2 / torch_ddp_dp2: ")
     table = _table_rows(tmp_path / "scaling.md")
     assert [line.split(" | ")[3] for line in table] == ["loongforge_dp2", "torch_ddp_dp2"]
+
+
+def test_hetero_vlm_benchmark_smoke(load, tmp_path):
+    """Two measured CPU layouts of the tiny Qwen2.5-VL (one process; pp 2 with the decoupled encoder: the same
+    losses) and every modelled 8-GPU layout; the table marks which rows are measured and which modelled."""
+    harness = sys.modules["harness"]
+    bench = load("hetero_vlm")
+    rows = bench.main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    assert set(rows) == {"cpu_one", "cpu_pp2_decoupled", *bench.MODELLED}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["rate"] > 0 and r["step_s"] > 0
+    assert harness.loss_diff(rows["cpu_pp2_decoupled"]["losses"], rows["cpu_one"]["losses"]) < 1e-5
+    assert rows["cpu_pp2_decoupled"]["vit_s"] > 0  # NOTE: the first stage's encoder_time_r0
+    # NOTE: the lognormal batch is uneven over 4 DP ranks; the balancer evens it (the same samples)
+    assert rows["model_tp2_vtp1_dp4"]["dp_imbalance"] > 1.2 > 1.05 > rows["model_tp2_vtp1_dp4_balanced"]["dp_imbalance"]
+    table = [line.split(" | ") for line in _table_rows(tmp_path / "hetero_vlm.md")]
+    kinds = {r[3]: r[8] for r in table}  # date | hardware | setup | variant | samples/s | MFU | peak | loss | kind
+    assert kinds["cpu_one"].startswith("measured") and kinds["model_tp2_dp4"].startswith("modelled"), kinds
+    report = (tmp_path / "report.md").read_text()
+    assert report.rstrip().splitlines()[-1].startswith("model_disjoint_v2_lm6 / model_tp2_dp4: ")

@@ -98,6 +98,12 @@ def test_components_colocated_and_disjoint():
         resolve_plan(world_size=8, components={"vision": {"tp": 3}})
 
 
+def test_a_component_can_run_outside_the_pipeline_schedule():
+    plan = resolve_plan(world_size=4, tp=2, pp=2, components={"vision": {"tp": 1, "decoupled": True}})
+    assert plan.component("vision").decoupled and plan.component("vision").pp == 2
+    assert not resolve_plan(world_size=4, pp=2, components={"vision": {"tp": 1}}).component("vision").decoupled
+
+
 def test_uneven_pipeline_split():
     from loongforge.parallel.layers import chunk_layer_counts, layer_ranges
 

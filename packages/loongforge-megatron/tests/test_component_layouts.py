@@ -41,6 +41,10 @@ VLM = Path(__file__).resolve().parents[3] / "recipes" / "vlm"
      ["key 'parallel.components."]),
     ("llava_tiny", ["parallel.tp=2", "parallel.components.vision.tp=2", "parallel.components.vision.sp=true"],
      ["key 'parallel.components.vision.sp'"]),
+    ("qwen2_5_vl_tiny", ["parallel.components.vision.decoupled=true"],
+     ["key 'parallel.components.vision.decoupled'",
+      "decoupled = true needs pipeline parallelism (parallel.pp > 1, got parallel.pp = 1)"]),
+    ("llava_tiny", ["parallel.components.vision.decoupled=true"], ["key 'parallel.components.vision.decoupled'"]),
 ])
 def test_impossible_component_layouts_are_refused_at_validate(capsys, recipe, overrides, needles):
     from loongforge.cli import main

@@ -193,6 +193,63 @@ def test_unsupported_layouts_are_refused(capsys):
         assert f"key '{key}'" in err and err.count("\n") == 1, err
 
 
+def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports):
+    """For each (name, overrides): every step's loss, the images this rank's CLIP tower ran on in step 1 (each
+    image's pixel sum, rounded), the order of its tower ("t") and language decoder ("d") forwards then, and the
+    last step's metrics. Each job rendezvouses on its own port (a job's close ends the world)."""
+    out = {}
+    for (name, over), port in zip(layouts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=run_dir / name)
+        try:
+            seen, order = [], []
+            chunk = job.chunks[0]
+            hooks = [chunk.language_model.decoder.register_forward_pre_hook(
+                lambda m, args, order=order: order.append("d"))]
+            if chunk.add_encoder:  # NOTE: the patch convolution runs only when the tower really encodes
+                hooks.append(chunk.vision_model.conv1.register_forward_pre_hook(
+                    lambda m, args, seen=seen, order=order:
+                    seen.extend(round(float(x), 3) for x in args[0].flatten(1).sum(1)) or order.append("t")))
+            losses, metrics = [], {}
+            for i in range(job.recipe.train.steps):
+                metrics = job.step()
+                losses.append(metrics["loss"])
+                if i == 0:
+                    for hook in hooks:
+                        hook.remove()
+            out[name] = (losses, seen, "".join(order), metrics)
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+def test_decoupled_encoder_under_pp2_equals_one_process(tmp_path, ranks, free_port):
+    """Language pp 2 with parallel.components.vision.decoupled: the first stage runs the CLIP tower on all four
+    micro-batches of a step before the pipeline
+    schedule's first forward (each image once; the second stage encodes none) and sends the embeddings' gradients
+    back through it after the last backward; 5 steps equal one process's losses, trained and with train.freeze
+    [vision]."""
+    hf_dir = save_llava(tmp_path / "hf")
+    over = cpt_overrides(hf_dir, "train.steps=5")
+    frozen = [*over, "train.freeze=[vision]"]
+    layouts = [("whole", over), ("frozen", frozen)]
+    one = ranks(_layouts_and_encoded_images, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one",
+                layouts=layouts, ports=[free_port() for _ in layouts])[0]
+    pp2 = [(f"pp2_{name}", [*o, "parallel.pp=2", "parallel.components.vision.decoupled=true"])
+           for name, o in layouts]
+    two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
+                layouts=pp2, ports=[free_port() for _ in pp2], timeout_s=150)
+    assert one["whole"][2] == "td" * 4  # NOTE: one process encodes inside each micro-batch's forward
+    for name, _ in layouts:
+        for r in range(2):
+            got = two[r][f"pp2_{name}"][0]
+            assert got == pytest.approx(one[name][0], rel=1e-5), (name, r, got, one[name][0])
+        assert sorted(two[0][f"pp2_{name}"][1]) == sorted(one["whole"][1]) and len(one["whole"][1]) == 8, name
+        assert two[1][f"pp2_{name}"][1] == [] and two[0][f"pp2_{name}"][2] == "tttt" + "dddd", two[0][f"pp2_{name}"]
+    assert one["frozen"][0] != pytest.approx(one["whole"][0], rel=1e-5)
+
+
 def _step_export_step(*, rank, world, hf_dir, run_dir, export_dir) -> tuple[list[dict], float]:
     """One CPT step, the online HF export, then (step 2's micro-batches, step 2's loss); in a rank."""
 

@@ -565,8 +565,9 @@ def test_moe_recipe_checks(capsys, args, key, message):
 
 def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports, export=False):
     """For each (name, overrides): every step's loss, the image grids this rank's tower encoded (in the first
-    step), and the last step's metrics (``export``: the HF export of the loaded weights, before the steps). Each
-    job rendezvouses on its own port (a job's close ends the world)."""
+    step), the last step's metrics (``export``: the HF export of the loaded weights, before the steps) and the
+    first step's order of tower ("t") and language decoder ("d") forwards on this rank. Each job rendezvouses on its
+    own port (a job's close ends the world)."""
     import os
 
     out = {}
@@ -576,16 +577,20 @@ def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports, export=
         try:
             if export:
                 job.export("hf", run_dir / name / "hf")
-            seen = []
-            tower = job.chunks[0].vision
-            hook = tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
+            seen, order = [], []
+            tower = job.chunks[0].vision  # NOTE: None off the first pipeline stage
+            hooks = [job.chunks[0].decoder.register_forward_pre_hook(lambda m, args, order=order: order.append("d"))]
+            if tower is not None:
+                hooks.append(tower.register_forward_pre_hook(
+                    lambda m, args, seen=seen, order=order: seen.append(args[1].cpu().tolist()) or order.append("t")))
             losses, metrics = [], {}
             for i in range(job.recipe.train.steps):
                 metrics = job.step()
                 losses.append(metrics["loss"])
                 if i == 0:
-                    hook.remove()
-            out[name] = (losses, [g for grids in seen for g in grids], metrics)
+                    for hook in hooks:
+                        hook.remove()
+            out[name] = (losses, [g for grids in seen for g in grids], metrics, "".join(order))
         finally:
             job.close()
             runtime.logger.close()
@@ -594,11 +599,14 @@ def _layouts_and_encoded_images(*, rank, world, layouts, run_dir, ports, export=
 
 # NOTE: Qwen3-VL's deepstack features under hetero-DP: test_tp2_pp2_cp2_and_ep2_equal_one_process's tp2 layouts
 @pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)
-def test_encoder_hetero_dp_equals_one_process(tmp_path, hf_dir, ranks, free_port):
+def test_encoder_hetero_dp_and_decoupled_encoder_equal_one_process(tmp_path, hf_dir, ranks, free_port):
     """Vision tp 1 under language tp 2: the two towers encode different images of each micro-batch (each image on
     exactly one rank, split by patch count) and gather the embeddings; 5 steps equal one process's losses, with the
     tower's own full / selective recompute (the language model's off) and with train.freeze [vision]; each rank's
-    encoder time is in the metrics."""
+    encoder time is in the metrics. Language pp 2 with the decoupled encoder (parallel.components.vision.decoupled):
+    the first stage encodes every
+    micro-batch of a step before the pipeline schedule's first forward, each image once (the second stage none);
+    5 steps equal one process's, trained and frozen."""
     records = make_records(tmp_path / "data")
     over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=2", "train.steps=5",
                      "data.pack=false")
@@ -610,8 +618,21 @@ def test_encoder_hetero_dp_equals_one_process(tmp_path, hf_dir, ranks, free_port
                ("full", [*over, *hetero, "parallel.components.vision.recompute=full"]),
                ("selective", [*over, *hetero, "parallel.components.vision.recompute=selective"]),
                ("frozen", [*frozen, *hetero])]
+    # NOTE: two micro-batches of one record each: the global batch (and the token-weighted loss) is the same
+    pp2 = ["parallel.pp=2", "parallel.components.vision.decoupled=true", "train.micro_batch_size=1"]
+    decoupled = [("pp2", [*over, *pp2]), ("pp2_frozen", [*frozen, *pp2])]
     two = ranks(_layouts_and_encoded_images, world=2, out=tmp_path / "r2", run_dir=tmp_path / "two",
-                layouts=layouts, ports=[free_port() for _ in layouts], timeout_s=120)
+                layouts=layouts + decoupled, ports=[free_port() for _ in layouts + decoupled], timeout_s=150)
+    assert one["whole"][3] == "td"  # NOTE: one process encodes inside the micro-batch's forward
+    for name, _ in decoupled:
+        want = one["frozen" if name == "pp2_frozen" else "whole"][0]
+        for r in range(2):
+            assert two[r][name][0] == pytest.approx(want, rel=1e-5), (name, r, two[r][name][0], want)
+        assert sorted(two[0][name][1]) == sorted(one["whole"][1]) and two[1][name][1] == [], name
+        # NOTE: both micro-batches of the step encoded before the first decoder forward
+        assert two[0][name][3] == "ttdd", (name, two[0][name][3])
+        assert "encoder_time_r0" in two[0][name][2] and "encoder_time_r1" not in two[0][name][2], name
+    assert two[0]["pp2_frozen"][0] != pytest.approx(two[0]["pp2"][0], rel=1e-5)
     for name, _ in layouts:
         want = one["frozen" if name == "frozen" else "whole"][0]
         for r in range(2):

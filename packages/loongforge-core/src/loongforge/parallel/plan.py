@@ -41,6 +41,7 @@ class ParallelPlan:
     strategy: str = "auto"
     shard_size: int | None = None
     first_rank: int = 0
+    decoupled: bool = False  # a component run outside the pipeline schedule (``components.<name>.decoupled``)
     components: dict[str, ParallelPlan] = field(default_factory=dict)
 
     @property
@@ -191,7 +192,7 @@ def resolve_plan(
     return plan
 
 
-COMPONENT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp", "recompute", "num_ranks")
+COMPONENT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp", "recompute", "num_ranks", "decoupled")
 
 
 def _check_component(base: ParallelPlan, name: str, cfg: dict, *, prefix: str) -> None:
@@ -243,6 +244,7 @@ def _resolve_components(base: ParallelPlan, components: dict[str, dict], *, pref
     for name, cfg in components.items():
         cfg = dict(cfg)
         num_ranks = cfg.pop("num_ranks", None)
+        decoupled = bool(cfg.pop("decoupled", None))
         merged = {
             "tp": base.tp,
             "pp": base.pp,
@@ -255,7 +257,7 @@ def _resolve_components(base: ParallelPlan, components: dict[str, dict], *, pref
         }
         merged.update({k: v for k, v in cfg.items() if v is not None})
         sub = resolve_plan(world_size=num_ranks or base.world_size, prefix=f"{prefix}.components.{name}", **merged)
-        out[name] = replace(sub, first_rank=first)
+        out[name] = replace(sub, first_rank=first, decoupled=decoupled)
         if num_ranks:
             first += num_ranks
     return out

@@ -69,6 +69,9 @@ class ComponentParallel(Section):
     sp: bool | None = Field(None, description="this component's sequence parallelism")
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="this component's recompute")
     num_ranks: int | None = Field(None, ge=1, description="disjoint ranks for this component (decoupled grid)")
+    decoupled: bool | None = Field(
+        None, description="run this component (an encoder) outside the pipeline schedule: every micro-batch of a step "
+        "encoded before it, the gradients taken after it (needs pp > 1)")
 
 
 class ParallelConfig(Section):

@@ -23,7 +23,8 @@ import torch
 @dataclass
 class ComponentGroups:
     """One component's layout on this rank: its tp / hdp sizes and ranks, their groups (None at size 1), its
-    recompute mode and the grid they come from."""
+    recompute mode, whether it runs outside the pipeline schedule (``engine/decoupled_encoder.py``) and the grid
+    they come from."""
 
     name: str
     tp: int
@@ -34,6 +35,7 @@ class ComponentGroups:
     hdp_group: Any
     recompute: str = "none"
     grid: Any = None
+    decoupled: bool = False
 
     def collection(self) -> Any:
         """megatron's :class:`ProcessGroupCollection` for a megatron module of this component: the component's tp
@@ -116,11 +118,11 @@ def component_groups(plan: Any, name: str, *, default_tp: int | None = None) -> 
     if t == plan.tp:  # NOTE: the language model's own TP groups: no second communicator over the same ranks
         return ComponentGroups(name=name, tp=t, hdp=1, tp_rank=mpu.get_tensor_model_parallel_rank(), hdp_rank=0,
                                tp_group=mpu.get_tensor_model_parallel_group() if t > 1 else None, hdp_group=None,
-                               recompute=comp.recompute)
+                               recompute=comp.recompute, decoupled=comp.decoupled)
     grid = HyperCommGrid([t, hdp, plan.cp, plan.dp, plan.pp], ["tp", "hdp", "cp", "dp", "pp"])
     tp_group = grid.create_pg(["tp"]) if t > 1 else None
     hdp_group = grid.create_pg(["hdp"])
     _GRIDS.append(grid)
     return ComponentGroups(name=name, tp=t, hdp=hdp, tp_rank=dist.get_rank(tp_group) if tp_group else 0,
                            hdp_rank=dist.get_rank(hdp_group), tp_group=tp_group, hdp_group=hdp_group,
-                           recompute=comp.recompute, grid=grid)
+                           recompute=comp.recompute, grid=grid, decoupled=comp.decoupled)

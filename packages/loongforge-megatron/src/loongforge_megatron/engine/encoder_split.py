@@ -147,11 +147,15 @@ def split_batch(module: torch.nn.Module, groups: Any) -> None:
     """Encoder hetero-DP for a tower that takes a batch of same-sized images ``[b, ...]`` and returns ``[b, ...]``
     (equal cost per image): forward hooks give it this copy's images and gather every copy's outputs. The module
     keeps its parameter names (no wrapper), so name maps and checkpoints are unchanged."""
+    from loongforge_megatron.engine.decoupled_encoder import REPLAY_ATTR
+
     setattr(module, ENCODER_ATTR, groups)
     module.encoder_timer = EncoderTimer()
     state: dict[str, Any] = {}
 
     def before(mod, args):
+        if getattr(mod, REPLAY_ATTR, False):  # NOTE: the decoupled encoder's output, split and gathered already
+            return None
         images, *rest = args
         shares = share_images([1.0] * images.shape[0], groups.hdp)
         mine = shares[groups.hdp_rank]
@@ -162,6 +166,8 @@ def split_batch(module: torch.nn.Module, groups: Any) -> None:
         return (images[mine], *rest)
 
     def after(mod, args, output):
+        if getattr(mod, REPLAY_ATTR, False):
+            return None
         timer = mod.encoder_timer
         timer.images += state["images"]
         if "start" in state:

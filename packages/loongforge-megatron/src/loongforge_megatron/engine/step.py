@@ -149,6 +149,17 @@ def _finalize_with_encoders(*args: Any, model_chunks: list[torch.nn.Module], **k
     return finalize_model_grads(*args, **kwargs)
 
 
+def _after_encoders(encoders: Any, then: Callable[[], None] | None) -> Callable[[], None]:
+    """The decoupled towers' backward (``engine/decoupled_encoder.py``), then ``then``: both before the gradients'
+    reduction."""
+    def before_grad_reduce() -> None:
+        encoders.backward()
+        if then is not None:
+            then()
+
+    return before_grad_reduce
+
+
 def _configure_p2p(config: Any) -> None:
     """Pipeline send/recv settings the default process group's backend can honour.
 
@@ -295,20 +306,34 @@ def train_step(
     from loongforge_megatron.engine.optimizer import folds_clip, step_with_folded_clip
 
     config = get_model_config(model_chunks[0])
-    _configure(config, model_chunks, optimizer, before_grad_reduce=before_grad_reduce)
+    encoders = None
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        from loongforge_megatron.engine.decoupled_encoder import DecoupledEncoders
+
+        encoders = DecoupledEncoders(model_chunks) or None
+    _configure(config, model_chunks, optimizer,
+               before_grad_reduce=_after_encoders(encoders, before_grad_reduce) if encoders else before_grad_reduce)
     for m in model_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
     lr = float(optimizer.param_groups[0]["lr"])
-    losses = run_schedule(
-        model_chunks=model_chunks,
-        data_iterator=data_iterator,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-        forward_step_fn=forward_step_fn,
-    )
+    if encoders is not None:  # NOTE: every micro-batch's images encoded before the pipeline schedule starts
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        encoders.encode(batches)
+        data_iterator = iter(batches)
+    try:
+        losses = run_schedule(
+            model_chunks=model_chunks,
+            data_iterator=data_iterator,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+            forward_step_fn=forward_step_fn,
+        )
+    finally:
+        if encoders is not None:
+            encoders.close()
     loss = reduce_loss(losses, key=loss_key)
     # NOTE: a non-finite loss or gradient never reaches the weights (loongforge.failures decides what the run does
     # then: stop or skip); fp16's scaler skips by itself

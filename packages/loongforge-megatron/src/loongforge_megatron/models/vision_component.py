@@ -3,7 +3,9 @@
 The tower lives on the language model's first pipeline stage with the language model's context and data
 parallelism; what it takes for itself is its tensor parallelism (a divisor of the language model's: the copies in one
 language TP group then encode different images, ``engine/encoder_split.py``), its recompute and its freeze
-(``train.freeze``). Every other per-component size is refused with the keys and the values, before any process group.
+(``train.freeze``), and under pipeline parallelism whether it runs outside the schedule (``decoupled``,
+``engine/decoupled_encoder.py``). Every other per-component size is refused with the keys and the values, before any
+process group.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def check_vision_component(plan: Any, *, heads: int, ffn: int, sizes: tuple[tupl
         if comp.sp and not plan.sp:
             raise RecipeError(f"{key}.{name}.sp = true but parallel.sp = false: the {name} tower runs without "
                               f"sequence parallelism (got sp = true)", key=f"{key}.{name}.sp")
+        if comp.decoupled and plan.pp == 1:
+            raise RecipeError(f"{key}.{name}.decoupled = true needs pipeline parallelism (parallel.pp > 1, got "
+                              f"parallel.pp = 1): the {name} tower runs outside the pipeline schedule",
+                              key=f"{key}.{name}.decoupled")
         if plan.tp % comp.tp:
             raise RecipeError(f"{key}.{name}.tp = {comp.tp} must divide parallel.tp = {plan.tp} ({plan.tp} % "
                               f"{comp.tp} = {plan.tp % comp.tp}): the {name} tower's copies share one language TP "

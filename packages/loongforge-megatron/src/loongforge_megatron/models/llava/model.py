@@ -10,6 +10,7 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -194,6 +195,10 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
             from loongforge_megatron.engine.encoder_split import split_batch
 
             split_batch(model.vision_model, vision_groups)
+    if first and vision_groups is not None and vision_groups.decoupled:
+        # NOTE: the CLIP tower runs before the pipeline schedule (engine/decoupled_encoder.py)
+        model.decoupled, model.encoder_cache = True, None
+        model.encode_ahead = functools.partial(_encode_ahead, model)
     from megatron.core.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # NOTE: megatron's schedules read it; LLaVAModel sets none
@@ -229,17 +234,32 @@ def _own_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, proj
                                                   tp_group=groups.tp)
 
 
+def _encode_ahead(model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
+    """The CLIP tower's output for one micro-batch's images (None without any), for the decoupled encoder; the
+    projector runs in the schedule, inside LLaVAModel's forward."""
+    param = next(model.parameters())  # NOTE: the dtype forward_step gives the images
+    images = batch["images"].to(param.device, param.dtype)
+    return model.vision_model(images) if images.shape[0] else None
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
     """megatron's ``forward_step_func`` for LLaVAModel: images + text with one image token per image; the model
-    expands the image tokens and returns per-token losses with the matching loss mask."""
+    expands the image tokens and returns per-token losses with the matching loss mask. With the decoupled encoder
+    (pipeline parallelism) the CLIP tower returns the output made for this micro-batch before the schedule."""
+    from loongforge_megatron.engine.decoupled_encoder import replaying
+    from loongforge_megatron.engine.model import unwrap
+
     device = next(model.parameters()).device
     batch = _to_device(next(data_iterator), device)
     images = batch["images"].to(next(model.parameters()).dtype)
-    losses, loss_mask = model(
-        images=images, input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
-        labels=batch["labels"], loss_mask=batch["loss_mask"],
-        sound_clips=torch.empty(0, device=device),  # NOTE: "no sound"; None would ask torch.cuda for a device
-    )
+    inner = unwrap(model)
+    cache = getattr(inner, "encoder_cache", None)
+    with replaying(inner.vision_model, cache.take()) if cache is not None else contextlib.nullcontext():
+        losses, loss_mask = model(
+            images=images, input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+            labels=batch["labels"], loss_mask=batch["loss_mask"],
+            sound_clips=torch.empty(0, device=device),  # NOTE: "no sound"; None would ask torch.cuda for a device
+        )
     return losses, functools.partial(loss_func, loss_mask)
 
 

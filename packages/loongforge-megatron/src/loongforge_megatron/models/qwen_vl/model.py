@@ -23,6 +23,7 @@ from loongforge_megatron.engine.step import loss_func, model_inputs
 from loongforge_megatron.models.qwen_vl.data import HOST_KEYS, image_embeddings, vision_rows
 
 VISION_PREFIXES = ("vision.",)  # the "vision" component (tower + merger)
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # a batch's tower inputs
 
 
 def _gpt_model_class():
@@ -65,6 +66,10 @@ def _gpt_model_class():
                     if vision_groups.hdp > 1:
                         setattr(self.vision, ENCODER_ATTR, vision_groups)
             self._deepstack: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+            # NOTE: under pipeline parallelism the tower's outputs are made before the schedule
+            # (engine/decoupled_encoder.py): the forward reads them here, one micro-batch at a time
+            self.encoder_cache, self._ahead = None, None
+            self.decoupled = self.vision is not None and bool(getattr(vision_groups, "decoupled", False))
             if self.vision is not None and deepstack:
                 n = len(vision_config.get("deepstack_visual_indexes", []))
                 if n > len(self.decoder.layers):
@@ -102,6 +107,7 @@ def _gpt_model_class():
             where this rank holds only some of the tokens."""
             decoder_input, self._deepstack = None, None
             if self.pre_process:
+                self._ahead = self.encoder_cache.take() if self.encoder_cache is not None else None
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 pixels, grids, image_rows = vision_batch(pixel_values, image_grid_thw, pixel_values_videos,
                                                          video_grid_thw, merge=self.merge)
@@ -145,11 +151,24 @@ def _gpt_model_class():
             flat = emb.flatten(0, 1).index_copy(0, where, feats.index_select(0, rows).to(emb.dtype))
             return flat.view(emb.shape)
 
+        def encode_ahead(self, batch: dict[str, Any]) -> Any:
+            """The tower's output for one micro-batch's images and videos (None without any), for the decoupled
+            encoder."""
+            device = next(self.vision.parameters()).device
+            pixels, grids, _ = vision_batch(*(batch.get(k) for k in VISION_KEYS), merge=self.merge)
+            if pixels is None:
+                return None
+            return self._encode(pixels.to(device), grids)
+
         def _encode(self, pixel_values, grid_thw):
-            """The tower's output for every image: run here whole, or (encoder hetero-DP) this copy's share of the
-            images, shared by patch count, then every copy's embeddings gathered in image order."""
+            """The tower's output for every image: made ahead (the decoupled encoder), run here whole, or (encoder
+            hetero-DP) this copy's share of the images, shared by patch count, then every copy's embeddings gathered
+            in image order."""
             from loongforge_megatron.engine.encoder_split import gather_rows, share_images, timed
 
+            if self._ahead is not None:
+                ahead, self._ahead = self._ahead, None
+                return ahead
             groups, timer, grid = self.vision_groups, self.vision.encoder_timer, grid_thw.cpu()
             if groups is None or groups.hdp == 1:
                 return timed(self.vision, timer, grid.shape[0], pixel_values, grid_thw)
@@ -241,7 +260,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     from loongforge_megatron.engine.model import unwrap
 
     batch, inner = next(data_iterator), unwrap(model)
-    vision = {k: batch.get(k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    vision = {k: batch.get(k) for k in VISION_KEYS}
     if inner.pre_process and batch.get("vision_index") is None and any(
             v is not None and v.numel() for v in vision.values()):
         # NOTE: from the whole sequence, before a context-parallel rank keeps its part of it (the data pipeline
