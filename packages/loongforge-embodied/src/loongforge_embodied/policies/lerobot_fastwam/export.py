@@ -53,7 +53,7 @@ def serving_note(arch: LeRobotFastWAMArch) -> str:
 def load_model(path: str | Path):
     """Our ``LeRobotFastWAMModel`` of an exported directory, strictly; the statistics from ``loongforge.json``."""
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
@@ -64,7 +64,7 @@ def load_model(path: str | Path):
     sidecar = path / SIDECAR
     if not sidecar.is_file():
         raise CheckpointError(f"{path}: no {SIDECAR} (the arch and statistics our FastWAM export writes)")
-    meta = read_json_object(sidecar)
+    meta = read_json_object(sidecar, error=CheckpointError)
     try:
         arch = LeRobotFastWAMArch(**meta["arch"])
     except (KeyError, TypeError, ValueError) as exc:

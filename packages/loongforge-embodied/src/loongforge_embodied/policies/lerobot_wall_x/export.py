@@ -73,14 +73,14 @@ def serving_note(arch: LeRobotWallXArch) -> str:
 
 def arch_from_dir(path: str | Path) -> LeRobotWallXArch:
     """Our arch of an exported dir (its ``loongforge.json``), reading the network from the export's ``base/``."""
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.errors import CheckpointError
 
     path = Path(path)
     sidecar = path / SIDECAR
     if not sidecar.is_file():
         raise CheckpointError(f"{path}: no {SIDECAR} (not a lerobot_wall_x export)")
-    arch = read_json_object(sidecar).get("arch")
+    arch = read_json_object(sidecar, error=CheckpointError).get("arch")
     try:
         if not isinstance(arch, dict):
             raise TypeError(f"a JSON object of sizes is expected, got {type(arch).__name__}")
@@ -93,7 +93,7 @@ def arch_from_dir(path: str | Path) -> LeRobotWallXArch:
 def load_model(path: str | Path):
     """Our ``LeRobotWallXModel`` of an exported directory (statistics from ``loongforge.json``), strictly."""
     from loongforge.checkpoint import check_shapes
-    from loongforge.checkpoint.json_file import read_json_object
+    from loongforge.bounded_json import read_json_object
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError, RecipeError
     from safetensors.torch import load_file
@@ -115,5 +115,6 @@ def load_model(path: str | Path):
     left = [k for k in missing if not k.startswith(STATS_PREFIX) and k != PREFIX + HEAD]
     if left or unexpected:  # NOTE: the header matched: only a tied head and the statistics come from elsewhere
         raise CheckpointError(f"{weights}: missing {left[:3]}, unexpected {unexpected[:3]}")
-    model.set_stats({k: torch.tensor(v) for k, v in read_json_object(path / SIDECAR).get("stats", {}).items()})
+    stats = read_json_object(path / SIDECAR, error=CheckpointError).get("stats", {})
+    model.set_stats({k: torch.tensor(v) for k, v in stats.items()})
     return model
