@@ -52,8 +52,8 @@ def serving_note(arch: LeRobotFastWAMArch) -> str:
 
 def load_model(path: str | Path):
     """Our ``LeRobotFastWAMModel`` of an exported directory, strictly; the statistics from ``loongforge.json``."""
-    from loongforge.checkpoint import check_shapes
     from loongforge.bounded_json import read_json_object
+    from loongforge.checkpoint import check_shapes
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file

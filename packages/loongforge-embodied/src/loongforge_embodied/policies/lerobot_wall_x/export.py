@@ -92,8 +92,8 @@ def arch_from_dir(path: str | Path) -> LeRobotWallXArch:
 
 def load_model(path: str | Path):
     """Our ``LeRobotWallXModel`` of an exported directory (statistics from ``loongforge.json``), strictly."""
-    from loongforge.checkpoint import check_shapes
     from loongforge.bounded_json import read_json_object
+    from loongforge.checkpoint import check_shapes
     from loongforge.checkpoint.safetensors_io import read_header
     from loongforge.errors import CheckpointError, RecipeError
     from safetensors.torch import load_file
