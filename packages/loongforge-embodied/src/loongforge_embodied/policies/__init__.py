@@ -20,8 +20,9 @@ another's modules, and validating a recipe imports no torch):
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
 dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``flow_noise`` (noise for padded action
-dims), ``lerobot_glue`` (the bodies of ``configuration_<name>``/``modeling_<name>``) and ``lerobot_export`` (the
-atomic LeRobot policy directory).
+dims), ``lerobot_glue`` (the bodies of ``configuration_<name>``/``modeling_<name>``), ``lerobot_normalize``
+(LeRobot's mean / std normaliser step from the dataset statistics) and ``lerobot_export`` (the atomic LeRobot policy
+directory).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from loongforge_embodied.policies import lerobot_normalize as normalize
 from loongforge_embodied.policies.lerobot_fastwam.configuration_lerobot_fastwam import LeRobotFastWAMArch
 
 _steps: dict[int, tuple] = {}
@@ -52,26 +53,8 @@ def check_arch(arch: LeRobotFastWAMArch) -> None:
 
 
 def check_stats(arch: LeRobotFastWAMArch, stats: dict) -> None:
-    """Run once at job setup: mean / std normalisation has the statistics it needs."""
-    from loongforge.errors import RecipeError
-
-    try:
-        _lerobot_stats(arch, stats)
-    except ValueError as exc:
-        raise RecipeError(str(exc), key="data") from None
-
-
-def _lerobot_stats(arch: LeRobotFastWAMArch, stats: dict) -> dict[str, dict[str, torch.Tensor]]:
-    if arch.normalization == "identity":
-        return {}
-    out = {}
-    for ours, theirs in (("state", "observation.state"), ("action", "action")):
-        missing = [f"{ours}_{k}" for k in ("mean", "std") if f"{ours}_{k}" not in stats]
-        if missing:
-            raise ValueError(f"lerobot_fastwam normalisation '{arch.normalization}' needs {missing} from the dataset "
-                             "statistics")
-        out[theirs] = {k: torch.as_tensor(stats[f"{ours}_{k}"], dtype=torch.float32) for k in ("mean", "std")}
-    return out
+    """Run once at job setup: the dataset statistics hold the mean / std the normaliser needs."""
+    normalize.check_stats("lerobot_fastwam", stats, normalization=arch.normalization)
 
 
 def _normalizer(arch: LeRobotFastWAMArch, stats: dict[str, torch.Tensor]):
@@ -79,14 +62,10 @@ def _normalizer(arch: LeRobotFastWAMArch, stats: dict[str, torch.Tensor]):
     hit = _steps.get(id(stats))
     if hit is not None and hit[0] is stats and hit[1] == arch:
         return hit[2]
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
-    from lerobot.processor import NormalizerProcessorStep
 
-    features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,)),
-                "action": PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))}
-    mode = NormalizationMode.MEAN_STD if arch.normalization == "mean_std" else NormalizationMode.IDENTITY
-    step = NormalizerProcessorStep(features=features, norm_map={FeatureType.STATE: mode, FeatureType.ACTION: mode},
-                                   stats=_lerobot_stats(arch, stats))
+    step = normalize.normalizer_step("lerobot_fastwam", stats,
+                                     state_dim=arch.state_dim, action_dim=arch.action_dim,
+                                     normalization=arch.normalization)
     _steps[id(stats)] = (stats, arch, step)
     return step
 

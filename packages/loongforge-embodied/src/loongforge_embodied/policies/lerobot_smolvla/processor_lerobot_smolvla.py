@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from loongforge_embodied.policies import lerobot_normalize as normalize
 from loongforge_embodied.policies.flow_noise import pad_noise
 from loongforge_embodied.policies.lerobot_smolvla.configuration_lerobot_smolvla import (
     LeRobotSmolVLAArch,
@@ -59,22 +60,7 @@ def check_arch(arch: LeRobotSmolVLAArch) -> None:
 
 def check_stats(arch: LeRobotSmolVLAArch, stats: dict) -> None:
     """Run once at job setup: the dataset statistics hold the mean / std the normaliser needs."""
-    from loongforge.errors import RecipeError
-
-    try:
-        _lerobot_stats(stats)
-    except ValueError as exc:
-        raise RecipeError(str(exc), key="data") from None
-
-
-def _lerobot_stats(stats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for ours, theirs in (("state", "observation.state"), ("action", "action")):
-        missing = [f"{ours}_{k}" for k in ("mean", "std") if f"{ours}_{k}" not in stats]
-        if missing:
-            raise ValueError(f"lerobot_smolvla normalisation needs {missing} from the dataset statistics")
-        out[theirs] = {k: torch.as_tensor(stats[f"{ours}_{k}"], dtype=torch.float32) for k in ("mean", "std")}
-    return out
+    normalize.check_stats("lerobot_smolvla", stats)
 
 
 def _processor_steps(arch: LeRobotSmolVLAArch, stats: dict[str, torch.Tensor]):
@@ -82,14 +68,10 @@ def _processor_steps(arch: LeRobotSmolVLAArch, stats: dict[str, torch.Tensor]):
     hit = _steps.get(id(stats))
     if hit is not None and hit[0] is stats and hit[1] == arch:
         return hit[2]
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
-    from lerobot.processor import NewLineTaskProcessorStep, NormalizerProcessorStep, TokenizerProcessorStep
+    from lerobot.processor import NewLineTaskProcessorStep, TokenizerProcessorStep
 
-    features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,)),
-                "action": PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))}
-    mode = NormalizationMode.MEAN_STD
-    steps = (NormalizerProcessorStep(features=features, norm_map={FeatureType.STATE: mode, FeatureType.ACTION: mode},
-                                     stats=_lerobot_stats(stats)),
+    steps = (normalize.normalizer_step("lerobot_smolvla", stats,
+                                       state_dim=arch.state_dim, action_dim=arch.action_dim),
              NewLineTaskProcessorStep(),
              TokenizerProcessorStep(tokenizer=load_tokenizer(arch.vlm), padding=arch.pad_language_to,
                                     padding_side="right", max_length=arch.tokenizer_max_length))

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from loongforge_embodied.policies import lerobot_normalize as normalize
 from loongforge_embodied.policies.flow_noise import pad_noise
 from loongforge_embodied.policies.lerobot_wall_x.configuration_lerobot_wall_x import LeRobotWallXArch
 
@@ -34,22 +35,7 @@ def check_arch(arch: LeRobotWallXArch) -> None:
 
 def check_stats(arch: LeRobotWallXArch, stats: dict) -> None:
     """Run once at job setup: the dataset statistics hold the mean / std the normaliser needs."""
-    from loongforge.errors import RecipeError
-
-    try:
-        _lerobot_stats(stats)
-    except ValueError as exc:
-        raise RecipeError(str(exc), key="data") from None
-
-
-def _lerobot_stats(stats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for ours, theirs in (("state", "observation.state"), ("action", "action")):
-        missing = [f"{ours}_{k}" for k in ("mean", "std") if f"{ours}_{k}" not in stats]
-        if missing:
-            raise ValueError(f"lerobot_wall_x normalisation needs {missing} from the dataset statistics")
-        out[theirs] = {k: torch.as_tensor(stats[f"{ours}_{k}"], dtype=torch.float32) for k in ("mean", "std")}
-    return out
+    normalize.check_stats("lerobot_wall_x", stats)
 
 
 class _Preprocessor:
@@ -78,15 +64,10 @@ def _processor_steps(arch: LeRobotWallXArch, stats: dict[str, torch.Tensor]):
     hit = _steps.get(id(stats))
     if hit is not None and hit[0] is stats and hit[1] == arch:
         return hit[2]
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.wall_x.processor_wall_x import WallXTaskProcessor
-    from lerobot.processor import NormalizerProcessorStep
 
-    features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,)),
-                "action": PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))}
-    mode = NormalizationMode.MEAN_STD
-    steps = (NormalizerProcessorStep(features=features, norm_map={FeatureType.STATE: mode, FeatureType.ACTION: mode},
-                                     stats=_lerobot_stats(stats)),
+    steps = (normalize.normalizer_step("lerobot_wall_x", stats,
+                                       state_dim=arch.state_dim, action_dim=arch.action_dim),
              WallXTaskProcessor(), _Preprocessor(arch))
     _steps[id(stats)] = (stats, arch, steps)
     return steps

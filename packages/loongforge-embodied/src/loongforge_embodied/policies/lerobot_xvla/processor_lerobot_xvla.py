@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from loongforge_embodied.policies import lerobot_normalize as normalize
 from loongforge_embodied.policies.flow_noise import pad_noise
 from loongforge_embodied.policies.lerobot_xvla.configuration_lerobot_xvla import (
     PUBLISHED_TOKENIZER,
@@ -62,26 +63,8 @@ def check_arch(arch: LeRobotXVLAArch) -> None:
 
 
 def check_stats(arch: LeRobotXVLAArch, stats: dict) -> None:
-    """Run once at job setup: mean / std normalisation has the statistics it needs."""
-    from loongforge.errors import RecipeError
-
-    try:
-        _lerobot_stats(arch, stats)
-    except ValueError as exc:
-        raise RecipeError(str(exc), key="data") from None
-
-
-def _lerobot_stats(arch: LeRobotXVLAArch, stats: dict) -> dict[str, dict[str, torch.Tensor]]:
-    if arch.normalization == "identity":
-        return {}
-    out = {}
-    for ours, theirs in (("state", "observation.state"), ("action", "action")):
-        missing = [f"{ours}_{k}" for k in ("mean", "std") if f"{ours}_{k}" not in stats]
-        if missing:
-            raise ValueError(f"lerobot_xvla normalisation '{arch.normalization}' needs {missing} from the dataset "
-                             "statistics")
-        out[theirs] = {k: torch.as_tensor(stats[f"{ours}_{k}"], dtype=torch.float32) for k in ("mean", "std")}
-    return out
+    """Run once at job setup: the dataset statistics hold the mean / std the normaliser needs."""
+    normalize.check_stats("lerobot_xvla", stats, normalization=arch.normalization)
 
 
 def _processor_steps(arch: LeRobotXVLAArch, stats: dict[str, torch.Tensor]):
@@ -89,15 +72,12 @@ def _processor_steps(arch: LeRobotXVLAArch, stats: dict[str, torch.Tensor]):
     hit = _steps.get(id(stats))
     if hit is not None and hit[0] is stats and hit[1] == arch:
         return hit[2]
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.xvla.processor_xvla import XVLAImageNetNormalizeProcessorStep
-    from lerobot.processor import NormalizerProcessorStep, TokenizerProcessorStep
+    from lerobot.processor import TokenizerProcessorStep
 
-    features = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(arch.state_dim,)),
-                "action": PolicyFeature(type=FeatureType.ACTION, shape=(arch.action_dim,))}
-    mode = NormalizationMode.MEAN_STD if arch.normalization == "mean_std" else NormalizationMode.IDENTITY
-    steps = (NormalizerProcessorStep(features=features, norm_map={FeatureType.STATE: mode, FeatureType.ACTION: mode},
-                                     stats=_lerobot_stats(arch, stats)),
+    steps = (normalize.normalizer_step("lerobot_xvla", stats,
+                                       state_dim=arch.state_dim, action_dim=arch.action_dim,
+                                       normalization=arch.normalization),
              TokenizerProcessorStep(tokenizer=load_tokenizer(arch.tokenizer), padding=arch.pad_language_to,
                                     padding_side="right", max_length=arch.tokenizer_max_length),
              XVLAImageNetNormalizeProcessorStep())
