@@ -56,3 +56,13 @@ def run_strategies(*, rank: int, world: int, recipe_name: str, steps: int, strat
         return {"losses": results, "layouts": layouts}
     finally:
         dist.destroy_process_group()
+
+
+def one_and_two_ranks(ranks, out: Path, *, env: dict, extra, recipe_name: str, strategies: list[str],
+                      steps: int = 3, timeout_s: int = 600) -> tuple[list[float], dict]:
+    """The one-process ddp losses of ``recipe_name`` and the result of one 2-rank launch of ``strategies``
+    (``run_strategies``'s), for a policy's test that they agree."""
+    common = dict(env=env, timeout_s=timeout_s, extra=extra, recipe_name=recipe_name, steps=steps)
+    single = ranks(run_strategies, world=1, out=out / "one", strategies=["ddp"], **common)[0]["losses"]["ddp"]
+    two = ranks(run_strategies, world=2, out=out / "two", strategies=strategies, **common)[0]
+    return single, two

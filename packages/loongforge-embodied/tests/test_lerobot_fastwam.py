@@ -306,12 +306,10 @@ def test_recipe_trains_on_a_lerobot_dataset_exports_for_lerobot_and_serves(dirs,
 def test_ddp_zero1_and_fsdp2_match_single_process(dirs, tmp_path, env, ranks):
     """2 gloo ranks, ddp / zero1 / fsdp2 (units: the MoT layers), in one launch, reproduce the one-process losses
     over 3 steps."""
-    from .strategy_losses import run_strategies
+    from .strategy_losses import one_and_two_ranks
 
-    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600, extra=_extra(dirs),
-                   recipe_name=RECIPE.name, steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
-    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600, extra=_extra(dirs),
-                recipe_name=RECIPE.name, steps=3, strategies=["ddp", "zero1", "fsdp2"])[0]
+    single, two = one_and_two_ranks(ranks, tmp_path, env=env, extra=_extra(dirs), recipe_name=RECIPE.name,
+                                    strategies=["ddp", "zero1", "fsdp2"])
     for strategy, losses in two["losses"].items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)
     assert two["layouts"]["fsdp2"]["placements"] == ["S(0)"] and two["layouts"]["ddp"] == {}

@@ -281,13 +281,11 @@ def test_eval_pusht_records_the_envs_episodes_and_a_missing_extra_is_one_line(ti
 def test_ddp_and_fsdp2_match_single_process(vlm, tmp_path, env, ranks):
     """2 gloo ranks, ddp and fsdp2 (units: vision blocks, text layers, DiT blocks), in one launch, reproduce the
     one-process losses over 3 steps."""
-    from .strategy_losses import run_strategies
+    from .strategy_losses import one_and_two_ranks
 
     extra = (f"model.arch.vlm={vlm}",)
     recipe = "lerobot_groot_tiny.yaml"
-    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600, extra=extra,
-                   recipe_name=recipe, steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
-    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600, extra=extra,
-                recipe_name=recipe, steps=3, strategies=["ddp", "fsdp2"])[0]
+    single, two = one_and_two_ranks(ranks, tmp_path, env=env, extra=extra, recipe_name=recipe,
+                                    strategies=["ddp", "fsdp2"])
     for strategy, losses in two["losses"].items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)

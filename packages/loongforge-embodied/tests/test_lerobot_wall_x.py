@@ -295,12 +295,10 @@ def test_camera_keys_come_from_the_dataset_and_name_the_cameras_in_the_prompt(ba
 def test_ddp_zero1_and_fsdp2_match_single_process(base, tmp_path, env, ranks):
     """2 gloo ranks, ddp / zero1 / fsdp2 (units: vision blocks, decoder layers), in one launch, reproduce the
     one-process losses over 3 steps."""
-    from .strategy_losses import run_strategies
+    from .strategy_losses import one_and_two_ranks
 
     extra = (f"model.arch.base={base}",)
-    single = ranks(run_strategies, world=1, out=tmp_path / "one", env=env, timeout_s=600, extra=extra,
-                   recipe_name=RECIPE.name, steps=3, strategies=["ddp"])[0]["losses"]["ddp"]
-    two = ranks(run_strategies, world=2, out=tmp_path / "two", env=env, timeout_s=600, extra=extra,
-                recipe_name=RECIPE.name, steps=3, strategies=["ddp", "zero1", "fsdp2"])[0]
+    single, two = one_and_two_ranks(ranks, tmp_path, env=env, extra=extra, recipe_name=RECIPE.name,
+                                    strategies=["ddp", "zero1", "fsdp2"])
     for strategy, losses in two["losses"].items():
         assert losses == pytest.approx(single, rel=TOL), (strategy, losses, single)
