@@ -79,7 +79,7 @@ def test_indexer_loss_equals_plain_torch(sparse):
     allowed = selection_mask(idx, valid, s) if sparse else causal
     scale = 0.25
     leaf = scores.clone().requires_grad_()
-    ours = indexer_kl_loss(leaf, q, k, scale=scale, allowed=allowed, chunk=5)  # NOTE: 12 queries: uneven chunks
+    ours = indexer_kl_loss(leaf, q, k, scale=scale, allowed=allowed)
     total = torch.zeros(())
     for bi in range(b):
         for t in range(s):
@@ -92,6 +92,46 @@ def test_indexer_loss_equals_plain_torch(sparse):
     assert ours.item() == pytest.approx(total.item(), rel=1e-5)
     ours.backward()
     assert leaf.grad[~allowed].abs().max() == 0 and leaf.grad[allowed].abs().max() > 0
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_warmup", "sparse"])
+def test_blockwise_indexer_equals_the_whole_sequence_at_once(sparse):
+    """The indexer read a few queries at a time (each block checkpointed) selects the same keys, gives the same
+    loss and the same gradients on its weights as the whole sequence's scores at once."""
+    from loongforge_megatron.layers.sparse_attention import (
+        LightningIndexer,
+        index_and_learn,
+        indexer_kl_loss,
+        select_topk,
+        selection_mask,
+    )
+
+    torch.manual_seed(3)
+    s, b, hidden, rank, rope = 13, 2, 24, 16, 8
+    indexer = LightningIndexer(hidden_size=hidden, q_lora_rank=rank, heads=4, head_dim=16, rope_dim=rope,
+                               dtype=torch.float32)
+    x, qr = torch.randn(s, b, hidden), torch.randn(s, b, rank)
+    query, key = torch.randn(s, b, 3, 10), torch.randn(s, b, 3, 10)
+    angles = torch.arange(s)[:, None] * torch.linspace(0.1, 1.0, rope)[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    scale, topk = 0.3, 5
+
+    scores = indexer(x, qr, cos=cos, sin=sin)
+    idx_ref, valid_ref = select_topk(scores, topk)
+    allowed = (selection_mask(idx_ref, valid_ref, s) if sparse else
+               torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s))
+    ref = indexer_kl_loss(scores, query, key, scale=scale, allowed=allowed)
+    ref_grads = torch.autograd.grad(ref, list(indexer.parameters()))
+
+    idx, valid, loss = index_and_learn(indexer, x, qr, cos=cos, sin=sin, topk=topk, query=query, key=key,
+                                       scale=scale, sparse=sparse, block=4)  # NOTE: 13 queries: uneven blocks
+    assert torch.equal(idx, idx_ref) and torch.equal(valid, valid_ref)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for ours, theirs in zip(torch.autograd.grad(loss, list(indexer.parameters())), ref_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # selection alone (no loss): the same keys
+        idx_only, _, none = index_and_learn(indexer, x, qr, cos=cos, sin=sin, topk=topk, block=6)
+    assert none is None and torch.equal(idx_only, idx_ref)
 
 
 @pytest.mark.parametrize(("args", "key"), [

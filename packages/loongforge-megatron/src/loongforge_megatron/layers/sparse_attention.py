@@ -77,11 +77,11 @@ class LightningIndexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
         self.linear_weights_proj = torch.nn.Linear(hidden_size, heads, bias=False, dtype=dtype)
 
-    def forward(self, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, gather: Any = None,
-                future: Tensor | None = None) -> Tensor:
-        """Index scores ``[b, s, keys]`` (fp32, causal -inf) from ``x`` [s, b, hidden] and ``qr`` [s, b, q_lora_rank]
-        (``cos`` / ``sin``: these tokens' rotations). Under context parallelism ``gather`` turns this rank's keys
-        into the whole sequence's and ``future`` [s, keys] masks the keys after each query; else keys = queries."""
+    def project(self, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, gather: Any = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """The indexer's queries ``[s, b, H, D]``, keys ``[keys, b, D]`` and head weights ``[s, b, H]`` (fp32, with
+        ``H**-0.5`` folded in) from ``x`` [s, b, hidden] and ``qr`` [s, b, q_lora_rank] (``cos`` / ``sin``: these
+        tokens' rotations). Under context parallelism ``gather`` turns this rank's keys into the whole sequence's."""
         s, b, _ = x.shape
         q = self.linear_wq_b(qr).view(s, b, self.heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
@@ -89,12 +89,30 @@ class LightningIndexer(torch.nn.Module):
         k = _rope(k, cos, sin, self.rope_dim, interleaved=self.interleaved).squeeze(2)
         if gather is not None:
             k = gather(k)
-        w = self.linear_weights_proj(x).float() * self.heads**-0.5  # [s, b, H]
-        scores = torch.einsum("sbhd,tbd->bsht", q.float(), k.float()) * self.head_dim**-0.5
-        scores = torch.einsum("bsht,sbh->bst", F.relu(scores), w)
+        return q, k, self.linear_weights_proj(x).float() * self.heads**-0.5
+
+    def forward(self, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, gather: Any = None,
+                future: Tensor | None = None) -> Tensor:
+        """Index scores ``[b, s, keys]`` (fp32, causal -inf) of the whole sequence at once (``future`` [s, keys]
+        masks the keys after each query; None: keys = queries). Training reads them a query block at a time
+        (:func:`index_and_learn`): at long context the per-head scores do not fit."""
+        q, k, w = self.project(x, qr, cos=cos, sin=sin, gather=gather)
         if future is None:
-            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        return scores.masked_fill(future, float("-inf"))
+            future = _future(0, q.shape[0], k.shape[0], x.device)
+        return index_scores(q, k, w, future)
+
+
+def index_scores(q: Tensor, k: Tensor, w: Tensor, future: Tensor) -> Tensor:
+    """``score[b, t, j] = sum_h w[t, h] * relu(q[t, h] . k[j] * D**-0.5)``, -inf where ``future`` [t, j]:
+    ``q`` [t, b, H, D], ``k`` [keys, b, D], ``w`` [t, b, H] -> ``[b, t, keys]`` fp32."""
+    scores = torch.einsum("sbhd,tbd->bsht", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = torch.einsum("bsht,sbh->bst", F.relu(scores), w)
+    return scores.masked_fill(future, float("-inf"))
+
+
+def _future(start: int, end: int, n_keys: int, device) -> Tensor:
+    """``[end - start, n_keys]``: True at the keys after each of the queries ``start:end`` (keys = queries)."""
+    return torch.arange(n_keys, device=device)[None, :] > torch.arange(start, end, device=device)[:, None]
 
 
 def _rope(t: Tensor, cos: Tensor, sin: Tensor, dim: int, *, interleaved: bool = False) -> Tensor:
@@ -124,28 +142,73 @@ def selection_mask(idx: Tensor, valid: Tensor, n_keys: int) -> Tensor:
 
 
 def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float, allowed: Tensor,
-                    tp_group: Any = None, chunk: int = 1024) -> Tensor:
+                    tp_group: Any = None) -> Tensor:
     """Sum over queries of KL(p || softmax(scores)) where p is the attention distribution summed over all heads
-    (TP ranks' heads all-reduced) and L1-normalised; both restricted to ``allowed`` [b, s, s] keys.
+    (TP ranks' heads all-reduced) and L1-normalised; both restricted to ``allowed`` [b, s, keys] keys.
 
-    ``query`` [s, b, h, d], ``key`` [s, b, h, d] are detached: the loss trains the indexer only. The target is built
-    ``chunk`` queries at a time, so the per-head scores never exist for the whole sequence at once."""
+    ``scores`` [b, s, keys]; ``query`` [s, b, h, d], ``key`` [keys, b, h, d] are detached: the loss trains the
+    indexer only."""
     from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss as kl
 
-    s = query.shape[0]
-    target = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
     with torch.no_grad():
-        for start in range(0, s, chunk):
-            end = min(start + chunk, s)
-            attn = torch.einsum("sbhd,tbhd->bhst", query[start:end].float(), key.float()) * scale
-            attn = attn.masked_fill(~allowed[:, start:end].unsqueeze(1), float("-inf"))
-            target[:, start:end] = attn.softmax(-1).sum(1)
+        attn = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * scale
+        target = attn.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1).sum(1)
+        del attn
         if tp_group is not None and tp_group.size() > 1:
             torch.distributed.all_reduce(target, group=tp_group)
-        target = kl.normalize_indexer_target(target)
+        target = kl.normalize_indexer_target_(target)
     log_p = scores.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     log_p = log_p.masked_fill(~allowed, 0.0)
     return kl.indexer_kl_sum(target, log_p, allowed)
+
+
+# NOTE: elements (fp32) of one query block's per-head scores, [b, block, heads, keys]: 512 MiB
+BLOCK_ELEMENTS = 2**27
+
+
+def index_and_learn(indexer: LightningIndexer, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, topk: int,
+                    gather: Any = None, future: Tensor | None = None, query: Tensor | None = None,
+                    key: Tensor | None = None, scale: float = 1.0, sparse: bool = False, tp_group: Any = None,
+                    block: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Each query's ``topk`` keys (:func:`select_topk`: ``idx``, ``valid`` [b, s, k]) and, given the attention's
+    detached ``query`` / ``key``, the indexer loss (:func:`indexer_kl_loss`, over the selected keys when
+    ``sparse``, else over every causal key; None without them).
+
+    The scores are made ``block`` queries at a time (default: :data:`BLOCK_ELEMENTS` per-head scores), so neither
+    the per-head scores ``[b, s, H, keys]`` nor the scores ``[b, s, keys]`` exist for the whole sequence; with the
+    loss each block is checkpointed (its scores and target are remade in the backward), so only the indexer's
+    projections are kept for the backward. ``future`` [s, keys] as in :meth:`LightningIndexer.forward`."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, w = indexer.project(x, qr, cos=cos, sin=sin, gather=gather)
+    s, b, heads, _ = q.shape
+    n_keys = k.shape[0]
+    if block is None:
+        width = max(heads, query.shape[2] if query is not None else 0)
+        block = max(1, BLOCK_ELEMENTS // (b * width * n_keys))
+
+    def learn_block(qb: Tensor, wb: Tensor, kk: Tensor, fut: Tensor, queries: Tensor, keys: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        scores = index_scores(qb, kk, wb, fut)
+        idx, valid = select_topk(scores, topk)
+        allowed = selection_mask(idx, valid, n_keys) if sparse else ~fut.expand(b, -1, -1)
+        loss = indexer_kl_loss(scores, queries, keys, scale=scale, allowed=allowed, tp_group=tp_group)
+        return loss, idx, valid
+
+    idxs, valids, loss = [], [], None
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        fut = future[start:end] if future is not None else _future(start, end, n_keys, x.device)
+        if query is None:
+            with torch.no_grad():
+                idx, valid = select_topk(index_scores(q[start:end], k, w[start:end], fut), topk)
+        else:
+            part, idx, valid = checkpoint(learn_block, q[start:end], w[start:end], k, fut, query[start:end], key,
+                                          use_reentrant=False)
+            loss = part if loss is None else loss + part
+        idxs.append(idx)
+        valids.append(valid)
+    return torch.cat(idxs, dim=1), torch.cat(valids, dim=1), loss
 
 
 def restricted_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
@@ -260,6 +323,8 @@ class SparseMLAttention(torch.nn.Module):
             positions = cp_positions(s, cp.size(), cp.rank(), x.device)
             future = torch.arange(s * cp.size(), device=x.device)[None, :] > positions[:, None]
             key, value = gather(key), gather(value)
+        n_keys = s if cp is None else key.shape[0]
+        loss = None
         if self.indexer is None:
             if phase.selection is None:
                 raise ValueError("a DSA layer that shares the top-k of an earlier layer runs before any layer with an "
@@ -268,24 +333,22 @@ class SparseMLAttention(torch.nn.Module):
         else:
             cos, sin = self._cos_sin(s if cp is None else s * cp.size(), x.device)
             with torch.enable_grad() if learn else torch.no_grad():
-                scores = self.indexer(x, qr, cos=cos, sin=sin, gather=gather, future=future)
-            idx, valid = phase.selection = select_topk(scores, phase.topk)
-        n_keys = s if cp is None else key.shape[0]
-        causal = (torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if cp is None else
-                  ~future).expand(idx.shape[0], s, n_keys)
-        chosen = selection_mask(idx, valid, n_keys)
+                idx, valid, loss = index_and_learn(
+                    self.indexer, x, qr, cos=cos, sin=sin, topk=phase.topk, gather=gather, future=future,
+                    query=query.detach() if learn else None, key=key.detach() if learn else None,
+                    scale=self.softmax_scale, sparse=phase.sparse, tp_group=self.tp_group)
+            phase.selection = (idx, valid)
         if not phase.sparse:
-            out = restricted_attention(query, key, value, None if cp is None else causal, scale=self.softmax_scale)
+            causal = None if cp is None else (~future).expand(idx.shape[0], s, n_keys)
+            out = restricted_attention(query, key, value, causal, scale=self.softmax_scale)
         elif query.device.type == "cuda" and (op := self._kernel()) is not None:
             out = kernel_attention(op, query, key, value, idx, valid, scale=self.softmax_scale)
             phase.kernel_calls += 1
         else:
-            out = restricted_attention(query, key, value, chosen, scale=self.softmax_scale)
-        if learn:
-            allowed = chosen if phase.sparse else causal
-            loss = indexer_kl_loss(scores, query.detach(), key.detach(), scale=self.softmax_scale,
-                                   allowed=allowed, tp_group=self.tp_group) * phase.loss_weight
-            phase.losses.append((loss.detach(), scores.shape[0] * s))
+            out = restricted_attention(query, key, value, selection_mask(idx, valid, n_keys), scale=self.softmax_scale)
+        if loss is not None:
+            loss = loss * phase.loss_weight
+            phase.losses.append((loss.detach(), idx.shape[0] * s))
             out = DSAIndexerLossAutoScaler.apply(out, loss)
         return out
 
