@@ -162,8 +162,9 @@ def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float,
     return kl.indexer_kl_sum(target, log_p, allowed)
 
 
-# NOTE: elements (fp32) of one query block's per-head scores, [b, block, heads, keys]: 512 MiB
-BLOCK_ELEMENTS = 2**27
+# NOTE: elements (fp32) of one query block's per-head scores, [b, block, heads, keys]: 1 GiB (at 32k keys and 32 index
+# heads, 256 queries a block: the per-block launches stay few)
+BLOCK_ELEMENTS = 2**28
 
 
 def index_and_learn(indexer: LightningIndexer, x: Tensor, qr: Tensor, *, cos: Tensor, sin: Tensor, topk: int,
