@@ -2,7 +2,7 @@
 tiny diffusers-saved ``AutoencoderKLWan`` and a tiny transformers-saved UMT5 encoder; the cached latent videos
 decode to what the autoencoder's own encode -> decode of the same frames gives, the cached text is the encoder's
 hidden states of the caption (zeros after it), and the tiny recipe trains on the cache (clips of two sizes,
-packed).
+packed). An image-to-video model's cache holds the condition and image tokens diffusers' I2V pipeline makes.
 
 NOTE: the megatron job runs in a rank (``ranks``), never in pytest's own process."""
 
@@ -17,6 +17,9 @@ from loongforge.cli import main
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "diffusion" / "wan_tiny.yaml"
 CHANNELS, TEXT_DIM, TEXT_LENGTH = 16, 32, 12  # the wan-tiny preset's latent channels and text width
+IMAGE_DIM = 24  # the tiny CLIP vision tower's width (5 tokens: 2 x 2 patches + class)
+# NOTE: an image-to-video wan-tiny: noisy latent + first-frame mask (4) + first-frame latent, image tokens
+I2V = ["model.in_channels=36", f"model.image_dim={IMAGE_DIM}", "model.added_kv_proj_dim=64", "data.image_tokens=5"]
 CLIPS = {"a_walk": ((5, 32, 32), "a dog walks on the beach"), "b_still": ((1, 16, 32), "a red car")}
 
 
@@ -46,8 +49,14 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     tok = train_bpe([c for _, c in CLIPS.values()] * 4, vocab_size=300, out_dir=text)
     UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
                                 relative_attention_num_buckets=8)).save_pretrained(text)
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    image = root / "image_encoder"
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=32, patch_size=16)).save_pretrained(image)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(image)
     return {"frames": root / "frames", "autoencoder": root / "autoencoder", "text_encoder": text,
-            "cache": root / "cache"}
+            "image_encoder": image, "cache": root / "cache"}
 
 
 def keys(sources: dict[str, Path]) -> list[str]:
@@ -102,11 +111,61 @@ def test_prepared_cache_decodes_like_the_autoencoder_and_trains(tmp_path, ranks,
     assert all(torch.isfinite(torch.tensor(losses))) and losses[0] != losses[1]
 
 
+def test_image_to_video_cache_holds_the_pipelines_condition_and_image_tokens_and_trains(tmp_path, ranks, sources,
+                                                                                        capsys):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from loongforge_megatron.models.wan.cache import read_clip
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+    cache = tmp_path / "i2v_cache"
+    over = [k for k in keys(sources) if not k.startswith("data.path=")]
+    over += [f"data.path={cache}", f"data.image_encoder={sources['image_encoder']}", *I2V]
+    assert main(["data", "prepare", str(RECIPE), *over]) == 0
+    capsys.readouterr()
+    pipe = WanImageToVideoPipeline(
+        tokenizer=AutoTokenizer.from_pretrained(sources["text_encoder"]),
+        text_encoder=UMT5EncoderModel.from_pretrained(sources["text_encoder"]),
+        vae=AutoencoderKLWan.from_pretrained(sources["autoencoder"]).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        image_processor=CLIPImageProcessor.from_pretrained(sources["image_encoder"]),
+        image_encoder=CLIPVisionModel.from_pretrained(sources["image_encoder"]).eval())
+    for name, ((frames, h, w), _) in CLIPS.items():
+        stored = load_file(cache / "clips" / f"{name}.safetensors")
+        video, _ = read_clip(sources["frames"] / name, temporal=4, multiple=16)
+        with torch.no_grad():
+            _, condition = pipe.prepare_latents(video[:, 0][None], 1, CHANNELS, h, w, frames, dtype=torch.float32,
+                                                device=torch.device("cpu"))
+            first = Image.open(sources["frames"] / name / "000.png").convert("RGB")
+            image = pipe.encode_image(first, device=torch.device("cpu"))
+        torch.testing.assert_close(stored["condition"], condition[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stored["image"], image[0], rtol=1e-5, atol=1e-5)
+    losses, grids = ranks(_train_on_cache, world=1, out=tmp_path / "one", tmp_path=tmp_path, overrides=over)[0]
+    assert sorted(map(tuple, grids)) == [(1, 1, 2), (2, 2, 2)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[0] != losses[1]
+    # the text-to-video model refuses the image-to-video cache, naming data.path
+    err = ranks(_refusal, world=1, out=tmp_path / "t2v", tmp_path=tmp_path,
+                overrides=[*keys(sources)[:1], f"data.path={cache}"])[0]
+    assert "data.path" in err and "prepare --force" in err and "\n" not in err, err
+
+
+def _refusal(*, rank, world, tmp_path, overrides):
+    from loongforge.errors import RecipeError
+
+    try:
+        _train_on_cache(rank=rank, world=world, tmp_path=tmp_path, overrides=overrides)
+    except RecipeError as exc:
+        return f"{exc.key}: {exc}"
+    return "no error"
+
+
 @pytest.mark.parametrize(("override", "key", "fragment"), [
     ("data.frames=null", "data.frames", "needs data.frames"),
     ("data.autoencoder={frames}", "data.autoencoder", "AutoencoderKLWan"),
     ("data.text_encoder={autoencoder}", "data.text_encoder", "UMT5"),
     ("model.preset=wan-tiny", "data.frames", None),
+    ("data.image_encoder={text_encoder}", "data.image_encoder", "no image-encoder tokens"),
 ])
 def test_bad_prepare_settings_are_one_line(tmp_path, sources, capsys, override, key, fragment):
     over = [k for k in keys(sources) if not k.startswith(override.split("=")[0] + "=")]

@@ -11,6 +11,12 @@ the autoencoder's posterior mode, normalised by its per-channel mean / std as Wa
 (the text encoder's hidden states of the caption ``[data.text_length, dim]``, zero after the prompt's tokens, as
 Wan's pipelines pad them); ``index.json`` lists the clips; ``prepared.json`` last, as the completion marker.
 Bad input stops with one line naming the clip / file and what is allowed.
+
+An image-to-video model (more input than output channels) also gets each clip's ``condition``
+``[temporal + C, F, H, W]``: the first-frame mask and the latent of the first frame followed by black frames, as
+diffusers' ``WanImageToVideoPipeline.prepare_latents`` builds them; one with image tokens (``model.image_dim``,
+Wan2.1 I2V) also gets ``image`` ``[tokens, image_dim]``: the penultimate hidden states of ``data.image_encoder``
+(a CLIP vision tower) on the first frame, as the pipeline's ``encode_image``.
 """
 
 from __future__ import annotations
@@ -93,10 +99,10 @@ def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tens
 
 
 class Encoders:
-    """The autoencoder and the text encoder (with its tokenizer) of ``data.autoencoder`` / ``data.text_encoder``,
-    loaded once."""
+    """The autoencoder, the text encoder (with its tokenizer) and the image encoder (with its image processor) of
+    ``data.autoencoder`` / ``data.text_encoder`` / ``data.image_encoder``, loaded once."""
 
-    def __init__(self, *, autoencoder: str, text_encoder: str, text_length: int):
+    def __init__(self, *, autoencoder: str, text_encoder: str, text_length: int, image_encoder: str | None = None):
         import diffusers.utils.logging
         import transformers
         from diffusers import AutoencoderKLWan
@@ -124,6 +130,17 @@ class Encoders:
                                   what="a UMT5 / T5 encoder's weights")
         self.tokenizer = _load(transformers.AutoTokenizer.from_pretrained, text_encoder, key="data.text_encoder",
                                what="a folder with the text encoder's tokenizer")
+        self.image_encoder = self.image_processor = None
+        if image_encoder is not None:
+            config = _load(transformers.AutoConfig.from_pretrained, image_encoder, key="data.image_encoder",
+                           what="a transformers CLIPVisionModel folder")
+            if config.model_type not in ("clip_vision_model", "clip"):
+                raise RecipeError(f"{image_encoder}: a {config.model_type!r} model; the image encoder is a CLIP "
+                                  "vision model", key="data.image_encoder")
+            self.image_encoder = _load(transformers.CLIPVisionModel.from_pretrained, image_encoder,
+                                       key="data.image_encoder", what="a CLIP vision model's weights").eval()
+            self.image_processor = _load(transformers.CLIPImageProcessor.from_pretrained, image_encoder,
+                                         key="data.image_encoder", what="a folder with the CLIP image processor")
         self.autoencoder.eval()
         self.text_encoder.eval()
         self.text_length = text_length
@@ -133,6 +150,27 @@ class Encoders:
         """``[3, F, H, W]`` in [-1, 1] -> the normalised latent video ``[C, F', H', W']``."""
         z = self.autoencoder.encode(video[None]).latent_dist.mode()[0]
         return (z - self.mean) / self.std
+
+    @torch.no_grad()
+    def encode_condition(self, video: torch.Tensor) -> torch.Tensor:
+        """An image-to-video model's condition of ``video`` ``[3, F, H, W]``: the first-frame mask ``[temporal, F',
+        H', W']`` (one where the first frame is given) and the normalised latent of the first frame followed by
+        black frames ``[C, F', H', W']``, concatenated on the channels."""
+        first = torch.cat([video[:, :1], torch.zeros_like(video[:, 1:])], dim=1)
+        latent = self.encode_video(first)
+        _, frames, h, w = latent.shape
+        mask = torch.zeros(self.temporal, frames, h, w)
+        mask[:, 0] = 1.0  # NOTE: the first latent frame holds the first video frame, repeated temporal times
+        return torch.cat([mask, latent], dim=0)
+
+    @torch.no_grad()
+    def encode_image(self, video: torch.Tensor) -> torch.Tensor:
+        """``[tokens, dim]``: the image encoder's penultimate hidden states of ``video``'s first frame."""
+        from PIL import Image
+
+        pixels = ((video[:, 0] + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+        inputs = self.image_processor(images=Image.fromarray(pixels.numpy()), return_tensors="pt")
+        return self.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2][0]
 
     @torch.no_grad()
     def decode_video(self, x0: torch.Tensor) -> torch.Tensor:
@@ -178,7 +216,19 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
     if not clips:
         raise _bad(root, "holds no clip folders (one sub-folder of *.png frames and caption.txt per clip)")
     arch = recipe.model.arch()
-    enc = Encoders(autoencoder=data.autoencoder, text_encoder=data.text_encoder, text_length=data.text_length)
+    if data.image_encoder and arch.image_dim is None:
+        raise RecipeError("this model has no image-encoder tokens (model.image_dim); remove data.image_encoder",
+                          key="data.image_encoder")
+    if arch.image_dim is not None and not data.image_encoder:
+        raise RecipeError("data prepare for a model with image tokens (model.image_dim) needs data.image_encoder",
+                          key="data.image_encoder")
+    enc = Encoders(autoencoder=data.autoencoder, text_encoder=data.text_encoder, text_length=data.text_length,
+                   image_encoder=data.image_encoder if arch.image_dim is not None else None)
+    condition = arch.in_channels - arch.out_channels
+    if condition and condition != enc.temporal + arch.out_channels:
+        raise RecipeError(f"the model's {condition} condition channels (in_channels - out_channels) are not the "
+                          f"first-frame mask ({enc.temporal}) + the autoencoder's latent ({arch.out_channels})",
+                          key="data.autoencoder")
     multiple = enc.spatial * max(arch.patch_size[1:])
     (out / "clips").mkdir(parents=True, exist_ok=True)
     (out / DONE).unlink(missing_ok=True)
@@ -193,21 +243,29 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         if text.shape[-1] != arch.text_dim:
             raise RecipeError(f"{data.text_encoder}: {text.shape[-1]}-wide hidden states, the model's text_dim is "
                               f"{arch.text_dim}", key="data.text_encoder")
+        tensors = {"x0": x0, "text": text}
+        if condition:
+            tensors["condition"] = enc.encode_condition(video)
+        if enc.image_encoder is not None:
+            tensors["image"] = image = enc.encode_image(video)
+            if image.shape[-1] != arch.image_dim:
+                raise RecipeError(f"{data.image_encoder}: {image.shape[-1]}-wide hidden states, the model's image_dim "
+                                  f"is {arch.image_dim}", key="data.image_encoder")
         file = f"clips/{folder.name}.safetensors"
-        save_file({"x0": x0.contiguous(), "text": text.contiguous()}, out / file)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out / file)
         records.append({"clip": folder.name, "file": file, "shape": list(x0.shape), "caption": caption})
     (out / INDEX).write_text(json.dumps({"clips": records}, indent=1))
-    (out / DONE).write_text(json.dumps({"clips": len(records), "text_length": data.text_length}))
+    (out / DONE).write_text(json.dumps({"clips": len(records), "text_length": data.text_length,
+                                        "condition": condition, "image": enc.image_encoder is not None}))
     return out
 
 
 class LatentCache:
     """``data.format: latent_cache``: the prepared clips as packed samples (videos may differ in size): ``x0`` from
     the cache, noise and noise level drawn per sample index (resume is exact), the text dropped to zeros with
-    probability ``data.text_dropout``."""
+    probability ``data.text_dropout`` (an image-to-video model's condition and image tokens kept)."""
 
     host_keys = ("grid",)
-    concat_keys = ("x0", "noise", "grid", "sigmas", "text")
 
     def __init__(self, *, path: str, arch: Any, data: Any, objective: Any, seed: int, parts: int):
         root = Path(path)
@@ -215,11 +273,21 @@ class LatentCache:
             raise RecipeError(f"{root} is not a prepared latent cache (run loongforge data prepare with this recipe)",
                               key="data.path")
         try:
+            done = json.loads((root / DONE).read_text())
             records = json.loads((root / INDEX).read_text())["clips"]
             shapes = [tuple(int(n) for n in r["shape"]) for r in records]
             files = [root / str(r["file"]) for r in records]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise RecipeError(f"{root / INDEX}: not a latent cache index ({str(exc)[:120]})", key="data.path") from None
+        self.keys = {"condition": arch.in_channels - arch.out_channels, "image": arch.image_dim is not None}
+        for key, wanted in self.keys.items():
+            if done.get(key, 0 if key == "condition" else False) != wanted:
+                what = {"condition": f"{wanted or 'no'} condition channels",
+                        "image": "image tokens" if wanted else "no image tokens"}[key]
+                raise RecipeError(f"{root} was prepared for another model (this one takes {what}): run loongforge "
+                                  "data prepare --force with this recipe", key="data.path")
+        self.concat_keys = ("x0", "noise", "grid", "sigmas", "text",
+                            *(k for k in ("condition", "image") if self.keys[k]))
         for file, shape in zip(files, shapes, strict=True):
             if len(shape) != 4 or shape[0] != arch.out_channels:
                 raise RecipeError(f"{file}: a latent video of shape {list(shape)}; the model takes "
@@ -246,6 +314,7 @@ class LatentCache:
         try:
             stored = load_file(self.files[idx])
             x0, text = stored["x0"].float(), stored["text"].float()
+            extra = {k: stored[k].float() for k in ("condition", "image") if self.keys[k]}
         except (OSError, KeyError, RuntimeError) as exc:
             raise RecipeError(f"{self.files[idx]}: unreadable ({str(exc).splitlines()[0][:120]})",
                               key="data.path") from None
@@ -254,4 +323,5 @@ class LatentCache:
         if self.text_dropout > 0 and float(torch.rand((), generator=g)) < self.text_dropout:
             text = torch.zeros_like(text)
         sample["text"] = text
+        sample.update(extra)
         return as_packed(sample, self.patch)

@@ -37,7 +37,8 @@ class WanModelConfig(ModelConfig):
 class WanDataConfig(FlowMatchingData):
     """``data`` of a Wan model: format ``synthetic``: seeded latent videos with matching text embeddings (and
     image tokens / condition channels where the model takes them), for tests and benchmarks; ``latent_cache``: the
-    clips ``loongforge data prepare`` encoded into ``data.path`` from ``data.frames`` (text-to-video models)."""
+    clips ``loongforge data prepare`` encoded into ``data.path`` from ``data.frames`` (with an image-to-video model's
+    first-frame condition and image tokens)."""
 
     formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
 
@@ -48,6 +49,9 @@ class WanDataConfig(FlowMatchingData):
                                     "pipeline's autoencoder) that encodes the frames")
     text_encoder: str | None = Field(None, description="data prepare: a transformers UMT5 / T5 encoder folder with "
                                      "its tokenizer, which encodes the captions")
+    image_encoder: str | None = Field(None, description="data prepare of an image-to-video model with image tokens "
+                                      "(Wan2.1 I2V): a transformers CLIPVisionModel folder with its image processor, "
+                                      "which encodes each clip's first frame")
     latent_frames: int = Field(21, ge=1, description="latent frames per sample ((video frames - 1) / 4 + 1: 81 -> 21)")
     latent_height: int = Field(60, ge=1, description="latent rows (pixels / 8; Wan2.2 TI2V-5B: / 16)")
     latent_width: int = Field(104, ge=1, description="latent columns")

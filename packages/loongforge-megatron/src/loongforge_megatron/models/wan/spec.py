@@ -113,12 +113,12 @@ class Wan(HFCheckpoint):
         defaults = type(data).model_fields
         cache = data.format == "latent_cache"
         for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split", *(() if cache else (
-                "path", "frames", "autoencoder", "text_encoder"))):
+                "path", "frames", "autoencoder", "text_encoder", "image_encoder"))):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
                 raise RecipeError(f"not used by Wan models' data.format {data.format}", key=f"data.{key}")
-        if cache and (arch.in_channels != arch.out_channels or arch.image_dim is not None):
-            raise RecipeError("a latent cache holds text-to-video clips; this model takes image conditions (I2V)",
-                              key="data.format")
+        if data.image_encoder and arch.image_dim is None:
+            raise RecipeError("this model has no image-encoder tokens (model.image_dim); remove data.image_encoder",
+                              key="data.image_encoder")
         if cache:  # NOTE: the clips' sizes are in the cache, checked when it is opened
             return
         sizes = [("frames", f, arch.patch_size[0], "data.packed_frames") for f in data.packed_frames] or [
