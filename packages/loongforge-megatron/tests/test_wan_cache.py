@@ -160,6 +160,63 @@ def _refusal(*, rank, world, tmp_path, overrides):
     return "no error"
 
 
+def _write_video(path: Path, frames: list, *, codec: str = "libx264rgb") -> None:
+    """``frames`` (uint8 [H, W, 3]) as a video file through PyAV; libx264rgb at qp 0 is lossless."""
+    import av
+
+    h, w = frames[0].shape[:2]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=8)
+        stream.width, stream.height, stream.pix_fmt = w, h, "rgb24"
+        stream.options = {"qp": "0"}
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels.numpy(), format="rgb24")))
+        container.mux(stream.encode())
+
+
+def test_video_files_cache_like_the_same_frames_as_a_folder(tmp_path, ranks, sources, capsys):
+    """A clip as an mp4 (7 frames: its first 5 are the clip) gives the latents and text of the same 5 frames as PNGs
+    in a folder; a damaged or missing video / caption stops data prepare with one line naming the file."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(1)
+    frames = [torch.randint(0, 256, (16, 32, 3), generator=g, dtype=torch.uint8) for _ in range(7)]
+    root = tmp_path / "frames"
+    (root / "as_pngs").mkdir(parents=True)
+    for i, pixels in enumerate(frames[:5]):
+        Image.fromarray(pixels.numpy()).save(root / "as_pngs" / f"{i:03d}.png")
+    (root / "as_pngs" / "caption.txt").write_text("a red car")
+    _write_video(root / "as_video.mp4", frames)
+    (root / "as_video.txt").write_text("a red car\n")
+    over = [k for k in keys(sources) if not k.startswith(("data.path=", "data.frames="))]
+    over += [f"data.path={tmp_path / 'cache'}", f"data.frames={root}"]
+    assert main(["data", "prepare", str(RECIPE), *over]) == 0
+    capsys.readouterr()
+    png, video = (load_file(tmp_path / "cache" / "clips" / f"{n}.safetensors") for n in ("as_pngs", "as_video"))
+    assert video["x0"].shape == (CHANNELS, 2, 2, 4)
+    for key in ("x0", "text"):
+        torch.testing.assert_close(video[key], png[key], rtol=0, atol=0)
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cases = [("random bytes", lambda p: p.write_bytes(bytes(range(256)) * 64), "not a readable video"),
+             ("truncated", lambda p: p.write_bytes((root / "as_video.mp4").read_bytes()[:300]), "video"),
+             ("no caption", lambda p: _write_video(p, frames[:1]), "has no caption"),
+             ("odd size", lambda p: _write_video(p, [f[:, :24] for f in frames[:1]]), "multiples of 16")]
+    for what, make, fragment in cases:
+        for old in bad.iterdir():
+            old.unlink()
+        make(bad / "clip.mp4")
+        if what not in ("no caption",):
+            (bad / "clip.txt").write_text("x")
+        over = [k for k in keys(sources) if not k.startswith(("data.path=", "data.frames="))]
+        over += [f"data.path={tmp_path / what.replace(' ', '_')}", f"data.frames={bad}"]
+        assert main(["data", "prepare", str(RECIPE), *over]) == 2, what
+        err = capsys.readouterr().err
+        assert "'data.frames" in err and "clip.mp4" in err and fragment in err and err.count("\n") == 1, (what, err)
+
+
 @pytest.mark.parametrize(("override", "key", "fragment"), [
     ("data.frames=null", "data.frames", "needs data.frames"),
     ("data.autoencoder={frames}", "data.autoencoder", "AutoencoderKLWan"),

@@ -1,10 +1,12 @@
 """Wan's latent cache: ``loongforge data prepare`` encodes clips of frames once, training reads them many times.
 
 Input (``data.frames``): one folder per clip, its frames as ``*.png`` (in name order, all one size, ``1 + 4k``
-of them for a temporal compression of 4) and its ``caption.txt``::
+of them for a temporal compression of 4) and its ``caption.txt``; or a video file per clip, ``<clip>.mp4`` (any
+codec FFmpeg decodes, through PyAV; also ``.mov`` / ``.mkv`` / ``.webm`` / ``.avi``; its first ``1 + 4k``
+frames, the most there are) with its caption beside it in ``<clip>.txt``::
 
     frames/clip_a/000.png 001.png ... caption.txt
-    frames/clip_b/...
+    frames/clip_b.mp4 clip_b.txt
 
 Output (``data.path``): ``clips/<clip>.safetensors`` holding ``x0`` (the clip's latent video ``[C, F, H, W]``:
 the autoencoder's posterior mode, normalised by its per-channel mean / std as Wan's pipelines do) and ``text``
@@ -32,6 +34,9 @@ from loongforge.errors import RecipeError
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_CAPTION_BYTES = 1 << 20
+MAX_VIDEO_BYTES = 4 << 30
+MAX_VIDEO_FRAMES = 1 + 4 * 256  # NOTE: a longer video is many clips: cut it before
+VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 INDEX, DONE = "index.json", "prepared.json"
 
 
@@ -84,18 +89,54 @@ def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tens
             detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
             raise _bad(path, f"is not a readable PNG ({detail})") from None
         frames.append(torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size[1], size[0], 3))
-    caption_file = folder / "caption.txt"
-    if not caption_file.exists():
-        raise _bad(folder, "has no caption.txt (a clip's caption, UTF-8 text)")
-    _regular(caption_file, limit=MAX_CAPTION_BYTES)
-    try:
-        caption = caption_file.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise _bad(caption_file, f"is not UTF-8 text (byte {exc.start})") from None
-    if not caption or "\0" in caption:
-        raise _bad(caption_file, "is empty (a clip needs a caption)" if not caption else "holds a NUL byte")
+    caption = _caption(folder / "caption.txt", owner=folder)
     video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
     return video, caption
+
+
+def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tensor, str]:
+    """A video file's first ``1 + k * temporal`` frames (the most it has) ``[3, F, H, W]`` in [-1, 1], decoded by
+    PyAV, and its caption (``<stem>.txt`` beside it); H and W must be multiples of ``multiple``."""
+    import av
+
+    _regular(path, limit=MAX_VIDEO_BYTES)
+    frames = []
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise _bad(path, "holds no video stream")
+            for frame in container.decode(container.streams.video[0]):
+                if len(frames) == MAX_VIDEO_FRAMES:
+                    raise _bad(path, f"holds more than {MAX_VIDEO_FRAMES} frames; cut it into clips")
+                frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+    except RecipeError:
+        raise
+    except (av.FFmpegError, OSError, ValueError) as exc:  # NOTE: unreadable containers, corrupt streams
+        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise _bad(path, f"is not a readable video ({detail})") from None
+    if not frames:
+        raise _bad(path, "holds no frames")
+    h, w = frames[0].shape[:2]
+    if w % multiple or h % multiple:
+        raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
+    frames = frames[:1 + (len(frames) - 1) // temporal * temporal]
+    caption = _caption(path.with_suffix(".txt"), owner=path)
+    video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+    return video, caption
+
+
+def _caption(path: Path, *, owner: Path) -> str:
+    """The UTF-8 caption in ``path`` (of the clip ``owner``)."""
+    if not path.exists():
+        raise _bad(owner, f"has no caption ({path.name}: the clip's caption, UTF-8 text)")
+    _regular(path, limit=MAX_CAPTION_BYTES)
+    try:
+        caption = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise _bad(path, f"is not UTF-8 text (byte {exc.start})") from None
+    if not caption or "\0" in caption:
+        raise _bad(path, "is empty (a clip needs a caption)" if not caption else "holds a NUL byte")
+    return caption
 
 
 class Encoders:
@@ -212,9 +253,14 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         return out
     if not root.is_dir():
         raise RecipeError(f"{root} is not a folder (one sub-folder of frames per clip)", key="data.frames")
-    clips = sorted(p for p in root.iterdir() if p.is_dir())
+    clips = sorted(p for p in root.iterdir() if p.is_dir() or p.suffix.lower() in VIDEO_SUFFIXES)
     if not clips:
-        raise _bad(root, "holds no clip folders (one sub-folder of *.png frames and caption.txt per clip)")
+        raise _bad(root, "holds no clips (a sub-folder of *.png frames and caption.txt, or <clip>.mp4 and "
+                   "<clip>.txt, per clip)")
+    names = [p.stem if p.is_file() else p.name for p in clips]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})[0]
+        raise _bad(root, f"holds clip {twice!r} twice (a folder and a video, or two videos)")
     arch = recipe.model.arch()
     if data.image_encoder and arch.image_dim is None:
         raise RecipeError("this model has no image-encoder tokens (model.image_dim); remove data.image_encoder",
@@ -233,8 +279,9 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
     (out / "clips").mkdir(parents=True, exist_ok=True)
     (out / DONE).unlink(missing_ok=True)
     records = []
-    for folder in clips:
-        video, caption = read_clip(folder, temporal=enc.temporal, multiple=multiple)
+    for folder, name in zip(clips, names, strict=True):
+        read = read_clip if folder.is_dir() else read_video
+        video, caption = read(folder, temporal=enc.temporal, multiple=multiple)
         x0 = enc.encode_video(video)
         if x0.shape[0] != arch.out_channels:
             raise RecipeError(f"{data.autoencoder}: {x0.shape[0]} latent channels, the model's out_channels are "
@@ -251,9 +298,9 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
             if image.shape[-1] != arch.image_dim:
                 raise RecipeError(f"{data.image_encoder}: {image.shape[-1]}-wide hidden states, the model's image_dim "
                                   f"is {arch.image_dim}", key="data.image_encoder")
-        file = f"clips/{folder.name}.safetensors"
+        file = f"clips/{name}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / file)
-        records.append({"clip": folder.name, "file": file, "shape": list(x0.shape), "caption": caption})
+        records.append({"clip": name, "file": file, "shape": list(x0.shape), "caption": caption})
     (out / INDEX).write_text(json.dumps({"clips": records}, indent=1))
     (out / DONE).write_text(json.dumps({"clips": len(records), "text_length": data.text_length,
                                         "condition": condition, "image": enc.image_encoder is not None}))
