@@ -242,6 +242,56 @@ def test_an_export_quantizes_trained_weights_per_block(tmp_path, ckpt):
     assert (dequantize(q, scale, block=(BLOCK, BLOCK)) - w).abs().max() <= w.abs().max() / 16
 
 
+# NOTE: MiniMax-M2's published FP8 layout: attention projections and the experts' w1 / w2 / w3; its config names
+# e4m3 "float8_e4m3fn" and keeps the router, its bias and the head unquantized
+M2_FP8 = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+M2_QUANT = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+            "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+
+
+def test_minimax_m2_fp8_checkpoint_converts_like_its_dequantization_and_exports_its_own_layout(tmp_path):
+    """A MiniMax-M2 checkpoint in its published FP8 layout (experts' w1 / w2 / w3 quantized too) converts to the
+    megatron shards of its dequantized copy (tp 2 ep 2), and ``convert --to hf --fp8`` writes the same tensors,
+    bytes and quantization_config back."""
+    import transformers as tf
+    from loongforge.checkpoint import SafetensorsReader
+    from loongforge_megatron.conversion import hf_to_megatron
+
+    torch.manual_seed(0)
+    cfg = tf.MiniMaxM2Config(vocab_size=300, hidden_size=136, intermediate_size=40, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                             num_experts_per_tok=2, rotary_dim=16, max_position_embeddings=128)
+    model = tf.MiniMaxM2ForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "saved")
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    fp8, ref = {}, {}
+    for name, t in tensors.items():
+        if M2_FP8.match(name):
+            q, inv = _quantize(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, inv
+            ref[name] = _dequantize(q, inv)
+        else:
+            fp8[name] = ref[name] = t
+    assert sum(1 for n in fp8 if n.endswith(".w1.weight_scale_inv")) == 8
+    for name, tensors_, cfg_ in (("fp8", fp8, {**config, "quantization_config": M2_QUANT}), ("ref", ref, config)):
+        (tmp_path / name).mkdir()
+        save_file(tensors_, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg_, indent=2))
+        hf_to_megatron(tmp_path / name, tmp_path / f"mg-{name}", tp=2, ep=2)
+    for path in sorted((tmp_path / "mg-ref").glob("mp_rank_*/model.safetensors")):
+        want, got = load_file(path), load_file(tmp_path / "mg-fp8" / path.relative_to(tmp_path / "mg-ref"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), path
+    assert main(["convert", str(tmp_path / "mg-fp8"), str(tmp_path / "back"), "--to", "hf", "--fp8"]) == 0
+    back, orig = SafetensorsReader(tmp_path / "back"), SafetensorsReader(tmp_path / "fp8")
+    assert sorted(back.keys()) == sorted(orig.keys())
+    for k in orig.keys():
+        a, b = back.get(k), orig.get(k)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                                  b.view(torch.uint8) if b.dtype.itemsize == 1 else b), k
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["quantization_config"] == M2_QUANT
+
+
 def _rewrite(src, dst, *, tensors=None, config=None):
     shutil.copytree(src, dst)
     if tensors is not None:

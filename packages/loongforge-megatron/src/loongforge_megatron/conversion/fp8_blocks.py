@@ -23,8 +23,12 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # NOTE: the linears the published checkpoints quantize: every projection of a decoder layer (attention, dense MLP,
-# routed and shared experts); the router (mlp.gate), norms, embeddings, heads and the MTP eh_proj stay unquantized
-_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(?!eh_proj\.).*_proj(_with_mqa)?\.weight$")
+# routed and shared experts: ``*_proj``, and the ``experts.N.w1 / w2 / w3`` of Mixtral-style MoE blocks such as
+# MiniMax-M2's); the router (mlp.gate, block_sparse_moe.gate), norms, embeddings, heads and the MTP eh_proj stay
+# unquantized
+_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(?!eh_proj\.)(.*_proj(_with_mqa)?|.*\.experts\.\d+\.w[123])\.weight$")
+# NOTE: the names of e4m3 a config.json may give (DeepSeek-V3's "e4m3", MiniMax-M2's "float8_e4m3fn")
+_E4M3_NAMES = ("e4m3", "float8_e4m3fn")
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,11 @@ class BlockFp8:
     """One checkpoint's FP8 block format."""
 
     block: tuple[int, int] = (128, 128)
+    fmt: str = "e4m3"  # NOTE: the checkpoint's own name for it, written back as it was read
 
     def config(self) -> dict[str, Any]:
         """config.json's ``quantization_config`` for this format (what the published checkpoints say)."""
-        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        return {"activation_scheme": "dynamic", "fmt": self.fmt, "quant_method": "fp8",
                 "weight_block_size": list(self.block)}
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -62,8 +67,10 @@ def read_quant_config(hf_config: dict[str, Any], *, where: Any) -> BlockFp8 | No
     if method != "fp8":
         raise CheckpointError(f"{where}: key '{key}.quant_method' is {method!r}; LoongForge reads block-scaled "
                               "FP8 checkpoints (quant_method 'fp8') only")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise CheckpointError(f"{where}: key '{key}.fmt' is {q.get('fmt')!r}; allowed: 'e4m3'")
+    fmt = q.get("fmt", "e4m3")
+    if fmt not in _E4M3_NAMES:
+        raise CheckpointError(f"{where}: key '{key}.fmt' is {str(fmt)[:40]!r}; allowed: "
+                              f"{', '.join(repr(n) for n in _E4M3_NAMES)}")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise CheckpointError(f"{where}: key '{key}.activation_scheme' is {q.get('activation_scheme')!r}; allowed: "
                               "'dynamic' (static activation scales are not read)")
@@ -74,7 +81,7 @@ def read_quant_config(hf_config: dict[str, Any], *, where: Any) -> BlockFp8 | No
     if not (isinstance(block, list | tuple) and len(block) == 2 and all(type(b) is int and 0 < b <= 2**16 for b in block)):
         raise CheckpointError(f"{where}: key '{key}.weight_block_size' is {str(block)[:60]}; expected two positive "
                               "block sizes such as [128, 128] (per-tensor FP8 scales are not read)")
-    return BlockFp8(tuple(block))
+    return BlockFp8(tuple(block), fmt)
 
 
 def checkpoint_dtype(hf_config: dict[str, Any]) -> torch.dtype:
@@ -277,7 +284,8 @@ class Fp8Export:
         self._shape = {n: tuple(s) for n, (_, s) in specs.items() if fmt.quantizes(n, tuple(s), skip=skip)}
         if not self._shape:
             raise CheckpointError("an FP8 export quantizes the decoder layers' linear weights "
-                                  "(model.layers.N.*_proj.weight) and this model has none")
+                                  "(model.layers.N.*_proj.weight, model.layers.N.*.experts.M.w1 / w2 / w3.weight) "
+                                  "and this model has none")
         self._buf: dict[str, list] = {}
 
     def specs(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
