@@ -23,43 +23,27 @@ Wan2.1 I2V) also gets ``image`` ``[tokens, image_dim]``: the penultimate hidden 
 
 from __future__ import annotations
 
-import json
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 from loongforge.errors import RecipeError
 
-MAX_FRAME_BYTES = 64 << 20
-MAX_CAPTION_BYTES = 1 << 20
+from loongforge_megatron.models import latent_cache as lc
+
 MAX_VIDEO_BYTES = 4 << 30
 MAX_VIDEO_FRAMES = 1 + 4 * 256  # NOTE: a longer video is many clips: cut it before
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
-INDEX, DONE = "index.json", "prepared.json"
+KEY = "data.frames"
 
 
 def _bad(where: Path | str, what: str) -> RecipeError:
-    return RecipeError(f"{where}: {what}", key="data.frames")
-
-
-def _regular(path: Path, *, limit: int) -> None:
-    """``path`` is a regular file (not a link out, a device or a folder) of at most ``limit`` bytes."""
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise _bad(path, f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise _bad(path, "is not a regular file")
-    if info.st_size > limit:
-        raise _bad(path, f"is {info.st_size:,} bytes, more than the {limit:,} allowed")
+    return lc.bad(where, what, key=KEY)
 
 
 def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tensor, str]:
     """A clip folder's frames ``[3, F, H, W]`` in [-1, 1] and its caption; ``temporal``: F must be 1 + k *
     temporal; ``multiple``: H and W must be multiples of it."""
-    from PIL import Image
 
     names = sorted(p.name for p in folder.iterdir() if p.suffix.lower() == ".png")
     if not names:
@@ -67,29 +51,18 @@ def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tens
     if (len(names) - 1) % temporal:
         raise _bad(folder, f"holds {len(names)} frames; a clip has 1 + {temporal} k frames (1, {1 + temporal}, "
                    f"{1 + 2 * temporal}, ...)")
-    frames, size = [], None
+    frames = []
     for name in names:
         path = folder / name
-        _regular(path, limit=MAX_FRAME_BYTES)
-        try:
-            with Image.open(path) as im:
-                if size is None:
-                    size = im.size
-                    w, h = size
-                    if w % multiple or h % multiple:
-                        raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
-                elif im.size != size:
-                    raise _bad(path, f"is {im.size[0]} x {im.size[1]} pixels, the clip's first frame "
-                               f"{size[0]} x {size[1]} (a clip's frames are one size)")
-                rgb = im.convert("RGB")
-                rgb.load()
-        except RecipeError:
-            raise
-        except (OSError, ValueError, SyntaxError) as exc:  # NOTE: PIL's unreadable / truncated files, bad headers
-            detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-            raise _bad(path, f"is not a readable PNG ({detail})") from None
-        frames.append(torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size[1], size[0], 3))
-    caption = _caption(folder / "caption.txt", owner=folder)
+        pixels = lc.read_image(path, key=KEY, what="PNG")
+        h, w = pixels.shape[:2]
+        if not frames and (w % multiple or h % multiple):
+            raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
+        if frames and pixels.shape != frames[0].shape:
+            raise _bad(path, f"is {w} x {h} pixels, the clip's first frame {frames[0].shape[1]} x "
+                       f"{frames[0].shape[0]} (a clip's frames are one size)")
+        frames.append(pixels)
+    caption = lc.read_caption(folder / "caption.txt", owner=folder, key=KEY)
     video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
     return video, caption
 
@@ -99,7 +72,7 @@ def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tenso
     PyAV, and its caption (``<stem>.txt`` beside it); H and W must be multiples of ``multiple``."""
     import av
 
-    _regular(path, limit=MAX_VIDEO_BYTES)
+    lc.regular_file(path, limit=MAX_VIDEO_BYTES, key=KEY)
     frames = []
     try:
         with av.open(str(path)) as container:
@@ -120,23 +93,9 @@ def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tenso
     if w % multiple or h % multiple:
         raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
     frames = frames[:1 + (len(frames) - 1) // temporal * temporal]
-    caption = _caption(path.with_suffix(".txt"), owner=path)
+    caption = lc.read_caption(path.with_suffix(".txt"), owner=path, key=KEY)
     video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
     return video, caption
-
-
-def _caption(path: Path, *, owner: Path) -> str:
-    """The UTF-8 caption in ``path`` (of the clip ``owner``)."""
-    if not path.exists():
-        raise _bad(owner, f"has no caption ({path.name}: the clip's caption, UTF-8 text)")
-    _regular(path, limit=MAX_CAPTION_BYTES)
-    try:
-        caption = path.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise _bad(path, f"is not UTF-8 text (byte {exc.start})") from None
-    if not caption or "\0" in caption:
-        raise _bad(path, "is empty (a clip needs a caption)" if not caption else "holds a NUL byte")
-    return caption
 
 
 class Encoders:
@@ -144,15 +103,12 @@ class Encoders:
     ``data.autoencoder`` / ``data.text_encoder`` / ``data.image_encoder``, loaded once."""
 
     def __init__(self, *, autoencoder: str, text_encoder: str, text_length: int, image_encoder: str | None = None):
-        import diffusers.utils.logging
         import transformers
         from diffusers import AutoencoderKLWan
 
-        # NOTE: the loaders' progress bars would break the one-line error contract of a later failure
-        transformers.utils.logging.disable_progress_bar()
-        diffusers.utils.logging.disable_progress_bar()
+        lc.quiet_loaders()
 
-        self.autoencoder = _load(AutoencoderKLWan.from_pretrained, autoencoder, key="data.autoencoder",
+        self.autoencoder = lc.load_local(AutoencoderKLWan.from_pretrained, autoencoder, key="data.autoencoder",
                                  what="a diffusers AutoencoderKLWan folder")
         cfg = self.autoencoder.config
         # NOTE: the config's per-channel statistics of the latent space (diffusers' Wan pipelines normalise with them)
@@ -161,26 +117,26 @@ class Encoders:
         self.mean = torch.tensor(stats["mean"]).view(shape)
         self.std = torch.tensor(stats["std"]).view(shape)
         self.temporal, self.spatial = int(cfg.scale_factor_temporal), int(cfg.scale_factor_spatial)
-        config = _load(transformers.AutoConfig.from_pretrained, text_encoder, key="data.text_encoder",
+        config = lc.load_local(transformers.AutoConfig.from_pretrained, text_encoder, key="data.text_encoder",
                        what="a transformers UMT5 / T5 encoder folder")
         classes = {"umt5": transformers.UMT5EncoderModel, "t5": transformers.T5EncoderModel}
         if config.model_type not in classes:
             raise RecipeError(f"{text_encoder}: a {config.model_type!r} model; the text encoder is a UMT5 or T5 "
                               "encoder", key="data.text_encoder")
-        self.text_encoder = _load(classes[config.model_type].from_pretrained, text_encoder, key="data.text_encoder",
+        self.text_encoder = lc.load_local(classes[config.model_type].from_pretrained, text_encoder, key="data.text_encoder",
                                   what="a UMT5 / T5 encoder's weights")
-        self.tokenizer = _load(transformers.AutoTokenizer.from_pretrained, text_encoder, key="data.text_encoder",
+        self.tokenizer = lc.load_local(transformers.AutoTokenizer.from_pretrained, text_encoder, key="data.text_encoder",
                                what="a folder with the text encoder's tokenizer")
         self.image_encoder = self.image_processor = None
         if image_encoder is not None:
-            config = _load(transformers.AutoConfig.from_pretrained, image_encoder, key="data.image_encoder",
+            config = lc.load_local(transformers.AutoConfig.from_pretrained, image_encoder, key="data.image_encoder",
                            what="a transformers CLIPVisionModel folder")
             if config.model_type not in ("clip_vision_model", "clip"):
                 raise RecipeError(f"{image_encoder}: a {config.model_type!r} model; the image encoder is a CLIP "
                                   "vision model", key="data.image_encoder")
-            self.image_encoder = _load(transformers.CLIPVisionModel.from_pretrained, image_encoder,
+            self.image_encoder = lc.load_local(transformers.CLIPVisionModel.from_pretrained, image_encoder,
                                        key="data.image_encoder", what="a CLIP vision model's weights").eval()
-            self.image_processor = _load(transformers.CLIPImageProcessor.from_pretrained, image_encoder,
+            self.image_processor = lc.load_local(transformers.CLIPImageProcessor.from_pretrained, image_encoder,
                                          key="data.image_encoder", what="a folder with the CLIP image processor")
         self.autoencoder.eval()
         self.text_encoder.eval()
@@ -230,16 +186,6 @@ class Encoders:
         return out
 
 
-def _load(fn: Any, path: str, *, key: str, what: str) -> Any:
-    if not Path(path).is_dir():
-        raise RecipeError(f"{path} is not a folder ({what})", key=key)
-    try:
-        return fn(path, local_files_only=True)  # NOTE: a local folder, never the hub
-    except (OSError, ValueError, KeyError) as exc:
-        detail = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise RecipeError(f"{path}: not {what} ({detail})", key=key) from None
-
-
 def prepare(recipe: Any, *, force: bool = False) -> Path:
     """Encode ``data.frames``' clips into the cache at ``data.path`` (a no-op when complete, unless ``force``)."""
     from safetensors.torch import save_file
@@ -249,7 +195,7 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         if not getattr(data, key):
             raise RecipeError(f"data prepare of a Wan latent cache needs data.{key}", key=f"data.{key}")
     out, root = Path(data.path), Path(data.frames)
-    if (out / DONE).is_file() and not force:
+    if (out / lc.DONE).is_file() and not force:
         return out
     if not root.is_dir():
         raise RecipeError(f"{root} is not a folder (one sub-folder of frames per clip)", key="data.frames")
@@ -277,7 +223,7 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
                           key="data.autoencoder")
     multiple = enc.spatial * max(arch.patch_size[1:])
     (out / "clips").mkdir(parents=True, exist_ok=True)
-    (out / DONE).unlink(missing_ok=True)
+    (out / lc.DONE).unlink(missing_ok=True)
     records = []
     for folder, name in zip(clips, names, strict=True):
         read = read_clip if folder.is_dir() else read_video
@@ -301,9 +247,8 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         file = f"clips/{name}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / file)
         records.append({"clip": name, "file": file, "shape": list(x0.shape), "caption": caption})
-    (out / INDEX).write_text(json.dumps({"clips": records}, indent=1))
-    (out / DONE).write_text(json.dumps({"clips": len(records), "text_length": data.text_length,
-                                        "condition": condition, "image": enc.image_encoder is not None}))
+    lc.write_index(out, records, text_length=data.text_length, condition=condition,
+                   image=enc.image_encoder is not None)
     return out
 
 
@@ -316,16 +261,13 @@ class LatentCache:
 
     def __init__(self, *, path: str, arch: Any, data: Any, objective: Any, seed: int, parts: int):
         root = Path(path)
-        if not (root / DONE).is_file():
-            raise RecipeError(f"{root} is not a prepared latent cache (run loongforge data prepare with this recipe)",
-                              key="data.path")
+        done, records = lc.read_index(root)
         try:
-            done = json.loads((root / DONE).read_text())
-            records = json.loads((root / INDEX).read_text())["clips"]
             shapes = [tuple(int(n) for n in r["shape"]) for r in records]
             files = [root / str(r["file"]) for r in records]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RecipeError(f"{root / INDEX}: not a latent cache index ({str(exc)[:120]})", key="data.path") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RecipeError(f"{root / lc.INDEX}: not a latent cache index ({str(exc)[:120]})",
+                              key="data.path") from None
         self.keys = {"condition": arch.in_channels - arch.out_channels, "image": arch.image_dim is not None}
         for key, wanted in self.keys.items():
             if done.get(key, 0 if key == "condition" else False) != wanted:
