@@ -31,11 +31,19 @@ class QwenImageModelConfig(ModelConfig):
 
 class QwenImageDataConfig(FlowMatchingData):
     """``data`` of a Qwen-Image model: format ``synthetic``: seeded latent images with matching text-encoder hidden
-    states (each prompt its own length, padding masked), for tests and benchmarks."""
+    states (each prompt its own length, padding masked), for tests and benchmarks; format ``latent_cache``: the
+    images ``loongforge data prepare`` encoded into ``data.path`` from ``data.images``."""
 
     formats_without_path: ClassVar[tuple[str, ...]] = ("synthetic",)
 
-    format: str = Field("synthetic", description="synthetic")
+    format: str = Field("synthetic", description="synthetic | latent_cache")
+    images: str | None = Field(None, description="data prepare: a folder of images (*.png / *.jpg / *.jpeg / "
+                               "*.webp, sides multiples of 16 pixels), each with its caption in <image>.txt")
+    autoencoder: str | None = Field(None, description="data prepare: a diffusers AutoencoderKLQwenImage folder (a "
+                                    "pipeline's vae) that encodes the images")
+    text_encoder: str | None = Field(None, description="data prepare: a transformers Qwen2.5-VL folder with its "
+                                     "tokenizer (a pipeline's text_encoder + tokenizer in one folder), which encodes "
+                                     "the captions as QwenImagePipeline does")
     height: int = Field(128, ge=1, description="latent rows per image (pixels / 8)")
     width: int = Field(128, ge=1, description="latent columns per image")
     text_length: int = Field(64, ge=1, description="text tokens per sample (padded; the mask marks the prompt's)")

@@ -36,7 +36,8 @@ class QwenImage(HFCheckpoint):
     arch_type = QwenImageArch
     model_section = QwenImageModelConfig
     data_section = QwenImageDataConfig
-    supports = Supports(models="Qwen-Image models", stages=("pretrain", "cpt", "lora"), data_formats=("synthetic",),
+    supports = Supports(models="Qwen-Image models", stages=("pretrain", "cpt", "lora"),
+                        data_formats=("synthetic", "latent_cache"),
                         sft_formats=(), parallel=("tp", "sp", "cp"), layers=("auto", "loongforge", "local"))
     # NOTE: LoRA exports in diffusers' format, which a pipeline's load_lora_weights reads: the transformer's module
     # paths under "transformer.", rank / alpha / modules in the file's lora_adapter_metadata
@@ -100,10 +101,18 @@ class QwenImage(HFCheckpoint):
             raise RecipeError("Qwen-Image models take text-encoder hidden states, not tokens: remove model.tokenizer",
                               key="model.tokenizer")
         defaults = type(data).model_fields
-        for key in ("path", "seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split"):
+        cache = data.format == "latent_cache"
+        for key in ("seq_length", "tokenizer", "source", "train_tokenizer", "blend", "split", *(
+                ("packed_sizes",) if cache else ("path", "images", "autoencoder", "text_encoder"))):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
-                raise RecipeError("not used by Qwen-Image models (synthetic samples of data.height x data.width)",
-                                  key=f"data.{key}")
+                raise RecipeError(f"not used by Qwen-Image models' data.format {data.format}" + (
+                    " (the images' sizes are in the cache)" if cache else ""), key=f"data.{key}")
+        if cache and plan.sp:
+            raise RecipeError("a latent cache's images are packed samples, which take no sequence parallelism yet",
+                              key="parallel.sp")
+        if cache and data.reference_images:
+            raise RecipeError("a latent cache holds text-to-image samples; Edit samples (reference images) train "
+                              "on data.format synthetic", key="data.reference_images")
         for axis, size in (("height", data.height), ("width", data.width)):
             if size % arch.patch_size:
                 raise RecipeError(f"{size} latent {axis} does not split into patches of {arch.patch_size}",
@@ -141,11 +150,28 @@ class QwenImage(HFCheckpoint):
                               "image into the input", key="model.in_channels")
 
     # ---------------------------------------------------------------- training
+    def prepare_data(self, recipe: Any, *, force: bool = False) -> Path:
+        """``loongforge data prepare``: encode ``data.images`` into the latent cache at ``data.path``."""
+        from loongforge_megatron.models.qwen_image.cache import prepare
+
+        if recipe.data.format != "latent_cache":
+            raise RecipeError(f"data.format {recipe.data.format} needs no preparation (prepare writes a "
+                              "latent_cache)", key="data.format")
+        return prepare(recipe, force=force)
+
     def data(self, *, recipe: Any, arch: QwenImageArch, runtime: Any, device: Any) -> Data:
         from loongforge_megatron.models.flow_matching import FlowMatching
         from loongforge_megatron.models.qwen_image.data import SyntheticImages
 
         d = recipe.data
+        if d.format == "latent_cache":
+            from loongforge_megatron.models.qwen_image.cache import LatentImages
+
+            p = recipe.parallel
+            cache = LatentImages(path=d.path, arch=arch, data=d, objective=FlowMatching.from_data(d),
+                                 seed=recipe.train.seed, parts=p.cp * (p.tp if p.sp else 1),
+                                 rope_positions=ROPE_POSITIONS)
+            return Data(train=cache, seq_length=cache.max_tokens + d.text_length, sample_unit="images")
         dataset = SyntheticImages(arch=arch, data=d, objective=FlowMatching.from_data(d), seed=recipe.train.seed)
         tokens = max(arch.tokens(h, w) for h, w in d.packed_sizes or [(d.height, d.width)])
         tokens = tokens * (1 + d.reference_images) + d.text_length
