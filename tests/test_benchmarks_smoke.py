@@ -44,6 +44,7 @@ def _table_rows(path: Path) -> list[str]:
     ("moe_throughput", "loongforge", "hf_grouped_mm", 1e-3),
     ("dit_throughput", "loongforge", "diffusers_eager", 1e-3),
     ("wan_throughput", "loongforge", "diffusers_eager", 1e-4),
+    ("qwen_image_throughput", "loongforge", "diffusers_eager", 1e-4),
     ("dsa_throughput", "loongforge_sparse", "loongforge_dense", None),  # NOTE: sparse vs dense attention
     ("vlm_throughput", "loongforge", "hf_eager", 1e-2),
     ("fp8_throughput", "ours_bf16", "hf_eager_bf16", None),  # NOTE: the HF peer draws its own init and tokens
