@@ -40,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.packing import Packing, attend_segments
 from loongforge_megatron.layers.sequence_parallel import (
     gather_tokens,
     mark_sequence_parallel,
@@ -48,7 +49,6 @@ from loongforge_megatron.layers.sequence_parallel import (
 )
 from loongforge_megatron.layers.ulysses import heads_to_tokens, tokens_to_heads
 from loongforge_megatron.models import flow_matching as fm
-from loongforge_megatron.models.wan.packing import Packing, attend_segments
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
