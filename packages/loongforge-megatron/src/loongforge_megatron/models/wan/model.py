@@ -15,7 +15,7 @@ each own a slice of the head's channels, pairs interleaved as diffusers does). T
 convolution, timestep, text, image-encoder tokens) and the output head are small and held whole on every rank.
 
 Context parallelism splits the video tokens over the CP group (Ulysses or ring: see :class:`WanModel`). Packed
-micro-batches of videos of different sizes attend sample by sample (``packing.py``). Sequence parallelism
+micro-batches of videos of different sizes attend sample by sample (``layers/packing.py``). Sequence parallelism
 (``config.sequence_parallel``) splits the residual stream's tokens over the TP ranks as megatron does: the
 column-parallel projections of the video tokens all-gather them, the row-parallel ones reduce-scatter; the text /
 image-token projections of the cross-attention see whole inputs (no sequence split). Pipeline parallelism is not
