@@ -1,7 +1,9 @@
 """Qwen-Image (MMDiT) on megatron-core against diffusers' QwenImageTransformer2DModel (fp32, CPU), for a
 text-to-image config and an Edit config (a reference image after the noisy one, zero_cond_t): the same forward
-from the same weights at TP 2, the first flow-matching loss equal to a plain-torch reference calling diffusers'
-model, diffusers -> ours (tp 2) -> diffusers bitwise online and offline, and one-line errors.
+from the same weights at TP 2, CP 2 (ring and Ulysses) and TP 2 + sequence parallelism, also on packed samples of
+different sizes, the first flow-matching loss equal to a plain-torch reference calling diffusers' model, training
+steps equal to one process's, diffusers -> ours (tp 2) -> diffusers bitwise online and offline, and one-line
+errors.
 
 NOTE: every megatron job here runs in a rank (``ranks``), never in pytest's own process."""
 

@@ -66,9 +66,9 @@ Grid = tuple[int, int, int]  # frames, rows, columns of one image's patches
 
 @dataclass(frozen=True)
 class Packed:
-    """A packed micro-batch as the blocks read it (built once per forward). The texts of its ``n`` samples are one
-    row of ``n x L`` tokens before the image tokens; ``packing`` holds the samples' image tokens (each sample's noisy
-    image, then its reference images) and this CP rank's share of them.
+    """A packed micro-batch as the blocks read it (built once per forward from its :class:`Packing`: the samples'
+    image tokens, each sample's noisy image then its reference images, and this CP rank's share of them). The texts
+    of its ``n`` samples are one row of ``n x L`` tokens before the image tokens.
 
     - ``mod_rows`` / ``sample_rows``: for each image token of this rank's residual stream, its row of the blocks'
       timestep table (the samples', then with ``zero_cond_t`` the timestep 0's of the reference images) and its
@@ -79,7 +79,6 @@ class Packed:
       attention: ``order_q`` (each sample's texts, then its image tokens), ``order_k`` (its real texts, then its
       image tokens), their ``bounds_q`` / ``bounds_k``, and ``inverse_q`` back."""
 
-    packing: Packing
     mod_rows: torch.Tensor
     sample_rows: torch.Tensor
     q_seg: torch.Tensor
@@ -118,7 +117,7 @@ class Packed:
             bounds_q.append(bounds_q[-1] + length + c)
             bounds_k.append(bounds_k[-1] + real[i] + c)
         start, end = residual
-        return cls(packing=packing, mod_rows=rows[start:end], sample_rows=img_seg[start:end],
+        return cls(mod_rows=rows[start:end], sample_rows=img_seg[start:end],
                    q_seg=torch.cat([txt_seg, packing.local(img_seg)]), img_seg=img_seg, txt_seg=txt_seg,
                    txt_ok=text_mask.flatten(), order_q=order_q, inverse_q=torch.argsort(order_q), order_k=order_k,
                    bounds_q=tuple(bounds_q), bounds_k=tuple(bounds_k))
@@ -306,7 +305,8 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
 class QwenImageLayer(MegatronModule):
     """One dual-stream block (see the module docstring). ``temb`` ``[b, 1, h]`` is the timestep embedding;
     ``temb_ref`` (``zero_cond_t``) the timestep 0's, which modulates the image tokens after the first ``main`` (of
-    this rank's)."""
+    this rank's). Packed (``packed``): ``temb [rows, 1, h]`` is a table the image tokens pick their rows of
+    (:class:`Packed`), its first ``n`` rows the ``n`` samples' (their texts')."""
 
     def __init__(self, config: Any, *, arch: Any, tp_group: Any, cp_group: Any = None, cp_comm_type: str = "p2p"):
         super().__init__(config=config)
