@@ -1,7 +1,9 @@
 """Qwen-Image (MMDiT) on megatron-core against diffusers' QwenImageTransformer2DModel (fp32, CPU), for a
 text-to-image config and an Edit config (a reference image after the noisy one, zero_cond_t): the same forward
-from the same weights at TP 2, the first flow-matching loss equal to a plain-torch reference calling diffusers'
-model, diffusers -> ours (tp 2) -> diffusers bitwise online and offline, and one-line errors.
+from the same weights at TP 2, CP 2 (ring and Ulysses) and TP 2 + sequence parallelism, also on packed samples of
+different sizes, the first flow-matching loss equal to a plain-torch reference calling diffusers' model, training
+steps equal to one process's, diffusers -> ours (tp 2) -> diffusers bitwise online and offline, and one-line
+errors.
 
 NOTE: every megatron job here runs in a rank (``ranks``), never in pytest's own process."""
 
@@ -219,20 +221,6 @@ def test_tp2_equals_diffusers(tmp_path, ranks, hf_dirs, free_port):
 
 
 CP_STEPS = 5
-PACKED_SIZES = [(6, 8), (4, 4), (2, 8)]  # latent sizes of the packed probe: 12 + 4 + 4 tokens, cut by cp 2 in the first
-TINY_PACKED = ["data.packed_sizes=[[8,8],[4,8],[4,4]]"]
-
-
-def packed_probe() -> dict:
-    """Three images of different sizes with their own noise levels and texts (one padded): each alone (diffusers'
-    input) and packed (ours: patches joined, one grid row per image)."""
-    g = torch.Generator().manual_seed(5)
-    images = [torch.randn(1, (h // 2) * (w // 2), 16, generator=g) for h, w in PACKED_SIZES]
-    mask = torch.ones(len(images), TEXT, dtype=torch.bool)
-    mask[1, 2:] = False
-    return {"images": images, "t": torch.tensor([0.1, 0.7315, 0.5]), "mask": mask,
-            "text": torch.randn(len(images), TEXT, 16, generator=g), "patches": torch.cat([i[0] for i in images]),
-            "grids": [(1, h // 2, w // 2) for h, w in PACKED_SIZES]}
 
 
 def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
@@ -250,69 +238,197 @@ def _cp2_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
             p = probes[name]
             with torch.no_grad():
                 ours = job.chunks[0](p["x"], p["t"], p["text"], p["mask"], grids=grids(name))
-                p = probes["packed"]
-                packed = job.chunks[0](p["patches"], p["t"], p["text"], p["mask"], grids=p["grids"])[0]
             batches = job.schedule.microbatches(0, device=torch.device("cpu"))
-            out[name] = (ours, batches, job.step()["loss"], packed)
+            out[name] = (ours, batches, job.step()["loss"])
         finally:
             job.close()
             runtime.logger.close()
-    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-2], overrides=["parallel.cp=2"])
-    out["tiny_packed_cp2"] = _tiny_steps(tmp_path / "tiny_packed_cp2", port=ports[-1],
-                                         overrides=["parallel.cp=2", *TINY_PACKED])
+    out["tiny_cp2"] = _tiny_steps(tmp_path / "tiny_cp2", port=ports[-1], overrides=["parallel.cp=2"])
     return out
 
 
-def _tiny_steps(out: Path, *, port: int, overrides: list[str]) -> list[float]:
+def _tiny_steps(out: Path, *, port: int, overrides: list[str]) -> tuple[list[float], torch.Tensor]:
+    """The tiny recipe's first ``CP_STEPS`` losses and then the first block's per-head text query norm weight (held
+    whole on every rank; its gradient comes through the joint attention's text queries)."""
     import os
 
     os.environ["MASTER_PORT"] = str(port)
     over = ["accelerator=cpu", "logging.console=false", f"train.steps={CP_STEPS}", *overrides]
     job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=out)
     try:
-        return [job.step()["loss"] for _ in range(CP_STEPS)]
+        losses = [job.step()["loss"] for _ in range(CP_STEPS)]
+        norm = next(p for n, p in job.chunks[0].named_parameters()
+                    if n.endswith("layers.0.attn.added_q_layernorm.weight"))
+        return losses, norm.detach().clone()
     finally:
         job.close()
         runtime.logger.close()
 
 
-def _tiny_steps_one_process(*, rank, world, tmp_path, ports):
-    return (_tiny_steps(tmp_path / "tiny_steps_one", port=ports[0], overrides=[]),
-            _tiny_steps(tmp_path / "tiny_packed_one", port=ports[1], overrides=TINY_PACKED))
+def _tiny_steps_one_process(*, rank, world, tmp_path, port):
+    return _tiny_steps(tmp_path / "tiny_steps_one", port=port, overrides=[])
 
 
 def test_cp2_ring_equals_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
     """Text-to-image and Edit at CP 2 with ring attention (one gloo launch): the ranks' image tokens joined equal
-    diffusers' forward (<= 1e-5 relative, text padding masked), also for images of three sizes packed into one
-    sequence (each against diffusers on it alone), the first loss equals the plain-torch reference around
-    diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's, also on packed variable-size
-    samples."""
+    diffusers' forward (<= 1e-5 relative, text padding masked), the first loss equals the plain-torch reference
+    around diffusers' model; the tiny recipe's first 5 steps at CP 2 equal one process's."""
     from diffusers import QwenImageTransformer2DModel
 
     probes = {name: probe(name) for name in hf_dirs}
-    probes["packed"] = packed_probe()
     got = ranks(_cp2_jobs, world=2, out=tmp_path / "cp2", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
-                ports=[free_port() for _ in range(len(hf_dirs) + 2)])
-    one, one_packed = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path,
-                            ports=[free_port(), free_port()])[0]
-    p = probes["packed"]
+                ports=[free_port() for _ in range(len(hf_dirs) + 1)])
+    one = ranks(_tiny_steps_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, port=free_port())[0]
     for name, hf_dir in hf_dirs.items():
         ref = QwenImageTransformer2DModel.from_pretrained(hf_dir).eval()
         ours = torch.cat([got[0][name][0], got[1][name][0]], dim=1)
         want = diffusers_forward(ref, probes[name], name)
         assert rel_err(ours, want) <= RTOL, (name, rel_err(ours, want))
-        _, batches, loss, _ = got[0][name]
+        _, batches, loss = got[0][name]
         assert got[1][name][2] == loss
         assert loss == pytest.approx(reference_loss(ref, batches), rel=RTOL), name
-        with torch.no_grad():
-            want = torch.cat([ref(x, p["text"][i: i + 1], p["mask"][i: i + 1], p["t"][i: i + 1],
-                                  img_shapes=[[p["grids"][i]]]).sample[0] for i, x in enumerate(p["images"])])
-        ours = torch.cat([got[0][name][3], got[1][name][3]])
-        assert rel_err(ours, want) <= RTOL, (name, "packed", rel_err(ours, want))
-    assert got[0]["tiny_cp2"] == pytest.approx(one, rel=RTOL)
-    assert got[1]["tiny_cp2"] == got[0]["tiny_cp2"]
-    assert got[0]["tiny_packed_cp2"] == pytest.approx(one_packed, rel=RTOL)
-    assert one_packed[-1] != one_packed[0]
+    assert got[0]["tiny_cp2"][0] == pytest.approx(one[0], rel=RTOL)
+    assert got[1]["tiny_cp2"][0] == got[0]["tiny_cp2"][0]
+
+
+PACKED_SIZES = [(6, 8), (4, 4), (2, 8)]  # latent sizes of the packed probe: 12 + 4 + 4 tokens, cut by 2 ranks in the first
+CPT_PACKED = ["data.packed_sizes=[[4,4],[4,8]]"]  # NOTE: 4 or 8 tokens an image: any packing splits over cp 2 or tp 2
+TINY_PACKED = ["data.packed_sizes=[[8,8],[4,8],[4,4]]"]
+#: the packed layouts of one launch: (name, parallel overrides)
+PACKED_LAYOUTS = (("p2p", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=p2p"]),
+                  ("a2a", ["parallel.tp=1", "parallel.cp=2", "model.cp_comm_type=a2a"]),
+                  ("sp", ["parallel.tp=2", "parallel.sp=true"]))
+
+
+def packed_probe(references: int) -> dict:
+    """Three samples of different sizes (each with ``references`` reference images of its size) with their own
+    noise levels and texts (one padded): each alone (diffusers' input: its noisy image's tokens, then its
+    references') and packed (ours: the samples' tokens joined, one grid row per image)."""
+    g = torch.Generator().manual_seed(5)
+    images = [torch.randn(1, (1 + references) * (h // 2) * (w // 2), 16, generator=g) for h, w in PACKED_SIZES]
+    mask = torch.ones(len(images), TEXT, dtype=torch.bool)
+    mask[1, 2:] = False
+    shapes = [[(1, h // 2, w // 2)] * (1 + references) for h, w in PACKED_SIZES]
+    return {"images": images, "t": torch.tensor([0.1, 0.7315, 0.5]), "mask": mask, "shapes": shapes,
+            "text": torch.randn(len(images), TEXT, 16, generator=g), "patches": torch.cat([i[0] for i in images]),
+            "grids": [g for s in shapes for g in s]}
+
+
+def packed_diffusers_forward(model, p: dict) -> torch.Tensor:
+    """diffusers' model on each sample of a packed probe alone, the outputs joined."""
+    with torch.no_grad():
+        return torch.cat([model(x, p["text"][i: i + 1], p["mask"][i: i + 1], p["t"][i: i + 1],
+                                img_shapes=[p["shapes"][i]]).sample[0] for i, x in enumerate(p["images"])])
+
+
+def packed_reference_loss(model, batches: list[dict]) -> float:
+    """:func:`reference_loss` of packed micro-batches, each sample through diffusers' model alone: its noisy
+    image's tokens x_t = (1 - s) x0 + s noise, then its reference images' (clean) tokens."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            rows = [tuple(int(v) for v in g) for g in b["grid"].tolist()]
+            n = len(b["sigmas"])
+            per = len(rows) // n
+            at, at_ref = 0, 0
+            for i in range(n):
+                shapes = rows[i * per:(i + 1) * per]
+                main, refs = math.prod(shapes[0]), sum(math.prod(g) for g in shapes[1:])
+                x0, noise = b["x0"][at:at + main][None], b["noise"][at:at + main][None]
+                s = b["sigmas"][i]
+                inp = (1 - s) * x0 + s * noise
+                if refs:
+                    inp = torch.cat([inp, b["reference"][at_ref:at_ref + refs][None]], dim=1)
+                pred = model(inp, b["text"][i: i + 1], b["text_mask"][i: i + 1], b["sigmas"][i: i + 1],
+                             img_shapes=[shapes]).sample
+                err = (pred[:, :main] - (noise - x0)).pow(2)
+                total, count = total + float(err.sum()), count + err.numel()
+                at, at_ref = at + main, at_ref + refs
+    return total / count
+
+
+def _packed_jobs(*, rank, world, tmp_path, hf_dirs, probes, ports):
+    """Packed samples in each layout of ``PACKED_LAYOUTS`` (Edit: a reference image after each noisy one): this
+    rank's share of the packed forward and of the unpacked probe's, the first step's loss on packed Edit samples;
+    the tiny recipe's first ``CP_STEPS`` losses on packed variable-size samples."""
+    import os
+
+    out = {}
+    for (layout, parallel), port in zip(PACKED_LAYOUTS, ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dirs["edit"], "edit"), *parallel, *CPT_PACKED]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / layout)
+        try:
+            p, q = probes["packed"], probes["edit"]
+            with torch.no_grad():
+                packed = job.chunks[0](p["patches"], p["t"], p["text"], p["mask"], grids=p["grids"])[0]
+                unpacked = job.chunks[0](q["x"], q["t"], q["text"], q["mask"], grids=grids("edit"))
+            out[layout] = (packed, unpacked, job.step()["loss"])
+        finally:
+            job.close()
+            runtime.logger.close()
+    for (layout, parallel), port in zip(PACKED_LAYOUTS, ports[len(PACKED_LAYOUTS):], strict=True):
+        out[f"tiny_{layout}"] = _tiny_steps(tmp_path / f"tiny_{layout}", port=port, overrides=[*parallel, *TINY_PACKED])
+    return out
+
+
+def _packed_one_process(*, rank, world, tmp_path, hf_dirs, ports):
+    """One process: each config's first step on packed samples (its batches and loss), the tiny recipe's first
+    ``CP_STEPS`` losses on packed variable-size samples."""
+    import os
+
+    out = {}
+    for (name, hf_dir), port in zip(hf_dirs.items(), ports, strict=False):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dir, name), "parallel.tp=1", *CPT_PACKED]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / f"one_{name}")
+        try:
+            batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+            out[name] = (batches, job.step()["loss"])
+        finally:
+            job.close()
+            runtime.logger.close()
+    out["tiny"] = _tiny_steps(tmp_path / "tiny_packed_one", port=ports[-1], overrides=TINY_PACKED)
+    return out
+
+
+def test_packed_at_cp2_and_tp2_sp_equal_diffusers_and_one_process(tmp_path, ranks, hf_dirs, free_port):
+    """Samples of different sizes packed into one sequence, over 2 ranks (the cut falls inside a sample): at CP 2
+    with the ring and with Ulysses and at TP 2 + sequence parallelism, Edit samples (a reference image after each
+    noisy one) give diffusers' forward on each sample alone (<= 1e-5 relative), Ulysses also on the unpacked probe,
+    and the first loss on packed Edit samples equals one process's; in one process the first loss on packed
+    samples equals the plain-torch reference around diffusers' model, sample by sample (text-to-image and Edit);
+    the tiny recipe on packed variable-size samples gives the one-process losses over 5 steps in each layout."""
+    from diffusers import QwenImageTransformer2DModel
+
+    probes = {"packed": packed_probe(references=1), "edit": probe("edit")}
+    got = ranks(_packed_jobs, world=2, out=tmp_path / "two", tmp_path=tmp_path, hf_dirs=hf_dirs, probes=probes,
+                ports=[free_port() for _ in range(2 * len(PACKED_LAYOUTS))])
+    one = ranks(_packed_one_process, world=1, out=tmp_path / "one", tmp_path=tmp_path, hf_dirs=hf_dirs,
+                ports=[free_port() for _ in range(len(hf_dirs) + 1)])[0]
+    refs = {name: QwenImageTransformer2DModel.from_pretrained(d).eval() for name, d in hf_dirs.items()}
+    want = packed_diffusers_forward(refs["edit"], probes["packed"])
+    want_unpacked = diffusers_forward(refs["edit"], probes["edit"], "edit")
+    for layout, _ in PACKED_LAYOUTS:
+        # NOTE: a CP rank returns its tokens; sequence parallelism gathers the TP ranks' for the loss
+        if layout == "sp":
+            ours, unpacked = got[0][layout][:2]
+        else:
+            ours = torch.cat([got[0][layout][0], got[1][layout][0]])
+            unpacked = torch.cat([got[0][layout][1], got[1][layout][1]], dim=1)
+        assert rel_err(ours, want) <= RTOL, (layout, rel_err(ours, want))
+        assert rel_err(unpacked, want_unpacked) <= RTOL, (layout, rel_err(unpacked, want_unpacked))
+        assert got[0][layout][2] == pytest.approx(one["edit"][1], rel=RTOL), layout
+        losses, norm = got[0][f"tiny_{layout}"]
+        # NOTE: Adam's updates of the weight (from 1)
+        assert rel_err(norm - 1, one["tiny"][1] - 1) <= 1e-4, (layout, rel_err(norm - 1, one["tiny"][1] - 1))
+        assert losses == pytest.approx(one["tiny"][0], rel=RTOL), layout
+        assert got[1][f"tiny_{layout}"][0] == losses
+    for name, ref in refs.items():
+        batches, loss = one[name]
+        assert "grid" in batches[0] and ("reference" in batches[0]) == (name == "edit"), name
+        assert loss == pytest.approx(packed_reference_loss(ref, batches), rel=RTOL), name
+    assert one["tiny"][0][-1] != one["tiny"][0][0]
 
 
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
@@ -372,9 +488,12 @@ def test_preset_is_the_published_size():
     (["data.seq_length=64"], "data.seq_length", "not used by Qwen-Image"),
     # NOTE: context parallelism (ring) splits the image tokens: a split that does not divide them is refused
     (["parallel.cp=2", "data.height=6", "data.width=6"], "parallel.cp", "do not split over cp"),
-    (["parallel.sp=true", "parallel.tp=2", "data.packed_sizes=[[8,8]]"], "parallel.sp", "packed"),
+    (["parallel.sp=true", "parallel.tp=2", "parallel.cp=2", "data.packed_sizes=[[4,6]]"], "data.packed_sizes",
+     "do not split over cp x tp"),
+    # NOTE: Ulysses trades the image tokens' split for a head split: 4 heads do not split over tp x cp = 8
+    (["parallel.tp=2", "parallel.cp=4", "model.cp_comm_type=a2a", "train.global_batch_size=4",
+      "train.micro_batch_size=4"], "parallel.cp", "heads do not split over tp x cp"),
     (["parallel.sp=true", "parallel.tp=2", "data.height=6", "data.width=6"], "parallel.sp", "do not split over tp"),
-    (["data.packed_sizes=[[8,8]]", "data.reference_images=1"], "data.reference_images", "no reference images"),
     (["data.packed_sizes=[[6,6]]", "parallel.cp=2"], "data.packed_sizes", "do not split over cp"),
     (["data.packed_sizes=[[8,7]]"], "data.packed_sizes", "patches of 2"),
     (["model.ffn_hidden_size=100"], "model", "4 x hidden_size"),

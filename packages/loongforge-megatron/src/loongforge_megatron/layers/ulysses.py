@@ -5,7 +5,9 @@ equal-split all-to-alls over the CP group (DeepSpeed-Ulysses; megatron-core's ``
     ...  --heads_to_tokens-->  [b, tokens / cp, heads, d]
 
 Each rank then attends every token with its share of the heads, so heads must divide by cp (by tp x cp with
-tensor parallelism); the ring (``ring_attention.py``) is the alternative where they do not.
+tensor parallelism); the ring (``ring_attention.py``) is the alternative where they do not. Tokens every rank holds
+whole (a joint attention's text) join with this rank's heads (:func:`own_heads`) and their outputs are gathered
+back (:func:`gather_heads`).
 """
 
 from __future__ import annotations
@@ -51,3 +53,20 @@ def heads_to_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
     b, s, heads, d = x.shape
     x = _AllToAll.apply(x.reshape(b, cp, s // cp, heads, d).permute(1, 0, 2, 3, 4), group)
     return x.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * heads, d)
+
+
+def own_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's heads ``[b, s, heads / cp, d]`` of a sequence every rank holds whole (the heads
+    :func:`tokens_to_heads` gives this rank), to attend together with its Ulysses tokens."""
+    n = x.shape[2] // group.size()
+    return x[:, :, group.rank() * n:(group.rank() + 1) * n]
+
+
+def gather_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of :func:`own_heads`: every rank's heads ``[b, s, heads, d]`` of ``[b, s, heads / cp, d]``; the
+    backward sums every rank's gradient (each rank's loss reads the whole) and keeps this rank's heads."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    out = gather_from_sequence_parallel_region(x.permute(2, 0, 1, 3).contiguous(), group=group,
+                                               tensor_parallel_output_grad=True)
+    return out.permute(1, 2, 0, 3)

@@ -18,9 +18,10 @@ class QwenImageModelConfig(ModelConfig):
 
     not_arch: ClassVar[tuple[str, ...]] = ("cp_comm_type",)
 
-    cp_comm_type: Literal["p2p"] = Field(
+    cp_comm_type: Literal["p2p", "a2a"] = Field(
         "p2p", description="context parallelism's joint attention (megatron-core's names): p2p (ring: the image "
-        "keys / values passed around the CP group, the text on every rank)")
+        "keys / values passed around the CP group, the text on every rank; any head count) or a2a (Ulysses: an "
+        "all-to-all trades the image tokens' split for a head split, so heads must divide by tp x cp)")
     patch_size: int | None = Field(None, ge=1)
     in_channels: int | None = Field(None, ge=1, description="packed patch channels (latent channels x patch^2)")
     out_channels: int | None = Field(None, ge=1)

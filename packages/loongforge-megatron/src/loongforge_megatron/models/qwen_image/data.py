@@ -21,13 +21,14 @@ PROMPTS = 8
 
 class SyntheticImages:
     """Deterministic samples: ``x0 [C, H, W]``, ``noise``, ``sigmas`` (0-d), ``text [L, joint_attention_dim]``,
-    ``text_mask [L]`` (bool) and, with ``data.reference_images``, ``reference [n, C, H, W]``."""
+    ``text_mask [L]`` (bool) and, with ``data.reference_images``, ``reference [n, C, H, W]``. Packed
+    (``data.packed_sizes``): ``x0`` / ``noise`` / ``reference`` as packed patches, one ``grid`` row per image."""
 
     def __init__(self, *, arch: Any, data: Any, objective: FlowMatching, seed: int):
         self.shape = (arch.out_channels, data.height, data.width)
         self.sizes, self.patch = [tuple(s) for s in data.packed_sizes], arch.patch_size
         if self.sizes:
-            self.concat_keys = ("x0", "noise", "grid", "sigmas", "text", "text_mask")
+            self.concat_keys = ("x0", "noise", "reference", "grid", "sigmas", "text", "text_mask")
             self.host_keys = ("grid",)  # NOTE: the model reads the images' sizes on the host
         self.text_shape = (data.text_length, arch.joint_attention_dim)
         self.references = data.reference_images
@@ -59,17 +60,20 @@ class SyntheticImages:
             text[:real] = torch.randn((real, width), generator=pg)
             mask[:real] = True
         sample["text"], sample["text_mask"] = text, mask
-        if self.references:
-            sample["reference"] = torch.stack([self._field(prompt, 2 + i) for i in range(self.references)])
+        if self.references:  # NOTE: the size of the sample's image
+            sample["reference"] = torch.stack([self._field(prompt, 2 + i, shape[1:]) for i in range(self.references)])
         return self._packed(sample) if self.sizes else sample
 
     def _packed(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One sample as the rows of a packed micro-batch: its image as packed patches and its ``grid``."""
+        """One sample as the rows of a packed micro-batch: its image as packed patches, its reference images'
+        patches joined, and one ``grid`` row per image (the noisy one, then the references)."""
         from loongforge_megatron.models.qwen_image.model import pack
 
         h, w = sample["x0"].shape[1:]
         out = {k: pack(sample[k][None], self.patch)[0] for k in ("x0", "noise")}
-        out["grid"] = torch.tensor([[1, h // self.patch, w // self.patch]])
+        if self.references:
+            out["reference"] = pack(sample["reference"], self.patch).flatten(0, 1)
+        out["grid"] = torch.tensor([[1, h // self.patch, w // self.patch]] * (1 + self.references))
         out["sigmas"] = sample["sigmas"].reshape(1)
         out["text"], out["text_mask"] = sample["text"][None], sample["text_mask"][None]
         return out

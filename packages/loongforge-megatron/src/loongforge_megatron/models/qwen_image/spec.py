@@ -82,14 +82,19 @@ class QwenImage(HFCheckpoint):
 
     # ---------------------------------------------------------------- recipe checks
     def check(self, recipe: Any, plan: Any, arch: QwenImageArch) -> None:
-        """What the Qwen-Image path supports: TP (+ SP) / CP (ring) / DP / distributed optimizer (+ full recompute), pretrain, CPT or
-        LoRA on synthetic samples (Edit: reference images), diffusers export and diffusers-format LoRA export."""
+        """What the Qwen-Image path supports: TP (+ SP) / CP (ring or Ulysses) / DP / distributed optimizer (+ full
+        recompute), pretrain, CPT or LoRA on synthetic samples (Edit: reference images; packed variable sizes),
+        diffusers export and diffusers-format LoRA export."""
         if recipe.kernels.provider != "auto":
             raise RecipeError("Qwen-Image models use no fused kernels (SDPA attention only); leave kernels.provider "
                               "auto", key="kernels.provider")
         for what, n in (("attention heads", arch.num_attention_heads), ("MLP size", arch.ffn_hidden_size)):
             if n % plan.tp:
                 raise RecipeError(f"Qwen-Image {what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
+        if plan.cp > 1 and recipe.model.cp_comm_type == "a2a" and arch.num_attention_heads % (plan.tp * plan.cp):
+            raise RecipeError(f"Qwen-Image's {arch.num_attention_heads} attention heads do not split over tp x cp = "
+                              f"{plan.tp * plan.cp} (context parallelism a2a exchanges tokens for heads; "
+                              "model.cp_comm_type p2p passes keys / values around a ring instead)", key="parallel.cp")
         if plan.recompute == "selective":
             raise RecipeError("Qwen-Image models recompute whole blocks: use parallel.recompute full",
                               key="parallel.recompute")
@@ -107,9 +112,6 @@ class QwenImage(HFCheckpoint):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
                 raise RecipeError(f"not used by Qwen-Image models' data.format {data.format}" + (
                     " (the images' sizes are in the cache)" if cache else ""), key=f"data.{key}")
-        if cache and plan.sp:
-            raise RecipeError("a latent cache's images are packed samples, which take no sequence parallelism yet",
-                              key="parallel.sp")
         if cache and data.reference_images:
             raise RecipeError("a latent cache holds text-to-image samples; Edit samples (reference images) train "
                               "on data.format synthetic", key="data.reference_images")
@@ -120,13 +122,9 @@ class QwenImage(HFCheckpoint):
             if size // arch.patch_size // 2 + data.text_length > ROPE_POSITIONS:
                 raise RecipeError(f"{size // arch.patch_size} patches along {axis} and {data.text_length} text tokens "
                                   f"exceed the model's {ROPE_POSITIONS} RoPE positions", key=f"data.{axis}")
+        # NOTE: the image tokens split over cp, then (sequence parallelism) over tp
+        parts, what = (plan.cp * plan.tp, "cp x tp (sequence parallel)") if plan.sp else (plan.cp, "cp")
         if data.packed_sizes:
-            if plan.sp:
-                raise RecipeError("packed samples (data.packed_sizes) take no sequence parallelism yet",
-                                  key="parallel.sp")
-            if data.reference_images:
-                raise RecipeError("packed samples (data.packed_sizes) take no reference images",
-                                  key="data.reference_images")
             for h, w in data.packed_sizes:
                 if h % arch.patch_size or w % arch.patch_size:
                     raise RecipeError(f"{h} x {w} latent pixels do not split into patches of {arch.patch_size}",
@@ -134,14 +132,14 @@ class QwenImage(HFCheckpoint):
                 if max(h, w) // arch.patch_size // 2 + data.text_length > ROPE_POSITIONS:
                     raise RecipeError(f"{h} x {w} latent pixels and {data.text_length} text tokens exceed the "
                                       f"model's {ROPE_POSITIONS} RoPE positions", key="data.packed_sizes")
-                # NOTE: every image's tokens split over cp, so any packing of them does
-                if arch.tokens(h, w) % plan.cp:
-                    raise RecipeError(f"{arch.tokens(h, w)} image tokens of {h} x {w} do not split over cp = "
-                                      f"{plan.cp}", key="data.packed_sizes")
+                # NOTE: every image's tokens split (its reference images are its size), so any packing of them does
+                if arch.tokens(h, w) % parts:
+                    raise RecipeError(f"{arch.tokens(h, w)} image tokens of {h} x {w} do not split over {what} = "
+                                      f"{parts}", key="data.packed_sizes")
         tokens = arch.tokens(data.height, data.width) * (1 + data.reference_images)
-        if tokens % plan.cp and not data.packed_sizes:
+        if tokens % plan.cp and not (data.packed_sizes or cache):
             raise RecipeError(f"{tokens} image tokens per sample do not split over cp = {plan.cp}", key="parallel.cp")
-        if plan.sp and (tokens // plan.cp) % plan.tp:
+        if plan.sp and (tokens // plan.cp) % plan.tp and not (data.packed_sizes or cache):
             raise RecipeError(f"{tokens // plan.cp} image tokens per CP rank do not split over tp = {plan.tp} "
                               "(sequence parallelism)", key="parallel.sp")
         if arch.in_channels != arch.out_channels * arch.patch_size**2:
@@ -185,7 +183,8 @@ class QwenImage(HFCheckpoint):
         config = qi.transformer_config(arch, plan=plan, precision=precision,
                                        grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         chunks = qi.build_qwen_image(config=config, arch=arch, device=device, recompute=plan.recompute == "full",
-                                     compile_mode=recipe.train.compile_mode if recipe.train.compile else None)
+                                     compile_mode=recipe.train.compile_mode if recipe.train.compile else None,
+                                     cp_comm_type=recipe.model.cp_comm_type)
         step = functools.partial(qi.forward_step, patch=arch.patch_size)
         return Model(chunks=chunks, config=config, kernels="loongforge", forward_step=step, loss_key=LOSS_KEY,
                      lora_targets=self.LORA_TARGETS)

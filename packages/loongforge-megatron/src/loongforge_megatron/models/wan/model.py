@@ -15,7 +15,7 @@ each own a slice of the head's channels, pairs interleaved as diffusers does). T
 convolution, timestep, text, image-encoder tokens) and the output head are small and held whole on every rank.
 
 Context parallelism splits the video tokens over the CP group (Ulysses or ring: see :class:`WanModel`). Packed
-micro-batches of videos of different sizes attend sample by sample (``packing.py``). Sequence parallelism
+micro-batches of videos of different sizes attend sample by sample (``layers/packing.py``). Sequence parallelism
 (``config.sequence_parallel``) splits the residual stream's tokens over the TP ranks as megatron does: the
 column-parallel projections of the video tokens all-gather them, the row-parallel ones reduce-scatter; the text /
 image-token projections of the cross-attention see whole inputs (no sequence split). Pipeline parallelism is not
@@ -40,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_megatron.engine.model import unwrap
 from loongforge_megatron.engine.step import _to_device
 from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+from loongforge_megatron.layers.packing import Packing, attend_segments
 from loongforge_megatron.layers.sequence_parallel import (
     gather_tokens,
     mark_sequence_parallel,
@@ -48,7 +49,6 @@ from loongforge_megatron.layers.sequence_parallel import (
 )
 from loongforge_megatron.layers.ulysses import heads_to_tokens, tokens_to_heads
 from loongforge_megatron.models import flow_matching as fm
-from loongforge_megatron.models.wan.packing import Packing, attend_segments
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""Packed Wan micro-batches: videos of different sizes as one token sequence, each attending only itself.
+"""Packed micro-batches of a diffusion transformer: samples of different sizes (videos, images) as one token
+sequence, each attending only itself.
 
-The samples' patch tokens are joined (frame-major within a sample); ``bounds`` are the samples' token boundaries
-(the ``cu_seqlens`` of the varlen attention). Under context parallelism rank r holds the contiguous tokens
-``[r*T/cp, (r+1)*T/cp)``, which may cut a sample: its queries there attend the sample's whole video (Ulysses
-gathers it, the ring passes it by) and its own text / image tokens::
+The samples' patch tokens are joined; ``bounds`` are the samples' token boundaries (the ``cu_seqlens`` of the
+varlen attention). Under context parallelism rank r holds the contiguous tokens ``[r*T/cp, (r+1)*T/cp)``, which may
+cut a sample: its queries there attend the sample's whole token sequence (Ulysses gathers it, the ring passes it
+by) and its own text::
 
-    tokens   [ video 0 (12) | video 1 (20)  | video 2 (8) ]      T = 40, cp 2
-    rank 0   [ video 0 (12) | video 1 (8)  ]                      texts of videos 0, 1
-    rank 1                  [ video 1 (12) | video 2 (8) ]        texts of videos 1, 2
+    tokens   [ sample 0 (12) | sample 1 (20)  | sample 2 (8) ]      T = 40, cp 2
+    rank 0   [ sample 0 (12) | sample 1 (8)  ]                       texts of samples 0, 1
+    rank 1                   [ sample 1 (12) | sample 2 (8) ]        texts of samples 1, 2
 """
 
 from __future__ import annotations
@@ -34,13 +35,18 @@ class Packing:
     @classmethod
     def of(cls, grids: Sequence[Sequence[int]], *, cp_rank: int = 0, cp_size: int = 1) -> Packing:
         """The packing of samples with patch ``grids`` (frames, rows, columns) on CP rank ``cp_rank``."""
-        counts = tuple(int(f) * int(h) * int(w) for f, h, w in grids)
+        return cls.of_counts([int(f) * int(h) * int(w) for f, h, w in grids], cp_rank=cp_rank, cp_size=cp_size)
+
+    @classmethod
+    def of_counts(cls, counts: Sequence[int], *, cp_rank: int = 0, cp_size: int = 1) -> Packing:
+        """The packing of samples of ``counts`` tokens each on CP rank ``cp_rank``."""
+        counts = tuple(int(c) for c in counts)
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + c)
         total = bounds[-1]
         if total % cp_size:
-            raise ValueError(f"{total} packed video tokens do not split over cp = {cp_size}")
+            raise ValueError(f"{total} packed tokens do not split over cp = {cp_size}")
         start, end = cp_rank * total // cp_size, (cp_rank + 1) * total // cp_size
         present = [i for i in range(len(counts)) if bounds[i] < end and bounds[i + 1] > start]
         first, last = present[0], present[-1] + 1
