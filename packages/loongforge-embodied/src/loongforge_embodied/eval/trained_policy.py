@@ -16,7 +16,7 @@ from loongforge_embodied.eval.served_policy import request_seed
 EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05",
                 "smolvla": "lerobot_smolvla",
                 "xvla": "lerobot_xvla", "groot": "lerobot_groot", "wall_x": "lerobot_wall_x",
-                "fastwam": "lerobot_fastwam"}
+                "fastwam": "lerobot_fastwam", "lingbot_va": "lerobot_lingbot_va"}
 
 
 def policy_dir(path: str | Path) -> Path:
