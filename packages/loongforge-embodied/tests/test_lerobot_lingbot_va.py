@@ -14,7 +14,6 @@ policy answers the openpi client; ddp / zero1 / fsdp2 on 2 gloo ranks give the o
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -50,7 +49,9 @@ def wan(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(wan):
     from loongforge_embodied.policies.lerobot_lingbot_va.configuration_lerobot_lingbot_va import PRESETS
-    from loongforge_embodied.policies.lerobot_lingbot_va.modeling_lerobot_lingbot_va import LeRobotLingBotVAModel
+    from loongforge_embodied.policies.lerobot_lingbot_va.modeling_lerobot_lingbot_va import (
+        LeRobotLingBotVAModel,
+    )
     from loongforge_embodied.policies.lerobot_lingbot_va.processor_lerobot_lingbot_va import prepare_batch
 
     arch = PRESETS["tiny"].with_overrides(wan=str(wan))

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from loongforge_embodied.policies.lerobot_export import staged_dir
-from loongforge_embodied.policies.lerobot_lingbot_va.configuration_lerobot_lingbot_va import LeRobotLingBotVAArch
+from loongforge_embodied.policies.lerobot_lingbot_va.configuration_lerobot_lingbot_va import (
+    LeRobotLingBotVAArch,
+)
 
 SIDECAR = "loongforge.json"
 STATS_PREFIX = "stats."
@@ -59,7 +61,9 @@ def load_model(path: str | Path):
     from loongforge.errors import CheckpointError
     from safetensors.torch import load_file
 
-    from loongforge_embodied.policies.lerobot_lingbot_va.modeling_lerobot_lingbot_va import LeRobotLingBotVAModel
+    from loongforge_embodied.policies.lerobot_lingbot_va.modeling_lerobot_lingbot_va import (
+        LeRobotLingBotVAModel,
+    )
 
     path = Path(path)
     sidecar = path / SIDECAR
