@@ -259,7 +259,9 @@ def test_recipe_trains_on_a_lerobot_dataset_exports_for_lerobot_and_serves(wan, 
                "observation.state": np.array([0.5, -0.5], np.float32), "prompt": "push the block"}
     with PolicyServer(served, port=0, batch_wait_s=0.0) as server:
         client = WebsocketClientPolicy(host=server.address)
-        assert client.get_server_metadata()["features"][CAM]["shape"] == [32, 32, 3]
+        meta = client.get_server_metadata()
+        assert meta["features"][CAM]["shape"] == [32, 32, 3]
+        assert meta["chunk_size"] == meta["n_action_steps"] == ours.arch.served_steps
         actions = client.infer(request)["actions"]
     assert actions.shape == (ours.arch.served_steps, 2) and np.isfinite(actions).all()
     np.testing.assert_allclose(actions, served.infer_batch([request])[0]["actions"], rtol=0, atol=1e-6)
