@@ -208,6 +208,23 @@ def test_recompute_keeps_the_loss_and_gradients(tiny):
     assert len(other.wrap_units()) == arch.num_layers
 
 
+
+def test_bf16_frozen_parts_keep_the_loss_close(tiny):
+    """``frozen_dtype: bfloat16`` (the published preset's) holds the VAE and text encoder in bf16; the transformer
+    stays fp32 and the loss stays within bf16's precision of the fp32 one."""
+    from loongforge_embodied.policies.lerobot_lingbot_va.modeling_lerobot_lingbot_va import (
+        LeRobotLingBotVAModel,
+    )
+
+    arch, model, _, _, inp = tiny
+    inp = {**inp, **_draws(1, b=2, arch=arch)}
+    half = LeRobotLingBotVAModel(arch.with_overrides(frozen_dtype="bfloat16"))
+    half.load_state_dict(model.state_dict())
+    assert all(next(m.parameters()).dtype == torch.bfloat16 for m in half._frozen.values())
+    assert all(p.dtype == torch.float32 for p in half.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(half(inp), model(inp), rtol=0.05, atol=1e-3)
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("lerobot") / "tiny")
