@@ -27,16 +27,17 @@ class ModelConfig(Section):
     State / action sizes and the camera count come from the dataset."""
 
     policy: Literal["tiny_vla", "groot", "lerobot_pi05", "lerobot_smolvla",
-                    "lerobot_xvla", "lerobot_groot", "lerobot_wall_x", "lerobot_fastwam"] = "tiny_vla"
+                    "lerobot_xvla", "lerobot_groot", "lerobot_wall_x", "lerobot_fastwam",
+                    "lerobot_lingbot_va"] = "tiny_vla"
     preset: str = Field("tiny", description="named size of the policy (tiny_vla: tiny | pi05; groot: tiny | n1.5; "
                         "lerobot_pi05: tiny | pi05; lerobot_smolvla: tiny | smolvla; "
                         "lerobot_xvla: tiny | xvla; lerobot_groot: tiny | n1_7; lerobot_wall_x: tiny | wall_oss; "
-                        "lerobot_fastwam: tiny | fastwam)")
+                        "lerobot_fastwam: tiny | fastwam; lerobot_lingbot_va: tiny | lingbot_va)")
     arch: dict[str, int | str | None] = Field(
         default_factory=dict, description="overrides of the preset's fields (sizes; lerobot_pi05 also its tokenizer "
         "and prompt padding; lerobot_smolvla and lerobot_groot their VLM directory; lerobot_wall_x its Wall-X "
         "directory; lerobot_xvla its Florence-2 and tokenizer directories; lerobot_fastwam its Wan2.2 and tokenizer "
-        "directories), each checked against the field's type")
+        "directories; lerobot_lingbot_va its Wan directory), each checked against the field's type")
     freeze: list[Literal["vision", "language", "expert", "video", "action"]] = Field(
         default_factory=list, description="components kept frozen (and unsharded under fsdp2/hsdp); a VLA's are "
         "vision, language, expert, a world-action model's video, action")

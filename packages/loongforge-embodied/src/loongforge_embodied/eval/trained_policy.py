@@ -16,7 +16,7 @@ from loongforge_embodied.eval.served_policy import request_seed
 EXPORT_TYPES = {"loongforge_tiny_vla": "tiny_vla", "loongforge_groot": "groot", "pi05": "lerobot_pi05",
                 "smolvla": "lerobot_smolvla",
                 "xvla": "lerobot_xvla", "groot": "lerobot_groot", "wall_x": "lerobot_wall_x",
-                "fastwam": "lerobot_fastwam"}
+                "fastwam": "lerobot_fastwam", "lingbot_va": "lerobot_lingbot_va"}
 
 
 def policy_dir(path: str | Path) -> Path:
@@ -66,7 +66,9 @@ class TrainedPolicy:
         self.state_key = state_key
         self.spec[state_key] = vector(a.state_dim)
         self.prompt = "optional" if task else "required"
-        self.n_action_steps = n_action_steps or a.chunk_size
+        # NOTE: a world model conditioned on its first frame (LingBot-VA) answers fewer actions than it trains on
+        self.chunk_size = getattr(a, "served_steps", a.chunk_size)
+        self.n_action_steps = n_action_steps or self.chunk_size
         self._noise_dim = getattr(a, "max_action_dim", a.action_dim)
         # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers
         # do: the statistics stay there and only its batch goes to the policy's device
@@ -110,7 +112,7 @@ class TrainedPolicy:
     def metadata(self) -> dict[str, Any]:
         a = self.model.arch
         return {"policy": self.name, "features": {k: f.to_dict() for k, f in self.spec.items()},
-                "prompt": self.prompt, "task": self.task, "action_dim": a.action_dim, "chunk_size": a.chunk_size,
+                "prompt": self.prompt, "task": self.task, "action_dim": a.action_dim, "chunk_size": self.chunk_size,
                 "n_action_steps": self.n_action_steps}
 
     def infer_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, np.ndarray]]:

@@ -16,7 +16,7 @@ another's modules, and validating a recipe imports no torch):
 - where LeRobot loads our export (tiny_vla, groot), the same two modules also hold LeRobot's config and policy
   classes (``from_pretrained``, ``select_action``), made on first access so that choosing a preset imports no
   lerobot (the lerobot_* policies export LeRobot's own types instead: ``pi05``, ``smolvla``, ``xvla``, ``groot``,
-  ``wall_x``, ``fastwam``).
+  ``wall_x``, ``fastwam``, ``lingbot_va``).
 
 What the folders share lives next to them: ``arch.ArchMixin`` (``with_overrides``/``to_dict`` of the size
 dataclasses), ``byte_tokens`` (tiny_vla's and groot's task tokenizer), ``flow_noise`` (noise for padded action
@@ -118,6 +118,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lerobot_groot": PolicySpec("lerobot_groot", "LeRobotGrootModel"),
     "lerobot_wall_x": PolicySpec("lerobot_wall_x", "LeRobotWallXModel"),
     "lerobot_fastwam": PolicySpec("lerobot_fastwam", "LeRobotFastWAMModel"),
+    "lerobot_lingbot_va": PolicySpec("lerobot_lingbot_va", "LeRobotLingBotVAModel"),
 }
 
 
