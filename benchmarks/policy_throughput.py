@@ -4,13 +4,13 @@
 
     python benchmarks/policy_throughput.py --policy lerobot_groot --batch 32 --steps 20      # one GPU
     python benchmarks/policy_throughput.py --policy lerobot_fastwam --batch 8 --steps 20     # one GPU
-    python benchmarks/policy_throughput.py --policy lerobot_groot --smoke   # CPU, tiny towers, 2 steps: checks the script
+    python benchmarks/policy_throughput.py --policy lerobot_groot --smoke    # CPU, tiny towers, 2 steps
 
-What trains is LeRobot's default fine-tuning: GR00T N1.7's backbone frozen and its action head trained (``GrootConfig``
-``tune_llm`` / ``tune_visual`` off; ours ``model.freeze=[vision,language]``); FastWAM's video expert frozen and the
-action expert trained (``freeze_video_expert``, with ``loss.lambda_video`` 0 as its docs ask; ours
-``model.freeze=[video]``, ``video_loss_percent=0``). ``--train all`` trains FastWAM whole (the 5B video DiT's AdamW
-state does not fit one 80 GB GPU at 30 layers: pair it with ``--layers``).
+What trains is LeRobot's default fine-tuning: GR00T N1.7's backbone frozen and its action head trained (1.6B of
+3.1B; ``GrootConfig`` ``tune_llm`` / ``tune_visual`` off, ours ``model.freeze=[vision,language]``); FastWAM's video
+expert frozen and its 1.0B action expert trained (``freeze_video_expert``, with ``loss.lambda_video`` 0 as its docs
+ask; ours ``model.freeze=[video]``, ``video_loss_percent=0``). ``--train all`` trains FastWAM whole (the 5B video
+DiT's weights, gradients and AdamW state take 80 GB at 30 layers: pair it with ``--layers``).
 
 The towers are written here with random weights at the published sizes (no download): GR00T's backbone a Qwen3-VL
 directory of Cosmos-Reason2-2B's sizes (Qwen3-VL-2B), FastWAM's frozen parts a Wan2.2-TI2V-5B VAE and a UMT5-XXL
@@ -43,8 +43,8 @@ PRESET = {"lerobot_groot": "n1_7", "lerobot_fastwam": "fastwam"}
 WAN_HUB_ID = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"  # where LeRobot's FastWAM reads its VAE (a fixed hub id)
 
 # GR00T N1.7's backbone: Cosmos-Reason2-2B's architecture (Qwen3-VL-2B's config.json sizes), and the tests' tiny one
-QWEN_SPECIAL = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
-                "vision_end_token": "<|vision_end|>"}
+QWEN_SPECIAL = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
 QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == "
                  "'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
                  "<|im_end|>\n{% endfor %}")
@@ -53,8 +53,8 @@ QWEN3_VL = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5000000.0,
                    "max_position_embeddings": 262144,
                    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
-                  {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
-                   "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                  {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                   "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
                    "deepstack_visual_indexes": [5, 11, 17], "num_position_embeddings": 2304},
                   {"shortest_edge": 65536, "longest_edge": 16777216}),
     "tiny": ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
