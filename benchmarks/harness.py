@@ -117,6 +117,52 @@ def job_steps(job, *, steps: int, device: str) -> dict:
     return {"losses": losses, "times": times, "peak_gib": peak_gib(device)}
 
 
+def init_sum(params) -> float:
+    """The sum of ``params`` (float64) before any step: equal on two sides that start from the same weights."""
+    return float(sum(p.detach().double().sum() for p in params))
+
+
+def run_job(recipe: Path, overrides: list[str], *, steps: int, device: str, items: int) -> dict:
+    """LoongForge's side of a policy benchmark: the job of ``recipe`` + ``overrides`` (a scratch output folder, no
+    checkpoints) stepped ``steps`` times, data loading included; adds the trainable parameters (M) and their
+    :func:`init_sum`."""
+    from loongforge.api import build_job, load_recipe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job, _ = build_job(load_recipe(recipe, overrides), output_dir=tmp)
+        try:
+            start = init_sum(job.trainable)
+            res = job_steps(job, steps=steps, device=device)
+            res.update(trainable_m=sum(p.numel() for p in job.trainable) / 1e6, init_sum=start)
+        finally:
+            job.close()
+    return {**res, "items": items}
+
+
+def lerobot_step(policy, batch: dict, *, device: str) -> tuple[Callable[[], float], list]:
+    """A LeRobot policy's training step as ``lerobot-train`` takes it (``lerobot_train.update_policy``): forward
+    under bf16 autocast (on CUDA), backward, clip to the policy's preset norm, then the optimizer its config's preset
+    builds over ``policy.get_optim_params()`` (as ``make_optimizer_and_scheduler`` does). Returns the step (it
+    returns the loss) and the trainable parameters."""
+    import torch
+
+    preset = policy.config.get_optimizer_preset()
+    opt = preset.build(policy.get_optim_params())
+    params = [p for p in policy.parameters() if p.requires_grad]
+    cuda = device.startswith("cuda")
+
+    def step():
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = policy.forward(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, preset.grad_clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, params
+
+
 def hardware(device: str) -> str:
     """What ran it: the GPU's name and count, or the CPU."""
     import torch

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run.sh NAME OUT
 #
-# NAME: llm | moe | dsa | fp8 | vlm | dit | wan | qwen_image | vla | smolvla | eval | kernels | convert | scaling | hetero_vlm   (benchmarks/README.md says what each measures)
+# NAME: llm | moe | dsa | fp8 | vlm | dit | wan | qwen_image | vla | smolvla | groot | fastwam | eval | kernels | convert | scaling | hetero_vlm   (benchmarks/README.md says what each measures)
 # OUT:  a folder; gets gpu.txt (the GPUs), <step>.log for every step (its last 25 lines also on stdout) and the
 #       step's report (<step>.md). Each benchmark also appends its rows to benchmarks/results/<script>.md.
 #
@@ -15,7 +15,7 @@
 # Every step has its own timeout, so a slow step costs only itself.
 set -uo pipefail
 shopt -s nullglob
-names="llm | moe | dsa | fp8 | vlm | dit | wan | qwen_image | vla | smolvla | eval | kernels | convert | scaling | hetero_vlm"
+names="llm | moe | dsa | fp8 | vlm | dit | wan | qwen_image | vla | smolvla | groot | fastwam | eval | kernels | convert | scaling | hetero_vlm"
 name=${1:?usage: bash benchmarks/run.sh NAME OUT   (NAME: $names)}
 out=${2:?usage: bash benchmarks/run.sh NAME OUT}
 [[ " ${names//|/ } " == *" $name "* ]] || { echo "unknown benchmark '$name' ($names)" >&2; exit 2; }
@@ -125,6 +125,16 @@ case $name in
   smolvla)
     step smolvla_throughput 500 python3 benchmarks/smolvla_throughput.py --batch 64 --steps 20 --warmup 5 \
       --timeout 240 --out "$out/smolvla_throughput.md"
+    ;;
+  groot)  # GR00T N1.7 at its published size (backbone frozen); the towers and its random init written first
+    step groot_throughput 900 python3 benchmarks/policy_throughput.py --policy lerobot_groot --batch 32 --steps 20 \
+      --warmup 5 --timeout 360 --out "$out/groot_throughput.md"
+    ;;
+  fastwam)  # FastWAM at its published size: the action expert (video expert frozen), then all of it at 8 layers
+    fastwam=(python3 benchmarks/policy_throughput.py --policy lerobot_fastwam --steps 15 --warmup 4)
+    step fastwam_action 1000 "${fastwam[@]}" --batch 8 --timeout 420 --out "$out/fastwam_action.md"
+    step fastwam_all_8_layers 800 "${fastwam[@]}" --batch 8 --train all --layers 8 --timeout 330 \
+      --out "$out/fastwam_all_8_layers.md"
     ;;
   eval)
     step eval_pusht 560 bash benchmarks/pusht_closed_loop.sh "$out/eval"

@@ -95,8 +95,28 @@ def test_smolvla_benchmark_smoke(load, tmp_path):
         assert "error" not in r, r
         assert len(r["losses"]) == 2 and r["rate"] > 0
     assert rows["loongforge"]["trainable_m"] == rows["lerobot_step"]["trainable_m"] > 0
+    assert rows["loongforge"]["init_sum"] == pytest.approx(rows["lerobot_step"]["init_sum"], rel=1e-9)  # same init
     assert (tmp_path / "r.md").read_text().rstrip().splitlines()[-1].startswith("loongforge / lerobot_step: ")
     assert len(_table_rows(tmp_path / "smolvla_throughput.md")) == 2
+
+
+@pytest.mark.parametrize("policy", ["lerobot_groot", "lerobot_fastwam"])
+def test_policy_benchmark_smoke(load, tmp_path, policy):
+    """GR00T N1.7 / FastWAM: both sides train the same parameters (LeRobot's tune_* / freeze_video_expert = our
+    model.freeze) from the same random init; the ratio prints last; one row per side in the table."""
+    rows = load("policy_throughput").main(["--policy", policy, "--smoke", "--results", str(tmp_path),
+                                           "--out", str(tmp_path / "r.md")])
+    assert set(rows) == {"loongforge", "lerobot_step"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["rate"] > 0
+    ours, peer = rows["loongforge"], rows["lerobot_step"]
+    assert ours["trainable_m"] == peer["trainable_m"] > 0
+    assert ours["init_sum"] == pytest.approx(peer["init_sum"], rel=1e-9)
+    assert (tmp_path / "r.md").read_text().rstrip().splitlines()[-1].startswith("loongforge / lerobot_step: ")
+    table = _table_rows(tmp_path / "policy_throughput.md")
+    assert [line.split(" | ")[3] for line in table] == ["loongforge", "lerobot_step"]
+    assert table[0].split(" | ")[2].startswith(policy)
 
 
 def test_checkpoint_convert_memory_smoke(load, tmp_path):
