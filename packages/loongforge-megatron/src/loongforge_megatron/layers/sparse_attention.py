@@ -104,8 +104,11 @@ class LightningIndexer(torch.nn.Module):
 
 def index_scores(q: Tensor, k: Tensor, w: Tensor, future: Tensor) -> Tensor:
     """``score[b, t, j] = sum_h w[t, h] * relu(q[t, h] . k[j] * D**-0.5)``, -inf where ``future`` [t, j]:
-    ``q`` [t, b, H, D], ``k`` [keys, b, D], ``w`` [t, b, H] -> ``[b, t, keys]`` fp32."""
-    scores = torch.einsum("sbhd,tbd->bsht", q.float(), k.float()) * q.shape[-1] ** -0.5
+    ``q`` [t, b, H, D], ``k`` [keys, b, D], ``w`` [t, b, H] -> ``[b, t, keys]`` fp32.
+
+    NOTE: the dot products run in the projections' dtype (bf16 on GPU: tensor cores, fp32 accumulation; DeepSeek's
+    own indexer runs them in FP8), the ReLU and the head sum in fp32."""
+    scores = torch.einsum("sbhd,tbd->bsht", q, k).float() * q.shape[-1] ** -0.5
     scores = torch.einsum("bsht,sbh->bst", F.relu(scores), w)
     return scores.masked_fill(future, float("-inf"))
 
@@ -151,7 +154,8 @@ def indexer_kl_loss(scores: Tensor, query: Tensor, key: Tensor, *, scale: float,
     from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss as kl
 
     with torch.no_grad():
-        attn = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * scale
+        # NOTE: the logits in the attention's own dtype (as its kernels compute them), the softmax in fp32
+        attn = torch.einsum("sbhd,tbhd->bhst", query, key).float() * scale
         target = attn.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1).sum(1)
         del attn
         if tp_group is not None and tp_group.size() > 1:
