@@ -96,11 +96,13 @@ def run_ours(args, compiled: bool = False) -> dict:
         "accelerator": args.device,
         "logging": {"tensorboard": False, "interval": 5, "console": False},
     }
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
-    job, _ = loongforge.build_job(loongforge.load_recipe(tmp / "r.yaml"), output_dir=tmp / "run")
-    res = harness.job_steps(job, steps=args.steps, device=args.device)
-    job.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "r.yaml").write_text(yaml.safe_dump(recipe))
+        job, _ = loongforge.build_job(loongforge.load_recipe(Path(tmp) / "r.yaml"), output_dir=Path(tmp) / "run")
+        try:
+            res = harness.job_steps(job, steps=args.steps, device=args.device)
+        finally:
+            job.close()
     return _items(args, res)
 
 

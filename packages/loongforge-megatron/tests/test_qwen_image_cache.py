@@ -153,3 +153,35 @@ def test_cache_settings_are_checked_at_validate(capsys):
         assert main(["validate", str(RECIPE), "data.format=latent_cache", "data.path=/tmp/x", override]) == 2
         err = capsys.readouterr().err
         assert f"'{key}" in err and err.count("\n") == 1, err
+
+
+def test_a_cache_of_another_text_width_is_refused_and_old_indexes_read(tmp_path, sources):
+    """A cache whose prepared.json records another text width is one line naming data.path and the command that
+    rebuilds it; an index in the first caches' layout ("clips") still reads."""
+    import json
+    import shutil
+
+    from loongforge.errors import RecipeError
+    from loongforge_megatron.models import latent_cache as lc
+    from loongforge_megatron.models.flow_matching import FlowMatching
+    from loongforge_megatron.models.qwen_image.cache import LatentImages
+
+    assert main(["data", "prepare", str(RECIPE), *keys(sources, tmp_path / "cache")]) == 0
+    recipe = loongforge.load_recipe(RECIPE, keys(sources, tmp_path / "cache"))
+    arch = recipe.model.arch()
+
+    def open_cache():
+        return LatentImages(path=str(tmp_path / "cache"), arch=arch, data=recipe.data, objective=FlowMatching(),
+                            seed=1, parts=1, rope_positions=4096)
+
+    assert len(open_cache()) == len(IMAGES)
+    done = json.loads((tmp_path / "cache" / lc.DONE).read_text())
+    (tmp_path / "cache" / lc.DONE).write_text(json.dumps({**done, "text_dim": TEXT_DIM + 1}))
+    with pytest.raises(RecipeError) as err:
+        open_cache()
+    assert err.value.key == "data.path" and "prepare --force" in str(err.value) and "\n" not in str(err.value)
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "cache", old)
+    index = json.loads((old / lc.INDEX).read_text())
+    (old / lc.INDEX).write_text(json.dumps({"clips": index["records"]}))
+    assert lc.read_index(old)[1] == index["records"]

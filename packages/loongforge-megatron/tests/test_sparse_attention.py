@@ -226,10 +226,15 @@ def _recipe(tmp_path, hf_dir, *, name, parallel=None, dsa=None, **train):
     return path
 
 
-def _train(*, rank, world, recipe_path, run_dir, watch=(), export=None):
+def _train(*, rank, world, recipe_path, run_dir, watch=(), export=None, block_elements=None):
     """Step 1's micro-batches, every step's metrics, and snapshots (before, after each step) of the parameters
-    whose names contain one of ``watch``; in a rank. ``export``: first write the loaded model there as HF."""
+    whose names contain one of ``watch``; in a rank. ``export``: first write the loaded model there as HF.
+    ``block_elements``: the indexer's query blocks that small (several blocks per sequence)."""
     import loongforge
+    from loongforge_megatron.layers import sparse_attention
+
+    if block_elements is not None:
+        sparse_attention.BLOCK_ELEMENTS = block_elements
 
     job, _ = loongforge.build_job(loongforge.load_recipe(recipe_path), output_dir=run_dir)
     try:
@@ -331,8 +336,9 @@ def test_tp2_ep2_first_step_equals_transformers(tmp_path, v32_hf, reference_loss
 
     v32_hf = _even_vocab(v32_hf, tmp_path / "even")
     recipe = _recipe(tmp_path, v32_hf, name="tp2ep2", parallel={"tp": 2, "ep": 2, "sp": True})
+    # NOTE: the indexer in blocks of a few queries: the KL target's TP all-reduce runs in each checkpointed block
     out = ranks(_train, world=4, out=tmp_path / "ranks", recipe_path=recipe, run_dir=tmp_path / "run",
-                export=tmp_path / "export")
+                export=tmp_path / "export", block_elements=2048)
     a, b = SafetensorsReader(v32_hf), SafetensorsReader(tmp_path / "export")
     assert sorted(a.keys()) == sorted(b.keys())
     assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
@@ -376,7 +382,9 @@ def test_cp2_equals_one_process_in_the_warmup_and_the_sparse_phase(tmp_path, v32
     one = ranks(_train, world=1, out=tmp_path / "one", recipe_path=_recipe(tmp_path, v32_hf, name="one", dsa=dsa,
                                                                            steps=5), run_dir=tmp_path / "run1")[0][1]
     recipe = _recipe(tmp_path, v32_hf, name="cp2", parallel={"cp": 2}, dsa=dsa, steps=5)
-    two = [r[1] for r in ranks(_train, world=2, out=tmp_path / "two", recipe_path=recipe, run_dir=tmp_path / "run2")]
+    # NOTE: the CP ranks' indexer in blocks of a few queries (the causal mask sliced per block), one process in one
+    two = [r[1] for r in ranks(_train, world=2, out=tmp_path / "two", recipe_path=recipe, run_dir=tmp_path / "run2",
+                               block_elements=2048)]
     assert [m["dsa_sparse"] for m in one] == [0.0, 0.0, 1.0, 1.0, 1.0]
     for metrics in two:
         assert [m["dsa_sparse"] for m in metrics] == [m["dsa_sparse"] for m in one]

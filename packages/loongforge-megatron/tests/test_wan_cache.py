@@ -201,7 +201,8 @@ def test_video_files_cache_like_the_same_frames_as_a_folder(tmp_path, ranks, sou
     bad = tmp_path / "bad"
     bad.mkdir()
     cases = [("random bytes", lambda p: p.write_bytes(bytes(range(256)) * 64), "not a readable video"),
-             ("truncated", lambda p: p.write_bytes((root / "as_video.mp4").read_bytes()[:300]), "video"),
+             ("truncated", lambda p: p.write_bytes((root / "as_video.mp4").read_bytes()[:300]),
+              "not a readable video"),
              ("no caption", lambda p: _write_video(p, frames[:1]), "has no caption"),
              ("odd size", lambda p: _write_video(p, [f[:, :24] for f in frames[:1]]), "multiples of 16")]
     for what, make, fragment in cases:

@@ -66,8 +66,7 @@ class TrainedPolicy:
         self.state_key = state_key
         self.spec[state_key] = vector(a.state_dim)
         self.prompt = "optional" if task else "required"
-        # NOTE: a world model conditioned on its first frame (LingBot-VA) answers fewer actions than it trains on
-        self.chunk_size = getattr(a, "served_steps", a.chunk_size)
+        self.chunk_size = a.served_steps
         self.n_action_steps = n_action_steps or self.chunk_size
         self._noise_dim = getattr(a, "max_action_dim", a.action_dim)
         # NOTE: the processor builds its tensors (tokens, normalised state) on the CPU, as training's data workers

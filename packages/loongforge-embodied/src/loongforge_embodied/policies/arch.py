@@ -53,3 +53,9 @@ class ArchMixin:
         d = asdict(self)
         d.pop("stats")
         return d
+
+    @property
+    def served_steps(self) -> int:
+        """Actions one inference answers (what a server's metadata gives as ``chunk_size``): the trained chunk,
+        unless a policy answers fewer (a world model conditioned on its first frame drops that frame's)."""
+        return self.chunk_size

@@ -41,12 +41,13 @@ def regular_file(path: Path, *, limit: int, key: str) -> None:
 
 def read_image(path: Path, *, key: str, what: str = "image") -> torch.Tensor:
     """An image file (any format PIL reads) as RGB ``uint8 [H, W, 3]``."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     regular_file(path, limit=MAX_IMAGE_BYTES, key=key)
     try:
         with Image.open(path) as im:
-            rgb = im.convert("RGB")
+            # NOTE: upright as diffusers' load_image turns it (a camera's EXIF orientation applied)
+            rgb = ImageOps.exif_transpose(im).convert("RGB")
             rgb.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         # NOTE: PIL's unreadable / truncated files, bad headers, oversized images
@@ -97,13 +98,25 @@ def read_index(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                           key="data.path")
     try:
         done = json.loads((root / DONE).read_text())
-        records = json.loads((root / INDEX).read_text())["records"]
+        index = json.loads((root / INDEX).read_text())
+        # NOTE: "clips": the name the first Wan caches gave the list
+        records = index["records"] if "records" in index else index["clips"]
         if not isinstance(done, dict) or not isinstance(records, list) or not all(
                 isinstance(r, dict) for r in records):
             raise TypeError("not an object with a list of records")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RecipeError(f"{root / INDEX}: not a latent cache index ({str(exc)[:120]})", key="data.path") from None
     return done, records
+
+
+def check_widths(root: Path, done: dict[str, Any], **widths: int | None) -> None:
+    """The embedding widths the cache was prepared with (``prepared.json``) are the model's (``widths``: a key of it
+    -> the model's value; a cache that does not record one is not checked)."""
+    for key, want in widths.items():
+        have = done.get(key)
+        if have is not None and have != want:
+            raise RecipeError(f"{root} was prepared for another model ({key} {have}, this model's is {want}): run "
+                              "loongforge data prepare --force with this recipe", key="data.path")
 
 
 def write_index(root: Path, records: list[dict[str, Any]], **done: Any) -> None:

@@ -48,8 +48,9 @@ def load_tokenizer(name: str):
     try:
         return lerobot_load(folder, subfolder="tokenizer")
     except Exception as e:  # NOTE: a broken tokenizer file fails in many ways (OSError, ValueError, KeyError, ...)
-        raise RecipeError(f"'{name}' has no tokenizer/ that loads: {type(e).__name__}: {e}",
-                          key="model.arch.wan") from e
+        detail = str(e).splitlines()[0][:160] if str(e) else ""
+        raise RecipeError(f"'{name}' has no tokenizer/ that loads: {type(e).__name__}: {detail}",
+                          key="model.arch.wan") from None
 
 
 def tokenize(prompts: list[str], *, arch: LeRobotLingBotVAArch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -136,7 +136,7 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         save_file({"x0": x0.contiguous(), "text": text_of(caption)}, out / file)
         records.append({"image": path.name, "file": file, "shape": list(x0.shape), "caption": caption})
     save_file({"text": text_of("")}, out / EMPTY)
-    lc.write_index(out, records)
+    lc.write_index(out, records, text_dim=arch.joint_attention_dim)
     return out
 
 
@@ -151,7 +151,8 @@ class LatentImages:
     def __init__(self, *, path: str, arch: Any, data: Any, objective: Any, seed: int, parts: int,
                  rope_positions: int):
         root = Path(path)
-        _, records = lc.read_index(root)
+        done, records = lc.read_index(root)
+        lc.check_widths(root, done, text_dim=arch.joint_attention_dim)
         try:
             shapes = [tuple(int(n) for n in r["shape"]) for r in records]
             self.files = [root / str(r["file"]) for r in records]

@@ -3,7 +3,7 @@
 Input (``data.frames``): one folder per clip, its frames as ``*.png`` (in name order, all one size, ``1 + 4k``
 of them for a temporal compression of 4) and its ``caption.txt``; or a video file per clip, ``<clip>.mp4`` (any
 codec FFmpeg decodes, through PyAV; also ``.mov`` / ``.mkv`` / ``.webm`` / ``.avi``; its first ``1 + 4k``
-frames, the most there are) with its caption beside it in ``<clip>.txt``::
+frames, the most there are up to 1,025) with its caption beside it in ``<clip>.txt``::
 
     frames/clip_a/000.png 001.png ... caption.txt
     frames/clip_b.mp4 clip_b.txt
@@ -32,7 +32,7 @@ from loongforge.errors import RecipeError
 from loongforge_megatron.models import latent_cache as lc
 
 MAX_VIDEO_BYTES = 4 << 30
-MAX_VIDEO_FRAMES = 1 + 4 * 256  # NOTE: a longer video is many clips: cut it before
+MAX_VIDEO_FRAMES = 1 + 4 * 256  # NOTE: the frames read of a longer video (cut it into clips to use the rest)
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 KEY = "data.frames"
 
@@ -68,8 +68,9 @@ def read_clip(folder: Path, *, temporal: int, multiple: int) -> tuple[torch.Tens
 
 
 def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tensor, str]:
-    """A video file's first ``1 + k * temporal`` frames (the most it has) ``[3, F, H, W]`` in [-1, 1], decoded by
-    PyAV, and its caption (``<stem>.txt`` beside it); H and W must be multiples of ``multiple``."""
+    """A video file's first ``1 + k * temporal`` frames (the most it has, up to :data:`MAX_VIDEO_FRAMES`)
+    ``[3, F, H, W]`` in [-1, 1], decoded by PyAV, and its caption (``<stem>.txt`` beside it); H and W must be
+    multiples of ``multiple``."""
     import av
 
     lc.regular_file(path, limit=MAX_VIDEO_BYTES, key=KEY)
@@ -79,9 +80,16 @@ def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tenso
             if not container.streams.video:
                 raise _bad(path, "holds no video stream")
             for frame in container.decode(container.streams.video[0]):
+                pixels = torch.from_numpy(frame.to_ndarray(format="rgb24"))
+                h, w = pixels.shape[:2]
+                if not frames and (w % multiple or h % multiple):
+                    raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
+                if frames and pixels.shape != frames[0].shape:
+                    raise _bad(path, f"changes size at frame {len(frames)} ({w} x {h}, the first frame "
+                               f"{frames[0].shape[1]} x {frames[0].shape[0]})")
+                frames.append(pixels)
                 if len(frames) == MAX_VIDEO_FRAMES:
-                    raise _bad(path, f"holds more than {MAX_VIDEO_FRAMES} frames; cut it into clips")
-                frames.append(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+                    break
     except RecipeError:
         raise
     except (av.FFmpegError, OSError, ValueError) as exc:  # NOTE: unreadable containers, corrupt streams
@@ -89,9 +97,6 @@ def read_video(path: Path, *, temporal: int, multiple: int) -> tuple[torch.Tenso
         raise _bad(path, f"is not a readable video ({detail})") from None
     if not frames:
         raise _bad(path, "holds no frames")
-    h, w = frames[0].shape[:2]
-    if w % multiple or h % multiple:
-        raise _bad(path, f"is {w} x {h} pixels; width and height must be multiples of {multiple}")
     frames = frames[:1 + (len(frames) - 1) // temporal * temporal]
     caption = lc.read_caption(path.with_suffix(".txt"), owner=path, key=KEY)
     video = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
@@ -248,7 +253,7 @@ def prepare(recipe: Any, *, force: bool = False) -> Path:
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / file)
         records.append({"clip": name, "file": file, "shape": list(x0.shape), "caption": caption})
     lc.write_index(out, records, text_length=data.text_length, condition=condition,
-                   image=enc.image_encoder is not None)
+                   image=enc.image_encoder is not None, text_dim=arch.text_dim, image_dim=arch.image_dim)
     return out
 
 
@@ -268,6 +273,7 @@ class LatentCache:
         except (ValueError, KeyError, TypeError) as exc:
             raise RecipeError(f"{root / lc.INDEX}: not a latent cache index ({str(exc)[:120]})",
                               key="data.path") from None
+        lc.check_widths(root, done, text_dim=arch.text_dim, image_dim=arch.image_dim)
         self.keys = {"condition": arch.in_channels - arch.out_channels, "image": arch.image_dim is not None}
         for key, wanted in self.keys.items():
             if done.get(key, 0 if key == "condition" else False) != wanted:
