@@ -129,7 +129,7 @@ def test_packed_rows_restart_positions_at_every_sample(tmp_path, sft_tokenizer):
         bounds = row["cu_seqlens"].tolist()
         assert bounds[0] == 0 and bounds[-1] == 128 and all(b % 4 == 0 for b in bounds)
         assert len(bounds) == len(ds.rows[i]) + 1
-        for a, b, sample in zip(bounds, bounds[1:-1] + [None], ds.rows[i]):
+        for a, b, sample in zip(bounds, bounds[1:-1] + [None], ds.rows[i], strict=False):
             n = min(lengths[sample], 128 - a)
             assert row["position_ids"][a : a + n].tolist() == list(range(n))  # restarts at every sample
             if b is not None:  # its last label (padding or the next sample's first token) is never trained

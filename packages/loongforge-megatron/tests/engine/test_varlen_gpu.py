@@ -96,7 +96,7 @@ def _cuda_run(*, rank: int, world: int) -> dict[str, Any]:
             out["packed_calls"] = {k: calls[k] - before[k] for k in calls}
             separate = torch.cat([forward({"tokens": tokens[a:b][None], "labels": labels[a:b][None],
                                            "loss_mask": torch.ones(1, b - a), "position_ids": torch.arange(b - a)[None]})[0]
-                                  for a, b in zip(cum, cum[1:])]).float()
+                                  for a, b in zip(cum, cum[1:], strict=False)]).float()
         out["packed_loss"], out["separate_loss"] = float(packed.mean()), float(separate.mean())
         out["token_max_err"] = float((packed - separate).abs().max())
 

@@ -145,7 +145,7 @@ def _packed_gpt(*, rank: int, world: int) -> dict[str, Any]:
         if world == 1:
             with torch.no_grad():
                 separate = []
-                for a, b in zip(bounds, bounds[1:]):
+                for a, b in zip(bounds, bounds[1:], strict=False):
                     separate.append(losses(tokens[a:b], labels[a:b], packed=False))
                 out["separate"] = torch.cat(separate)
                 perturbed = tokens.clone()

@@ -44,7 +44,7 @@ def check_cu_seqlens(cu_seqlens: Any, *, total: int | None = None, multiple_of: 
         bounds = [int(x) for x in cu_seqlens]
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(f"{what} must start at 0 and hold at least one sample, got {_short(bounds)}")
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     if any(n < 0 for n in lengths):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{what} must be non-decreasing, but entry {i + 1} ({bounds[i + 1]}) < entry {i} "
@@ -75,7 +75,7 @@ def packed_seq_params(cu_seqlens: Any, *, total: int | None = None, multiple_of:
 
     bounds = check_cu_seqlens(cu_seqlens, total=total, multiple_of=multiple_of)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    longest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                              max_seqlen_kv=longest)
     params._loongforge_bounds = bounds  # NOTE: read by bounds_of without a device -> host copy
@@ -103,7 +103,7 @@ def cp_indices(bounds: Sequence[int], *, cp_size: int, cp_rank: int, device: Any
         sample [ c0 | c1 | c2 | c3 ]  (cp 2)   rank 0: c0 c3   rank 1: c1 c2   (then the next sample's)
     """
     parts = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         chunk = (b - a) // (2 * cp_size)
         for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
             parts.append(torch.arange(a + c * chunk, a + (c + 1) * chunk))

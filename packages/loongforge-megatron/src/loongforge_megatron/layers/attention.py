@@ -152,7 +152,7 @@ class SDPAttention(torch.nn.Module):
                 raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {bounds[-1]} but the packed sequence "
                                  f"holds {q.shape[0]} tokens")
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-            longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+            longest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
             out = varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                    max_seqlen_k=longest, causal=causal, scale=self.softmax_scale, dropout=dropout,
                                    bounds_q=bounds, bounds_k=bounds)
@@ -182,7 +182,7 @@ class _CPPlan:
         where = torch.empty_like(held)
         where[held] = torch.arange(held.numel())
         keys, bq, bk = [], [0], [0]
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in zip(bounds, bounds[1:], strict=False):
             chunk = (b - a) // (2 * cp_size)
             if chunk == 0:
                 continue
@@ -195,8 +195,8 @@ class _CPPlan:
         self.bounds_q, self.bounds_k = bq, bk
         self.cu_q = torch.tensor(bq, dtype=torch.int32, device=device)
         self.cu_k = torch.tensor(bk, dtype=torch.int32, device=device)
-        self.max_q = max((y - x for x, y in zip(bq, bq[1:])), default=0)
-        self.max_k = max((y - x for x, y in zip(bk, bk[1:])), default=0)
+        self.max_q = max((y - x for x, y in zip(bq, bq[1:], strict=False)), default=0)
+        self.max_k = max((y - x for x, y in zip(bk, bk[1:], strict=False)), default=0)
 
 
 def _cp_plan(params, bounds: list[int], *, cp_size: int, cp_rank: int, causal: bool, local_tokens: int,

@@ -55,7 +55,7 @@ def segment_attention(q: Tensor, k: Tensor, v: Tensor, *, bounds_q: Sequence[int
         raise ValueError(f"query and key boundaries describe {len(bounds_q) - 1} and {len(bounds_k) - 1} segments")
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+    for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:], strict=False), zip(bounds_k, bounds_k[1:], strict=False), strict=False):
         nq, nk = qb - qa, kb - ka
         if nq == 0:
             continue
