@@ -316,6 +316,78 @@ def test_packed_videos_at_cp2_and_tp2_sp_equal_diffusers_and_one_process(tmp_pat
     assert one[-1] != one[0]
 
 
+def _unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], channels: int) -> torch.Tensor:
+    """The inverse of ``patchify`` for one video of patch ``grid`` with (1, 2, 2) patches: ``[1, c, F, H, W]``."""
+    f, h, w = grid
+    x = tokens.reshape(1, f, h, w, 1, 2, 2, channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(1, channels, f, h * 2, w * 2)
+
+
+def clean_first_reference(model, batches: list[dict], channels: int) -> tuple[float, int]:
+    """TI2V image-to-video training written out around diffusers' model, one video at a time: a sample with
+    ``first_clean`` keeps its first latent frame clean with timestep 0 on its tokens (the pipeline's
+    expand_timesteps) and leaves those tokens out of the MSE; returns the loss and the clean samples counted."""
+    total, count, cleans = 0.0, 0, 0
+    with torch.no_grad():
+        for b in batches:
+            if "grid" in b:
+                grids = [tuple(int(v) for v in g) for g in b["grid"].tolist()]
+                sizes = [math.prod(g) for g in grids]
+                videos = [(_unpatchify(x, g, channels), _unpatchify(n, g, channels), g)
+                          for x, n, g in zip(b["x0"].split(sizes), b["noise"].split(sizes), grids, strict=True)]
+            else:
+                grids = [(b["x0"].shape[2], b["x0"].shape[3] // 2, b["x0"].shape[4] // 2)] * len(b["x0"])
+                videos = [(b["x0"][i: i + 1], b["noise"][i: i + 1], grids[i]) for i in range(len(b["x0"]))]
+            for i, (x0, noise, (f, h, w)) in enumerate(videos):
+                s, clean = float(b["sigmas"][i]), bool(b["first_clean"][i])
+                xt = (1 - s) * x0 + s * noise
+                t = torch.full((1, f * h * w), s * 1000)
+                if clean:
+                    xt[:, :, 0], t[:, : h * w] = x0[:, :, 0], 0.0
+                    cleans += 1
+                pred = model(xt, t, b["text"][i: i + 1]).sample
+                err = (pred - (noise - x0)).pow(2)
+                if clean:
+                    err = err[:, :, 1:]
+                total, count = total + float(err.sum()), count + err.numel()
+    return total / count, cleans
+
+
+def _clean_first_jobs(*, rank, world, tmp_path, hf_dir, ports):
+    """The TI2V config trained image-to-video (first frame clean for about half the samples), unpacked and packed:
+    each one's first-step micro-batches and loss."""
+    import os
+
+    out = {}
+    for (layout, extra), port in zip((("unpacked", []), ("packed", ["data.packed_frames=[1,2,3]"])), ports,
+                                     strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        over = [*cpt(hf_dir, "ti2v"), "parallel.tp=1", "data.first_frame_clean=0.5", *extra]
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=tmp_path / layout)
+        try:
+            batches = job.schedule.microbatches(0, device=torch.device("cpu"))
+            out[layout] = (batches, job.step()["loss"])
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+def test_ti2v_clean_first_frame_equals_the_pipelines_per_token_timesteps(tmp_path, ranks, hf_dirs, free_port):
+    """data.first_frame_clean (TI2V image-to-video): the first loss, unpacked and packed, equals a plain-torch
+    reference that calls diffusers' model with the pipeline's per-token timesteps (0 on the clean first frame) and
+    scores only the other frames."""
+    from diffusers import WanTransformer3DModel
+
+    got = ranks(_clean_first_jobs, world=1, out=tmp_path / "one", tmp_path=tmp_path, hf_dir=hf_dirs["ti2v"],
+                ports=[free_port() for _ in range(2)])[0]
+    ref = WanTransformer3DModel.from_pretrained(hf_dirs["ti2v"]).eval()
+    for layout, (batches, loss) in got.items():
+        want, cleans = clean_first_reference(ref, batches, CONFIGS["ti2v"]["out_channels"])
+        assert 0 < cleans < 4, (layout, cleans)  # NOTE: clean and noised first frames in one batch
+        assert loss == pytest.approx(want, rel=RTOL), layout
+
+
 def _lora_export_loads_in_a_pipeline(tmp_path: Path, hf_dir: Path, p: dict) -> None:
     """The LoRA run's export (diffusers format) loads with ``WanPipeline.load_lora_weights`` into a pipeline built
     from the base checkpoint, and its transformer then computes the merged export's function."""
@@ -389,6 +461,7 @@ def test_presets_are_the_published_sizes():
      "per latent frame"),
     (["data.packed_frames=[1,0]"], "data.packed_frames", "greater than 0"),
     (["model.cp_comm_type=ring"], "model.cp_comm_type", "p2p"),
+    (["model.in_channels=36", "data.first_frame_clean=0.5"], "data.first_frame_clean", "condition channels"),
     (["parallel.cp=2", "data.latent_frames=3", "data.latent_height=6", "data.latent_width=6"], "parallel.cp", "do not split over cp"),
 ])
 def test_unsupported_settings_are_refused(overrides, key, fragment, capsys):

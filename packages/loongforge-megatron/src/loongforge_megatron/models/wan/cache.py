@@ -281,8 +281,10 @@ class LatentCache:
                         "image": "image tokens" if wanted else "no image tokens"}[key]
                 raise RecipeError(f"{root} was prepared for another model (this one takes {what}): run loongforge "
                                   "data prepare --force with this recipe", key="data.path")
+        self.first_frame_clean = data.first_frame_clean
         self.concat_keys = ("x0", "noise", "grid", "sigmas", "text",
-                            *(k for k in ("condition", "image") if self.keys[k]))
+                            *(k for k in ("condition", "image") if self.keys[k]),
+                            *(("first_clean",) if self.first_frame_clean else ()))
         for file, shape in zip(files, shapes, strict=True):
             if len(shape) != 4 or shape[0] != arch.out_channels:
                 raise RecipeError(f"{file}: a latent video of shape {list(shape)}; the model takes "
@@ -304,7 +306,7 @@ class LatentCache:
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        from loongforge_megatron.models.wan.data import as_packed
+        from loongforge_megatron.models.wan.data import as_packed, draw_first_clean
 
         try:
             stored = load_file(self.files[idx])
@@ -319,4 +321,6 @@ class LatentCache:
             text = torch.zeros_like(text)
         sample["text"] = text
         sample.update(extra)
+        if self.first_frame_clean:
+            sample["first_clean"] = draw_first_clean(g, self.first_frame_clean)
         return as_packed(sample, self.patch)

@@ -61,6 +61,10 @@ class WanDataConfig(FlowMatchingData):
         "this list (instead of latent_frames) and a micro-batch's samples are packed into one sequence (cu_seqlens "
         "over their video tokens, RoPE per sample)")
     image_tokens: int = Field(257, ge=1, description="image-encoder tokens per sample (models with image_dim)")
+    first_frame_clean: float = Field(
+        0.0, ge=0, le=1, description="image-to-video training of a model without condition channels (Wan2.2 "
+        "TI2V-5B, its pipeline's expand_timesteps): with this probability a sample's first latent frame stays clean, "
+        "its tokens get timestep 0 and the loss leaves them out")
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None, description="train one expert of a two-expert (A14B) model on its timesteps: high_noise at or above "
         "boundary_ratio x 1000, low_noise below")

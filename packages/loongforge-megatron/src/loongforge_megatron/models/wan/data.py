@@ -35,12 +35,13 @@ class SyntheticVideo:
         self.shape = (arch.out_channels, data.latent_frames, data.latent_height, data.latent_width)
         self.packed_frames, self.patch = tuple(data.packed_frames), arch.patch_size
         if self.packed_frames:
-            self.concat_keys = ("x0", "noise", "condition", "grid", "sigmas", "text", "image")
+            self.concat_keys = ("x0", "noise", "condition", "grid", "sigmas", "text", "image", "first_clean")
             self.host_keys = ("grid",)  # NOTE: the model reads the sample boundaries on the host
         self.cond_channels = arch.in_channels - arch.out_channels
         self.text_shape = (data.text_length, arch.text_dim)
         self.image_shape = (data.image_tokens, arch.image_dim) if arch.image_dim is not None else None
         self.objective, self.seed, self.text_dropout = objective, seed, data.text_dropout
+        self.first_frame_clean = data.first_frame_clean
 
     def __len__(self) -> int:
         return 1 << 40
@@ -71,7 +72,14 @@ class SyntheticVideo:
             sample["image"] = self._prompt(prompt, 2, self.image_shape)
         if self.cond_channels > 0:
             sample["condition"] = self._field(prompt, 3, self.cond_channels, shape[1:])
+        if self.first_frame_clean:
+            sample["first_clean"] = draw_first_clean(g, self.first_frame_clean)
         return as_packed(sample, self.patch) if self.packed_frames else sample
+
+
+def draw_first_clean(g: torch.Generator, p: float) -> torch.Tensor:
+    """Whether a sample trains image-to-video with its first latent frame clean (``data.first_frame_clean``)."""
+    return torch.tensor(float(torch.rand((), generator=g)) < p)
 
 
 def as_packed(sample: dict[str, torch.Tensor], patch: tuple[int, int, int]) -> dict[str, torch.Tensor]:
@@ -84,4 +92,6 @@ def as_packed(sample: dict[str, torch.Tensor], patch: tuple[int, int, int]) -> d
     out["grid"] = torch.tensor([grid])
     out["sigmas"] = sample["sigmas"].reshape(1)
     out.update({k: sample[k][None] for k in ("text", "image") if k in sample})
+    if "first_clean" in sample:
+        out["first_clean"] = sample["first_clean"].reshape(1)
     return out

@@ -397,9 +397,10 @@ class WanModel(MegatronModule):
         return gather_tokens(tokens, self.tp_group, sp=self.sp)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
-                image: torch.Tensor | None = None, *, tokens_out: bool = False, grids: Any = None) -> torch.Tensor:
+                image: torch.Tensor | None = None, *, tokens_out: bool = False, grids: Any = None,
+                per_token: bool = False) -> torch.Tensor:
         if grids is not None:  # a packed micro-batch (what a DDP-wrapped model passes on)
-            return self.forward_packed(x, grids, timesteps, text, image)
+            return self.forward_packed(x, grids, timesteps, text, image, per_token=per_token)
         b, _, frames, height, width = x.shape
         pt, ph, pw = self.arch.patch_size
         grid = (frames // pt, height // ph, width // pw)
@@ -444,10 +445,11 @@ class WanModel(MegatronModule):
         return Packing.of(rows, cp_rank=self.cp_group.rank(), cp_size=self.cp_group.size())
 
     def forward_packed(self, patches: torch.Tensor, grids: Any, timesteps: torch.Tensor, text: torch.Tensor,
-                       image: torch.Tensor | None = None) -> torch.Tensor:
+                       image: torch.Tensor | None = None, *, per_token: bool = False) -> torch.Tensor:
         """Packed videos of different sizes: ``patches [T, pt * ph * pw * in_channels]`` (every sample's
-        :func:`patchify` tokens, joined), their patch ``grids`` ``[n, 3]``, ``timesteps [n]``, ``text [n, L,
-        text_dim]``, ``image [n, Li, image_dim]`` -> this CP rank's ``[1, T / cp, pt * ph * pw * out_channels]``.
+        :func:`patchify` tokens, joined), their patch ``grids`` ``[n, 3]``, ``timesteps [n]`` (``per_token``: one
+        per token, ``[T]``), ``text [n, L, text_dim]``, ``image [n, Li, image_dim]`` -> this CP rank's ``[1, T / cp,
+        pt * ph * pw * out_channels]``.
 
         Every sample is the same function as :meth:`forward` of it alone: its own RoPE grid, timestep, text."""
         packing = self.packing(grids)
@@ -459,8 +461,9 @@ class WanModel(MegatronModule):
         ropes = [rope_for(self.rope_cos, self.rope_sin, dims=self.arch.rope_dims, grid=g) for g in grid_rows]
         rope = tuple(packing.local(torch.cat(parts)) for parts in zip(*ropes, strict=True))
         dtype = self.time_proj.weight.dtype
-        temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))  # [n, h]
-        modulation = self.sp_local(packing.per_token(self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)))[None])
+        temb = self.time_embedder(timestep_features(timesteps, self.arch.freq_dim).to(dtype))  # [n or T, h]
+        rows = packing.local if per_token else packing.per_token  # NOTE: -> this rank's tokens' rows
+        modulation = self.sp_local(rows(self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)))[None])
         context = packing.present(self.text_embedder(text.to(dtype)))
         tokens = None
         if self.image_embedder is not None:
@@ -469,7 +472,7 @@ class WanModel(MegatronModule):
             tokens = packing.present(self.image_embedder(image.to(dtype)))
         for layer in self.layers:
             hidden = self._layer(layer, hidden, context, modulation, rope, tokens, packing)
-        temb = self.sp_local(packing.per_token(temb)[None])[0]
+        temb = self.sp_local(rows(temb)[None])[0]
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(-2)  # [tokens of this rank, h] each
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         return self.sp_gather(self.proj_out(hidden))
@@ -516,23 +519,36 @@ def build_wan(*, config: Any, arch: Any, device: torch.device, recompute: bool =
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module, *, objective: fm.FlowMatching):
     """megatron's ``forward_step_func`` for Wan: flow matching (velocity target) on the batch's clean latent
     video ``x0``, noise and noise levels ``sigmas`` (drawn per sample by the dataset); an I2V batch's
-    ``condition`` channels are concatenated to the noisy input, its ``image`` tokens go to the cross-attention."""
+    ``condition`` channels are concatenated to the noisy input, its ``image`` tokens go to the cross-attention; a
+    sample with ``first_clean`` (TI2V image-to-video) keeps its first latent frame clean at timestep 0, out of the
+    loss."""
     param = next(model.parameters())
     batch = _to_device(next(data_iterator), param.device)
     if "grid" in batch:
         return _packed_step(batch, model, objective=objective, dtype=param.dtype)
     x0, noise, sigmas = batch["x0"], batch["noise"], batch["sigmas"]
     noisy = fm.add_noise(x0, noise, sigmas)
+    timesteps, keep = objective.timesteps(sigmas), None
+    inner = unwrap(model)
+    patch, local = inner.arch.patch_size, inner.cp_local
+    if "first_clean" in batch:
+        clean = batch["first_clean"].bool()
+        noisy = torch.cat([torch.where(clean.view(-1, 1, 1, 1, 1), x0[:, :, :1], noisy[:, :, :1]), noisy[:, :, 1:]],
+                          dim=2)
+        per_frame = (x0.shape[3] // patch[1]) * (x0.shape[4] // patch[2])
+        first = torch.arange(x0.shape[2] // patch[0] * per_frame, device=x0.device) < per_frame
+        frozen = clean[:, None] & first[None]  # [b, tokens]
+        timesteps, keep = timesteps[:, None].expand(frozen.shape).masked_fill(frozen, 0.0), ~frozen
     if "condition" in batch:
         noisy = torch.cat([noisy, batch["condition"]], dim=1)
-    pred = model(noisy.to(param.dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"),
-                 tokens_out=True)
+    pred = model(noisy.to(param.dtype), timesteps, batch["text"], batch.get("image"), tokens_out=True)
     # NOTE: the loss over this context-parallel rank's tokens (the same elements as the video's, in token order);
     # megatron sums the ranks' sums and counts. Sequence parallelism gathered the TP ranks' tokens: every TP rank
     # computes the same loss, as without it
-    inner = unwrap(model)
-    patch, local = inner.arch.patch_size, inner.cp_local
-    return fm.squared_error(pred, local(patchify(x0, patch)), local(patchify(noise, patch))), fm.loss_func
+    err = fm.squared_error(pred, local(patchify(x0, patch)), local(patchify(noise, patch)))
+    if keep is not None:
+        err = err[local(keep[..., None]).expand_as(err)]
+    return err, fm.loss_func
 
 
 def _packed_step(batch: dict[str, Any], model: torch.nn.Module, *, objective: fm.FlowMatching, dtype: torch.dtype):
@@ -543,10 +559,24 @@ def _packed_step(batch: dict[str, Any], model: torch.nn.Module, *, objective: fm
     packing = inner.packing(grids)
     counts = torch.tensor(packing.counts, device=x0.device)
     noisy = fm.add_noise(x0, noise, sigmas.repeat_interleave(counts))
+    timesteps, keep = objective.timesteps(sigmas), None
+    if "first_clean" in batch:
+        # NOTE: a clean sample's first latent frame: its first grid[1] x grid[2] tokens (patchify's frame-major order)
+        rows = torch.as_tensor(grids, device=x0.device).view(-1, 3)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(x0.shape[0], device=x0.device) - starts.repeat_interleave(counts)
+        frozen = batch["first_clean"].bool().repeat_interleave(counts) & (
+            position < (rows[:, 1] * rows[:, 2]).repeat_interleave(counts))
+        noisy = torch.where(frozen[:, None], x0, noisy)
+        timesteps, keep = timesteps.repeat_interleave(counts).masked_fill(frozen, 0.0), ~frozen
     if "condition" in batch:
         # NOTE: channels join inside each patch: patchify's values are (pt, ph, pw, channels)
         patch = math.prod(inner.arch.patch_size)
         noisy = torch.cat([noisy.unflatten(-1, (patch, -1)), batch["condition"].unflatten(-1, (patch, -1))],
                           dim=-1).flatten(1)
-    pred = model(noisy.to(dtype), objective.timesteps(sigmas), batch["text"], batch.get("image"), grids=grids)
-    return fm.squared_error(pred[0], packing.local(x0), packing.local(noise)), fm.loss_func
+    pred = model(noisy.to(dtype), timesteps, batch["text"], batch.get("image"), grids=grids,
+                 per_token=keep is not None)
+    err = fm.squared_error(pred[0], packing.local(x0), packing.local(noise))
+    if keep is not None:
+        err = err[packing.local(keep)]
+    return err, fm.loss_func

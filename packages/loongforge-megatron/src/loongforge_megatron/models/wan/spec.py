@@ -116,6 +116,13 @@ class Wan(HFCheckpoint):
                 "path", "frames", "autoencoder", "text_encoder", "image_encoder"))):
             if getattr(data, key) != defaults[key].get_default(call_default_factory=True):
                 raise RecipeError(f"not used by Wan models' data.format {data.format}", key=f"data.{key}")
+        if data.first_frame_clean and (arch.in_channels != arch.out_channels or arch.image_dim is not None):
+            raise RecipeError("this model takes its image condition through condition channels / image tokens (I2V); "
+                              "data.first_frame_clean is the TI2V way (no condition channels): remove it",
+                              key="data.first_frame_clean")
+        if data.first_frame_clean and arch.patch_size[0] != 1:
+            raise RecipeError(f"a clean first latent frame needs patches of one frame (patch_size "
+                              f"{list(arch.patch_size)})", key="data.first_frame_clean")
         if data.image_encoder and arch.image_dim is None:
             raise RecipeError("this model has no image-encoder tokens (model.image_dim); remove data.image_encoder",
                               key="data.image_encoder")
