@@ -154,6 +154,24 @@ def test_loss_matches_lerobot_policy_forward(tiny, lerobot_fp32, seed):
     assert inp["video"].shape == (2, 1, 3, 8, 32, 32) and inp["input_ids"].shape == (2, 512)
 
 
+def test_a_batch_with_per_sample_draws_equals_each_sample_alone(tiny):
+    """Each sample's timesteps, noise, noised-condition coin and attention chunk / window are its own: a batch whose
+    samples drew differently gives each sample's loss alone (a window of one block masks here; LeRobot draws once
+    per batch, so only our per-sample path reaches this)."""
+    arch, model, _, _, inp = tiny
+    d0, d1 = _draws(0, b=2, arch=arch), _draws(1, b=2, arch=arch)
+    mixed = {k: torch.stack([d0[k][0], d1[k][1]]) for k in d0}
+    mixed["mask_chunk"], mixed["mask_window"] = torch.tensor([1, 2]), torch.tensor([1, 64])
+    assert bool(mixed["noisy_cond"][0]) != bool(mixed["noisy_cond"][1])
+    with torch.no_grad():
+        both = model({**inp, **mixed})
+        alone = [model({**{k: v[i: i + 1] for k, v in inp.items()}, **{k: v[i: i + 1] for k, v in mixed.items()}})
+                 for i in range(2)]
+        wide = model({**inp, **mixed, "mask_window": torch.tensor([64, 64])})
+    torch.testing.assert_close(both, torch.cat(alone), rtol=1e-5, atol=0)
+    assert not torch.allclose(wide[0], both[0])  # NOTE: the one-block window really masked sample 0's attention
+
+
 def _lerobot_chunk(policy, frame: dict, seed: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The first chunk of LeRobot's ``select_action`` (its first action and the queued rest) for one observation,
     and the starting latents / actions it drew after ``torch.manual_seed(seed)``."""
