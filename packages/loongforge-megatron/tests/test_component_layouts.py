@@ -26,8 +26,6 @@ VLM = Path(__file__).resolve().parents[3] / "recipes" / "vlm"
      ["key 'parallel.components.vision.etp'", "has no experts (got etp = 2)"]),
     ("qwen2_5_vl_tiny", ["parallel.components.vision.recompute=some"],
      ["parallel.components.vision.recompute"]),
-    ("qwen2_5_vl_tiny", ["parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 1}}"],
-     ["key 'parallel.components.", "num_ranks"]),
     ("qwen2_5_vl_tiny", ["parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2}}"],
      ["parallel.components num_ranks vision=1 + language=2 = 3 != world size 2"]),
     ("qwen2_5_vl_tiny", ["parallel.components={vision: {num_ranks: 1}, language: {tp: 2}}"],
@@ -54,3 +52,43 @@ def test_impossible_component_layouts_are_refused_at_validate(capsys, recipe, ov
     assert err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, err
+
+
+OWN_RANKS = "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2}}"
+
+
+@pytest.mark.parametrize(("over", "needles"), [
+    (["parallel.components={vision: {num_ranks: 1, pp: 1, tp: 1, decoupled: true}, language: {num_ranks: 2}}"],
+     ["key 'parallel.components.vision.decoupled'", "num_ranks = 1"]),
+    (["parallel.components={vision: {num_ranks: 2, tp: 2}, language: {num_ranks: 1}}"],
+     ["key 'parallel.components.vision.tp'", "vision.tp = 2 with parallel.components.vision.num_ranks = 2"]),
+    (["parallel.components={vision: {num_ranks: 2}, language: {num_ranks: 1}}"],
+     ["key 'parallel.components.vision.num_ranks'",
+      "num_ranks = 2 > the language model's data-parallel size 1 (parallel.components.language.num_ranks 1 / tp 1)"]),
+    (["parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2, pp: 2}}"],
+     ["key 'parallel.components.language.pp'", "language.pp = 2 with parallel.components.vision.num_ranks = 1"]),
+    (["parallel.components={vision: {num_ranks: 1}, llm: {num_ranks: 2}}"],
+     ["key 'parallel.components.llm'", "'vision'", "'language'"]),
+    ([OWN_RANKS, "train.stage=lora"], ["key 'train.stage'", "num_ranks = 1"]),
+])
+def test_encoder_ranks_layouts_refused_at_validate(capsys, over, needles):
+    """An encoder on ranks of its own (num_ranks) that cannot run: one line naming the keys and the arithmetic."""
+    from loongforge.cli import main
+
+    assert main(["validate", str(VLM / "qwen2_5_vl_tiny.yaml"), *over, "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("recipe", ["llava_tiny", "qwen3_vl_tiny"])
+def test_encoder_ranks_of_other_families_refused_at_validate(capsys, recipe):
+    """Only Qwen2.5-VL runs its encoder on ranks of its own."""
+    from loongforge.cli import main
+
+    path = VLM / f"{recipe}.yaml"
+    assert main(["validate", str(path), OWN_RANKS, "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "key 'parallel.components.vision.num_ranks'" in err, err
+    assert "supported for Qwen2.5-VL only" in err, err

@@ -668,3 +668,76 @@ def test_vision_tp_2_under_language_tp_4_equals_one_process(tmp_path_factory, tm
     assert exported.keys() == base.keys()
     for name, tensor in base.items():
         assert torch.equal(exported[name], tensor), name
+
+
+ENCODER_RANK = "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2}}"
+
+
+def _runs(*, rank, world, layouts, run_dir, ports):
+    """For each (name, overrides): every step's loss, the image grids this rank's tower encoded over the steps
+    (None: this rank holds no tower) and the HF export after the steps."""
+    import os
+
+    out = {}
+    for (name, over), port in zip(layouts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=run_dir / name)
+        try:
+            tower = getattr(job.chunks[0], "vision", None)
+            seen = None
+            if tower is not None:
+                seen = []
+                tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
+            losses = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+            job.export("hf", run_dir / name / "hf")
+            out[name] = (losses, None if seen is None else [g for grids in seen for g in grids])
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)
+def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, free_port):
+    """The tower on a rank of its own (parallel.components.vision.num_ranks 1, the language model on ranks 1-2:
+    data parallel 2, engine/encoder_ranks.py): 5 steps equal one process's losses (clipped by the norm of both rank
+    sets), trained and with train.freeze [vision]; every image of the global batches is encoded once, on the
+    encoder rank (the language ranks hold no tower); the three-rank HF export holds both sets' weights, equals the
+    one-process export and loads in transformers."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    records = make_records(tmp_path / "data")
+    # NOTE: one record per micro-batch: each language dp rank takes one of the two records (images of different
+    # sizes) a step
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=5",
+                     "data.pack=false", "train.grad_clip=0.05")
+    frozen = [*over, "train.freeze=[vision]"]
+    layouts = [("trained", over), ("frozen", frozen)]
+    one = ranks(_runs, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", layouts=layouts,
+                ports=[free_port() for _ in layouts])[0]
+    three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three",
+                  layouts=[(n, [*o, ENCODER_RANK]) for n, o in layouts], ports=[free_port() for _ in layouts],
+                  timeout_s=240)
+    for name, _ in layouts:
+        want = one[name][0]
+        for r in range(3):
+            assert three[r][name][0] == pytest.approx(want, rel=1e-5), (name, r, three[r][name][0], want)
+        # NOTE: every image of the 5 global batches once, on the encoder rank; the language ranks hold no tower
+        assert sorted(three[0][name][1]) == sorted(one[name][1]) and three[1][name][1] is None \
+            and three[2][name][1] is None, name
+    assert three[0]["frozen"][0] != pytest.approx(three[0]["trained"][0], rel=1e-5)
+    # the export holds both rank sets' weights, equal to the one-process run's, and loads in transformers
+    for name, _ in layouts:
+        mine = load_file(tmp_path / "three" / name / "hf" / "model.safetensors")
+        ref = load_file(tmp_path / "one" / name / "hf" / "model.safetensors")
+        source = load_file(hf_dir / "model.safetensors")
+        assert mine.keys() == ref.keys() == source.keys()
+        assert any(k.startswith(("visual.", "model.visual.")) for k in mine)
+        for k, t in ref.items():
+            torch.testing.assert_close(mine[k], t, rtol=1e-5, atol=1e-6, msg=k)
+            frozen_tower = name == "frozen" and k.startswith(("visual.", "model.visual."))
+            assert torch.equal(mine[k], source[k]) == frozen_tower, (name, k)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "three" / "trained" / "hf")
+    got = dict(model.state_dict())
+    assert any(torch.equal(v, got.get(k, torch.empty(0))) for k, v in mine.items())
