@@ -738,6 +738,9 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
             torch.testing.assert_close(mine[k], t, rtol=1e-5, atol=1e-6, msg=k)
             frozen_tower = name == "frozen" and k.startswith(("visual.", "model.visual."))
             assert torch.equal(mine[k], source[k]) == frozen_tower, (name, k)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "three" / "trained" / "hf")
-    got = dict(model.state_dict())
-    assert any(torch.equal(v, got.get(k, torch.empty(0))) for k, v in mine.items())
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "three" / "trained" / "hf",
+                                                                      output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "one" / "trained" / "hf").state_dict()
+    for k, t in model.state_dict().items():
+        torch.testing.assert_close(t, ref[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -105,19 +105,19 @@ class MegatronJob(Job):
                               "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else "")
                               + "".join(f"; {note}" for note in notes))
         self._fp8_cache = None
-        trains = tower = True  # this rank's model / the encoder's tower have something to train
+        tower = True  # the encoder's tower has something to train (an encoder on ranks of its own)
         if self.sets is not None:
             from loongforge_megatron.engine.encoder_ranks import tower_trains
 
             tower = tower_trains(self.chunks, self.sets)  # NOTE: collective
-            trains = tower or not encoder_side
-        self.model = engine.wrap_ddp(self.chunks, self.config, use_distributed_optimizer=plan.distributed_optimizer) \
-            if trains else self.chunks
+        # NOTE: a frozen encoder's ranks build an (empty) DDP and optimizer too: megatron aligns the optimizer's
+        # parameter groups over the world
+        self.model = engine.wrap_ddp(self.chunks, self.config, use_distributed_optimizer=plan.distributed_optimizer)
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.precision == "bf16", fp16=self.precision == "fp16",
             use_distributed_optimizer=plan.distributed_optimizer, optimizer="adam" if t.optimizer == "adamw" else "sgd",
-        ) if trains else None
+        )
         if self.sets is not None:  # NOTE: each rank set steps its own optimizer, clipped by the norm of both
             from loongforge_megatron.engine.encoder_ranks import global_norm_optimizer
 
@@ -156,7 +156,7 @@ class MegatronJob(Job):
                                           steps=t.steps, dp_size=plan.dp, dp_rank=r)
                          for r in self.sets.dp_ranks_of(dist.get_rank())[1:]}
             self.encoder_server = EncoderServer(self.model, self.sets, {dp["dp_rank"]: self.schedule, **schedules},
-                                                trains=trains)
+                                                trains=tower)
         elif self.sets is not None:
             from loongforge_megatron.engine.encoder_ranks import EncoderClient
 

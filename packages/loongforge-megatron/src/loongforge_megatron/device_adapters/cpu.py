@@ -283,6 +283,13 @@ _PATCHES: tuple[_Patch, ...] = (
         "grad clipping accepts CPU gradients (it asserts grad.type() == 'torch.cuda.FloatTensor')",
     ),
     _Patch(
+        "mimo-clip-grad-types",
+        "megatron.core.models.mimo.optimizer.clip_grad_by_total_norm_fp32",
+        with_cuda_type_names,
+        ("'torch.cuda.FloatTensor'",),
+        "the MIMO optimizer's clipping (an encoder on ranks of its own) accepts CPU gradients, as clip-grad-types",
+    ),
+    _Patch(
         "float16-optimizer-param-types",
         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
         with_cuda_type_names,

@@ -134,16 +134,14 @@ def tower_trains(chunks: Sequence[torch.nn.Module], sets: RankSets) -> bool:
 
 
 def global_norm_optimizer(optimizer: Any, sets: RankSets) -> Any:
-    """This rank's megatron optimizer (None: nothing to train here) inside megatron's MIMO optimizer, whose
-    gradient norm (and so the clipping) is that of both rank sets."""
+    """This rank's megatron optimizer inside megatron's MIMO optimizer, whose gradient norm (and so the clipping)
+    is that of both rank sets."""
     from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
-    from megatron.core.optimizer import OptimizerConfig
 
     encoder = sets.on_encoder(dist.get_rank())
     infos = {ENCODER: ModuleOptimizerInfo(optimizer if encoder else None, None, None, encoder),
              LANGUAGE: ModuleOptimizerInfo(None if encoder else optimizer, None, None, not encoder)}
-    config = optimizer.config if optimizer is not None else OptimizerConfig()
-    return MimoOptimizer(infos, config)
+    return MimoOptimizer(infos, optimizer.config)
 
 
 class EncoderClient:
