@@ -674,21 +674,26 @@ ENCODER_RANK = "parallel.components={vision: {num_ranks: 1}, language: {num_rank
 
 
 def _runs(*, rank, world, layouts, run_dir, ports):
-    """For each (name, overrides): every step's loss, the image grids this rank's tower encoded over the steps
-    (None: this rank holds no tower) and the HF export after the steps."""
+    """For each (name, overrides[, the run directory's name: the layout's own]): every step's loss, the image grids
+    this rank's tower encoded over the steps (None: this rank holds no tower) and the HF export after the steps."""
     import os
 
     out = {}
-    for (name, over), port in zip(layouts, ports, strict=True):
+    for (name, over, *where), port in zip(layouts, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
-        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over), output_dir=run_dir / name)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over),
+                                            output_dir=run_dir / (where[0] if where else name))
         try:
             tower = getattr(job.chunks[0], "vision", None)
             seen = None
             if tower is not None:
                 seen = []
                 tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
-            losses = [job.step()["loss"] for _ in range(job.recipe.train.steps)]
+            losses, every = [], job.recipe.checkpoint.save_interval
+            while job.step_index < job.recipe.train.steps:  # NOTE: the job's run loop, each step's loss kept
+                losses.append(job.step()["loss"])
+                if every and job.step_index % every == 0 and job.step_index < job.recipe.train.steps:
+                    job.checkpointer.save(job.step_index)
             job.export("hf", run_dir / name / "hf")
             out[name] = (losses, None if seen is None else [g for grids in seen for g in grids])
         finally:
@@ -716,9 +721,13 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
     layouts = [("trained", over), ("frozen", frozen)]
     one = ranks(_runs, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", layouts=layouts,
                 ports=[free_port() for _ in layouts])[0]
-    three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three",
-                  layouts=[(n, [*o, ENCODER_RANK]) for n, o in layouts], ports=[free_port() for _ in layouts],
-                  timeout_s=240)
+    # NOTE: the trained run saves step 3 (each rank set its own parameters), "resumed" continues it in the same
+    # run directory: steps 4 and 5
+    saving = ["checkpoint.save_interval=3", "checkpoint.save_at_end=false"]
+    runs = [("trained", [*over, ENCODER_RANK, *saving]), ("frozen", [*frozen, ENCODER_RANK]),
+            ("resumed", [*over, ENCODER_RANK], "trained")]
+    three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three", layouts=runs,
+                  ports=[free_port() for _ in runs], timeout_s=240)
     for name, _ in layouts:
         want = one[name][0]
         for r in range(3):
@@ -727,6 +736,12 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
         assert sorted(three[0][name][1]) == sorted(one[name][1]) and three[1][name][1] is None \
             and three[2][name][1] is None, name
     assert three[0]["frozen"][0] != pytest.approx(three[0]["trained"][0], rel=1e-5)
+    for r in range(3):
+        assert three[r]["resumed"][0] == pytest.approx(one["trained"][0][3:], rel=1e-5), (r, three[r]["resumed"][0])
+    saved = [torch.load(tmp_path / "three" / "trained" / "checkpoints" / "step_00000003" / f"rank_{r:05d}.pt",
+                        weights_only=True)["model"][0] for r in range(3)]
+    assert saved[0] and all(k.startswith("vision.") for k in saved[0])
+    assert all(saved[r] and not any(k.startswith("vision.") for k in saved[r]) for r in (1, 2))
     # the export holds both rank sets' weights, equal to the one-process run's, and loads in transformers
     for name, _ in layouts:
         mine = load_file(tmp_path / "three" / name / "hf" / "model.safetensors")
