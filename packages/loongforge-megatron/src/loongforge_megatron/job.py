@@ -32,7 +32,6 @@ class MegatronJob(Job):
     def __init__(self, recipe: Recipe, runtime: Runtime):
         from loongforge_megatron import engine
         from loongforge_megatron.device_adapters import adapted
-
         from loongforge_megatron.engine.encoder_ranks import rank_sets
 
         self.recipe, self.runtime = recipe, runtime

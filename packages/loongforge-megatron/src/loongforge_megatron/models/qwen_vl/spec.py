@@ -162,9 +162,8 @@ class QwenVL(HFCheckpoint):
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
         """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the vision
         component's own tp (a divisor of the language model's) and recompute."""
-        from loongforge_megatron.freeze import check_names
-
         from loongforge_megatron.engine.encoder_ranks import rank_sets
+        from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
