@@ -82,6 +82,16 @@ def test_encoder_ranks_layouts_refused_at_validate(capsys, over, needles):
         assert needle in err, err
 
 
+def test_encoder_ranks_validate(capsys):
+    """Qwen2.5-VL's tower on one rank, the language model on two (dp 2, or tp 2): a layout validate accepts."""
+    from loongforge.cli import main
+
+    tp2 = "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2, tp: 2}}"
+    for layout in (OWN_RANKS, tp2):
+        assert main(["validate", str(VLM / "qwen2_5_vl_tiny.yaml"), layout, "--world-size", "3"]) == 0, \
+            capsys.readouterr().err
+
+
 @pytest.mark.parametrize("recipe", ["llava_tiny", "qwen3_vl_tiny"])
 def test_encoder_ranks_of_other_families_refused_at_validate(capsys, recipe):
     """Only Qwen2.5-VL runs its encoder on ranks of its own."""

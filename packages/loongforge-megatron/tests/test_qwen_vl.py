@@ -706,9 +706,10 @@ def _runs(*, rank, world, layouts, run_dir, ports):
 def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, free_port):
     """The tower on a rank of its own (parallel.components.vision.num_ranks 1, the language model on ranks 1-2:
     data parallel 2, engine/encoder_ranks.py): 5 steps equal one process's losses (clipped by the norm of both rank
-    sets), trained and with train.freeze [vision]; every image of the global batches is encoded once, on the
-    encoder rank (the language ranks hold no tower); the three-rank HF export holds both sets' weights, equals the
-    one-process export and loads in transformers."""
+    sets), trained, with train.freeze [vision] and with the language model at tp 2; every image of the global
+    batches is encoded once, on the encoder rank (the language ranks hold no tower); each rank set checkpoints its
+    own parameters and a resumed run continues the losses; the three-rank HF export holds both sets' weights, equals
+    the one-process export and loads in transformers."""
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -725,7 +726,8 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
     # run directory: steps 4 and 5
     saving = ["checkpoint.save_interval=3", "checkpoint.save_at_end=false"]
     runs = [("trained", [*over, ENCODER_RANK, *saving]), ("frozen", [*frozen, ENCODER_RANK]),
-            ("resumed", [*over, ENCODER_RANK], "trained")]
+            ("resumed", [*over, ENCODER_RANK], "trained"),
+            ("tp2", [*over, "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2, tp: 2}}"])]
     three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three", layouts=runs,
                   ports=[free_port() for _ in runs], timeout_s=240)
     for name, _ in layouts:
@@ -738,6 +740,8 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
     assert three[0]["frozen"][0] != pytest.approx(three[0]["trained"][0], rel=1e-5)
     for r in range(3):
         assert three[r]["resumed"][0] == pytest.approx(one["trained"][0][3:], rel=1e-5), (r, three[r]["resumed"][0])
+        # NOTE: language tp 2: both TP ranks read each micro-batch's embeddings, TP rank 0 sends their gradients
+        assert three[r]["tp2"][0] == pytest.approx(one["trained"][0], rel=1e-5), (r, three[r]["tp2"][0])
     saved = [torch.load(tmp_path / "three" / "trained" / "checkpoints" / "step_00000003" / f"rank_{r:05d}.pt",
                         weights_only=True)["model"][0] for r in range(3)]
     assert saved[0] and all(k.startswith("vision.") for k in saved[0])
