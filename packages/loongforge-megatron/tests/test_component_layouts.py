@@ -35,8 +35,6 @@ VLM = Path(__file__).resolve().parents[3] / "recipes" / "vlm"
     ("qwen2_5_vl_tiny", ["parallel.components.audio.tp=1"], ["key 'parallel.components.audio'"]),
     ("llava_tiny", ["parallel.components.vision.pp=2"], ["key 'parallel.components.vision.pp'", "got pp"]),
     ("llava_tiny", ["parallel.components.vision.cp=2"], ["key 'parallel.components.vision.cp'", "got cp"]),
-    ("llava_tiny", ["parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 1}}"],
-     ["key 'parallel.components."]),
     ("llava_tiny", ["parallel.tp=2", "parallel.components.vision.tp=2", "parallel.components.vision.sp=true"],
      ["key 'parallel.components.vision.sp'"]),
     ("qwen2_5_vl_tiny", ["parallel.components.vision.decoupled=true"],
@@ -83,22 +81,24 @@ def test_encoder_ranks_layouts_refused_at_validate(capsys, over, needles):
 
 
 def test_encoder_ranks_validate(capsys):
-    """Qwen2.5-VL's tower on one rank, the language model on two (dp 2, or tp 2): a layout validate accepts."""
+    """Qwen2.5-VL's / LLaVA's tower on one rank, the language model on two (dp 2, or tp 2): layouts validate
+    accepts."""
     from loongforge.cli import main
 
     tp2 = "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2, tp: 2}}"
-    for layout in (OWN_RANKS, tp2):
-        assert main(["validate", str(VLM / "qwen2_5_vl_tiny.yaml"), layout, "--world-size", "3"]) == 0, \
-            capsys.readouterr().err
+    for recipe in ("qwen2_5_vl_tiny", "llava_tiny"):
+        for layout in (OWN_RANKS, tp2):
+            assert main(["validate", str(VLM / f"{recipe}.yaml"), layout, "--world-size", "3"]) == 0, \
+                capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe", ["llava_tiny", "qwen3_vl_tiny"])
+@pytest.mark.parametrize("recipe", ["qwen3_vl_tiny", "qwen3_vl_moe_tiny", "qwen3_5_vl_tiny"])
 def test_encoder_ranks_of_other_families_refused_at_validate(capsys, recipe):
-    """Only Qwen2.5-VL runs its encoder on ranks of its own."""
+    """Only Qwen2.5-VL and LLaVA run their encoder on ranks of their own."""
     from loongforge.cli import main
 
     path = VLM / f"{recipe}.yaml"
     assert main(["validate", str(path), OWN_RANKS, "--world-size", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "key 'parallel.components.vision.num_ranks'" in err, err
-    assert "supported for Qwen2.5-VL only" in err, err
+    assert "supported for Qwen2.5-VL and LLaVA only" in err, err

@@ -146,7 +146,9 @@ def global_norm_optimizer(optimizer: Any, sets: RankSets) -> Any:
 
 class EncoderClient:
     """The language model's side of a step (the interface of ``DecoupledEncoders``): ``encode`` receives every
-    micro-batch's embeddings into the first-stage chunk's encoder cache, ``backward`` sends their gradients back."""
+    micro-batch's embeddings into the first-stage chunk's encoder cache, ``backward`` sends their gradients back.
+    The chunk (unwrapped) gives ``encoder_shape(batch) -> shape | None``: the embeddings the encoder makes of a
+    micro-batch (None without images)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], sets: RankSets, *, trains: bool) -> None:
         from megatron.core import parallel_state as mpu
@@ -166,8 +168,8 @@ class EncoderClient:
         device, dtype = next(self.model.parameters()).device, self.model.config.params_dtype
         outs, works = [], []
         for b in batches:
-            rows = self.model.encoder_rows(b)
-            buf = None if rows is None else torch.empty(rows, self.model.out_dim, dtype=dtype, device=_comm_device())
+            shape = self.model.encoder_shape(b)
+            buf = None if shape is None else torch.empty(shape, dtype=dtype, device=_comm_device())
             if buf is not None:
                 works.append(dist.irecv(buf, src=self.src))
             outs.append(buf)

@@ -4,7 +4,7 @@ The tower lives on the language model's first pipeline stage with the language m
 parallelism; what it takes for itself is its tensor parallelism (a divisor of the language model's: the copies in one
 language TP group then encode different images, ``engine/encoder_split.py``), its recompute and its freeze
 (``train.freeze``), and under pipeline parallelism whether it runs outside the schedule (``decoupled``,
-``engine/decoupled_encoder.py``). Qwen2.5-VL's may instead run on ranks of its own (``num_ranks``,
+``engine/decoupled_encoder.py``). Qwen2.5-VL's and LLaVA's may instead run on ranks of its own (``num_ranks``,
 ``engine/encoder_ranks.py``). Every other per-component size is refused with the keys and the values, before any
 process group.
 """
@@ -55,6 +55,20 @@ def check_own_ranks(plan: Any) -> None:
                           f"whole data-parallel ranks", key=f"{v}.num_ranks")
 
 
+def check_own_ranks_recipe(recipe: Any, plan: Any) -> None:
+    """What an encoder on ranks of its own (``plan``: the full plan, split) does not train with."""
+    n = f"parallel.components.{COMPONENT}.num_ranks = {plan.components[COMPONENT].world_size}"
+    if recipe.train.stage == "lora":
+        raise RecipeError(f"train.stage lora with {n}: LoRA trains beside a tower on the language model's ranks "
+                          f"only", key="train.stage")
+    if recipe.data.balance:
+        raise RecipeError(f"data.balance with {n}: the encoder ranks read the batches as the data-parallel ranks "
+                          f"are given them (remove data.balance)", key="data.balance")
+    if plan.distributed_optimizer:
+        raise RecipeError(f"parallel.distributed_optimizer = true with {n}: each rank set steps megatron's plain "
+                          f"optimizer", key="parallel.distributed_optimizer")
+
+
 def check_vision_component(plan: Any, *, heads: int, ffn: int, sizes: tuple[tuple[str, int], ...] = (),
                            own_ranks: bool = False) -> None:
     """Refuse a ``parallel.components`` layout the vision component cannot run. ``heads`` / ``ffn``: the tower's
@@ -71,7 +85,7 @@ def check_vision_component(plan: Any, *, heads: int, ffn: int, sizes: tuple[tupl
         if comp.first_rank or comp.world_size != plan.world_size:
             raise RecipeError(f"{key}.{name}.num_ranks = {comp.world_size}: this model's {name} component runs "
                               f"on the language model's ranks (a colocated grid); an encoder on ranks of its own "
-                              f"is supported for Qwen2.5-VL only", key=f"{key}.{name}.num_ranks")
+                              f"is supported for Qwen2.5-VL and LLaVA only", key=f"{key}.{name}.num_ranks")
         for k in _SAME:
             mine, glob = getattr(comp, k), getattr(plan, k)
             if mine != glob:

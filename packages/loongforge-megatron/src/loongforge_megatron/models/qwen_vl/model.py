@@ -154,10 +154,11 @@ def _gpt_model_class():
             flat = emb.flatten(0, 1).index_copy(0, where, feats.index_select(0, rows).to(emb.dtype))
             return flat.view(emb.shape)
 
-        def encoder_rows(self, batch: dict[str, Any]) -> int | None:
-            """How many embedding rows the tower makes of one micro-batch's images and videos (None without
-            any)."""
-            return encoder_rows(batch, merge=self.merge)
+        def encoder_shape(self, batch: dict[str, Any]) -> tuple[int, int] | None:
+            """The embeddings the tower makes of one micro-batch's images and videos (None without any): an
+            encoder on ranks of its own sends them (``engine/encoder_ranks.py``)."""
+            rows = encoder_rows(batch, merge=self.merge)
+            return None if rows is None else (rows, self.out_dim)
 
         def encode_ahead(self, batch: dict[str, Any]) -> Any:
             """The tower's output for one micro-batch's images and videos (None without any), for the decoupled

@@ -22,7 +22,7 @@ from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, to
 from loongforge_megatron.models.qwen_vl import names
 from loongforge_megatron.models.qwen_vl.config import QwenVLDataConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
-from loongforge_megatron.models.vision_component import check_vision_component
+from loongforge_megatron.models.vision_component import check_own_ranks_recipe, check_vision_component
 
 _TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
 _VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -171,17 +171,8 @@ class QwenVL(HFCheckpoint):
                                ffn=arch.vision["vision_config"]["intermediate_size"], own_ranks=self.encoder_ranks)
         sets = rank_sets(plan)
         if sets is not None:  # NOTE: the rest is the language model's, on its own ranks
+            check_own_ranks_recipe(recipe, plan)
             plan = sets.language
-            n = f"parallel.components.vision.num_ranks = {sets.encoder.world_size}"
-            if recipe.train.stage == "lora":
-                raise RecipeError(f"train.stage lora with {n}: LoRA trains beside a tower on the language model's "
-                                  f"ranks only", key="train.stage")
-            if recipe.data.balance:
-                raise RecipeError(f"data.balance with {n}: the encoder ranks read the batches as the data-parallel "
-                                  f"ranks are given them (remove data.balance)", key="data.balance")
-            if plan.distributed_optimizer:
-                raise RecipeError(f"parallel.distributed_optimizer = true with {n}: each rank set steps megatron's "
-                                  f"plain optimizer", key="parallel.distributed_optimizer")
         # NOTE: expert parallelism splits a MoE language model's experts (Qwen3-VL-MoE); the tower is replicated over ep
         if plan.ep != 1 and not arch.is_moe:
             raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
