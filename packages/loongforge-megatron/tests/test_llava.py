@@ -261,7 +261,7 @@ def _own_rank_runs(*, rank, world, layouts, run_dir, ports):
             tower = getattr(job.chunks[0], "vision_model", None)
             seen = None if tower is None else []
             hook = tower.conv1.register_forward_pre_hook(
-                lambda m, args: seen.extend(round(float(x), 3) for x in args[0].flatten(1).sum(1))) \
+                lambda m, args, seen=seen: seen.extend(round(float(x), 3) for x in args[0].flatten(1).sum(1))) \
                 if tower is not None else None
             losses = []
             for _ in range(job.recipe.train.steps):

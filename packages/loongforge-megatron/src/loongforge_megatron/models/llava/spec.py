@@ -185,7 +185,12 @@ class Llava(HFCheckpoint):
         from loongforge_megatron.engine.encoder_ranks import rank_sets
         from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.models.gpt.translate import transformer_config
-        from loongforge_megatron.models.llava.model import VISION_PREFIXES, LlavaEncoder, build_llava, forward_step
+        from loongforge_megatron.models.llava.model import (
+            VISION_PREFIXES,
+            LlavaEncoder,
+            build_llava,
+            forward_step,
+        )
 
         sets = rank_sets(plan)
         if sets is not None:
