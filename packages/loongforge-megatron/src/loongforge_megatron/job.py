@@ -349,7 +349,7 @@ class MegatronJob(Job):
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
             metrics["val_loss"] = self.evaluate()
         if self.peak_flops:
-            metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.plan.world_size)
+            metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.runtime.plan.world_size)
         mem = self.acc.memory_stats().get("peak_allocated")
         if mem:
             metrics["peak_mem_gib"] = mem / 2**30
