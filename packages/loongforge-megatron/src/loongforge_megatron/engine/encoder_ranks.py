@@ -20,14 +20,14 @@ optimizer over the tower alone. A step:
 NOTE: megatron's ``BridgeCommunicator`` moves one dense ``[s, b, h]`` activation per pipeline message, split on
 its batch dimension; the embeddings of a micro-batch are ragged (one row per merged patch of each of its images),
 so they travel as plain point-to-point messages over the default process group, whose shapes both sides compute
-from the image grids every rank reads.
+from the micro-batch's images (every rank reads its batches' images).
 """
 
 from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,7 +206,7 @@ class EncoderServer:
         self.model = unwrap(self.chunks[0])
 
     def train_step(self, step: int, *, optimizer: Any, scheduler: Any, global_batch_size: int,
-                   device: torch.device, on_batches: Callable[[list], None] | None = None) -> dict[str, Any]:
+                   device: torch.device) -> dict[str, Any]:
         """One step (the encoder ranks' :func:`~loongforge_megatron.engine.step.train_step`): the same world
         collectives as the language ranks', in the same order."""
         from loongforge_megatron.engine.step import step_is_finite
@@ -218,10 +218,7 @@ class EncoderServer:
         sent, works = [], []
         context = torch.enable_grad() if self.trains else torch.no_grad()
         for r, schedule in self.schedules.items():
-            batches = schedule.microbatches(step, device=device)
-            if on_batches is not None:
-                on_batches(batches)
-            for b in batches:
+            for b in schedule.microbatches(step, device=device):
                 with context:
                     out = self.model.encode(b)
                 if out is None:
