@@ -39,8 +39,8 @@ def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any
                  log: Any = None, part: bool = False) -> None:
     """Load ``hf_dir`` into every model chunk of this rank; each rank reads only the tensors it holds. ``whole``:
     megatron-name prefixes of components every TP rank holds unsplit; ``part``: the chunks hold some components
-    of the model only (an encoder on ranks of its own, or the language model beside it), which take their
-    tensors of the rank's layout shard."""
+    of the model only (an encoder on ranks of its own, or the language model beside it): the rank reads the
+    tensors of those."""
     from loongforge_megatron.conversion import shard_state_dict_for_rank
 
     if not (Path(hf_dir) / "config.json").is_file():
@@ -51,18 +51,11 @@ def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any
         dtype = next(module.parameters()).dtype
         sd = shard_state_dict_for_rank(
             hf_dir, tp_size=plan.tp, pp_size=plan.pp, ep_size=plan.ep, etp_size=plan.etp, vpp_rank=vpp_rank,
-            vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
-            expected_shapes=None if part else _module_shapes(module),
+            vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY, expected_shapes=_module_shapes(module),
+            held=module.state_dict().__contains__ if part else None,
             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
             dtype=dtype, whole=whole, mtp_layers=getattr(module.config, "mtp_num_layers", None) or 0, **_ranks(),
         )
-        if part:
-            held = module.state_dict()
-            sd = {k: v for k, v in sd.items() if k in held}
-            wrong = [k for k, v in sd.items() if tuple(v.shape) != tuple(held[k].shape)]
-            if wrong:
-                raise CheckpointError(f"{hf_dir}: '{wrong[0]}' has shape {tuple(sd[wrong[0]].shape)}, the model's "
-                                      f"{tuple(held[wrong[0]].shape)}")
         missing, unexpected = module.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
