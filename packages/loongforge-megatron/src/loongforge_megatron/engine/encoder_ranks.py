@@ -26,6 +26,7 @@ from the micro-batch's images (every rank reads its batches' images).
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,10 +58,19 @@ class RankSets:
         return [r for r in range(self.language.dp) if self.encoder_of(r) == rank]
 
     def language_ranks_of(self, dp_rank: int) -> list[int]:
-        """The language ranks of data-parallel rank ``dp_rank`` (its tensor-parallel ranks; megatron's rank order
-        ``tp-cp-ep-dp-pp``, with cp = pp = 1)."""
-        tp = self.language.tp
-        return [self.language.first_rank + dp_rank * tp + t for t in range(tp)]
+        """The language ranks of data-parallel rank ``dp_rank``: its tensor-parallel ranks, TP rank 0 first."""
+        return self._language_tp_groups[dp_rank]
+
+    @functools.cached_property
+    def _language_tp_groups(self) -> dict[int, list[int]]:
+        """{dp rank: its TP group} from megatron-core's grid of the language ranks (``HyperCommGrid`` over
+        ``tp-cp-dp-pp`` from the set's first rank, megatron's rank order; enumerated, no group made)."""
+        from megatron.core.hyper_comm_grid import HyperCommGrid
+
+        lm = self.language
+        grid = HyperCommGrid([lm.tp, lm.cp, lm.dp, lm.pp], ["tp", "cp", "dp", "pp"], rank_offset=lm.first_rank)
+        dp_of = {r: i for group in grid.get_rank_enum("dp") for i, r in enumerate(group)}
+        return {dp_of[g[0]]: g for g in grid.get_rank_enum("tp")}
 
 
 def rank_sets(plan: Any) -> RankSets | None:
