@@ -706,10 +706,10 @@ def _runs(*, rank, world, layouts, run_dir, ports):
 def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, free_port):
     """The tower on a rank of its own (parallel.components.vision.num_ranks 1, the language model on ranks 1-2:
     data parallel 2, engine/encoder_ranks.py): 5 steps equal one process's losses (clipped by the norm of both rank
-    sets), trained, with train.freeze [vision] and with the language model at tp 2; every image of the global
-    batches is encoded once, on the encoder rank (the language ranks hold no tower); each rank set checkpoints its
-    own parameters and a resumed run continues the losses; the three-rank HF export holds both sets' weights, equals
-    the one-process export and loads in transformers."""
+    sets), trained, with train.freeze [vision] and with the language model at tp 2 (declared first: ranks 0-1);
+    every image of the global batches is encoded once, on the encoder rank (the language ranks hold no tower); each
+    rank set checkpoints its own parameters and a resumed run continues the losses; the three-rank HF export holds
+    both sets' weights, equals the one-process export and loads in transformers."""
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -727,7 +727,8 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
     saving = ["checkpoint.save_interval=3", "checkpoint.save_at_end=false"]
     runs = [("trained", [*over, ENCODER_RANK, *saving]), ("frozen", [*frozen, ENCODER_RANK]),
             ("resumed", [*over, ENCODER_RANK], "trained"),
-            ("tp2", [*over, "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2, tp: 2}}"])]
+            # NOTE: declared language first: ranks 0-1 (tp 2) are the language model's, rank 2 the encoder
+            ("tp2", [*over, "parallel.components={language: {num_ranks: 2, tp: 2}, vision: {num_ranks: 1}}"])]
     three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three", layouts=runs,
                   ports=[free_port() for _ in runs], timeout_s=240)
     for name, _ in layouts:
@@ -742,6 +743,12 @@ def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, fre
         assert three[r]["resumed"][0] == pytest.approx(one["trained"][0][3:], rel=1e-5), (r, three[r]["resumed"][0])
         # NOTE: language tp 2: both TP ranks read each micro-batch's embeddings, TP rank 0 sends their gradients
         assert three[r]["tp2"][0] == pytest.approx(one["trained"][0], rel=1e-5), (r, three[r]["tp2"][0])
+    assert sorted(three[2]["tp2"][1]) == sorted(one["trained"][1]) and three[0]["tp2"][1] is None
+    # NOTE: written by a language rank; atol 1e-4: tp 2's reduction order, through 5 Adam steps (lr-sized noise
+    # where a gradient is tiny), moves weights by up to ~1e-5 (a misplaced tensor would differ by ~0.1)
+    tp2 = load_file(tmp_path / "three" / "tp2" / "hf" / "model.safetensors")
+    for k, t in load_file(tmp_path / "one" / "trained" / "hf" / "model.safetensors").items():
+        torch.testing.assert_close(tp2[k], t, rtol=0, atol=1e-4, msg=k)
     saved = [torch.load(tmp_path / "three" / "trained" / "checkpoints" / "step_00000003" / f"rank_{r:05d}.pt",
                         weights_only=True)["model"][0] for r in range(3)]
     assert saved[0] and all(k.startswith("vision.") for k in saved[0])
