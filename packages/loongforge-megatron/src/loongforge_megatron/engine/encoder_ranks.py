@@ -202,6 +202,10 @@ class EncoderClient:
     def close(self) -> None:
         self.model.encoder_cache = None
 
+    def share(self, total: torch.Tensor, *, lr: float) -> None:
+        """The step's ``[loss sum, tokens]`` and learning rate to every rank (:func:`share_loss`)."""
+        share_loss(total, self.sets, lr=lr)
+
 
 class EncoderServer:
     """The encoder's side of a step: its tower (``chunks``: one DDP-wrapped chunk whose module has

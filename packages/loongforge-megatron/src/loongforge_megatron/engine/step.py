@@ -343,9 +343,7 @@ def train_step(
             encoders.close()
     total = loss_total(losses, key=loss_key)
     if remote_encoder is not None:  # NOTE: the encoder ranks divide their gradients by the same token count
-        from loongforge_megatron.engine.encoder_ranks import share_loss
-
-        share_loss(total, remote_encoder.sets, lr=lr)
+        remote_encoder.share(total, lr=lr)
     loss = float(total[0] / total[1].clamp(min=1))
     # NOTE: a non-finite loss or gradient never reaches the weights (loongforge.failures decides what the run does
     # then: stop or skip); fp16's scaler skips by itself

@@ -4,7 +4,7 @@ The tower lives on the language model's first pipeline stage with the language m
 parallelism; what it takes for itself is its tensor parallelism (a divisor of the language model's: the copies in one
 language TP group then encode different images, ``engine/encoder_split.py``), its recompute and its freeze
 (``train.freeze``), and under pipeline parallelism whether it runs outside the schedule (``decoupled``,
-``engine/decoupled_encoder.py``). Qwen2.5-VL's and LLaVA's may instead run on ranks of its own (``num_ranks``,
+``engine/decoupled_encoder.py``). Some families' may instead run on ranks of its own (``num_ranks``,
 ``engine/encoder_ranks.py``). Every other per-component size is refused with the keys and the values, before any
 process group.
 """
@@ -70,10 +70,11 @@ def check_own_ranks_recipe(recipe: Any, plan: Any) -> None:
 
 
 def check_vision_component(plan: Any, *, heads: int, ffn: int, sizes: tuple[tuple[str, int], ...] = (),
-                           own_ranks: bool = False) -> None:
+                           own_ranks: bool = False, family: str = "this model") -> None:
     """Refuse a ``parallel.components`` layout the vision component cannot run. ``heads`` / ``ffn``: the tower's
     attention heads and MLP width (split by its tp); ``sizes``: more (what, size) pairs its tp must divide;
-    ``own_ranks``: the model can run its encoder on ranks of its own (:func:`check_own_ranks`)."""
+    ``own_ranks``: the model can run its encoder on ranks of its own (:func:`check_own_ranks`); ``family``: the
+    model's, for the message where it cannot."""
     key = "parallel.components"
     if own_ranks and any(c.first_rank or c.world_size != plan.world_size for c in plan.components.values()):
         check_own_ranks(plan)
@@ -83,9 +84,10 @@ def check_vision_component(plan: Any, *, heads: int, ffn: int, sizes: tuple[tupl
             raise RecipeError(f"{key}.{name}: this model has one separately laid-out component, '{COMPONENT}' (its "
                               f"tower and projector)", key=f"{key}.{name}")
         if comp.first_rank or comp.world_size != plan.world_size:
-            raise RecipeError(f"{key}.{name}.num_ranks = {comp.world_size}: this model's {name} component runs "
-                              f"on the language model's ranks (a colocated grid); an encoder on ranks of its own "
-                              f"is supported for Qwen2.5-VL and LLaVA only", key=f"{key}.{name}.num_ranks")
+            raise RecipeError(f"{key}.{name}.num_ranks = {comp.world_size}: {family} runs its {name} component on "
+                              f"the language model's ranks (a colocated grid); an encoder on ranks of its own is "
+                              f"not done for it (docs/vlm.md lists the families that have one)",
+                              key=f"{key}.{name}.num_ranks")
         for k in _SAME:
             mine, glob = getattr(comp, k), getattr(plan, k)
             if mine != glob:

@@ -168,7 +168,8 @@ class QwenVL(HFCheckpoint):
         no_compile(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
         check_vision_component(plan, heads=arch.vision["vision_config"]["num_heads"],
-                               ffn=arch.vision["vision_config"]["intermediate_size"], own_ranks=self.encoder_ranks)
+                               ffn=arch.vision["vision_config"]["intermediate_size"], own_ranks=self.encoder_ranks,
+                               family=self.name)
         sets = rank_sets(plan)
         if sets is not None:  # NOTE: the rest is the language model's, on its own ranks
             check_own_ranks_recipe(recipe, plan)
