@@ -668,3 +668,105 @@ def test_vision_tp_2_under_language_tp_4_equals_one_process(tmp_path_factory, tm
     assert exported.keys() == base.keys()
     for name, tensor in base.items():
         assert torch.equal(exported[name], tensor), name
+
+
+ENCODER_RANK = "parallel.components={vision: {num_ranks: 1}, language: {num_ranks: 2}}"
+
+
+def _runs(*, rank, world, layouts, run_dir, ports):
+    """For each (name, overrides[, the run directory's name: the layout's own]): every step's loss, the image grids
+    this rank's tower encoded over the steps (None: this rank holds no tower) and the HF export after the steps."""
+    import os
+
+    out = {}
+    for (name, over, *where), port in zip(layouts, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        job, runtime = loongforge.build_job(loongforge.load_recipe(RECIPE, over),
+                                            output_dir=run_dir / (where[0] if where else name))
+        try:
+            tower = getattr(job.chunks[0], "vision", None)
+            seen = None
+            if tower is not None:
+                seen = []
+                tower.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1].cpu().tolist()))
+            losses, every = [], job.recipe.checkpoint.save_interval
+            while job.step_index < job.recipe.train.steps:  # NOTE: the job's run loop, each step's loss kept
+                losses.append(job.step()["loss"])
+                if every and job.step_index % every == 0 and job.step_index < job.recipe.train.steps:
+                    job.checkpointer.save(job.step_index)
+            job.export("hf", run_dir / name / "hf")
+            out[name] = (losses, None if seen is None else [g for grids in seen for g in grids])
+        finally:
+            job.close()
+            runtime.logger.close()
+    return out
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen2_5_vl"], indirect=True)
+def test_encoder_on_its_own_rank_equals_one_process(tmp_path, hf_dir, ranks, free_port):
+    """The tower on a rank of its own (parallel.components.vision.num_ranks 1, the language model on ranks 1-2:
+    data parallel 2, engine/encoder_ranks.py): 5 steps equal one process's losses (clipped by the norm of both rank
+    sets), trained, with train.freeze [vision] and with the language model at tp 2 (declared first: ranks 0-1);
+    every image of the global batches is encoded once, on the encoder rank (the language ranks hold no tower); each
+    rank set checkpoints its own parameters and a resumed run continues the losses; the three-rank HF export holds
+    both sets' weights, equals the one-process export and loads in transformers."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    records = make_records(tmp_path / "data")
+    # NOTE: one record per micro-batch: each language dp rank takes one of the two records (images of different
+    # sizes) a step
+    over = overrides(hf_dir, records, "train.stage=sft", "train.micro_batch_size=1", "train.steps=5",
+                     "data.pack=false", "train.grad_clip=0.05")
+    frozen = [*over, "train.freeze=[vision]"]
+    layouts = [("trained", over), ("frozen", frozen)]
+    one = ranks(_runs, world=1, out=tmp_path / "r1", run_dir=tmp_path / "one", layouts=layouts,
+                ports=[free_port() for _ in layouts])[0]
+    # NOTE: the trained run saves step 3 (each rank set its own parameters), "resumed" continues it in the same
+    # run directory: steps 4 and 5
+    saving = ["checkpoint.save_interval=3", "checkpoint.save_at_end=false"]
+    runs = [("trained", [*over, ENCODER_RANK, *saving]), ("frozen", [*frozen, ENCODER_RANK]),
+            ("resumed", [*over, ENCODER_RANK], "trained"),
+            # NOTE: declared language first: ranks 0-1 (tp 2) are the language model's, rank 2 the encoder
+            ("tp2", [*over, "parallel.components={language: {num_ranks: 2, tp: 2}, vision: {num_ranks: 1}}"])]
+    three = ranks(_runs, world=3, out=tmp_path / "r3", run_dir=tmp_path / "three", layouts=runs,
+                  ports=[free_port() for _ in runs], timeout_s=240)
+    for name, _ in layouts:
+        want = one[name][0]
+        for r in range(3):
+            assert three[r][name][0] == pytest.approx(want, rel=1e-5), (name, r, three[r][name][0], want)
+        # NOTE: every image of the 5 global batches once, on the encoder rank; the language ranks hold no tower
+        assert sorted(three[0][name][1]) == sorted(one[name][1]) and three[1][name][1] is None \
+            and three[2][name][1] is None, name
+    assert three[0]["frozen"][0] != pytest.approx(three[0]["trained"][0], rel=1e-5)
+    for r in range(3):
+        assert three[r]["resumed"][0] == pytest.approx(one["trained"][0][3:], rel=1e-5), (r, three[r]["resumed"][0])
+        # NOTE: language tp 2: both TP ranks read each micro-batch's embeddings, TP rank 0 sends their gradients
+        assert three[r]["tp2"][0] == pytest.approx(one["trained"][0], rel=1e-5), (r, three[r]["tp2"][0])
+    assert sorted(three[2]["tp2"][1]) == sorted(one["trained"][1]) and three[0]["tp2"][1] is None
+    # NOTE: written by a language rank; atol 1e-4: tp 2's reduction order, through 5 Adam steps (lr-sized noise
+    # where a gradient is tiny), moves weights by up to ~1e-5 (a misplaced tensor would differ by ~0.1)
+    tp2 = load_file(tmp_path / "three" / "tp2" / "hf" / "model.safetensors")
+    for k, t in load_file(tmp_path / "one" / "trained" / "hf" / "model.safetensors").items():
+        torch.testing.assert_close(tp2[k], t, rtol=0, atol=1e-4, msg=k)
+    saved = [torch.load(tmp_path / "three" / "trained" / "checkpoints" / "step_00000003" / f"rank_{r:05d}.pt",
+                        weights_only=True)["model"][0] for r in range(3)]
+    assert saved[0] and all(k.startswith("vision.") for k in saved[0])
+    assert all(saved[r] and not any(k.startswith("vision.") for k in saved[r]) for r in (1, 2))
+    # the export holds both rank sets' weights, equal to the one-process run's, and loads in transformers
+    for name, _ in layouts:
+        mine = load_file(tmp_path / "three" / name / "hf" / "model.safetensors")
+        ref = load_file(tmp_path / "one" / name / "hf" / "model.safetensors")
+        source = load_file(hf_dir / "model.safetensors")
+        assert mine.keys() == ref.keys() == source.keys()
+        assert any(k.startswith(("visual.", "model.visual.")) for k in mine)
+        for k, t in ref.items():
+            torch.testing.assert_close(mine[k], t, rtol=1e-5, atol=1e-6, msg=k)
+            frozen_tower = name == "frozen" and k.startswith(("visual.", "model.visual."))
+            assert torch.equal(mine[k], source[k]) == frozen_tower, (name, k)
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "three" / "trained" / "hf",
+                                                                      output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "one" / "trained" / "hf").state_dict()
+    for k, t in model.state_dict().items():
+        torch.testing.assert_close(t, ref[k], rtol=1e-5, atol=1e-6, msg=k)

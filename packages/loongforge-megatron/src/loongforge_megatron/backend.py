@@ -132,7 +132,10 @@ class MegatronBackend(Backend):
                               "refuses cp > 1)", key="kernels.layers")
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        plan = recipe.parallel.plan(world_size)
+        from loongforge_megatron.engine.encoder_ranks import language_plan
+
+        full = recipe.parallel.plan(world_size)
+        plan = language_plan(full)  # NOTE: an encoder on ranks of its own: the spec checks its ranks (full)
         try:
             spec, arch = recipe.model.resolve()
         except (ValueError, TypeError) as exc:
@@ -160,7 +163,7 @@ class MegatronBackend(Backend):
         from loongforge_megatron.layers.selection import check_moe_runtime
 
         check_moe_runtime(recipe, arch, plan)
-        spec.check(recipe, plan, arch)
+        spec.check(recipe, full, arch)
         load = recipe.checkpoint.load
         if load and (Path(load) / "config.json").is_file():
             from loongforge_megatron.conversion.config_check import check_hf_checkpoint

@@ -39,10 +39,13 @@ _MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep", "etp")
 SPLIT = "layers_per_chunk"  # decoder layers of every (vpp, pp) chunk; saves before uneven splits lack it (even)
 
 
-def layout_record(plan: Any, *, num_layers: int, whole: tuple[str, ...] = ()) -> dict[str, Any]:
-    """What a checkpoint records of the layout it was saved with (``meta.json``'s ``layout``)."""
+def layout_record(plan: Any, *, num_layers: int, whole: tuple[str, ...] = (), sets: Any = None) -> dict[str, Any]:
+    """What a checkpoint records of the layout it was saved with (``meta.json``'s ``layout``); ``sets``: an
+    encoder on ranks of its own (``engine/encoder_ranks.py``; ``plan`` is then the language model's), recorded as
+    ``encoder_ranks``."""
     p = plan
-    return {"world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
+    extra = {} if sets is None else {"encoder_ranks": sets.encoder.world_size}
+    return {**extra, "world_size": p.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
             "dp": p.dp, "distributed_optimizer": int(p.distributed_optimizer), "whole": [w if isinstance(w, str) else list(w) for w in whole],
             SPLIT: chunk_layer_counts(num_layers, pp=p.pp, vpp=p.vpp, first=p.first_stage_layers,
                                       last=p.last_stage_layers)}
@@ -123,7 +126,7 @@ def source_rank(meta: dict[str, Any], *, layout: dict[str, int], coords: dict[st
     layout = {"whole": [], **layout}
     if old == layout:
         return rank
-    differs = [k for k in (*_MODEL_PARALLEL, SPLIT, "whole") if old.get(k) != layout.get(k)]
+    differs = [k for k in (*_MODEL_PARALLEL, SPLIT, "whole", "encoder_ranks") if old.get(k) != layout.get(k)]
     if differs:
         raise CheckpointError(
             f"the checkpoint was saved with {', '.join(f'{k}={old.get(k)}' for k in differs)} but this run uses "

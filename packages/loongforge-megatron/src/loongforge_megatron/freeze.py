@@ -52,8 +52,11 @@ def check_freeze(entries: list[str], *, groups: Mapping[str, tuple[str, ...]], s
                           "parameter-name patterns such as 'decoder.layers.0.*')", key="train.freeze")
 
 
-def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]]) -> int:
-    """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here."""
+def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping[str, tuple[str, ...]],
+           may_freeze_all: bool = False) -> int:
+    """Freeze what ``entries`` name in this rank's ``chunks``; returns how many parameters were frozen here.
+    ``may_freeze_all``: this rank holds one component only (an encoder on ranks of its own), which may be frozen
+    whole."""
     check_names(entries, groups=groups)
     frozen, total = 0, 0
     hits = [0] * len(entries)
@@ -70,7 +73,7 @@ def freeze(chunks: list[torch.nn.Module], entries: list[str], *, groups: Mapping
         raise RecipeError(f"train.freeze {unmatched} match(es) no parameter of the model (groups: "
                           f"{', '.join(groups) or 'none'}; patterns match names such as 'decoder.layers.0.*')",
                           key="train.freeze")
-    if entries and not any(p.requires_grad for c in chunks for p in c.parameters()):
+    if entries and not may_freeze_all and not any(p.requires_grad for c in chunks for p in c.parameters()):
         raise RecipeError(f"train.freeze {entries} leaves nothing to train on this rank's {total} parameters",
                           key="train.freeze")
     return frozen

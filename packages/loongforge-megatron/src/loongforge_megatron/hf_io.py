@@ -36,9 +36,11 @@ def _module_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any, whole: tuple[str, ...] = (),
-                 log: Any = None) -> None:
+                 log: Any = None, part: bool = False) -> None:
     """Load ``hf_dir`` into every model chunk of this rank; each rank reads only the tensors it holds. ``whole``:
-    megatron-name prefixes of components every TP rank holds unsplit."""
+    megatron-name prefixes of components every TP rank holds unsplit; ``part``: the chunks hold some components
+    of the model only (an encoder on ranks of its own, or the language model beside it): the rank reads the
+    tensors of those."""
     from loongforge_megatron.conversion import shard_state_dict_for_rank
 
     if not (Path(hf_dir) / "config.json").is_file():
@@ -50,6 +52,7 @@ def load_hf_into(chunks: list[torch.nn.Module], hf_dir: str | Path, *, plan: Any
         sd = shard_state_dict_for_rank(
             hf_dir, tp_size=plan.tp, pp_size=plan.pp, ep_size=plan.ep, etp_size=plan.etp, vpp_rank=vpp_rank,
             vpp_size=plan.vpp, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY, expected_shapes=_module_shapes(module),
+            held=module.state_dict().__contains__ if part else None,
             first_stage_layers=plan.first_stage_layers, last_stage_layers=plan.last_stage_layers,
             dtype=dtype, whole=whole, mtp_layers=getattr(module.config, "mtp_num_layers", None) or 0, **_ranks(),
         )
@@ -80,19 +83,22 @@ class _Holdings:
     def __init__(self, layout, everyone: list[dict]):
         from loongforge.checkpoint import Expert
 
-        self.owner: dict = {}
+        self.owner: dict = {}  # {key: {name: global rank}}
         self.specs: dict = {}
+        # NOTE: per name: with an encoder on ranks of its own, two ranks hold different tensors under one key
         for rank, held in enumerate(everyone):
             for key, spec in held.items():
-                if key not in self.owner:
-                    self.owner[key], self.specs[key] = rank, spec
+                owners, specs = self.owner.setdefault(key, {}), self.specs.setdefault(key, {})
+                for name, s in spec.items():
+                    if name not in owners:
+                        owners[name], specs[name] = rank, s
         self.experts = {p.megatron for p in layout.params() if isinstance(p.rule, Expert)}
         self._resolved: dict = {}
 
     def source(self, rank, name: str) -> tuple[int, tuple]:
         """(global rank, its key) to read ``name`` of layout rank ``rank`` from."""
         if name in self.specs.get(rank, ()):
-            return self.owner[rank], rank
+            return self.owner[rank][name], rank
         if (rank, name) not in self._resolved:
             tp, pp, ep, vpp = rank
             same = (lambda k: k[2] == ep) if name in self.experts else (lambda k: k[0] == tp)
@@ -100,7 +106,7 @@ class _Holdings:
                         default=None)
             if found is None:
                 raise CheckpointError(f"no rank holds '{name}' of (tp {tp}, pp {pp}, ep {ep}, vpp {vpp})")
-            self._resolved[(rank, name)] = self.owner[found], found
+            self._resolved[(rank, name)] = self.owner[found][name], found
         return self._resolved[(rank, name)]
 
     def spec(self, rank, name: str):

@@ -32,9 +32,13 @@ class MegatronJob(Job):
     def __init__(self, recipe: Recipe, runtime: Runtime):
         from loongforge_megatron import engine
         from loongforge_megatron.device_adapters import adapted
+        from loongforge_megatron.engine.encoder_ranks import rank_sets
 
         self.recipe, self.runtime = recipe, runtime
-        self.acc, self.plan = runtime.accelerator, runtime.plan
+        # NOTE: with an encoder on ranks of its own (engine/encoder_ranks.py) the job's plan is the language
+        # model's (its batches, micro-batches and checkpoint layout), on the encoder ranks too
+        self.acc, self.sets = runtime.accelerator, rank_sets(runtime.plan)
+        self.plan = runtime.plan if self.sets is None else self.sets.language
         self.spec, self.arch = recipe.model.resolve()
         self.log = runtime.logger
         self.step_index = 0  # optimizer steps done
@@ -44,7 +48,7 @@ class MegatronJob(Job):
         self._failed = False  # a failed job tears down without waiting for its peers (close)
         try:
             runtime.init_distributed()
-            engine.initialize(self.plan, accelerator=self.acc, seed=recipe.train.seed)
+            engine.initialize(runtime.plan, accelerator=self.acc, seed=recipe.train.seed)
             self._build()
             self._resume()
         except BaseException as exc:
@@ -66,7 +70,8 @@ class MegatronJob(Job):
         # the data first: a bad data path or image encoder fails before the model is built
         self.data = spec.data(recipe=recipe, arch=arch, runtime=self.runtime, device=self.device)
         self.seq_length = self.data.seq_length
-        built = spec.model(recipe=recipe, arch=arch, plan=plan, accelerator=self.acc, device=self.device,
+        encoder_side = self.sets is not None and self.sets.on_encoder(dist.get_rank())
+        built = spec.model(recipe=recipe, arch=arch, plan=self.runtime.plan, accelerator=self.acc, device=self.device,
                            precision=self.precision, data=self.data)
         self.config, self.chunks, self.whole_components = built.config, built.chunks, built.whole
         self.forward_step_fn, self.loss_key, self.kernels = built.forward_step, built.loss_key, built.kernels
@@ -75,7 +80,8 @@ class MegatronJob(Job):
         if recipe.checkpoint.load:
             from loongforge_megatron.hf_io import load_hf_into
 
-            load_hf_into(self.chunks, recipe.checkpoint.load, plan=plan, whole=self.whole_components, log=self.log)
+            load_hf_into(self.chunks, recipe.checkpoint.load, plan=plan, whole=self.whole_components, log=self.log,
+                         part=self.sets is not None)
         self.lora = None
         if t.stage == "lora":
             from loongforge_megatron.lora import apply_lora
@@ -84,7 +90,7 @@ class MegatronJob(Job):
         if t.freeze:
             from loongforge_megatron.freeze import freeze
 
-            n = freeze(self.chunks, t.freeze, groups=built.groups)
+            n = freeze(self.chunks, t.freeze, groups=built.groups, may_freeze_all=encoder_side)
             if self.runtime.is_main:
                 self.log.info(f"[megatron] train.freeze {t.freeze}: {n} parameters frozen")
         if t.fp8 is not None:
@@ -98,12 +104,23 @@ class MegatronJob(Job):
                               "in FP8" + (f" (policy {t.fp8.policy})" if t.fp8.policy else "")
                               + "".join(f"; {note}" for note in notes))
         self._fp8_cache = None
+        tower = True  # the encoder's tower has something to train (an encoder on ranks of its own)
+        if self.sets is not None:
+            from loongforge_megatron.engine.encoder_ranks import tower_trains
+
+            tower = tower_trains(self.chunks, self.sets)  # NOTE: collective
+        # NOTE: a frozen encoder's ranks build an (empty) DDP and optimizer too: megatron aligns the optimizer's
+        # parameter groups over the world
         self.model = engine.wrap_ddp(self.chunks, self.config, use_distributed_optimizer=plan.distributed_optimizer)
         self.optimizer = engine.build_optimizer(
             self.model, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.precision == "bf16", fp16=self.precision == "fp16",
             use_distributed_optimizer=plan.distributed_optimizer, optimizer="adam" if t.optimizer == "adamw" else "sgd",
         )
+        if self.sets is not None:  # NOTE: each rank set steps its own optimizer, clipped by the norm of both
+            from loongforge_megatron.engine.encoder_ranks import global_norm_optimizer
+
+            self.optimizer = global_norm_optimizer(self.optimizer, self.sets)
         decay_steps = t.decay_steps or t.steps
         self.scheduler = engine.build_scheduler(
             self.optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, decay_steps=decay_steps,
@@ -119,6 +136,8 @@ class MegatronJob(Job):
             if self._fp8_cache is not None:
                 self._fp8_cache.enabled = True
         dp = dict(dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank())
+        if encoder_side:  # NOTE: the language model's data-parallel ranks this encoder rank serves
+            dp = dict(dp_size=plan.dp, dp_rank=self.sets.dp_ranks_of(dist.get_rank())[0])
         self.balancer, self.cost_fit = None, None  # data.balance: the fit is made on the first steps this run takes
         if recipe.data.balance:
             from loongforge.parallel.balance import LoadBalancer
@@ -127,6 +146,20 @@ class MegatronJob(Job):
         self.schedule = BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
                                       micro_batch_size=t.micro_batch_size, workers=recipe.data.num_workers,
                                       steps=t.steps, balancer=self.balancer, **dp)
+        self.encoder_client = self.encoder_server = None
+        if encoder_side:
+            from loongforge_megatron.engine.encoder_ranks import EncoderServer
+
+            schedules = {r: BatchSchedule(self.data.train, global_batch_size=t.global_batch_size,
+                                          micro_batch_size=t.micro_batch_size, workers=recipe.data.num_workers,
+                                          steps=t.steps, dp_size=plan.dp, dp_rank=r)
+                         for r in self.sets.dp_ranks_of(dist.get_rank())[1:]}
+            self.encoder_server = EncoderServer(self.model, self.sets, {dp["dp_rank"]: self.schedule, **schedules},
+                                                trains=tower)
+        elif self.sets is not None:
+            from loongforge_megatron.engine.encoder_ranks import EncoderClient
+
+            self.encoder_client = EncoderClient(self.model, self.sets, trains=tower)
         self.valid_schedule = (BatchSchedule(self.data.valid, global_batch_size=t.global_batch_size,
                                              micro_batch_size=t.micro_batch_size, **dp)
                                if self.data.valid is not None else None)
@@ -215,7 +248,7 @@ class MegatronJob(Job):
         return Checkpointer(
             root=runtime.checkpoint_dir, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
             accelerator=self.acc, layout=layout_record(self.plan, num_layers=self.arch.num_layers,
-                                                       whole=self.whole_components),
+                                                       whole=self.whole_components, sets=self.sets),
             save_format=tuple(c.save_format), save_interval=c.save_interval, keep_last=c.keep_last, ema=self.ema,
             router_load=self.router_load, exports=exports,
             final_dirs={"hf": runtime.hf_dir, "peft": runtime.output_dir / "peft"}, log=self.log)
@@ -237,6 +270,10 @@ class MegatronJob(Job):
         from loongforge_megatron import engine
 
         t0 = time.perf_counter()
+        if self.encoder_server is not None:
+            return self._finish_step(t0, [], self.encoder_server.train_step(
+                self.step_index, optimizer=self.optimizer, scheduler=self.scheduler,
+                global_batch_size=self.recipe.train.global_batch_size, device=self.device))
         batches = self.schedule.microbatches(self.step_index, device=self.device)
         forward_step_fn = self.forward_step_fn
         if self.before_step is not None:
@@ -254,7 +291,12 @@ class MegatronJob(Job):
             micro_batch_size=self.recipe.train.micro_batch_size, forward_step_fn=forward_step_fn,
             loss_key=self.loss_key,
             before_grad_reduce=self.replicas.reduce_grads if self.replicas is not None else None,
+            remote_encoder=self.encoder_client,
         )
+        return self._finish_step(t0, batches, out)
+
+    def _finish_step(self, t0: float, batches: list, out: dict[str, Any]) -> dict[str, float]:
+        """The step's metrics after ``engine.train_step`` (``batches``: this rank's micro-batches)."""
         if self._fp8_cache is not None:
             self._fp8_cache.invalidate()  # the optimizer changed the weights
         if self.ema is not None and not out.get("skipped"):
@@ -307,7 +349,7 @@ class MegatronJob(Job):
         if every and self.valid_schedule is not None and (self.step_index % every == 0 or self.step_index == self.recipe.train.steps):
             metrics["val_loss"] = self.evaluate()
         if self.peak_flops:
-            metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.plan.world_size)
+            metrics["mfu"] = self.flops_per_token * tokens / dt / (self.peak_flops * self.runtime.plan.world_size)
         mem = self.acc.memory_stats().get("peak_allocated")
         if mem:
             metrics["peak_mem_gib"] = mem / 2**30
@@ -374,6 +416,9 @@ class MegatronJob(Job):
         finally:
             if getattr(self, "schedule", None) is not None:
                 self.schedule.close()
+            if getattr(self, "encoder_server", None) is not None:
+                for schedule in self.encoder_server.schedules.values():
+                    schedule.close()
             if getattr(self, "_fp8_cache", None) is not None:
                 self._fp8_cache.invalidate()  # NOTE: frees the FP8 weight copies now, not when the job is collected
             if self._adaptations is not None:

@@ -4,7 +4,7 @@ gather back into HF tensors for export. Same rules and name maps as the offline 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -33,13 +33,15 @@ def shard_state_dict_for_rank(
     family: str | None = None, make_vocab_size_divisible_by: int = 128,
     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
     expected_shapes: Mapping[str, tuple[int, ...]] | None = None, dtype: torch.dtype | None = None,
-    whole: tuple[str, ...] = (), mtp_layers: int = 0,
+    whole: tuple[str, ...] = (), mtp_layers: int = 0, held: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Exactly one rank's megatron state dict (one virtual chunk when vpp_size > 1), reading only the HF
     tensors that rank needs. Pass the model's ``{name: shape}`` as ``expected_shapes`` to fail with the
     first missing / unexpected / mis-shaped tensor named; ``dtype`` casts on the way (None keeps HF dtypes).
     ``whole``: megatron-name prefixes of components every TP rank holds unsplit; ``mtp_layers``: the model's
-    multi-token-prediction layers, read from the HF layers after ``num_hidden_layers``.
+    multi-token-prediction layers, read from the HF layers after ``num_hidden_layers``; ``held``: which megatron
+    names this process holds (None: all of its layout rank's), for a rank that holds some components of the model
+    only (an encoder on ranks of its own, or the language model beside it): it reads only those.
     """
     hf_config = read_hf_config(hf_dir)
     fam = get_family(family, hf_config=hf_config)
@@ -58,7 +60,7 @@ def shard_state_dict_for_rank(
     mine: dict[Key, list[tuple[Param, int]]] = {}
     for p in params:
         for rank, index in layout.holders(p):
-            if rank == me:
+            if rank == me and (held is None or held(p.megatron)):
                 mine.setdefault(key_of(p), []).append((p, index))
     out: dict[str, torch.Tensor] = {}
     for held in mine.values():

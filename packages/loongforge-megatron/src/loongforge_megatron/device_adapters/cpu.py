@@ -62,11 +62,20 @@ CUDA_LITERAL_MODULES: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.optimizer": ("device='cuda'",),
     # distributed optimizer: shard buffers
     "megatron.core.optimizer.distrib_optimizer": ("torch.cuda.current_device()",),
+    # MIMO optimizer (an encoder on ranks of its own): the rank sets' squared norms and found-inf / success flags
+    "megatron.core.models.mimo.optimizer": ('device="cuda"',),
 }
 
 
+def _short(module: str) -> str:
+    """The module's name in its adaptation's: its last part (two where an earlier module has that one)."""
+    last = module.rsplit(".", 1)[-1]
+    earlier = list(CUDA_LITERAL_MODULES)[:list(CUDA_LITERAL_MODULES).index(module)]
+    return ".".join(module.rsplit(".", 2)[-2:]) if any(m.rsplit(".", 1)[-1] == last for m in earlier) else last
+
+
 def _cpu_torch_for(module: str, needles: tuple[str, ...]) -> Adaptation:
-    short = module.rsplit(".", 1)[-1]
+    short = _short(module)
     return replace_attr(
         f"cuda-devices:{short}",
         f"{module}.torch",
@@ -274,6 +283,13 @@ _PATCHES: tuple[_Patch, ...] = (
         "grad clipping accepts CPU gradients (it asserts grad.type() == 'torch.cuda.FloatTensor')",
     ),
     _Patch(
+        "mimo-clip-grad-types",
+        "megatron.core.models.mimo.optimizer.clip_grad_by_total_norm_fp32",
+        with_cuda_type_names,
+        ("'torch.cuda.FloatTensor'",),
+        "the MIMO optimizer's clipping (an encoder on ranks of its own) accepts CPU gradients, as clip-grad-types",
+    ),
+    _Patch(
         "float16-optimizer-param-types",
         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
         with_cuda_type_names,
@@ -304,7 +320,7 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 TARGETS: dict[str, str] = {"tensor-type-cuda-names": "torch.Tensor.type", "tensor-cuda-identity": "torch.Tensor.cuda"} | {
     p.name: p.target for p in _PATCHES} | {
-    f"cuda-devices:{m.rsplit('.', 1)[-1]}": f"{m}.torch" for m in CUDA_LITERAL_MODULES
+    f"cuda-devices:{_short(m)}": f"{m}.torch" for m in CUDA_LITERAL_MODULES
 }
 """Adaptation name -> the dotted attribute it replaces (for docs and tests)."""
 

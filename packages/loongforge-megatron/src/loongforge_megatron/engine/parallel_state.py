@@ -48,14 +48,20 @@ def initialize(plan: ParallelPlan, *, accelerator: Accelerator, seed: int) -> No
         )
     if mpu.model_parallel_is_initialized():
         destroy()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=plan.tp,
-        pipeline_model_parallel_size=plan.pp,
-        virtual_pipeline_model_parallel_size=plan.vpp if plan.vpp > 1 else None,
-        context_parallel_size=plan.cp,
-        expert_model_parallel_size=plan.ep,
-        expert_tensor_parallel_size=plan.etp,
-    )
+    from loongforge_megatron.engine.encoder_ranks import initialize_model_parallel, rank_sets
+
+    sets = rank_sets(plan)
+    if sets is not None:  # NOTE: an encoder on ranks of its own: each rank set gets its own layout's groups
+        initialize_model_parallel(sets)
+    else:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tp,
+            pipeline_model_parallel_size=plan.pp,
+            virtual_pipeline_model_parallel_size=plan.vpp if plan.vpp > 1 else None,
+            context_parallel_size=plan.cp,
+            expert_model_parallel_size=plan.ep,
+            expert_tensor_parallel_size=plan.etp,
+        )
     # NOTE: megatron-LM offsets the seed per pipeline stage so stages do not share dropout streams.
     stage_seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
     accelerator.manual_seed(stage_seed)

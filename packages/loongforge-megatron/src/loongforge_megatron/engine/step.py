@@ -189,6 +189,12 @@ def reduce_loss(losses: list[LossReport], *, key: str = "lm loss") -> float:
 
     The last pipeline stage holds the losses; it broadcasts the result to the other stages.
     """
+    total = loss_total(losses, key=key)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def loss_total(losses: list[LossReport], *, key: str = "lm loss") -> torch.Tensor:
+    """:func:`reduce_loss`'s ``[loss sum, tokens]`` (float64, on the host), on every rank."""
     from megatron.core import parallel_state as mpu
 
     # NOTE: summed where the reports are and read back once, at the end (one host-device sync a step)
@@ -206,8 +212,7 @@ def reduce_loss(losses: list[LossReport], *, key: str = "lm loss") -> float:
             src=mpu.get_pipeline_model_parallel_last_rank(),
             group=mpu.get_pipeline_model_parallel_group(),
         )
-    total = total.cpu()
-    return float(total[0] / total[1].clamp(min=1))
+    return total.cpu()
 
 
 def _comm_device() -> torch.device:
@@ -292,9 +297,11 @@ def train_step(
     forward_step_fn: Callable[..., Any] | None = None,
     loss_key: str = "lm loss",
     before_grad_reduce: Callable[[], None] | None = None,
+    remote_encoder: Any = None,
 ) -> dict[str, float | bool | None]:
     """Forward + backward over ``num_microbatches``, then one optimizer and scheduler step (``before_grad_reduce``:
-    see :func:`_configure`, e.g. expert replicas' gradients added to their home experts').
+    see :func:`_configure`, e.g. expert replicas' gradients added to their home experts'; ``remote_encoder``: the
+    language ranks' side of an encoder on ranks of its own, ``engine/encoder_ranks.py``).
 
     Returns ``loss`` (token-weighted mean of the loss function's ``loss_key`` report, same on every rank),
     ``grad_norm`` (None when not computed), ``lr`` and ``skipped`` (True when the optimizer skipped the update,
@@ -306,8 +313,8 @@ def train_step(
     from loongforge_megatron.engine.optimizer import folds_clip, step_with_folded_clip
 
     config = get_model_config(model_chunks[0])
-    encoders = None
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
+    encoders = remote_encoder
+    if encoders is None and mpu.get_pipeline_model_parallel_world_size() > 1:
         from loongforge_megatron.engine.decoupled_encoder import DecoupledEncoders
 
         encoders = DecoupledEncoders(model_chunks) or None
@@ -334,7 +341,10 @@ def train_step(
     finally:
         if encoders is not None:
             encoders.close()
-    loss = reduce_loss(losses, key=loss_key)
+    total = loss_total(losses, key=loss_key)
+    if remote_encoder is not None:  # NOTE: the encoder ranks divide their gradients by the same token count
+        remote_encoder.share(total, lr=lr)
+    loss = float(total[0] / total[1].clamp(min=1))
     # NOTE: a non-finite loss or gradient never reaches the weights (loongforge.failures decides what the run does
     # then: stop or skip); fp16's scaler skips by itself
     if folds_clip(optimizer):  # the clipping inside the fused Adam kernel, the check read off the gradient norm

@@ -116,7 +116,7 @@ VISION_PREFIXES = ("vision_model.", "vision_projection.")  # the "vision" compon
 
 def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_length: int, device: torch.device,
                 spec: str = "local", provider: str = "auto", accelerator: Any = None,
-                vision_groups: Any = None) -> list[torch.nn.Module]:
+                vision_groups: Any = None, remote_encoder: bool = False) -> list[torch.nn.Module]:
     """``[LLaVAModel]`` for this rank (before DDP), built with :func:`layer_specs`. With pipeline parallelism the first stage
     holds the CLIP tower, the projector, the token embedding and the first language layers; later stages hold only
     their language layers (megatron's split), the last one the output layer.
@@ -127,7 +127,9 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
     different images of the micro-batch (``engine/encoder_split.py``: their gradients summed over the copies); the
     projector runs on every image on each copy (its gradients agree without a reduction: the language model's first
     column-parallel layers all-reduce the gradient of their input). Each shard is counted once by the gradient norm
-    (``ComponentGroups.mark_shards``)."""
+    (``ComponentGroups.mark_shards``). ``remote_encoder``: CLIP and the projector run on ranks of their own
+    (``engine/encoder_ranks.py``, :class:`LlavaEncoder`); the first stage reads their embeddings from its encoder
+    cache as LLaVAModel's ``encoder_hidden_state`` (megatron's model without its encoder)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -182,9 +184,12 @@ def build_llava(*, language: Any, arch: Any, vocab_size: int, max_sequence_lengt
         image_token_index=arch.vision["image_token_index"],
         pre_process=first,
         post_process=last,
-        add_encoder=first,
+        add_encoder=first and not remote_encoder,
         add_decoder=True,
     )
+    if first and remote_encoder:
+        model.encoder_cache = None
+        model.encoder_shape = functools.partial(_encoder_shape, seq=image_seq_length(arch), hidden=language.hidden_size)
     if own:
         _own_vision(model, vision, projection, vision_spec, projection_spec, groups=collection, side=side,
                     patch=patch)
@@ -234,6 +239,59 @@ def _own_vision(model: Any, vision: Any, projection: Any, vision_spec: Any, proj
                                                   tp_group=groups.tp)
 
 
+def _encoder_shape(batch: dict[str, Any], *, seq: int, hidden: int) -> tuple[int, int, int] | None:
+    """The projector's output for one micro-batch's images (``[image embeddings, images, hidden]``), None
+    without any."""
+    n = batch["images"].shape[0]
+    return (seq, n, hidden) if n else None
+
+
+class LlavaEncoder(torch.nn.Module):
+    """CLIP and the projector alone, for ranks that only encode (``parallel.components.vision.num_ranks``):
+    ``vision_model.*`` / ``vision_projection.*`` as in LLaVAModel, so the name maps and checkpoints are the
+    model's; :meth:`encode` is LLaVAModel's encoder path (class token dropped, ``[seq, images, hidden]``)."""
+
+    def __init__(self, *, language: Any, arch: Any, spec: str = "local", provider: str = "auto",
+                 accelerator: Any = None, recompute: str | None = None):
+        from megatron.core.models.multimodal import llava_model
+        from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLPSubmodules
+
+        from loongforge_megatron.engine.encoder_split import EncoderTimer
+        from loongforge_megatron.layers.megatron_layers import row_parallel_linear
+        from loongforge_megatron.models.llava.clip import clip_builder
+
+        super().__init__()
+        if spec == "loongforge":
+            from loongforge_megatron.layers import prepare_config
+
+            prepare_config(language)
+        _, vision_spec = layer_specs(spec, provider=provider, accelerator=accelerator)
+        vision, projection = vision_configs(language, arch, tp=1, recompute=recompute)
+        side, patch = image_size(arch)
+        projection_spec = MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                        linear_fc2=row_parallel_linear() if spec == "loongforge" else RowParallelLinear)
+        self.config, self.pre_process = language, True
+        self.vision_model = clip_builder()(vision, vision_spec, img_h=side, img_w=side, class_token_len=1,
+                                           patch_dim=patch, model_subtype=vision.vision_model_type,
+                                           add_class_token=True)
+        self.vision_model.register_load_state_dict_post_hook(llava_model._load_state_dict_hook_ignore_extra_state)
+        self.vision_projection = MultimodalProjector(projection, projection_spec, "mlp", vision.hidden_size)
+        self.vision_model.encoder_timer = EncoderTimer()
+
+    def encode(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        from loongforge_megatron.engine.encoder_split import timed
+
+        param = next(self.parameters())
+        images = batch["images"].to(param.device, param.dtype)
+        if not images.shape[0]:
+            return None
+        out = timed(self.vision_model, self.vision_model.encoder_timer, images.shape[0], images)
+        out = out[:, self.vision_model.class_token_len:, :].permute(1, 0, 2).contiguous()
+        return self.vision_projection(out)
+
+
 def _encode_ahead(model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
     """The CLIP tower's output for one micro-batch's images (None without any), for the decoupled encoder; the
     projector runs in the schedule, inside LLaVAModel's forward."""
@@ -254,7 +312,13 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     images = batch["images"].to(next(model.parameters()).dtype)
     inner = unwrap(model)
     cache = getattr(inner, "encoder_cache", None)
-    with replaying(inner.vision_model, cache.take()) if cache is not None else contextlib.nullcontext():
+    remote = cache is not None and not inner.add_encoder
+    if remote:  # NOTE: an encoder on ranks of its own: LLaVAModel without its encoder reads encoder_hidden_state
+        embeddings = cache.take()
+        inner.encoder_hidden_state = embeddings if embeddings is not None else torch.zeros(
+            0, 0, 0, dtype=images.dtype, device=device)
+    with replaying(inner.vision_model, cache.take()) if cache is not None and not remote \
+            else contextlib.nullcontext():
         losses, loss_mask = model(
             images=images, input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
             labels=batch["labels"], loss_mask=batch["loss_mask"],

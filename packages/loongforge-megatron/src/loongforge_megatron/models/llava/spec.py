@@ -20,7 +20,7 @@ from loongforge_megatron.models.gpt.arch import Arch
 from loongforge_megatron.models.llava import names
 from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, tokenizer_assets, tokenizer_for
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
-from loongforge_megatron.models.vision_component import check_vision_component
+from loongforge_megatron.models.vision_component import check_own_ranks_recipe, check_vision_component
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llava-1.5-7b": dict(family="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, vocab_size=32064, max_position_embeddings=4096,
@@ -135,8 +135,14 @@ class Llava(HFCheckpoint):
 
         check_provider(recipe)
         no_compile(recipe)
+        from loongforge_megatron.engine.encoder_ranks import rank_sets
+
         v = arch.vision["vision_config"]
-        check_vision_component(plan, heads=v["num_attention_heads"], ffn=v["intermediate_size"])
+        check_vision_component(plan, heads=v["num_attention_heads"], ffn=v["intermediate_size"], own_ranks=True)
+        sets = rank_sets(plan)
+        if sets is not None:  # NOTE: the rest is the language model's, on its own ranks
+            check_own_ranks_recipe(recipe, plan)
+            plan = sets.language
         if plan.sp:
             raise RecipeError("LLaVA without TransformerEngine cannot use sequence parallelism", key="parallel.sp")
         if recipe.train.eval_interval:
@@ -146,7 +152,7 @@ class Llava(HFCheckpoint):
             raise RecipeError("LLaVA with rope scaling is not supported", key="model")
         # NOTE: LLaVAModel first builds the tower over the language model's groups (then over its own, if set)
         for what, n in (("CLIP attention heads", v["num_attention_heads"]), ("CLIP ffn size", v["intermediate_size"])):
-            if n % plan.tp:
+            if n % plan.tp and sets is None:
                 raise RecipeError(f"{what} {n} do not split over tp = {plan.tp}", key="parallel.tp")
         if recipe.data.seq_length <= image_seq_length(arch) + 2:
             raise RecipeError(f"data.seq_length must exceed the {image_seq_length(arch)} image embeddings plus text",
@@ -173,18 +179,36 @@ class Llava(HFCheckpoint):
 
     def model(self, *, recipe: Any, arch: LlavaArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
+        import torch.distributed as dist
+
         from loongforge_megatron.engine.component_groups import component_groups
+        from loongforge_megatron.engine.encoder_ranks import rank_sets
         from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.models.gpt.translate import transformer_config
-        from loongforge_megatron.models.llava.model import VISION_PREFIXES, build_llava, forward_step
+        from loongforge_megatron.models.llava.model import (
+            VISION_PREFIXES,
+            LlavaEncoder,
+            build_llava,
+            forward_step,
+        )
 
+        sets = rank_sets(plan)
+        if sets is not None:
+            plan = sets.language
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
         # NOTE: LLaVA has no TransformerEngine path here: auto (and te, refused at validate) mean ours.
         spec_name = "local" if recipe.kernels.layers == "local" else "loongforge"
-        groups = component_groups(plan, "vision")
-        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
+        if sets is not None and sets.on_encoder(dist.get_rank()):  # NOTE: CLIP and the projector alone
+            encoder = LlavaEncoder(language=config, arch=arch, spec=spec_name, provider=recipe.kernels.provider,
+                                   accelerator=accelerator, recompute=sets.encoder.recompute)
+            encoder.to(device=device, dtype=config.params_dtype)
+            return Model(chunks=[encoder], config=config, kernels=spec_name, groups=self.groups,
+                         whole=VISION_PREFIXES if plan.tp > 1 else (), timed_encoder=True)
+        groups = component_groups(plan, "vision") if sets is None else None
+        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp) if groups is not None else (
+            VISION_PREFIXES if plan.tp > 1 else ())
         chunks = build_llava(
             language=config, arch=arch, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
             # NOTE: under pipeline parallelism LLaVAModel pads every combined sequence to this length (fixed p2p
@@ -192,10 +216,10 @@ class Llava(HFCheckpoint):
             max_sequence_length=recipe.data.seq_length if plan.pp > 1 else max(
                 arch.max_position_embeddings, recipe.data.seq_length),
             device=device, spec=spec_name, provider=recipe.kernels.provider, accelerator=accelerator,
-            vision_groups=groups)
+            vision_groups=groups, remote_encoder=sets is not None)
         mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=forward_step, whole=whole,
-                     groups=self.groups, timed_encoder=groups.hdp > 1)
+                     groups=self.groups, timed_encoder=groups is None or groups.hdp > 1)
 
 
 SPEC = Llava()

@@ -34,7 +34,8 @@ def _gpt_model_class():
 
         def __init__(self, *, vision_config: dict, image_token: int, video_token: int | None,
                      mrope_section: list[int], mrope_interleaved: bool, rotary_base: float, deepstack: bool,
-                     rotary_percent: float = 1.0, vision_groups: Any = None, **gpt: Any):
+                     rotary_percent: float = 1.0, vision_groups: Any = None, remote_encoder: bool = False,
+                     **gpt: Any):
             from loongforge_megatron.models.qwen_vl.rope import MRoPE
             from loongforge_megatron.models.qwen_vl.vision import VisionTower
             from loongforge_megatron.models.qwen_vl.vision3 import VisionTower3
@@ -55,7 +56,9 @@ def _gpt_model_class():
             tower = VisionTower3 if deepstack else VisionTower
             self.vision_groups, self.out_dim = vision_groups, vision_config["out_hidden_size"]
             self.vision = None
-            if self.pre_process:
+            # NOTE: remote_encoder: the tower runs on ranks of its own (engine/encoder_ranks.py), the embeddings
+            # arrive through the encoder cache
+            if self.pre_process and not remote_encoder:
                 from loongforge_megatron.engine.encoder_split import ENCODER_ATTR, EncoderTimer
 
                 self.vision = tower(vision_config, groups=vision_groups,
@@ -151,6 +154,12 @@ def _gpt_model_class():
             flat = emb.flatten(0, 1).index_copy(0, where, feats.index_select(0, rows).to(emb.dtype))
             return flat.view(emb.shape)
 
+        def encoder_shape(self, batch: dict[str, Any]) -> tuple[int, int] | None:
+            """The embeddings the tower makes of one micro-batch's images and videos (None without any): an
+            encoder on ranks of its own sends them (``engine/encoder_ranks.py``)."""
+            rows = encoder_rows(batch, merge=self.merge)
+            return None if rows is None else (rows, self.out_dim)
+
         def encode_ahead(self, batch: dict[str, Any]) -> Any:
             """The tower's output for one micro-batch's images and videos (None without any), for the decoupled
             encoder."""
@@ -200,6 +209,37 @@ def _gpt_model_class():
     return QwenVLModel
 
 
+def encoder_rows(batch: dict[str, Any], *, merge: int) -> int | None:
+    """The tower's output rows for one micro-batch (one per merged patch; None without images or videos)."""
+    _, grids, _ = vision_batch(*(batch.get(k) for k in VISION_KEYS), merge=merge)
+    return None if grids is None else int(grids.prod(-1).sum()) // (merge * merge)
+
+
+class QwenVLEncoder(torch.nn.Module):
+    """The vision tower alone, for ranks that only encode (``parallel.components.vision.num_ranks``): ``vision.*``
+    as in :class:`QwenVLModel`, so the name maps and checkpoints are the model's; :meth:`encode` makes one
+    micro-batch's embeddings."""
+
+    def __init__(self, *, vision_config: dict, config: Any, recompute: str = "none"):
+        from loongforge_megatron.engine.encoder_split import EncoderTimer
+        from loongforge_megatron.models.qwen_vl.vision import VisionTower
+
+        super().__init__()
+        self.config, self.pre_process = config, True
+        self.merge = vision_config.get("spatial_merge_size", 2)
+        self.vision = VisionTower(vision_config, recompute=recompute)
+        self.vision.encoder_timer = EncoderTimer()
+
+    def encode(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        from loongforge_megatron.engine.encoder_split import timed
+
+        device = next(self.vision.parameters()).device
+        pixels, grids, _ = vision_batch(*(batch.get(k) for k in VISION_KEYS), merge=self.merge)
+        if pixels is None:
+            return None
+        return timed(self.vision, self.vision.encoder_timer, grids.shape[0], pixels.to(device), grids)
+
+
 def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, *, merge: int):
     """(the tower's input: the images' patches then the videos', their grids, how many embeddings the images
     make) — (None, None, 0) without either. The tower treats every grid on its own, so one call serves both."""
@@ -215,10 +255,11 @@ def vision_batch(pixel_values, image_grid_thw, pixel_values_videos, video_grid_t
 
 
 def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, max_sequence_length: int,
-                  device: torch.device, vpp: int = 1, vision_groups: Any = None) -> list[torch.nn.Module]:
+                  device: torch.device, vpp: int = 1, vision_groups: Any = None,
+                  remote_encoder: bool = False) -> list[torch.nn.Module]:
     """This rank's chunks (one per virtual pipeline stage), before DDP; the tower lives on the first stage, laid
     out by ``vision_groups`` (:func:`~loongforge_megatron.engine.component_groups.component_groups`; None: whole,
-    each TP rank encoding every image)."""
+    each TP rank encoding every image), or on ranks of its own (``remote_encoder``: none here)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
@@ -236,6 +277,7 @@ def build_qwen_vl(*, config: Any, arch: Any, layer_spec: Any, vocab_size: int, m
             mrope_section=v["mrope_section"], mrope_interleaved=v.get("mrope_interleaved", False),
             deepstack="deepstack_visual_indexes" in v["vision_config"],
             rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent, config=config, vision_groups=vision_groups,
+            remote_encoder=remote_encoder,
             transformer_layer_spec=_block_spec(config, layer_spec, vp_stage), vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True) and is_vp_first_stage(vp_stage, vp_size),

@@ -22,7 +22,7 @@ from loongforge_megatron.models.lm import check_lm, no_compile, padded_vocab, to
 from loongforge_megatron.models.qwen_vl import names
 from loongforge_megatron.models.qwen_vl.config import QwenVLDataConfig
 from loongforge_megatron.models.spec import Data, HFConfig, Model, Supports
-from loongforge_megatron.models.vision_component import check_vision_component
+from loongforge_megatron.models.vision_component import check_own_ranks_recipe, check_vision_component
 
 _TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
 _VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -99,6 +99,7 @@ class QwenVL(HFCheckpoint):
     lm = qwen2.SPEC
     lm_family = "qwen2"
     lora_targets: dict[str, tuple[str, ...]] | None = None  # train.lora.targets -> the language model's linears
+    encoder_ranks = True  # the tower may run on ranks of its own (parallel.components.vision.num_ranks)
     text_model_type, vision_model_type = "qwen2_5_vl_text", "qwen2_5_vl_vision"
     vision_acts: tuple[str, ...] = ("silu",)
 
@@ -161,12 +162,18 @@ class QwenVL(HFCheckpoint):
     def check(self, recipe: Any, plan: Any, arch: QwenVLArch) -> None:
         """Tensor (and sequence) / pipeline / context / data parallelism and the distributed optimizer; the vision
         component's own tp (a divisor of the language model's) and recompute."""
+        from loongforge_megatron.engine.encoder_ranks import rank_sets
         from loongforge_megatron.freeze import check_names
 
         no_compile(recipe)
         check_names(recipe.train.freeze, groups=self.groups)
         check_vision_component(plan, heads=arch.vision["vision_config"]["num_heads"],
-                               ffn=arch.vision["vision_config"]["intermediate_size"])
+                               ffn=arch.vision["vision_config"]["intermediate_size"], own_ranks=self.encoder_ranks,
+                               family=self.name)
+        sets = rank_sets(plan)
+        if sets is not None:  # NOTE: the rest is the language model's, on its own ranks
+            check_own_ranks_recipe(recipe, plan)
+            plan = sets.language
         # NOTE: expert parallelism splits a MoE language model's experts (Qwen3-VL-MoE); the tower is replicated over ep
         if plan.ep != 1 and not arch.is_moe:
             raise RecipeError(f"Qwen-VL models train with tensor, sequence, context, pipeline, data and (MoE "
@@ -188,6 +195,7 @@ class QwenVL(HFCheckpoint):
 
     # ---------------------------------------------------------------- training
     def data(self, *, recipe: Any, arch: QwenVLArch, runtime: Any, device: Any) -> Data:
+        from loongforge_megatron.engine.encoder_ranks import language_plan
         from loongforge_megatron.models.qwen_vl.data import Conversations, SyntheticImageText, load_processor
         from loongforge_megatron.models.qwen_vl.records import MAX_IMAGE_PIXELS
 
@@ -200,7 +208,7 @@ class QwenVL(HFCheckpoint):
                                   f"{arch.vocab_size}", key="model.vocab_size")
             # NOTE: context parallelism cuts every packed record into 2 * cp chunks, sequence parallelism a row's
             # tokens into tp slices
-            plan = runtime.plan
+            plan = language_plan(runtime.plan)
             train = Conversations(recipe.data.path, processor=processor, arch=arch, seq_length=seq, seed=seed,
                                   pack=recipe.data.pack is not False, fill=plan.pp > 1,
                                   multiple_of=(2 * plan.cp if plan.cp > 1 else 1) * (plan.tp if plan.sp else 1),
@@ -227,12 +235,18 @@ class QwenVL(HFCheckpoint):
 
     def model(self, *, recipe: Any, arch: QwenVLArch, plan: Any, accelerator: Any, device: Any, precision: str,
               data: Data) -> Model:
+        import torch.distributed as dist
+
         from loongforge_megatron.engine.component_groups import component_groups
+        from loongforge_megatron.engine.encoder_ranks import rank_sets
         from loongforge_megatron.engine.weights import seeded_init
         from loongforge_megatron.layers.output import mask_padded_vocab
         from loongforge_megatron.models.gpt.translate import transformer_config
         from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, build_qwen_vl, forward_step
 
+        sets = rank_sets(plan)
+        if sets is not None:
+            plan = sets.language
         config = transformer_config(arch.language(), plan=plan, precision=precision,
                                     cpu_init=accelerator.device_type == "cpu" or recipe.model.init_on_cpu,
                                     grad_accum_fusion=recipe.kernels.grad_accum_fusion)
@@ -240,14 +254,19 @@ class QwenVL(HFCheckpoint):
         config.mrope_section = list(arch.vision["mrope_section"])
         spec, spec_name = self.language_layers(recipe=recipe, arch=arch, plan=plan, accelerator=accelerator,
                                                config=config, precision=precision)
+        if sets is not None and sets.on_encoder(dist.get_rank()):
+            return self._encoder_model(recipe=recipe, arch=arch, sets=sets, config=config, device=device)
         # NOTE: a tower the plan does not lay out is whole, its copies in a TP group encoding different images
-        groups = component_groups(plan, "vision", default_tp=1)
+        groups = component_groups(plan, "vision", default_tp=1) if sets is None else None
         chunks = build_qwen_vl(config=config, arch=arch, layer_spec=spec, vocab_size=padded_vocab(arch.vocab_size, plan.tp),
                                max_sequence_length=max(arch.max_position_embeddings, recipe.data.seq_length),
-                               device=device, vpp=plan.vpp, vision_groups=groups)
+                               device=device, vpp=plan.vpp, vision_groups=groups, remote_encoder=sets is not None)
         seeded_init(chunks, config=config, seed=recipe.train.seed)
         mask_padded_vocab(chunks, vocab_size=arch.vocab_size)
-        whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
+        if groups is None:  # NOTE: the tower is whole on the encoder ranks
+            whole = VISION_PREFIXES if plan.tp > 1 else ()
+        else:
+            whole = groups.checkpoint_entries(VISION_PREFIXES, tp=plan.tp)
         step = forward_step
         if spec_name == "loongforge":  # NOTE: the LLM's output path: no [tokens, vocab] logits, grads in the forward
             from loongforge_megatron.layers.output import fused_output_processor
@@ -256,6 +275,20 @@ class QwenVL(HFCheckpoint):
                 fused_output_processor, provider=recipe.kernels.provider, accelerator=accelerator))
         return Model(chunks=chunks, config=config, kernels=spec_name, forward_step=step, groups=self.groups,
                      whole=whole, timed_encoder=True, lora_targets=self.lora_targets)
+
+
+    def _encoder_model(self, *, recipe: Any, arch: QwenVLArch, sets: Any, config: Any, device: Any) -> Model:
+        """An encoder rank's model: the tower alone (``engine/encoder_ranks.py``)."""
+        from loongforge_megatron.engine.weights import seeded_init
+        from loongforge_megatron.models.qwen_vl.model import VISION_PREFIXES, QwenVLEncoder
+
+        chunk = QwenVLEncoder(vision_config=arch.vision["vision_config"], config=config,
+                              recompute=sets.encoder.recompute)
+        chunk.vision.to(dtype=config.params_dtype)
+        chunk.to(device)
+        seeded_init([chunk], config=config, seed=recipe.train.seed)
+        return Model(chunks=[chunk], config=config, kernels="encoder", groups=self.groups,
+                     whole=VISION_PREFIXES if sets.language.tp > 1 else (), timed_encoder=True)
 
 
 _TOKENS3 = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
@@ -292,6 +325,7 @@ class Qwen3VL(QwenVL):
     hf_architecture = "Qwen3VLForConditionalGeneration"
     lm = qwen3.SPEC
     lm_family = "qwen3"
+    encoder_ranks = False  # NOTE: the deepstack features would travel with the embeddings: not done
     text_model_type, vision_model_type = "qwen3_vl_text", "qwen3_vl_vision"
     vision_acts = ("gelu_pytorch_tanh", "gelu", "silu")
     groups = {**GROUPS, "projector": ("vision.merger.", "vision.deepstack_merger_list.")}
