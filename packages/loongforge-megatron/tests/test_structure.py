@@ -84,13 +84,15 @@ def test_the_family_list_exists_once():
 # A word with a capital letter matches in that case only, as a whole word ("CLIP", not gradient clipping's _CLIP);
 # others in any case, also as a part of an identifier (``is_dit``).
 # NOTE: words other kinds share are not listed: "diffusers" (a checkpoint format), "image_size" / "patch_size" (HF
-# vision configs), "conversations" (ShareGPT's SFT record field, data/sft.py), "mrope" (megatron's multimodal RoPE).
+# vision configs), "conversations" (ShareGPT's SFT record field, data/sft.py), "mrope" (megatron's multimodal RoPE),
+# "latents" / "vae" / "latent_cache" (every latent-diffusion kind's: DiT, Wan and Qwen-Image encode with an
+# autoencoder; models/latent_cache.py is their shared cache).
 KIND_WORDS = {
-    "dit": ("dit", "latents", "vae", "class_dropout", "sample_size", "learn_sigma", "adaln"),
+    "dit": ("dit", "class_dropout", "sample_size", "learn_sigma", "adaln"),
     "llava": ("llava", "CLIP"),
     "qwen_vl": ("qwen_vl", "qwen-vl", "qwen2_5_vl", "qwen3_vl", "deepstack"),
     "wan": ("wan", "t2v", "i2v", "ti2v", "umt5", "latent_frames", "latent_height", "latent_width", "boundary_ratio",
-            "image_tokens", "rope_max_seq_len", "added_kv_proj_dim", "packed_frames", "latent_cache"),
+            "image_tokens", "rope_max_seq_len", "added_kv_proj_dim", "packed_frames"),
     "hybrid": ("qwen3_next", "qwen3-next", "qwen3_5", "qwen3.5", "deltanet", "linear_attention", "full_attention"),
     "qwen_image": ("qwen_image", "qwen-image", "qwenimage", "joint_attention_dim", "axes_dims_rope", "zero_cond_t",
                    "reference_images", "mmdit", "packed_sizes"),

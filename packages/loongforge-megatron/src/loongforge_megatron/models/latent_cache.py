@@ -99,7 +99,7 @@ def read_index(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     try:
         done = json.loads((root / DONE).read_text())
         index = json.loads((root / INDEX).read_text())
-        # NOTE: "clips": the name the first Wan caches gave the list
+        # NOTE: "clips": the name the first video caches gave the list
         records = index["records"] if "records" in index else index["clips"]
         if not isinstance(done, dict) or not isinstance(records, list) or not all(
                 isinstance(r, dict) for r in records):

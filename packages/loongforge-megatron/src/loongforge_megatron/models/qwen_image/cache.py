@@ -58,7 +58,7 @@ class Encoders:
         self.spatial = 2 ** len(cfg.temperal_downsample)
         config = lc.load_local(transformers.AutoConfig.from_pretrained, text_encoder, key="data.text_encoder",
                                what="a transformers Qwen2.5-VL folder")
-        if config.model_type != "qwen2_5_vl":
+        if config.model_type != transformers.Qwen2_5_VLConfig.model_type:
             raise RecipeError(f"{text_encoder}: a {config.model_type!r} model; Qwen-Image's text encoder is a "
                               "Qwen2.5-VL model", key="data.text_encoder")
         model = lc.load_local(transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained, text_encoder,

@@ -18,7 +18,7 @@ An image-to-video model (more input than output channels) also gets each clip's 
 ``[temporal + C, F, H, W]``: the first-frame mask and the latent of the first frame followed by black frames, as
 diffusers' ``WanImageToVideoPipeline.prepare_latents`` builds them; one with image tokens (``model.image_dim``,
 Wan2.1 I2V) also gets ``image`` ``[tokens, image_dim]``: the penultimate hidden states of ``data.image_encoder``
-(a CLIP vision tower) on the first frame, as the pipeline's ``encode_image``.
+(a ``CLIPVisionModel``) on the first frame, as the pipeline's ``encode_image``.
 """
 
 from __future__ import annotations
@@ -137,12 +137,12 @@ class Encoders:
             config = lc.load_local(transformers.AutoConfig.from_pretrained, image_encoder, key="data.image_encoder",
                            what="a transformers CLIPVisionModel folder")
             if config.model_type not in ("clip_vision_model", "clip"):
-                raise RecipeError(f"{image_encoder}: a {config.model_type!r} model; the image encoder is a CLIP "
+                raise RecipeError(f"{image_encoder}: a {config.model_type!r} model; the image encoder is a CLIPVisionModel "
                                   "vision model", key="data.image_encoder")
             self.image_encoder = lc.load_local(transformers.CLIPVisionModel.from_pretrained, image_encoder,
-                                       key="data.image_encoder", what="a CLIP vision model's weights").eval()
+                                       key="data.image_encoder", what="a CLIPVisionModel's weights").eval()
             self.image_processor = lc.load_local(transformers.CLIPImageProcessor.from_pretrained, image_encoder,
-                                         key="data.image_encoder", what="a folder with the CLIP image processor")
+                                         key="data.image_encoder", what="a folder with the CLIPImageProcessor")
         self.autoencoder.eval()
         self.text_encoder.eval()
         self.text_length = text_length
