@@ -116,7 +116,7 @@ def run_diffusers(args, compiled: bool) -> dict:
         model.enable_gradient_checkpointing()
     arch = _arch(args)
     data_cfg = argparse.Namespace(**{**_data(args), "image_tokens": 257, "logit_mean": 0.0, "logit_std": 1.0,
-                                    "packed_frames": []})
+                                    "packed_frames": [], "first_frame_clean": 0.0})
     objective = FlowMatching(sampling=OBJECTIVE["timestep_sampling"], shift=OBJECTIVE["timestep_shift"])
     data = SyntheticVideo(arch=arch, data=data_cfg, objective=objective, seed=1)
     fwd = torch.compile(model) if compiled else model
