@@ -163,6 +163,24 @@ def lerobot_step(policy, batch: dict, *, device: str) -> tuple[Callable[[], floa
     return step, params
 
 
+def save_perturbed_diffusers(model_cls, config: dict, *, device: str, out: Path) -> None:
+    """A random-init diffusers ``model_cls`` of ``config`` (keys starting "_" dropped) saved to ``out`` (bf16 on
+    CUDA, fp32 otherwise), every weight perturbed like the tests: diffusers zero-initialises some projections, and a
+    zero gate would hide a wrong path from the loss comparison."""
+    import torch
+
+    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(**cfg)
+    g = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            base = 1.0 if "norm" in n and n.endswith("weight") else 0.0
+            p.copy_(0.02 * torch.randn(p.shape, generator=g, device=device) + base)
+    model.to(torch.bfloat16 if device == "cuda" else torch.float32).save_pretrained(out)
+
+
 def hardware(device: str) -> str:
     """What ran it: the GPU's name and count, or the CPU."""
     import torch

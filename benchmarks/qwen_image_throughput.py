@@ -31,7 +31,6 @@ OBJECTIVE = {"timestep_sampling": "logit_normal", "timestep_shift": 3.0, "text_d
 
 
 def make_diffusers(args, out: Path) -> None:
-    import torch
     from diffusers import QwenImageTransformer2DModel
     from loongforge_megatron.models.qwen_image.arch import diffusers_config
     from loongforge_megatron.models.registry import presets
@@ -40,16 +39,7 @@ def make_diffusers(args, out: Path) -> None:
     arch = spec.arch(fields)
     if args.layers:
         arch = arch.model_copy(update={"num_layers": args.layers})
-    cfg = {k: v for k, v in diffusers_config(arch).items() if not k.startswith("_")}
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = QwenImageTransformer2DModel(**cfg)
-    g = torch.Generator(device=args.device).manual_seed(1)
-    with torch.no_grad():  # NOTE: diffusers zero-initialises some projections; perturb every weight like the tests
-        for n, p in model.named_parameters():
-            base = 1.0 if "norm" in n and n.endswith("weight") else 0.0
-            p.copy_(0.02 * torch.randn(p.shape, generator=g, device=args.device) + base)
-    model.to(torch.bfloat16 if args.device == "cuda" else torch.float32).save_pretrained(out)
+    harness.save_perturbed_diffusers(QwenImageTransformer2DModel, diffusers_config(arch), device=args.device, out=out)
 
 
 def _hf(args) -> str:

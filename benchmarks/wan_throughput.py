@@ -35,7 +35,6 @@ def _latent(args) -> tuple[int, int, int]:
 
 
 def make_diffusers(args, out: Path) -> None:
-    import torch
     from diffusers import WanTransformer3DModel
     from loongforge_megatron.models.registry import presets
     from loongforge_megatron.models.wan.arch import diffusers_config
@@ -44,16 +43,7 @@ def make_diffusers(args, out: Path) -> None:
     arch = spec.arch(fields)
     if args.layers:
         arch = arch.model_copy(update={"num_layers": args.layers})
-    cfg = {k: v for k, v in diffusers_config(arch).items() if not k.startswith("_")}
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = WanTransformer3DModel(**cfg)
-    g = torch.Generator(device=args.device).manual_seed(1)
-    with torch.no_grad():  # NOTE: diffusers zero-initialises some projections; perturb every weight like the tests
-        for n, p in model.named_parameters():
-            base = 1.0 if "norm" in n and n.endswith("weight") else 0.0
-            p.copy_(0.02 * torch.randn(p.shape, generator=g, device=args.device) + base)
-    model.to(torch.bfloat16 if args.device == "cuda" else torch.float32).save_pretrained(out)
+    harness.save_perturbed_diffusers(WanTransformer3DModel, diffusers_config(arch), device=args.device, out=out)
 
 
 def _hf(args) -> str:
